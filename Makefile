@@ -1,0 +1,52 @@
+# DCS developer commands. `make test` works on a fresh machine: it builds .venv, installs the
+# project (CPU torch pinned), installs redis-server with apt when it is missing, then lints and tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install redis-bin lint typecheck test test-fast demo bench clean format
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[test,ops]"
+	touch $@
+
+install: $(VENV)/.installed
+
+redis-bin:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "redis-server missing: installing it with apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+format: install
+	$(BIN)/ruff format dcs_tasks coordinator workers tests bench
+	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench
+
+lint: install
+	$(BIN)/ruff check dcs_tasks coordinator workers tests bench
+
+typecheck: install
+	$(BIN)/mypy
+
+test: install redis-bin lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: install redis-bin
+	$(BIN)/python -m dcs_tasks.demo
+
+bench: install redis-bin
+	$(BIN)/python bench/coordinator_load.py
+	$(BIN)/python bench/save.py
+	$(BIN)/python bench/weight_sync.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

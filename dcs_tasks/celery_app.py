@@ -1,0 +1,105 @@
+"""Celery application factory shared by clients (which only send tasks by name) and workers.
+
+Settings follow ../shared/RELIABILITY.md: JSON only, late acks with redelivery on worker loss,
+prefetch 1, a visibility timeout larger than the longest task plus its retry backoff (checked by
+`check_visibility_timeout`), task events on for Flower.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import ConfigError
+
+CONTROL_QUEUE = "dcs.control"
+NODE_QUEUE_PREFIX = "dcs.node."
+
+
+class TaskName(str, enum.Enum):
+    """Registered task names. Clients call `app.send_task(TaskName.X.value, ...)`."""
+
+    PING = "dcs.ping"
+    PERSIST = "dcs.ckpt.persist"
+    COMMIT = "dcs.ckpt.commit"
+    RETENTION = "dcs.ckpt.retention"
+    BOOTSTRAP_GROUP = "dcs.sync.bootstrap_group"
+    JOIN_ENGINE = "dcs.sync.join_engine"
+    DESTROY_GROUP = "dcs.sync.destroy_group"
+
+
+def node_queue(host_name: str) -> str:
+    """The queue served only by the worker(s) of one host."""
+    return f"{NODE_QUEUE_PREFIX}{host_name}"
+
+
+def celery_settings(config: DCSConfig) -> dict[str, Any]:
+    """The Celery configuration mapping for `config` (pure; no connection is made)."""
+    visibility = int(config.visibility_timeout_seconds)
+    transport = {"visibility_timeout": visibility, "socket_timeout": config.redis_socket_timeout_seconds}
+    return {
+        "broker_url": config.redis_url,
+        "result_backend": config.redis_url,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "worker_prefetch_multiplier": 1,
+        "broker_transport_options": dict(transport),
+        "result_backend_transport_options": dict(transport),
+        "visibility_timeout": visibility,
+        "task_soft_time_limit": config.task_soft_time_limit_seconds,
+        "task_time_limit": config.task_time_limit_seconds,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "result_expires": 24 * 3600,
+        "result_extended": True,
+        "task_default_queue": CONTROL_QUEUE,
+        "task_default_exchange": "dcs",
+        "task_default_routing_key": CONTROL_QUEUE,
+        "worker_hijack_root_logger": False,
+        "broker_heartbeat": 0,
+        "redis_socket_timeout": config.redis_socket_timeout_seconds,
+        "redis_socket_connect_timeout": config.redis_socket_timeout_seconds,
+        "redis_retry_on_timeout": True,
+    }
+
+
+def worker_queues(config: DCSConfig) -> list[Queue]:
+    """The queues a worker on this host consumes: its node queue and the shared control queue."""
+    exchange = Exchange("dcs", type="direct")
+    names = (node_queue(config.host_name), CONTROL_QUEUE)
+    return [Queue(name, exchange, routing_key=name) for name in names]
+
+
+def check_visibility_timeout(config: DCSConfig) -> None:
+    """Refuse settings under which Redis would redeliver a task that is still running (celery#5935)."""
+    backoff = config.retry_backoff_max_seconds * max(config.max_retries, 1)
+    needed = config.task_time_limit_seconds + backoff
+    if config.visibility_timeout_seconds <= needed:
+        raise ConfigError(
+            f"visibility_timeout_seconds={config.visibility_timeout_seconds:g} must exceed the task time limit "
+            f"plus retry backoff ({config.task_time_limit_seconds:g} + {backoff:g} = {needed:g}); raise "
+            "DCS_VISIBILITY_TIMEOUT_SECONDS or lower DCS_TASK_TIME_LIMIT_SECONDS"
+        )
+
+
+def make_celery(config: DCSConfig, *, include: Sequence[str] = (), main: str = "dcs") -> Celery:
+    """Build a Celery app for `config`. Clients pass no `include`; workers include their task modules."""
+    app = Celery(main, include=list(include), set_as_current=False)
+    app.conf.update(celery_settings(config))
+    app.conf.task_queues = worker_queues(config)
+    return app

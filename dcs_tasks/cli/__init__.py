@@ -1,0 +1,1 @@
+"""The `dcs` command line."""

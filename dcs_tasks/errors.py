@@ -1,0 +1,90 @@
+"""One error tree. Every error names what failed and, where it helps, what to do about it."""
+
+from __future__ import annotations
+
+
+class DCSError(Exception):
+    """Root of every error DCS raises on purpose."""
+
+
+class ConfigError(DCSError, ValueError):
+    """A setting is missing or invalid."""
+
+
+class DCSTimeoutError(DCSError, TimeoutError):
+    """A bounded wait ran out (group init, broadcast, long-poll, task result, worker presence)."""
+
+
+# --- control plane ------------------------------------------------------------------------------
+class CoordinatorError(DCSError):
+    """The coordinator answered with an error status."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The coordinator could not be reached, or it could not reach Redis (503)."""
+
+
+class NodeNotFound(CoordinatorError):
+    """A (role, rank) is not registered or not alive."""
+
+
+class AuthError(CoordinatorError):
+    """The coordinator refused the bearer token (401)."""
+
+
+class RedisUnavailable(DCSError):
+    """Redis could not be reached within the configured socket timeout."""
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+class CheckpointError(DCSError):
+    """Base for checkpoint save/restore failures."""
+
+
+class CheckpointFailed(CheckpointError):
+    """A save did not commit; the message carries the worker's reason."""
+
+
+class CheckpointNotFound(CheckpointError):
+    """No committed (or no verifying) checkpoint matches the request."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A file of a committed checkpoint is missing, truncated or fails its checksum."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StateMismatch(CheckpointError):
+    """`restore(into=...)` found a tensor whose shape, dtype or presence differs."""
+
+
+class NoWorkerError(CheckpointError):
+    """No live `dcs worker` consumes the queue a task must go to."""
+
+
+class StagingError(CheckpointError):
+    """The shared-memory staging pool cannot take the state (too big, closed, busy under policy skip)."""
+
+
+# --- weight sync --------------------------------------------------------------------------------
+class WeightSyncError(DCSError):
+    """A weight update failed; `member` names the node that failed, when known."""
+
+    def __init__(self, message: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.member = member
+
+
+class GroupInitError(WeightSyncError):
+    """A process group could not be formed within its timeout after retries."""
+
+
+class PortAllocationError(WeightSyncError):
+    """No free master port in the configured range on the host."""

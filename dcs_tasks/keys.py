@@ -1,0 +1,85 @@
+"""Every Redis key DCS uses is built here, under one namespace prefix.
+
+A key built anywhere else is a bug: it escapes the namespace and the documentation below.
+Types: H = hash, S = set, Z = sorted set, L = list, K = plain string key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str = "dcs"
+
+    def _k(self, *parts: object) -> str:
+        return ":".join((self.namespace, *(str(p) for p in parts)))
+
+    # --- topology -------------------------------------------------------------------------------
+    def role_nodes(self, role: str) -> str:
+        """H rank -> RoleInfo JSON of every registered node of `role`."""
+        return self._k("topo", "role", role)
+
+    def roles(self) -> str:
+        """Z role name scored by first-registration order (for global ranks)."""
+        return self._k("topo", "roles")
+
+    def role_seq(self) -> str:
+        """K counter giving each new role its order score."""
+        return self._k("topo", "role_seq")
+
+    def heartbeat(self, role: str, rank: int) -> str:
+        """K present while the node is alive (TTL = heartbeat timeout); value = last beat time."""
+        return self._k("hb", role, rank)
+
+    def heartbeat_prefix(self) -> str:
+        return self._k("hb") + ":"
+
+    # --- weight metadata ------------------------------------------------------------------------
+    def weight_meta(self) -> str:
+        """L of weight-meta JSON entries, appended by senders, read by index."""
+        return self._k("wmeta", "list")
+
+    def weight_meta_channel(self) -> str:
+        """pub/sub channel announcing appends to weight_meta (wakes long-polls)."""
+        return self._k("wmeta", "chan")
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def ckpt_state(self, run: str, step: int) -> str:
+        """H state of one checkpoint step (status, files done, commit fence)."""
+        return self._k("ckpt", run, step)
+
+    def ckpt_files_done(self, run: str, step: int) -> str:
+        """S names of files of a step that are durable."""
+        return self._k("ckpt", run, step, "files")
+
+    def ckpt_inflight(self, run: str) -> str:
+        """Z steps of `run` still in flight (score = start time); retention skips them."""
+        return self._k("ckpt", run, "inflight")
+
+    def task_deliveries(self, task_id: str) -> str:
+        """K redelivery counter of one Celery task (caps acks_late redelivery loops)."""
+        return self._k("task", task_id, "deliveries")
+
+    # --- weight-sync groups ---------------------------------------------------------------------
+    def port_reservation(self, host: str, port: int) -> str:
+        """K reserved master port on a host (TTL); value = group name."""
+        return self._k("port", host, port)
+
+    def group(self, group_name: str) -> str:
+        """H record of a weight-sync process group (members, epoch, master address)."""
+        return self._k("group", group_name)
+
+    def group_epoch(self, group_name: str) -> str:
+        """K monotonically increasing epoch of a group name."""
+        return self._k("group", group_name, "epoch")
+
+    def weight_version(self, model_name: str) -> str:
+        """K current weight version of a model pushed to rollout engines."""
+        return self._k("wversion", model_name)
+
+    # --- workers --------------------------------------------------------------------------------
+    def worker_presence(self, queue: str) -> str:
+        """K present while a worker consumes `queue` (TTL refreshed by the worker)."""
+        return self._k("worker", queue)

@@ -1,0 +1,1 @@
+"""Real-process fixtures' machinery: redis-server, dcs worker, coordinator (uvicorn)."""

@@ -1,0 +1,131 @@
+"""Real `dcs worker` / `dcs coordinator` processes for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from dcs_tasks.celery_app import node_queue
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+from tests.helpers.ports import free_port, wait_for_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env(config: DCSConfig, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCS_")}
+    env.update(config.to_env())
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """`dcs worker` in its own process group; ready once its presence key is in Redis."""
+
+    def __init__(self, config: DCSConfig, log_path: Path, *, concurrency: int = 2, pool: str = "prefork",
+                 env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.concurrency = concurrency
+        self.pool = pool
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> WorkerProcess:
+        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "worker", f"--concurrency={self.concurrency}",
+               f"--pool={self.pool}", "--loglevel=INFO"]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, env=child_env(self.config, **self.extra_env), stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        client = redis.Redis.from_url(self.config.redis_url)
+        key = Keys(self.config.namespace).worker_presence(node_queue(self.config.host_name))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}; log: {self.log_tail()}")
+            try:
+                if client.exists(key):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready after {timeout}s; log: {self.log_tail()}")
+
+    def child_pids(self) -> list[int]:
+        """The prefork pool's child processes."""
+        assert self.proc is not None
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False)
+        return [int(p) for p in out.stdout.split()]
+
+    def terminate(self, timeout: float = 30.0) -> None:
+        """Warm shutdown (SIGTERM): running tasks finish or are restored."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc = None
+
+    def kill(self) -> None:
+        """kill -9 the whole worker (main process and pool)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.proc = None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+
+class CoordinatorProcess:
+    """`dcs coordinator` (uvicorn) on a free port."""
+
+    def __init__(self, config: DCSConfig, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.config = config.model_copy(update={"coordinator_port": self.port, "coordinator_host": "127.0.0.1"})
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> CoordinatorProcess:
+        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "coordinator"]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)
+        wait_for_port(self.port, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None

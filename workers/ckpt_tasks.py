@@ -1,0 +1,1 @@
+"""Checkpoint tasks (persist, commit, retention)."""

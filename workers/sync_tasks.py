@@ -1,0 +1,1 @@
+"""Weight-sync tasks (group bootstrap, engine join, group destroy)."""
