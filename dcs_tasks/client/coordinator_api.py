@@ -1,0 +1,206 @@
+"""Async HTTP client of the coordinator: one typed method per endpoint.
+
+Errors map onto the DCS tree: 404 -> `NodeNotFound`, 401 -> `AuthError`, 503 and transport failures
+(refused, reset, timed out) -> `CoordinatorUnavailable`, any other non-2xx -> `CoordinatorError`. Every call
+is bounded by `timeout` seconds; a long-poll adds its own `wait_timeout_s` on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from dcs_tasks.config import RoleInfo
+from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound
+from dcs_tasks.models import (
+    ClearWeightMetaResponse,
+    DebugTopologyResponse,
+    GlobalRankResponse,
+    GroupRanksResponse,
+    HealthResponse,
+    HeartbeatResponse,
+    RegisterRequest,
+    RegisterResponse,
+    StatusResponse,
+    TopologyResponse,
+    WeightMeta,
+    WeightMetaBatch,
+)
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        detail = str(response.json().get("detail", response.text))
+    except ValueError:
+        detail = response.text
+    where = f"{response.request.method} {response.request.url.path}"
+    message = f"coordinator answered {response.status_code} to {where}: {detail}"
+    code = response.status_code
+    if code == 404:
+        raise NodeNotFound(message, code)
+    if code == 401:
+        raise AuthError(message, code)
+    if code == 503:
+        raise CoordinatorUnavailable(message, code)
+    raise CoordinatorError(message, code)
+
+
+class CoordinatorAPI:
+    """Client of one coordinator at `base_url`. Use as `async with CoordinatorAPI(...) as api:` or call `aclose()`."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    async def __aenter__(self) -> CoordinatorAPI:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        *,
+        params: dict[str, Any] | None = None,
+        body: BaseModel | None = None,
+        timeout: float | None = None,
+    ) -> M:
+        content = body.model_dump_json().encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        try:
+            response = await self._http.request(
+                method, path, params=params, content=content, headers=headers, timeout=timeout or self.timeout
+            )
+        except httpx.TransportError as exc:
+            raise CoordinatorUnavailable(
+                f"coordinator at {self.base_url} unreachable for {method} {path}: {exc!r}"
+            ) from exc
+        _raise_for_status(response)
+        return model.model_validate_json(response.content)
+
+    # --- nodes ----------------------------------------------------------------------------------
+    async def register(self, info: RoleInfo) -> RegisterResponse:
+        """Register `info`; `rank=None` gets the smallest free rank; re-registering the same node keeps its rank."""
+        body = RegisterRequest.model_validate(info.model_dump())
+        return await self._call("POST", "/register", RegisterResponse, body=body)
+
+    async def unregister(self, role: str, rank: int) -> StatusResponse:
+        return await self._call("DELETE", "/unregister", StatusResponse, params={"role": role, "rank": rank})
+
+    async def heartbeat(self, role: str, rank: int) -> HeartbeatResponse:
+        """Refresh the node's liveness; raises NodeNotFound when (role, rank) is not registered."""
+        return await self._call("GET", "/heartbeat", HeartbeatResponse, params={"role": role, "rank": rank})
+
+    async def node(self, role: str, rank: int) -> RoleInfo:
+        return await self._call("GET", "/node", RoleInfo, params={"role": role, "rank": rank})
+
+    async def peer(self, role: str, rank: int, peer_role: str | None = None) -> RoleInfo:
+        """The live node of the same rank in `peer_role` (default: the configured mapping of `role`)."""
+        params: dict[str, Any] = {"role": role, "rank": rank}
+        if peer_role is not None:
+            params["peer_role"] = peer_role
+        return await self._call("GET", "/peer", RoleInfo, params=params)
+
+    # --- topology -------------------------------------------------------------------------------
+    async def topology(self, role_filter: str | None = None) -> TopologyResponse:
+        params = {"role_filter": role_filter} if role_filter is not None else None
+        return await self._call("GET", "/topology", TopologyResponse, params=params)
+
+    async def global_rank(self, role: str, rank: int) -> int:
+        answer = await self._call("GET", "/global_rank", GlobalRankResponse, params={"role": role, "rank": rank})
+        return answer.global_rank
+
+    async def model_update_group_ranks(self, role: str, rank: int, need_update_ref: bool = False) -> GroupRanksResponse:
+        params = {"role": role, "rank": rank, "need_update_ref": need_update_ref}
+        return await self._call("GET", "/get_model_update_group_ranks", GroupRanksResponse, params=params)
+
+    async def health(self) -> HealthResponse:
+        return await self._call("GET", "/health", HealthResponse)
+
+    async def debug_topology(self) -> DebugTopologyResponse:
+        return await self._call("GET", "/debug/topology", DebugTopologyResponse)
+
+    async def healthz(self) -> StatusResponse:
+        """Liveness of the coordinator process itself (no Redis round trip, no token needed)."""
+        return await self._call("GET", "/healthz", StatusResponse)
+
+    # --- weight meta ----------------------------------------------------------------------------
+    async def send_weight_meta(self, meta: WeightMeta) -> StatusResponse:
+        return await self._call("POST", "/send_weight_meta", StatusResponse, body=meta)
+
+    async def recv_weight_meta(self, index: int = 0, wait_timeout_s: float = 0.0) -> WeightMetaBatch:
+        """Entries from `index` on; waits up to `wait_timeout_s` for one to arrive (empty batch on timeout)."""
+        params = {"index": index, "wait_timeout_s": wait_timeout_s}
+        return await self._call(
+            "GET", "/recv_weight_meta", WeightMetaBatch, params=params, timeout=self.timeout + wait_timeout_s
+        )
+
+    async def clear_weight_meta(self) -> ClearWeightMetaResponse:
+        return await self._call("GET", "/clear_weight_meta", ClearWeightMetaResponse)
+
+
+class HeartbeatLoop:
+    """Beats for one node every `interval` seconds in a background asyncio task until `stop()`.
+
+    Transient failures (coordinator or Redis down) are logged and retried at the next beat. When the
+    coordinator no longer knows the node (404, e.g. after an unregister by an operator), the loop
+    re-registers `info` with the rank it had, so a node survives a flushed Redis.
+    """
+
+    def __init__(self, api: CoordinatorAPI, info: RoleInfo, interval: float) -> None:
+        if info.rank is None:
+            raise ValueError("HeartbeatLoop needs a registered node with a rank")
+        self.api = api
+        self.info = info
+        self.interval = interval
+        self.beats = 0
+        self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> HeartbeatLoop:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"dcs-heartbeat-{self.info.node_id}")
+        return self
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def beat_once(self) -> None:
+        assert self.info.rank is not None
+        try:
+            await self.api.heartbeat(self.info.role_name, self.info.rank)
+        except NodeNotFound:
+            await self.api.register(self.info)
+        self.beats += 1
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat_once()
+            except CoordinatorError as exc:
+                self.failures += 1
+                log.warning("heartbeat of %s failed (will retry): %s", self.info.node_id, exc)
+            await asyncio.sleep(self.interval)

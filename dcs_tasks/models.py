@@ -1,0 +1,149 @@
+"""Pydantic bodies of the coordinator's HTTP API, shared by the server and its clients.
+
+Both sides validate with these models, so a field renamed here is renamed everywhere. The shapes follow
+the seed's API models (RegisterRequest, RegisterResponse, HeartbeatResponse, TopologyResponse,
+GroupRanksResponse, weight meta) with typed fields instead of bare dicts.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dcs_tasks.config import RoleInfo
+
+WEIGHT_META_END_NAME = "weight_updated_stop"
+WEIGHT_META_END_GROUP = "end"
+
+
+class ResponseStatus(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class HealthStatus(str, enum.Enum):
+    """`healthy`: every registered node beats; `degraded`: some registered node is dead."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+
+
+class RegisterRequest(RoleInfo):
+    """A node announcing itself. `rank=None` asks the coordinator for the smallest free rank of the role."""
+
+
+class RegisterResponse(BaseModel):
+    status: ResponseStatus = ResponseStatus.OK
+    message: str = ""
+    rank: int = Field(ge=0)
+    node_id: str
+
+
+class StatusResponse(BaseModel):
+    status: ResponseStatus = ResponseStatus.OK
+    message: str = ""
+
+
+class HeartbeatResponse(BaseModel):
+    status: ResponseStatus = ResponseStatus.OK
+    timestamp: float = Field(description="coordinator wall-clock time of the beat (unix seconds)")
+
+
+class TopologyResponse(BaseModel):
+    """Live nodes by role and rank; `world_size` counts live nodes of the returned roles."""
+
+    nodes: dict[str, dict[int, RoleInfo]]
+    world_size: int = Field(ge=0)
+
+
+class GlobalRankResponse(BaseModel):
+    global_rank: int = Field(ge=0)
+
+
+class GroupRanksResponse(BaseModel):
+    """Where a node sits in the actor -> actor_fwd/reference weight-update group.
+
+    `pp_groups` maps `update_actor_pp_{pp_rank}` to the `tcp://host:port` init method of that stage's group.
+    """
+
+    global_rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    train_pp_size: int = Field(ge=1)
+    pp_groups: dict[str, str] = Field(default_factory=dict)
+
+
+class WeightMeta(BaseModel):
+    """Names, dtypes and shapes of one bucket of tensors broadcast in group `group_name`.
+
+    The end of an update is the sentinel `WeightMeta.end()`; test with `meta.is_end`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field(min_length=1, max_length=256)
+
+    @classmethod
+    def end(cls) -> WeightMeta:
+        """The sentinel closing an update: `{names:["weight_updated_stop"], dtypes:[], shapes:[], group_name:"end"}`."""
+        return cls(names=[WEIGHT_META_END_NAME], dtypes=[], shapes=[], group_name=WEIGHT_META_END_GROUP)
+
+    @property
+    def is_end(self) -> bool:
+        return self.names == [WEIGHT_META_END_NAME] and self.group_name == WEIGHT_META_END_GROUP
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> WeightMeta:
+        if self.is_end:
+            return self
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
+                f"{len(self.dtypes)}, {len(self.shapes)}"
+            )
+        if any(dim < 0 for shape in self.shapes for dim in shape):
+            raise ValueError("shapes must not contain negative dimensions")
+        return self
+
+
+class WeightMetaBatch(BaseModel):
+    """Entries `[index, next_index)` of the weight-meta log; empty when the long-poll timed out."""
+
+    entries: list[WeightMeta]
+    next_index: int = Field(ge=0)
+
+
+class ClearWeightMetaResponse(StatusResponse):
+    cleared: int = Field(ge=0, description="number of entries removed")
+
+
+class HealthResponse(BaseModel):
+    status: HealthStatus
+    timestamp: float
+    world_size: int = Field(ge=0, description="live nodes of every role")
+    dead_nodes: list[str] = Field(description="node ids registered but without a heartbeat key")
+
+
+class NodeView(BaseModel):
+    """A registered node as /debug/topology shows it, dead or alive."""
+
+    info: RoleInfo
+    alive: bool
+    heartbeat_ttl_ms: int | None = Field(description="remaining heartbeat TTL, None when dead")
+
+
+class DebugTopologyResponse(BaseModel):
+    roles: list[str] = Field(description="roles in global-rank order")
+    role_mappings: dict[str, str]
+    nodes: dict[str, dict[int, NodeView]]
+    heartbeat_timeout_seconds: float
+    weight_meta_entries: int = Field(ge=0)
+
+
+class ErrorResponse(BaseModel):
+    """Body of every 4xx/5xx the coordinator returns on purpose."""
+
+    detail: str
