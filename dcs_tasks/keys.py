@@ -36,6 +36,14 @@ class Keys:
     def heartbeat_prefix(self) -> str:
         return self._k("hb") + ":"
 
+    def heartbeat_role_prefix(self, role: str) -> str:
+        """Prefix P such that P + str(rank) == heartbeat(role, rank) (Lua scripts build per-rank keys with it)."""
+        return self._k("hb", role) + ":"
+
+    def role_owners(self, role: str) -> str:
+        """H rank -> "ip:port" identity of the node holding that rank (re-registration keeps the rank)."""
+        return self._k("topo", "owner", role)
+
     # --- weight metadata ------------------------------------------------------------------------
     def weight_meta(self) -> str:
         """L of weight-meta JSON entries, appended by senders, read by index."""
