@@ -1,0 +1,181 @@
+"""`DeviceDirectBackend`: broadcasts over torch.distributed, gloo for CPU tensors and NCCL for CUDA.
+
+Each named group is a standalone process group (see `process_group.new_group`), so one process can hold
+several. Every collective carries `timeout_seconds` (the group's timeout and the wait's), and a failed
+or timed-out operation raises `WeightSyncError` naming the group and, where known, the peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest
+from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, unpack_views
+from dcs_tasks.backends.process_group import destroy, new_group
+from dcs_tasks.config import BackendType, RoleInfo
+from dcs_tasks.errors import GroupInitError, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    spec: GroupSpec
+    pg: dist.ProcessGroup
+    peers: dict[int, str] = field(default_factory=dict)
+
+    def describe_peers(self, exclude: int) -> str:
+        names = [self.peers.get(r, f"rank {r}") for r in range(self.spec.world_size) if r != exclude]
+        return ", ".join(names)
+
+
+class DeviceDirectBackend(CommBackend):
+    """torch.distributed transport. Thread-safe for group bookkeeping; collectives follow torch's rules."""
+
+    def __init__(
+        self,
+        backend_type: BackendType = BackendType.GLOO,
+        role_info: RoleInfo | None = None,
+        timeout_seconds: float = 300.0,
+        group_init_timeout_seconds: float = 60.0,
+        device_id: int | None = None,
+    ) -> None:
+        if backend_type not in (BackendType.GLOO, BackendType.NCCL):
+            raise ValueError(f"DeviceDirectBackend supports gloo and nccl, not {backend_type.value}")
+        self.backend_type = backend_type
+        self.role_info = role_info
+        self.timeout_seconds = timeout_seconds
+        self.group_init_timeout_seconds = group_init_timeout_seconds
+        self.device_id = device_id
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+        self._fusion = TensorFusion()
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for this transport must live: CPU for gloo, the CUDA device for NCCL."""
+        if self.backend_type is BackendType.NCCL:
+            return torch.device("cuda", self.device_id or 0)
+        return torch.device("cpu")
+
+    # --- groups ---------------------------------------------------------------------------------
+    def init_process_group(self, spec: GroupSpec) -> None:
+        self.create_group(spec)
+
+    def create_group(self, spec: GroupSpec) -> None:
+        self.destroy_group(spec.group_name)
+        if self.backend_type is BackendType.NCCL and self.device_id is not None:
+            torch.cuda.set_device(self.device_id)
+        try:
+            pg = new_group(
+                spec.backend.value,
+                spec.master_address,
+                spec.master_port,
+                spec.world_size,
+                spec.rank,
+                spec.group_name,
+                self.group_init_timeout_seconds,
+                self.timeout_seconds,
+            )
+        except Exception as exc:  # torch raises DistStoreError, RuntimeError, ValueError, TimeoutError
+            raise GroupInitError(
+                f"group {spec.group_name!r} (tcp://{spec.master_address}:{spec.master_port}, world "
+                f"{spec.world_size}, rank {spec.rank}) did not form within {self.group_init_timeout_seconds:g}s: "
+                f"{exc}"
+            ) from exc
+        with self._lock:
+            self._groups[spec.group_name] = _Group(spec, pg)
+        log.info("joined group %s as rank %d of %d", spec.group_name, spec.rank, spec.world_size)
+
+    def destroy_group(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is not None:
+            destroy(group.pg)
+
+    def has_group(self, group_name: str) -> bool:
+        with self._lock:
+            return group_name in self._groups
+
+    def group_spec(self, group_name: str) -> GroupSpec:
+        return self._group(group_name).spec
+
+    def register_peer(self, group_name: str, group_rank: int, peer: RoleInfo) -> None:
+        self._group(group_name).peers[group_rank] = f"{peer.node_id} ({peer.address})"
+
+    def close(self) -> None:
+        with self._lock:
+            names = list(self._groups)
+        for name in names:
+            self.destroy_group(name)
+
+    def _group(self, group_name: str) -> _Group:
+        with self._lock:
+            group = self._groups.get(group_name)
+        if group is None:
+            raise WeightSyncError(f"no process group named {group_name!r} in this process; create it first")
+        return group
+
+    # --- collectives ----------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
+        self.broadcast_async(tensor, src, group_name).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
+        group = self._group(group_name)
+        try:
+            work = dist.broadcast(tensor, src=src, group=group.pg, async_op=True)
+        except Exception as exc:
+            raise self._failure(group, "broadcast", exc) from exc
+        return self._handle(group, "broadcast", work)
+
+    def send(self, request: SendRequest) -> CommHandle:
+        group = self._group(request.group_name or "")
+        buffer, _ = self._fusion.fuse(dict(request.tensor_dict))
+        try:
+            work = dist.isend(buffer, dst=request.dst_rank, group=group.pg)
+        except Exception as exc:
+            raise self._failure(group, "send", exc) from exc
+        handle = self._handle(group, "send", work)
+        if not request.async_op:
+            handle.wait()
+        return handle
+
+    def recv(self, request: RecvRequest) -> dict[str, torch.Tensor]:
+        group = self._group(request.group_name or "")
+        specs: list[TensorSpec] = list(request.metadata["specs"])
+        layout = FusionLayout.build(specs)
+        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            work = dist.irecv(buffer, src=request.src_rank, group=group.pg)
+        except Exception as exc:
+            raise self._failure(group, "recv", exc) from exc
+        self._handle(group, "recv", work).wait()
+        return unpack_views(buffer, layout)
+
+    def _handle(self, group: _Group, op: str, work: Any) -> CommHandle:
+        timeout = timedelta(seconds=self.timeout_seconds)
+
+        def waiter() -> None:
+            try:
+                work.wait(timeout)
+            except Exception as exc:
+                raise self._failure(group, op, exc) from exc
+
+        poll: Callable[[], bool] = work.is_completed
+        return CommHandle(waiter, poll)
+
+    def _failure(self, group: _Group, op: str, exc: BaseException) -> WeightSyncError:
+        peers = group.describe_peers(exclude=group.spec.rank)
+        return WeightSyncError(
+            f"{op} in group {group.spec.group_name!r} failed or timed out after <= {self.timeout_seconds:g}s "
+            f"(members: {peers}): {exc}",
+            member=None,
+        )

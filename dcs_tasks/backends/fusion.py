@@ -1,0 +1,176 @@
+"""Tensor fusion: many tensors of mixed dtypes packed bit-exactly into one flat uint8 buffer.
+
+The layout is a pure function of the ordered (name, dtype, shape) triples, so a receiver that is told
+only the names, dtypes and shapes of a bucket (SGLang's weight-update body) rebuilds the same offsets
+and unpacks zero-copy views. Offsets are aligned to `ALIGNMENT` bytes so that every view is legal for
+every dtype. Packing copies raw bytes (`tensor.view(torch.uint8)`), never casts: bit-exact for every
+dtype, NaN payloads and negative zeros included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGNMENT = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `"float32"` (the spelling SGLang's HTTP API uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"float32"` or `"torch.float32"` -> `torch.float32`; ValueError for an unknown name."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; known: {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor: what crosses the wire ahead of its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * parse_dtype(self.dtype).itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class FusionLayout:
+    """Where each tensor lives inside one flat buffer: `offsets[i]` is the byte offset of `specs[i]`."""
+
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    total_bytes: int
+
+    @classmethod
+    def build(cls, specs: Iterable[TensorSpec], alignment: int = ALIGNMENT) -> FusionLayout:
+        specs_t = tuple(specs)
+        offsets: list[int] = []
+        cursor = 0
+        for spec in specs_t:
+            offsets.append(cursor)
+            cursor = _align(cursor + spec.nbytes, alignment)
+        return cls(specs_t, tuple(offsets), cursor)
+
+    @classmethod
+    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> FusionLayout:
+        """The layout of a bucket described by SGLang-style parallel lists."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        return cls.build(TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True))
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(s.nbytes for s in self.specs)
+
+
+def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Copy the raw bytes of `tensors` into `buffer` (uint8, >= layout.total_bytes); returns the used view."""
+    if buffer.dtype != torch.uint8 or buffer.numel() < layout.total_bytes:
+        raise ValueError(f"buffer must be uint8 with >= {layout.total_bytes} bytes")
+    for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+        src = tensors[spec.name]
+        if dtype_name(src.dtype) != spec.dtype or tuple(src.shape) != spec.shape:
+            raise ValueError(f"tensor {spec.name!r} is {src.dtype}{tuple(src.shape)}, layout says {spec}")
+        if spec.nbytes:
+            raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + spec.nbytes].copy_(raw, non_blocking=True)
+    return buffer[: layout.total_bytes]
+
+
+def unpack_views(buffer: torch.Tensor, layout: FusionLayout) -> dict[str, torch.Tensor]:
+    """Views of `buffer` as the tensors of `layout` (no copy; they alias the buffer)."""
+    out: dict[str, torch.Tensor] = {}
+    for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+        raw = buffer[offset : offset + spec.nbytes]
+        out[spec.name] = raw.view(parse_dtype(spec.dtype)).view(spec.shape)
+    return out
+
+
+class TensorFusion:
+    """The seed's fusion API: fuse small tensors into one buffer to cut per-message overhead.
+
+    `should_fuse` follows the seed: more than one tensor and at least `threshold_bytes` in total.
+    """
+
+    def __init__(self, threshold_bytes: int = 1024 * 1024, alignment: int = ALIGNMENT) -> None:
+        self.threshold_bytes = threshold_bytes
+        self.alignment = alignment
+
+    def should_fuse(self, tensor_dict: Mapping[str, torch.Tensor]) -> bool:
+        total = sum(t.numel() * t.element_size() for t in tensor_dict.values())
+        return len(tensor_dict) > 1 and total >= self.threshold_bytes
+
+    def layout_of(self, tensor_dict: Mapping[str, torch.Tensor]) -> FusionLayout:
+        return FusionLayout.build((TensorSpec.of(n, t) for n, t in tensor_dict.items()), self.alignment)
+
+    def fuse(self, tensor_dict: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, FusionLayout]:
+        """A fresh flat uint8 buffer (on the tensors' device) holding every tensor, and its layout."""
+        layout = self.layout_of(tensor_dict)
+        device = next(iter(tensor_dict.values())).device if tensor_dict else torch.device("cpu")
+        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        return pack_into(buffer, layout, tensor_dict), layout
+
+    def unfuse(self, fused_buffer: torch.Tensor, metadata: FusionLayout) -> dict[str, torch.Tensor]:
+        """Views of `fused_buffer` as the original tensors (bit-identical to what was fused)."""
+        return unpack_views(fused_buffer, metadata)
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int, alignment: int = ALIGNMENT) -> list[FusionLayout]:
+    """Split `specs` (order kept) into layouts of at most `bucket_size_bytes`; a larger tensor goes alone."""
+    buckets: list[FusionLayout] = []
+    current: list[TensorSpec] = []
+    current_bytes = 0
+    for spec in specs:
+        size = _align(spec.nbytes, alignment)
+        if current and current_bytes + size > bucket_size_bytes:
+            buckets.append(FusionLayout.build(current, alignment))
+            current, current_bytes = [], 0
+        current.append(spec)
+        current_bytes += size
+    if current:
+        buckets.append(FusionLayout.build(current, alignment))
+    return buckets
