@@ -23,8 +23,15 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"node_name": args.node_name} if args.node_name else {}
     config = DCSConfig(**overrides)
     app = make_worker_app(config)
-    argv = ["worker", f"--loglevel={args.loglevel}", f"--pool={args.pool}", "-E",
-            f"--hostname=dcs@{config.host_name}", "--without-mingle", "--without-gossip"]
+    argv = [
+        "worker",
+        f"--loglevel={args.loglevel}",
+        f"--pool={args.pool}",
+        "-E",
+        f"--hostname=dcs@{config.host_name}",
+        "--without-mingle",
+        "--without-gossip",
+    ]
     if args.concurrency:
         argv.append(f"--concurrency={args.concurrency}")
     app.worker_main(argv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from celery import shared_task
 
@@ -12,5 +13,5 @@ from dcs_tasks.celery_app import TaskName
 
 @shared_task(name=TaskName.PING.value)
 def ping() -> dict[str, object]:
-    """Round-trip probe used by tests and the task-latency benchmark."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    """Round-trip probe used by tests and the task-latency benchmark (`started_at` is wall-clock seconds)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}

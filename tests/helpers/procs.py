@@ -30,8 +30,15 @@ def child_env(config: DCSConfig, **extra: str) -> dict[str, str]:
 class WorkerProcess:
     """`dcs worker` in its own process group; ready once its presence key is in Redis."""
 
-    def __init__(self, config: DCSConfig, log_path: Path, *, concurrency: int = 2, pool: str = "prefork",
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: DCSConfig,
+        log_path: Path,
+        *,
+        concurrency: int = 2,
+        pool: str = "prefork",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.config = config
         self.log_path = log_path
         self.concurrency = concurrency
@@ -40,11 +47,24 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
-        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "worker", f"--concurrency={self.concurrency}",
-               f"--pool={self.pool}", "--loglevel=INFO"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dcs_tasks.cli.main",
+            "worker",
+            f"--concurrency={self.concurrency}",
+            f"--pool={self.pool}",
+            "--loglevel=INFO",
+        ]
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, env=child_env(self.config, **self.extra_env), stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=child_env(self.config, **self.extra_env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
+        )
         self.wait_ready(timeout)
         return self
 
@@ -114,8 +134,9 @@ class CoordinatorProcess:
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "coordinator"]
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=REPO)
+        self.proc = subprocess.Popen(
+            cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
         wait_for_port(self.port, timeout)
         return self
 

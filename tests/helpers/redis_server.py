@@ -30,10 +30,25 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-            "--save", "", "--maxmemory-policy", "noeviction", "--protected-mode", "yes",
-            "--logfile", str(self.workdir / "redis.log"),
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.workdir / "redis.log"),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout

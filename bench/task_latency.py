@@ -1,0 +1,71 @@
+"""Task latency: enqueue -> task start on an idle `dcs worker`, and the full round trip (result read back).
+
+Starts a private redis-server and one real worker, sends `--n` ping tasks one at a time to the node queue,
+and reports p50/p99 of (task start - send time) and of the round trip. Writes bench/results/task_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.config import DCSConfig
+from tests.helpers.procs import WorkerProcess
+from tests.helpers.redis_server import RedisServer
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--n", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp) / "redis")
+        redis.start()
+        config = DCSConfig(redis_url=redis.url, node_name="benchhost", enable_metrics=False)
+        worker = WorkerProcess(config, Path(tmp) / "worker.log", concurrency=1).start()
+        try:
+            app = make_celery(config)
+            queue = node_queue(config.host_name)
+            app.send_task(TaskName.PING.value, queue=queue).get(timeout=30)  # warm-up
+            to_start, round_trip = [], []
+            for _ in range(args.n):
+                sent = time.time()
+                answer = app.send_task(TaskName.PING.value, queue=queue).get(timeout=30)
+                round_trip.append(time.time() - sent)
+                to_start.append(answer["started_at"] - sent)
+        finally:
+            worker.terminate()
+            redis.stop()
+    result = {
+        "n": args.n,
+        "enqueue_to_start_ms": {
+            "p50": percentile(to_start, 0.5) * 1e3,
+            "p99": percentile(to_start, 0.99) * 1e3,
+            "mean": statistics.mean(to_start) * 1e3,
+        },
+        "round_trip_ms": {"p50": percentile(round_trip, 0.5) * 1e3, "p99": percentile(round_trip, 0.99) * 1e3},
+    }
+    out = Path(__file__).parent / "results" / "task_latency.json"
+    out.write_text(json.dumps(result, indent=2))
+    s, r = result["enqueue_to_start_ms"], result["round_trip_ms"]
+    print(
+        f"task latency: enqueue->start p50 {s['p50']:.2f} ms p99 {s['p99']:.2f} ms; "
+        f"round trip p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms (n={args.n})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""DCS: asynchronous checkpoints and weight synchronisation for distributed training."""
