@@ -1,0 +1,115 @@
+"""`create_app(config)`: the coordinator's FastAPI application.
+
+The app holds no state of its own (invariant 7): topology, heartbeats and weight meta live in Redis, so
+any number of coordinator processes on one Redis answer alike and a restart loses nothing. Redis
+connections are made in the lifespan, never at import. Redis unreachable -> 503 with a JSON `detail`;
+the next request after Redis returns reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+from coordinator.deps import Services
+from coordinator.middleware import (
+    BearerAuthMiddleware,
+    BodySizeLimitMiddleware,
+    RequestMetrics,
+    RequestMetricsMiddleware,
+)
+from coordinator.routes import ROUTERS
+from coordinator.topology import TopologyManager
+from coordinator.weight_meta import AppendNotifier, WeightMetaStore
+from dcs_tasks.config import DCSConfig, TopologyConfig
+from dcs_tasks.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+def redis_location(url: str) -> str:
+    """host:port/db of a Redis URL, without credentials (safe for error messages)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 6379}{parts.path}" if parts.hostname else url.split("@")[-1]
+
+
+def make_redis(config: DCSConfig) -> aioredis.Redis:
+    """An asyncio Redis client whose every call is bounded by the configured socket timeout."""
+    return aioredis.Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        socket_timeout=config.redis_socket_timeout_seconds,
+        socket_connect_timeout=config.redis_socket_timeout_seconds,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+        health_check_interval=30,
+    )
+
+
+def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics: RequestMetrics) -> Services:
+    client = make_redis(config)
+    keys = Keys(config.namespace)
+    notifier = AppendNotifier(client, keys.weight_meta_channel())
+    return Services(
+        config=config,
+        redis=client,
+        topology=TopologyManager(client, keys, topology_config, config.heartbeat_timeout_seconds),
+        weight_meta=WeightMetaStore(client, keys, notifier),
+        request_metrics=metrics,
+    )
+
+
+async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    config: DCSConfig = request.app.state.config
+    detail = (
+        f"Redis at {redis_location(config.redis_url)} is unreachable ({type(exc).__name__}: {exc}); "
+        "the coordinator keeps no state of its own and recovers when Redis returns - retry later"
+    )
+    return JSONResponse(status_code=503, content={"detail": detail}, headers={"Retry-After": "1"})
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": "invalid request: " + "; ".join(problems)})
+
+
+def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None) -> FastAPI:
+    """The coordinator app for `config`; `topology_config` gives role mappings and the global role order."""
+    topo_config = topology_config or TopologyConfig()
+    metrics = RequestMetrics(CollectorRegistry(auto_describe=True))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = _build_services(config, topo_config, metrics)
+        app.state.services = services
+        services.weight_meta.notifier.start()
+        try:
+            yield
+        finally:
+            await services.weight_meta.notifier.stop()
+            await services.redis.aclose()
+
+    app = FastAPI(title="DCS coordinator", version="0.1.0", lifespan=lifespan)
+    app.state.config = config
+    for router in ROUTERS:
+        app.include_router(router)
+    app.add_exception_handler(RedisError, _redis_unavailable)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    # added last = outermost: metrics see every answer, auth runs before the body is read
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    token = config.token()
+    if token:
+        app.add_middleware(BearerAuthMiddleware, token=token)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    return app

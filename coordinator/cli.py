@@ -1,0 +1,51 @@
+"""`dcs coordinator`: serve `create_app(DCSConfig())` with uvicorn (binds 127.0.0.1 unless told otherwise)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from dcs_tasks.config import DCSConfig, TopologyConfig
+
+
+def _mapping(text: str) -> tuple[str, str]:
+    role, sep, peer = text.partition("=")
+    if not sep or not role or not peer:
+        raise argparse.ArgumentTypeError(f"expected ROLE=PEER_ROLE, got {text!r}")
+    return role, peer
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("coordinator", help="run the control-plane HTTP service (settings from DCS_* env)")
+    parser.add_argument("--host", help="bind address (default: DCS_COORDINATOR_HOST, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default: DCS_COORDINATOR_PORT, 8000)")
+    parser.add_argument(
+        "--role-mapping", type=_mapping, action="append", help="ROLE=PEER_ROLE for /peer (default actor=rollout)"
+    )
+    parser.add_argument("--role-order", help="comma-separated roles in global-rank order (default: registration order)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coordinator.app import create_app
+
+    overrides = {k: v for k, v in {"coordinator_host": args.host, "coordinator_port": args.port}.items() if v}
+    config = DCSConfig(**overrides)
+    topology = TopologyConfig(
+        role_mappings=dict(args.role_mapping) if args.role_mapping else {"actor": "rollout"},
+        role_order=[r for r in args.role_order.split(",") if r] if args.role_order else None,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config, topology)
+    uvicorn.run(
+        app,
+        host=config.coordinator_host,
+        port=config.coordinator_port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,47 @@
+"""FastAPI dependencies as `Annotated` aliases: the per-app services live on `app.state.services`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Query, Request
+
+from coordinator.middleware import RequestMetrics
+from coordinator.topology import TopologyManager
+from coordinator.weight_meta import WeightMetaStore
+from dcs_tasks.config import DCSConfig
+
+ROLE_PATTERN = r"^[A-Za-z0-9_.\-]+$"
+
+
+@dataclass
+class Services:
+    """Everything a request handler needs, built once per app in its lifespan."""
+
+    config: DCSConfig
+    redis: aioredis.Redis
+    topology: TopologyManager
+    weight_meta: WeightMetaStore
+    request_metrics: RequestMetrics
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+def get_topology(request: Request) -> TopologyManager:
+    return get_services(request).topology
+
+
+def get_weight_meta(request: Request) -> WeightMetaStore:
+    return get_services(request).weight_meta
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+TopologyDep = Annotated[TopologyManager, Depends(get_topology)]
+WeightMetaDep = Annotated[WeightMetaStore, Depends(get_weight_meta)]
+RoleQuery = Annotated[str, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN, description="role name")]
+RankQuery = Annotated[int, Query(ge=0, description="rank inside the role")]

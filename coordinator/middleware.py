@@ -1,0 +1,125 @@
+"""Cross-cutting HTTP behaviour as pure ASGI middleware: bearer auth, body-size limit, request metrics.
+
+Pure ASGI (not BaseHTTPMiddleware) keeps the heartbeat path cheap: each layer is a dict lookup or two.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Collection
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+async def _send_error(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    base = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": base + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BearerAuthMiddleware:
+    """401 unless `Authorization: Bearer <token>` matches (constant-time), except for `public_paths`."""
+
+    def __init__(self, app: ASGIApp, token: str, public_paths: Collection[str] = PUBLIC_PATHS) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.public_paths = frozenset(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, self.expected):
+            detail = "missing or wrong bearer token: send 'Authorization: Bearer <DCS_AUTH_TOKEN>'"
+            await _send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`: by Content-Length up front, and by counting a streamed body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"request body exceeds the limit of {self.max_bytes} bytes (DCS_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, 413, self._too_large())
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(status_code=413, detail=self._too_large())
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class RequestMetrics:
+    """The coordinator's own request count and latency, labelled by method, route template and status."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "dcs_coordinator_requests",
+            "HTTP requests handled by the coordinator",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "dcs_coordinator_request_duration_seconds",
+            "Coordinator request latency",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+class RequestMetricsMiddleware:
+    """Observes every HTTP request into `RequestMetrics`; unmatched paths are labelled `<unmatched>`."""
+
+    def __init__(self, app: ASGIApp, metrics: RequestMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = getattr(scope.get("route"), "path", "<unmatched>")
+            self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+            self.metrics.requests.labels(scope["method"], route, str(status)).inc()

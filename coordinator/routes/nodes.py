@@ -1,0 +1,74 @@
+"""Node lifecycle: register, unregister, heartbeat, and single-node look-ups."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+
+from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, TopologyDep
+from coordinator.topology import RegistrationKind
+from dcs_tasks.config import RoleInfo
+from dcs_tasks.models import HeartbeatResponse, RegisterRequest, RegisterResponse, StatusResponse
+
+router = APIRouter(tags=["nodes"])
+
+_MESSAGES = {
+    RegistrationKind.EXPLICIT: "registered with the requested rank",
+    RegistrationKind.REREGISTERED: "re-registered; rank kept",
+    RegistrationKind.ASSIGNED: "registered with the smallest free rank",
+}
+
+
+def not_found(role: str, rank: int, what: str = "node") -> HTTPException:
+    return HTTPException(
+        status_code=404, detail=f"{what} {role}_{rank} is not registered or not alive; register it first"
+    )
+
+
+@router.post("/register", response_model=RegisterResponse)
+async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResponse:
+    """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank."""
+    result = await topology.register(body)
+    return RegisterResponse(rank=result.rank, node_id=f"{body.role_name}_{result.rank}", message=_MESSAGES[result.kind])
+
+
+@router.delete("/unregister", response_model=StatusResponse)
+async def unregister(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> StatusResponse:
+    if not await topology.unregister(role, rank):
+        raise not_found(role, rank)
+    return StatusResponse(message=f"unregistered {role}_{rank}")
+
+
+@router.get("/heartbeat", response_model=HeartbeatResponse)
+async def heartbeat(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> HeartbeatResponse:
+    """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered."""
+    beat = await topology.heartbeat(role, rank)
+    if beat is None:
+        raise not_found(role, rank)
+    return HeartbeatResponse(timestamp=beat)
+
+
+@router.get("/node", response_model=RoleInfo)
+async def node(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> RoleInfo:
+    found = await topology.get_node(role, rank)
+    if found is None:
+        raise not_found(role, rank)
+    return found
+
+
+@router.get("/peer", response_model=RoleInfo)
+async def peer(
+    role: RoleQuery,
+    rank: RankQuery,
+    topology: TopologyDep,
+    peer_role: Annotated[str | None, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN)] = None,
+) -> RoleInfo:
+    """The live node of the same rank in `peer_role`, default the configured mapping of `role`."""
+    target = peer_role or topology.config.get_peer_role(role)
+    if target is None:
+        raise HTTPException(status_code=404, detail=f"role {role!r} has no peer role mapping; pass peer_role")
+    found = await topology.get_node(target, rank)
+    if found is None:
+        raise not_found(target, rank, what="peer")
+    return found

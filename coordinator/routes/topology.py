@@ -1,0 +1,99 @@
+"""Cluster-wide views: topology, global ranks, the model-update group, health and debug."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+
+from coordinator import groups
+from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
+from coordinator.routes.nodes import not_found
+from dcs_tasks.models import (
+    DebugTopologyResponse,
+    GlobalRankResponse,
+    GroupRanksResponse,
+    HealthResponse,
+    HealthStatus,
+    NodeView,
+    TopologyResponse,
+)
+
+router = APIRouter(tags=["topology"])
+
+
+@router.get("/topology", response_model=TopologyResponse)
+async def topology(
+    topo: TopologyDep,
+    role_filter: Annotated[str | None, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN)] = None,
+) -> TopologyResponse:
+    """Live nodes by role (only `role_filter` when given); dead nodes are left out."""
+    snap = await topo.snapshot(None if role_filter is None else [role_filter])
+    if role_filter is not None:
+        nodes = {role_filter: snap.alive(role_filter)}
+    else:
+        nodes = snap.alive_by_role()
+    return TopologyResponse(nodes=nodes, world_size=sum(len(n) for n in nodes.values()))
+
+
+@router.get("/global_rank", response_model=GlobalRankResponse)
+async def global_rank(role: RoleQuery, rank: RankQuery, topo: TopologyDep) -> GlobalRankResponse:
+    """Sum of the live world sizes of the roles before `role` (config role_order, else registration order) + rank."""
+    found = await topo.get_global_rank(role, rank)
+    if found is None:
+        raise not_found(role, rank)
+    return GlobalRankResponse(global_rank=found)
+
+
+@router.get("/get_model_update_group_ranks", response_model=GroupRanksResponse)
+async def model_update_group_ranks(
+    role: RoleQuery, rank: RankQuery, topo: TopologyDep, need_update_ref: bool = False
+) -> GroupRanksResponse:
+    """Rank of this node in the actor -> actor_fwd (+ reference) weight-update group; 400 for other roles."""
+    snap = await topo.snapshot([groups.ACTOR, groups.ACTOR_FWD, groups.REFERENCE, role])
+    if rank not in snap.alive(role):
+        raise not_found(role, rank)
+    try:
+        return groups.model_update_group_ranks(
+            role,
+            rank,
+            need_update_ref,
+            num_actor_fwd=snap.world_size(groups.ACTOR_FWD),
+            num_reference=snap.world_size(groups.REFERENCE),
+            actors=snap.alive(groups.ACTOR),
+        )
+    except groups.GroupRoleError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from exc
+
+
+@router.get("/health", response_model=HealthResponse)
+async def health(topo: TopologyDep) -> HealthResponse:
+    """Live world size and the nodes registered without a heartbeat key (dead)."""
+    snap = await topo.check_health()
+    dead = snap.dead_node_ids()
+    return HealthResponse(
+        status=HealthStatus.DEGRADED if dead else HealthStatus.HEALTHY,
+        timestamp=time.time(),
+        world_size=snap.world_size(),
+        dead_nodes=dead,
+    )
+
+
+@router.get("/debug/topology", response_model=DebugTopologyResponse)
+async def debug_topology(services: ServicesDep) -> DebugTopologyResponse:
+    """Every registered node, dead or alive, with its remaining heartbeat TTL."""
+    snap = await services.topology.snapshot()
+    nodes = {
+        role: {
+            rank: NodeView(info=r.info, alive=r.alive, heartbeat_ttl_ms=r.ttl_ms) for rank, r in sorted(recs.items())
+        }
+        for role, recs in snap.nodes.items()
+    }
+    return DebugTopologyResponse(
+        roles=snap.roles,
+        role_mappings=services.topology.config.role_mappings,
+        nodes=nodes,
+        heartbeat_timeout_seconds=services.config.heartbeat_timeout_seconds,
+        weight_meta_entries=await services.weight_meta.length(),
+    )

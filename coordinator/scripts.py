@@ -1,0 +1,106 @@
+"""Lua scripts of the topology: each multi-key change is one atomic script with documented KEYS/ARGV.
+
+The scripts build per-rank heartbeat keys as `prefix .. rank` from a prefix given by
+`Keys.heartbeat_role_prefix(role)`, so they are for a standalone (or Sentinel) Redis, as Celery's broker is.
+"""
+
+from __future__ import annotations
+
+# Register a node and make it alive.
+# KEYS[1] role_nodes(role)  H rank -> RoleInfo JSON
+# KEYS[2] role_owners(role) H rank -> "ip:port" identity
+# KEYS[3] roles             Z role -> first-registration order
+# KEYS[4] role_seq          K counter for that order
+# ARGV[1] role name
+# ARGV[2] requested rank, or "" for "assign one"
+# ARGV[3] identity "ip:port", or "" when the node has none (port 0): such a node never reclaims a rank
+# ARGV[4] RoleInfo JSON without its "rank" field (an object, so it starts with "{")
+# ARGV[5] heartbeat TTL in milliseconds
+# ARGV[6] heartbeat key prefix of the role (prefix .. rank is the heartbeat key)
+# ARGV[7] heartbeat value (unix time of the beat)
+# Returns {rank, kind}: kind 0 = explicit rank, 1 = same identity re-registered, 2 = smallest free rank.
+# Rank policy: an explicit rank always wins (its previous holder is replaced); an identity already holding a
+# rank gets it back; otherwise the smallest rank that is unregistered OR whose node is dead (no heartbeat
+# key) is taken, so a replacement node fills the hole a dead one left. An identity moving to another
+# explicit rank releases its old rank.
+REGISTER = """
+local rank = tonumber(ARGV[2])
+local kind = 0
+local ident = ARGV[3]
+if ident ~= "" then
+  local owners = redis.call("HGETALL", KEYS[2])
+  for i = 1, #owners, 2 do
+    if owners[i + 1] == ident then
+      local held = tonumber(owners[i])
+      if rank == nil then
+        rank = held
+        kind = 1
+      elseif held ~= rank then
+        redis.call("HDEL", KEYS[1], held)
+        redis.call("HDEL", KEYS[2], held)
+        redis.call("DEL", ARGV[6] .. held)
+      end
+    end
+  end
+end
+if rank == nil then
+  kind = 2
+  rank = 0
+  while redis.call("HEXISTS", KEYS[1], rank) == 1 and redis.call("EXISTS", ARGV[6] .. rank) == 1 do
+    rank = rank + 1
+  end
+end
+redis.call("HSET", KEYS[1], rank, '{"rank":' .. rank .. ',' .. string.sub(ARGV[4], 2))
+if ident ~= "" then
+  redis.call("HSET", KEYS[2], rank, ident)
+else
+  redis.call("HDEL", KEYS[2], rank)
+end
+redis.call("SET", ARGV[6] .. rank, ARGV[7], "PX", ARGV[5])
+if redis.call("ZSCORE", KEYS[3], ARGV[1]) == false then
+  redis.call("ZADD", KEYS[3], redis.call("INCR", KEYS[4]), ARGV[1])
+end
+return {rank, kind}
+"""
+
+# Refresh a registered node's heartbeat in one round trip.
+# KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)
+# ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value
+# Returns 1 when the node is registered (beat recorded, a dead node comes back alive), 0 when unknown.
+HEARTBEAT = """
+if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+redis.call("SET", KEYS[2], ARGV[3], "PX", ARGV[2])
+return 1
+"""
+
+# Remove a node.
+# KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)
+# ARGV[1] rank
+# Returns 1 when the node was registered, 0 otherwise.
+UNREGISTER = """
+local existed = redis.call("HDEL", KEYS[1], ARGV[1])
+redis.call("HDEL", KEYS[2], ARGV[1])
+redis.call("DEL", KEYS[3])
+return existed
+"""
+
+# A consistent snapshot of several roles.
+# KEYS[i]  role_nodes(role_i)
+# ARGV[i]  heartbeat key prefix of role_i
+# Returns, per role, a flat list {rank, RoleInfo JSON, heartbeat PTTL, ...}; PTTL -2 = dead (no key).
+SNAPSHOT = """
+local out = {}
+for i = 1, #KEYS do
+  local nodes = redis.call("HGETALL", KEYS[i])
+  local role = {}
+  for j = 1, #nodes, 2 do
+    role[#role + 1] = nodes[j]
+    role[#role + 1] = nodes[j + 1]
+    role[#role + 1] = redis.call("PTTL", ARGV[i] .. nodes[j])
+  end
+  out[i] = role
+end
+return out
+"""

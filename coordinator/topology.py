@@ -1,0 +1,201 @@
+"""The cluster topology, kept entirely in Redis (the coordinator holds no state of its own).
+
+Layout (keys from `dcs_tasks.keys`): per role a hash rank -> RoleInfo JSON and a hash rank -> "ip:port"
+identity; a sorted set of roles in first-registration order; per node a heartbeat key with a TTL of
+`heartbeat_timeout`. A node is alive iff its heartbeat key exists. Registration, heartbeat and
+unregistration are single Lua scripts (see `coordinator.scripts`), so concurrent coordinators agree.
+
+Every method raises `redis.RedisError` subclasses when Redis is unreachable; the app maps them to 503.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from coordinator import groups, scripts
+from dcs_tasks.config import RoleInfo, TopologyConfig
+from dcs_tasks.keys import Keys
+
+
+class RegistrationKind(str, enum.Enum):
+    """How `register` chose the rank."""
+
+    EXPLICIT = "explicit"
+    REREGISTERED = "reregistered"
+    ASSIGNED = "assigned"
+
+
+_KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: RegistrationKind.ASSIGNED}
+
+
+@dataclass(frozen=True)
+class Registration:
+    rank: int
+    kind: RegistrationKind
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    info: RoleInfo
+    alive: bool
+    ttl_ms: int | None
+
+
+@dataclass(frozen=True)
+class TopologySnapshot:
+    """Registered nodes (dead ones too) of the roles read, and the roles in global-rank order."""
+
+    roles: list[str]
+    nodes: dict[str, dict[int, NodeRecord]] = field(default_factory=dict)
+
+    def alive(self, role: str) -> dict[int, RoleInfo]:
+        return {rank: rec.info for rank, rec in sorted(self.nodes.get(role, {}).items()) if rec.alive}
+
+    def alive_by_role(self) -> dict[str, dict[int, RoleInfo]]:
+        return {role: self.alive(role) for role in self.roles if role in self.nodes}
+
+    def world_sizes(self) -> dict[str, int]:
+        return {role: len(self.alive(role)) for role in self.roles}
+
+    def world_size(self, role: str | None = None) -> int:
+        sizes = self.world_sizes()
+        return sizes.get(role, 0) if role is not None else sum(sizes.values())
+
+    def dead_node_ids(self) -> list[str]:
+        return [rec.info.node_id for role in self.roles for rec in self.nodes.get(role, {}).values() if not rec.alive]
+
+
+def _identity(info: RoleInfo) -> str:
+    """A node's stable identity for re-registration; none when it has no port (it could not be told apart)."""
+    return f"{info.ip}:{info.port}" if info.port else ""
+
+
+class TopologyManager:
+    """Register, beat, look up and export nodes. One instance per coordinator process; all state in Redis."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, config: TopologyConfig, heartbeat_timeout_seconds: float
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.config = config
+        self.heartbeat_timeout_seconds = heartbeat_timeout_seconds
+        self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
+        self._register = redis.register_script(scripts.REGISTER)
+        self._heartbeat = redis.register_script(scripts.HEARTBEAT)
+        self._unregister = redis.register_script(scripts.UNREGISTER)
+        self._snapshot = redis.register_script(scripts.SNAPSHOT)
+
+    # --- writes ---------------------------------------------------------------------------------
+    async def register(self, info: RoleInfo) -> Registration:
+        """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
+        role = info.role_name
+        keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.roles(), self.keys.role_seq()]
+        argv = [
+            role,
+            "" if info.rank is None else str(info.rank),
+            _identity(info),
+            info.model_dump_json(exclude={"rank"}),
+            str(self._ttl_ms),
+            self.keys.heartbeat_role_prefix(role),
+            repr(time.time()),
+        ]
+        rank, kind = await self._register(keys=keys, args=argv)
+        return Registration(rank=int(rank), kind=_KINDS[int(kind)])
+
+    async def heartbeat(self, role: str, rank: int) -> float | None:
+        """Refresh the node's TTL; returns the beat time, or None when (role, rank) is not registered."""
+        now = time.time()
+        keys = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank)]
+        found = await self._heartbeat(keys=keys, args=[str(rank), str(self._ttl_ms), repr(now)])
+        return now if int(found) else None
+
+    async def unregister(self, role: str, rank: int) -> bool:
+        """Remove the node; False when it was not registered."""
+        keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.heartbeat(role, rank)]
+        return bool(int(await self._unregister(keys=keys, args=[str(rank)])))
+
+    # --- reads ----------------------------------------------------------------------------------
+    async def registered_roles(self) -> list[str]:
+        return [str(r) for r in await self.redis.zrange(self.keys.roles(), 0, -1)]
+
+    async def snapshot(self, roles: list[str] | None = None) -> TopologySnapshot:
+        """Nodes of `roles` (default: every role) with liveness, read in one atomic script."""
+        order = groups.role_order(self.config.role_order, await self.registered_roles())
+        wanted = order if roles is None else [r for r in order if r in roles] or list(roles)
+        if not wanted:
+            return TopologySnapshot(roles=order)
+        keys = [self.keys.role_nodes(r) for r in wanted]
+        argv = [self.keys.heartbeat_role_prefix(r) for r in wanted]
+        raw = await self._snapshot(keys=keys, args=argv)
+        nodes: dict[str, dict[int, NodeRecord]] = {}
+        for role, flat in zip(wanted, raw, strict=True):
+            records: dict[int, NodeRecord] = {}
+            for i in range(0, len(flat), 3):
+                ttl = int(flat[i + 2])
+                info = RoleInfo.model_validate_json(flat[i + 1])
+                records[int(flat[i])] = NodeRecord(info=info, alive=ttl != -2, ttl_ms=None if ttl == -2 else ttl)
+            nodes[role] = records
+        return TopologySnapshot(roles=order, nodes=nodes)
+
+    async def get_node(self, role: str, rank: int, *, include_dead: bool = False) -> RoleInfo | None:
+        """The node at (role, rank), or None when unregistered (or dead, unless `include_dead`)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.role_nodes(role), str(rank))
+            pipe.exists(self.keys.heartbeat(role, rank))
+            raw, alive = await pipe.execute()
+        if raw is None or not (alive or include_dead):
+            return None
+        return RoleInfo.model_validate_json(raw)
+
+    async def get_peer(self, role: str, rank: int, peer_role: str | None = None) -> RoleInfo | None:
+        """The live node of the same rank in `peer_role` (default: the configured mapping of `role`)."""
+        target = peer_role or self.config.get_peer_role(role)
+        if target is None:
+            return None
+        return await self.get_node(target, rank)
+
+    async def get_all_peers(self, role: str, rank: int) -> dict[str, RoleInfo]:
+        """Live nodes of the same rank in every role `role` maps to or is mapped from."""
+        related = {v for k, v in self.config.role_mappings.items() if k == role}
+        related |= {k for k, v in self.config.role_mappings.items() if v == role}
+        peers = {r: await self.get_node(r, rank) for r in sorted(related)}
+        return {r: node for r, node in peers.items() if node is not None}
+
+    async def get_role_nodes(self, role: str) -> dict[int, RoleInfo]:
+        return (await self.snapshot([role])).alive(role)
+
+    async def get_all_nodes(self) -> dict[str, dict[int, RoleInfo]]:
+        return (await self.snapshot()).alive_by_role()
+
+    async def get_world_size(self, role: str | None = None) -> int:
+        """Number of live nodes of `role`, or of every role."""
+        return (await self.snapshot(None if role is None else [role])).world_size(role)
+
+    async def get_global_rank(self, role: str, rank: int) -> int | None:
+        """Global rank of a live node (see `groups.global_rank`), or None when it is not alive."""
+        snap = await self.snapshot()
+        if rank not in snap.alive(role):
+            return None
+        return groups.global_rank(snap.roles, snap.world_sizes(), role, rank)
+
+    async def check_health(self) -> TopologySnapshot:
+        """The full snapshot; its `dead_node_ids()` are the nodes registered without a heartbeat key."""
+        return await self.snapshot()
+
+    async def to_dict(self) -> dict[str, object]:
+        """Every registered node with liveness, as plain JSON-able data (for debugging)."""
+        snap = await self.snapshot()
+        return {
+            "roles": snap.roles,
+            "nodes": {
+                role: {
+                    rank: {"info": rec.info.model_dump(mode="json"), "alive": rec.alive} for rank, rec in recs.items()
+                }
+                for role, recs in snap.nodes.items()
+            },
+        }

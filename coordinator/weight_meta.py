@@ -1,0 +1,121 @@
+"""The weight-meta log: senders append bucket descriptions, receivers read them by index with a long-poll.
+
+Entries live in a Redis list (RPUSH / LRANGE). Each append also PUBLISHes on `weight_meta_channel`; one
+`AppendNotifier` per coordinator process listens there and wakes its waiting long-polls, so a waiting
+request costs no Redis traffic until something is appended (or its timeout ends). Appends made through
+another coordinator wake this one too, because the wake-up goes through Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from dcs_tasks.keys import Keys
+from dcs_tasks.models import WeightMeta, WeightMetaBatch
+
+log = logging.getLogger(__name__)
+
+
+class AppendNotifier:
+    """Turns pub/sub messages on one channel into an asyncio wake-up for every waiter of this process.
+
+    If the subscription drops (Redis restart), it resubscribes with a short backoff; waiters still end at
+    their own timeout and re-read the list, so a lost message delays an answer but never loses an entry.
+    """
+
+    def __init__(self, redis: aioredis.Redis, channel: str, reconnect_delay_s: float = 0.5) -> None:
+        self.redis = redis
+        self.channel = channel
+        self.reconnect_delay_s = reconnect_delay_s
+        self._event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._listen_forever(), name="dcs-weight-meta-notifier")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def waiter(self) -> asyncio.Event:
+        """An event set at the next append notification (take it BEFORE re-checking the list)."""
+        return self._event
+
+    def _wake_all(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen_once()
+            except (RedisError, OSError) as exc:
+                log.warning("weight-meta subscription lost (%r); resubscribing", exc)
+            self._wake_all()  # re-read after a gap: something may have been appended meanwhile
+            await asyncio.sleep(self.reconnect_delay_s)
+
+    async def _listen_once(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.channel)
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is not None:
+                    self._wake_all()
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+
+
+class WeightMetaStore:
+    """Append, read from an index (optionally waiting), and clear the weight-meta log."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: AppendNotifier) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.notifier = notifier
+
+    async def append(self, meta: WeightMeta) -> int:
+        """Append one entry and wake readers; returns the log's new length."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(self.keys.weight_meta(), meta.model_dump_json())
+            pipe.publish(self.keys.weight_meta_channel(), "append")
+            length, _ = await pipe.execute()
+        return int(length)
+
+    async def read(self, index: int) -> WeightMetaBatch:
+        raw = await self.redis.lrange(self.keys.weight_meta(), index, -1)
+        entries = [WeightMeta.model_validate_json(item) for item in raw]
+        return WeightMetaBatch(entries=entries, next_index=index + len(entries))
+
+    async def wait_read(self, index: int, wait_timeout_s: float) -> WeightMetaBatch:
+        """Entries from `index`; if none yet, wait up to `wait_timeout_s` for an append, then read again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_timeout_s
+        while True:
+            event = self.notifier.waiter()
+            batch = await self.read(index)
+            remaining = deadline - loop.time()
+            if batch.entries or remaining <= 0:
+                return batch
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+
+    async def clear(self) -> int:
+        """Empty the log; returns how many entries it held."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.llen(self.keys.weight_meta())
+            pipe.delete(self.keys.weight_meta())
+            length, _ = await pipe.execute()
+        return int(length)
+
+    async def length(self) -> int:
+        return int(await self.redis.llen(self.keys.weight_meta()))

@@ -1,0 +1,136 @@
+"""DCS metrics with the seed's names, on prometheus-client.
+
+Each `MetricsCollector` owns its `CollectorRegistry`, so several collectors (tests, embedded services)
+never collide. `get_metrics()` returns the process-wide one, created on first use.
+
+Prometheus multiprocess mode (Celery prefork, several uvicorn workers): when `PROMETHEUS_MULTIPROC_DIR` is
+set in the environment BEFORE the process starts (prometheus-client picks its value store at import),
+every process writes its samples to that directory and `export_prometheus()` aggregates all of them
+through a `MultiProcessCollector`; gauges sum over live processes. `get_all()` always reports this
+process's own values.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+OPERATIONS = ("save", "load", "send", "recv")
+_BYTES_COUNTERS = {"save": "bytes_saved", "load": "bytes_loaded", "send": "bytes_sent", "recv": "bytes_received"}
+
+
+def multiprocess_dir() -> str | None:
+    """The prometheus multiprocess directory, when that mode is on."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class MetricsCollector:
+    """Latency histograms, byte and operation counters, error counts and gauges of one DCS process.
+
+    Names: dcs_{save,load,send,recv}_latency_seconds, dcs_bytes_{saved,loaded,sent,received}_total,
+    dcs_{save,load,send,recv}_operations_total, dcs_errors_total{error_type},
+    dcs_memory_buffer_usage_bytes, dcs_active_connections, dcs_pending_operations. Thread-safe.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.latency = {
+            op: Histogram(f"dcs_{op}_latency_seconds", f"Time to {op}", buckets=LATENCY_BUCKETS, registry=r)
+            for op in OPERATIONS
+        }
+        self.bytes = {
+            op: Counter(f"dcs_{name}", f"Bytes of {op} operations", registry=r) for op, name in _BYTES_COUNTERS.items()
+        }
+        self.operations = {
+            op: Counter(f"dcs_{op}_operations", f"Completed {op} operations", registry=r) for op in OPERATIONS
+        }
+        self.errors = Counter("dcs_errors", "Errors by type", ["error_type"], registry=r)
+        self.memory_buffer_usage = Gauge(
+            "dcs_memory_buffer_usage_bytes", "Staging/buffer memory held", registry=r, multiprocess_mode="livesum"
+        )
+        self.active_connections = Gauge(
+            "dcs_active_connections", "Open connections", registry=r, multiprocess_mode="livesum"
+        )
+        self.pending_operations = Gauge(
+            "dcs_pending_operations", "Operations in flight", registry=r, multiprocess_mode="livesum"
+        )
+
+    def _record(self, op: str, nbytes: int, duration: float) -> None:
+        if nbytes < 0 or duration < 0:
+            raise ValueError(f"{op}: bytes and duration must be >= 0, got {nbytes} bytes, {duration} s")
+        self.latency[op].observe(duration)
+        self.bytes[op].inc(nbytes)
+        self.operations[op].inc()
+
+    def record_save(self, bytes_saved: int, duration: float) -> None:
+        self._record("save", bytes_saved, duration)
+
+    def record_load(self, bytes_loaded: int, duration: float) -> None:
+        self._record("load", bytes_loaded, duration)
+
+    def record_send(self, bytes_sent: int, duration: float) -> None:
+        self._record("send", bytes_sent, duration)
+
+    def record_recv(self, bytes_received: int, duration: float) -> None:
+        self._record("recv", bytes_received, duration)
+
+    def record_error(self, error_type: str) -> None:
+        self.errors.labels(error_type=error_type).inc()
+
+    def export_prometheus(self) -> bytes:
+        """Prometheus text format: this collector's registry, or every process's samples in multiprocess mode."""
+        mp_dir = multiprocess_dir()
+        if mp_dir:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=mp_dir)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
+
+    def get_all(self) -> dict[str, Any]:
+        """This process's values: {"counters": {...}, "latency": {op: {count, sum, avg, buckets}}, "gauges": {...}}."""
+        counters: dict[str, float] = {name: self.bytes[op]._value.get() for op, name in _BYTES_COUNTERS.items()}
+        counters.update({f"{op}_operations": self.operations[op]._value.get() for op in OPERATIONS})
+        counters["errors"] = sum(
+            s.value for m in self.errors.collect() for s in m.samples if s.name == "dcs_errors_total"
+        )
+        return {
+            "counters": counters,
+            "latency": {op: self._histogram_stats(op) for op in OPERATIONS},
+            "gauges": {
+                "memory_buffer_usage_bytes": self.memory_buffer_usage._value.get(),
+                "active_connections": self.active_connections._value.get(),
+                "pending_operations": self.pending_operations._value.get(),
+            },
+        }
+
+    def _histogram_stats(self, op: str) -> dict[str, Any]:
+        buckets: dict[str, float] = {}
+        count = total = 0.0
+        for metric in self.latency[op].collect():
+            for s in metric.samples:
+                if s.name.endswith("_bucket"):
+                    buckets[s.labels["le"]] = s.value
+                elif s.name.endswith("_count"):
+                    count = s.value
+                elif s.name.endswith("_sum"):
+                    total = s.value
+        return {"count": count, "sum": total, "avg": total / count if count else 0.0, "buckets": buckets}
+
+
+_GLOBAL: MetricsCollector | None = None
+_GLOBAL_LOCK = threading.Lock()
+
+
+def get_metrics() -> MetricsCollector:
+    """The process-wide collector (created on first call)."""
+    global _GLOBAL
+    with _GLOBAL_LOCK:
+        if _GLOBAL is None:
+            _GLOBAL = MetricsCollector()
+        return _GLOBAL
