@@ -1,0 +1,311 @@
+"""`CheckpointEngineClient`: the trainer's / engine's handle on DCS (the seed's client/engine.py).
+
+It wires parts, it does not implement them: a `CoordinatorAPI` (registration, heartbeats, topology), a
+`DeviceDirectBackend` (groups, broadcasts), a `RolloutUpdater` (actor -> rollout), an `ActorFwdSender` /
+`ActorFwdReceiver` (actor -> actor_fwd / reference) and, for checkpoints, a `Checkpointer`.
+Call order: `await start()` -> updates / receives -> `await stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
+from dcs_tasks.errors import DCSError, WeightSyncError
+from dcs_tasks.receiver.weights import WeightReceiver
+from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
+from dcs_tasks.sync.bootstrap_client import GroupBootstrapper
+from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
+from dcs_tasks.sync.rollout import RolloutUpdater
+from dcs_tasks.sync.sender import BucketSender
+
+log = logging.getLogger(__name__)
+RECEIVING_ROLES = ("actor_fwd", "reference")
+
+
+def _state_of(model: Any) -> dict[str, torch.Tensor]:
+    """`model.state_dict()`; for a sequence of model chunks (the seed's `model`), their union."""
+    if model is None:
+        raise WeightSyncError("this client has no model to push weights from")
+    chunks = model if isinstance(model, Sequence) else [model]
+    state: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        state.update(chunk.state_dict() if hasattr(chunk, "state_dict") else dict(chunk))
+    return state
+
+
+class CheckpointEngineClient:
+    """One node of a DCS deployment (`role`, `rank`). Not thread-safe; use from one event loop."""
+
+    def __init__(
+        self,
+        args: Any = None,
+        coordinator_url: str | None = None,
+        role: str = "actor",
+        rank: int | None = 0,
+        backend_type: BackendType = BackendType.GLOO,
+        device_id: int | None = None,
+        model: Any = None,
+        model_name: str = "model",
+        config: DCSConfig | None = None,
+        quantization_config: QuantizationConfig | None = None,
+        lock: Any = None,
+        ip: str = "127.0.0.1",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        base = config or DCSConfig()
+        self.config = base.model_copy(update={"coordinator_url": coordinator_url}) if coordinator_url else base
+        self.args = args
+        self.model = model
+        self.model_name = model_name
+        self.quantization_config = quantization_config
+        self.lock = lock
+        self.role_info = RoleInfo(role_name=role, rank=rank, ip=ip, device_id=device_id, metadata=dict(metadata or {}))
+        self.backend_type = backend_type
+        self._backend: DeviceDirectBackend | None = None
+        self._api: CoordinatorAPI | None = None
+        self._beats: HeartbeatLoop | None = None
+        self._rollout: RolloutUpdater | None = None
+        self._fwd_sender: ActorFwdSender | None = None
+        self._fwd_receiver: ActorFwdReceiver | None = None
+        self._bootstrapper: GroupBootstrapper | None = None
+        self._background: asyncio.Task[None] | None = None
+        self._checkpointer: Any = None
+
+    # --- properties (the seed's) ----------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        return self.role_info.role_name
+
+    @property
+    def rank(self) -> int | None:
+        return self.role_info.rank
+
+    @property
+    def world_size(self) -> int | None:
+        return self.role_info.world_size
+
+    @property
+    def node_id(self) -> str:
+        return self.role_info.node_id
+
+    @property
+    def is_registered(self) -> bool:
+        return self._beats is not None
+
+    @property
+    def backend(self) -> DeviceDirectBackend | None:
+        return self._backend
+
+    @property
+    def weight_version(self) -> int:
+        """Rollout weight version (actor) or received version (actor_fwd / reference)."""
+        if self._fwd_receiver is not None:
+            return self._fwd_receiver.receiver.weight_version
+        return self._rollout.weight_version if self._rollout is not None else 0
+
+    @property
+    def received_weights(self) -> dict[str, torch.Tensor]:
+        """The last complete update an actor_fwd / reference received."""
+        return self._fwd_receiver.receiver.weights if self._fwd_receiver is not None else {}
+
+    def _require_api(self) -> CoordinatorAPI:
+        if self._api is None:
+            raise DCSError("client not started: await client.start() first")
+        return self._api
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the HTTP client, register (with a pp master port for pp source actors), start heartbeats,
+        build the backend and the updaters."""
+        cfg = self.config
+        self._api = CoordinatorAPI(cfg.base_url, cfg.token(), timeout=cfg.request_timeout_seconds)
+        self._backend = DeviceDirectBackend(
+            self.backend_type,
+            self.role_info,
+            cfg.comm_timeout_seconds,
+            cfg.group_init_timeout_seconds,
+            self.role_info.device_id,
+        )
+        celery = make_celery(cfg)
+        prefix = f"{self.model_name}-{self.role}{self.rank if self.rank is not None else ''}"
+        self._bootstrapper = GroupBootstrapper(cfg, celery, self._backend, prefix, self.role_info.ip)
+        if (
+            self.role == "actor"
+            and self.role_info.metadata.get("is_pp_src_rank")
+            and "master_port" not in self.role_info.metadata
+        ):
+            await self._reserve_pp_port(prefix)
+        answer = await self._api.register(self.role_info)
+        self.role_info = self.role_info.model_copy(update={"rank": answer.rank})
+        self._beats = HeartbeatLoop(self._api, self.role_info, cfg.heartbeat_interval_seconds).start()
+        self._build_updaters()
+        log.info("registered as %s", answer.node_id)
+
+    async def _reserve_pp_port(self, prefix: str) -> None:
+        """Reserve this pp stage's master port through the bootstrap task (a group without engines)."""
+        assert self._bootstrapper is not None
+        request = BootstrapRequest(
+            group_prefix=f"{prefix}-pp",
+            master_address=self.role_info.ip,
+            plan=GroupPlan(world_size=1, engines=()),
+            backend=self.backend_type,
+        )
+        raw = await self._bootstrapper._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
+        result = BootstrapResult.model_validate(raw)
+        self.role_info.metadata.update(
+            master_address=result.master_address, master_port=result.master_port, pp_group_name=result.group_name
+        )
+
+    def _build_updaters(self) -> None:
+        assert self._api is not None and self._backend is not None and self._bootstrapper is not None
+        cfg = self.config
+        if self.role in RECEIVING_ROLES:
+            receiver = WeightReceiver(self._backend, self._backend.device)
+            model = self.model if isinstance(self.model, torch.nn.Module) else None
+            self._fwd_receiver = ActorFwdReceiver(self._api, receiver, cfg.comm_timeout_seconds, model)
+            return
+        sender = BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes)
+        self._rollout = RolloutUpdater(self._api, self._bootstrapper, sender, cfg.comm_timeout_seconds)
+        pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
+        self._fwd_sender = ActorFwdSender(
+            self._api, BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes), pp_rank
+        )
+
+    async def stop(self) -> None:
+        """Cancel heartbeats and background receives, release groups, close the backend and HTTP client."""
+        if self._background is not None:
+            self._background.cancel()
+            await asyncio.gather(self._background, return_exceptions=True)
+        if self._beats is not None:
+            await self._beats.stop()
+            self._beats = None
+        if self._rollout is not None:
+            await self._rollout.aclose()
+        await self._release_pp_port()
+        if self._backend is not None:
+            self._backend.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._api is not None:
+            await self._api.aclose()
+            self._api = None
+
+    async def _release_pp_port(self) -> None:
+        name = self.role_info.metadata.get("pp_group_name")
+        if name and self._bootstrapper is not None:
+            from dcs_tasks.sync.models import DestroyRequest
+
+            request = DestroyRequest(
+                group_name=name, host=self.config.host_name, master_port=int(self.role_info.metadata["master_port"])
+            )
+            self._bootstrapper.celery.send_task(
+                TaskName.DESTROY_GROUP.value,
+                args=[request.model_dump(mode="json")],
+                queue=node_queue(self.config.host_name),
+            )
+
+    # --- weight sync ----------------------------------------------------------------------------
+    async def update_weights_for_rollout(
+        self, rollout_only: bool = False, actor_fwd_only: bool = False, quantization: QuantizationConfig | None = None
+    ) -> dict[str, Any]:
+        """Push `model.state_dict()` to rollout engines and/or the actor_fwd/reference group; returns metrics."""
+        self._require_api()
+        state = _state_of(self.model)
+        quant = quantization or self.quantization_config
+        started = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        if not actor_fwd_only and self._rollout is not None:
+            metrics["rollout"] = await self._rollout.update(state, quant)
+        if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
+            metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+        metrics["total_seconds"] = time.perf_counter() - started
+        _record_send(metrics)
+        return metrics
+
+    async def init_process_groups_for_actor_fwd_ref(self, rollout_id: int) -> bool:
+        """Form this update's actor -> actor_fwd(/reference) groups; every participant calls it with the same
+        `rollout_id`. Returns False when this node sits this one out (a reference outside its interval)."""
+        api = self._require_api()
+        need_ref = needs_ref_update(rollout_id, self.config.ref_update_interval)
+        if self.role == "reference" and not need_ref:
+            return False
+        assert self.rank is not None
+        ranks = await api.model_update_group_ranks(self.role, self.rank, need_ref)
+        specs = stage_specs(ranks, rollout_id, self.backend_type)
+        if self._fwd_receiver is not None:
+            await self._fwd_receiver.init_groups(ranks, specs)
+        elif self._fwd_sender is not None:
+            await self._fwd_sender.init_group(specs)
+        return True
+
+    async def recv_weight(self) -> int:
+        """actor_fwd / reference: receive one whole update (applied to `model` if given); returns its version."""
+        if self._fwd_receiver is None:
+            raise WeightSyncError(f"recv_weight is for actor_fwd / reference nodes, not {self.role}")
+        started = time.perf_counter()
+        version = await self._fwd_receiver.recv_weight()
+        _record_recv(self._fwd_receiver.receiver.weights, time.perf_counter() - started)
+        return version
+
+    def recv_weight_fully_async(self) -> asyncio.Task[None]:
+        """Start receiving every update in the background (until `stop()`); returns the task."""
+
+        async def loop() -> None:
+            while True:
+                await self.recv_weight()
+
+        self._background = asyncio.create_task(loop(), name=f"dcs-recv-{self.node_id}")
+        return self._background
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def _checkpoints(self) -> Any:
+        if self._checkpointer is None:
+            from dcs_tasks.checkpoint import Checkpointer  # lazy: staging is only built when used
+
+            self._checkpointer = Checkpointer(self.model_name, self.config)
+        return self._checkpointer
+
+    def save_checkpoint(self, step: int, state: Any = None, metadata: dict[str, Any] | None = None) -> Any:
+        """Asynchronous save of `state` (default: the model's state dict); returns a PendingCheckpoint."""
+        return self._checkpoints().save(state if state is not None else _state_of(self.model), step, metadata)
+
+    def load_checkpoint(self, step: int | None = None, into: Any = None) -> Any:
+        """Restore `step` (default: latest) into `into` (default: the model's state dict)."""
+        target = into if into is not None else (_state_of(self.model) if self.model is not None else None)
+        return self._checkpoints().restore(step, into=target)
+
+
+def _record_send(metrics: Mapping[str, Any]) -> None:
+    try:
+        from dcs_tasks.metrics import get_metrics
+    except ImportError:
+        return
+    for part in ("rollout", "actor_fwd"):
+        sent = metrics.get(part)
+        if isinstance(sent, Mapping) and sent.get("bytes"):
+            get_metrics().record_send(int(sent["bytes"]), float(sent.get("broadcast_seconds", 0.0)))
+
+
+def _record_recv(weights: Mapping[str, torch.Tensor], seconds: float) -> None:
+    try:
+        from dcs_tasks.metrics import get_metrics
+    except ImportError:
+        return
+    get_metrics().record_recv(sum(t.numel() * t.element_size() for t in weights.values()), seconds)
+
+
+async def create_client(**kwargs: Any) -> CheckpointEngineClient:
+    """Build a `CheckpointEngineClient(**kwargs)` and `await start()` it."""
+    client = CheckpointEngineClient(**kwargs)
+    await client.start()
+    return client

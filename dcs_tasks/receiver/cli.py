@@ -1,0 +1,72 @@
+"""`dcs receiver`: run the reference rollout receiver and register it with the coordinator as `rollout`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import uvicorn
+
+from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.receiver.server import create_receiver_app
+from dcs_tasks.receiver.weights import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser("receiver", help="run a reference rollout weight receiver")
+    parser.add_argument("--coordinator-url", required=True)
+    parser.add_argument("--rank", type=int, required=True, help="rollout rank to register as")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = DCSConfig(coordinator_url=args.coordinator_url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    info = RoleInfo(
+        role_name="rollout",
+        rank=args.rank,
+        ip=args.host,
+        port=sock.getsockname()[1],
+        metadata={"num_gpus": 1, "api": "sglang-weight-update"},
+    )
+    asyncio.run(serve(config, info, sock))
+    return 0
+
+
+async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
+    """Serve until SIGINT/SIGTERM, registered and heartbeating as `info` meanwhile."""
+    backend = DeviceDirectBackend(
+        config.backend_type,
+        info,
+        timeout_seconds=config.comm_timeout_seconds,
+        group_init_timeout_seconds=config.group_init_timeout_seconds,
+    )
+    app = create_receiver_app(WeightReceiver(backend))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
+    answer = await api.register(info)
+    info = info.model_copy(update={"rank": answer.rank})
+    beats = HeartbeatLoop(api, info, config.heartbeat_interval_seconds).start()
+    log.info("receiver %s serving on %s", answer.node_id, info.address)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await beats.stop()
+        try:
+            await api.unregister(info.role_name, answer.rank)
+        except Exception as exc:  # the coordinator may be gone at shutdown
+            log.warning("unregister failed: %s", exc)
+        await api.aclose()
+        backend.close()

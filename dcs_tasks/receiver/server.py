@@ -1,0 +1,87 @@
+"""The reference rollout receiver: a FastAPI app speaking SGLang's weight-update HTTP API.
+
+Endpoints: POST /init_weights_update_group, POST /update_weights_from_distributed, POST
+/destroy_weights_update_group (SGLang's bodies, see `dcs_tasks.sync.models`), GET /weights_digest ->
+`WeightsDigest`, GET /health. Blocking collectives run in worker threads so the app keeps answering.
+A failed call answers 400 with `{"success": false, "message": ...}`, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from dcs_tasks.backends.base import GroupSpec
+from dcs_tasks.errors import DCSError
+from dcs_tasks.receiver.weights import WeightReceiver
+from dcs_tasks.sync.models import (
+    FLATTENED_BUCKET,
+    DestroyWeightsUpdateGroupRequest,
+    EngineResponse,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+    WeightsDigest,
+)
+
+
+def _failed(message: str) -> JSONResponse:
+    return JSONResponse(EngineResponse(success=False, message=message).model_dump(), status_code=400)
+
+
+def _version(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest) -> int:
+    if body.weight_version is None:
+        return receiver.weight_version + 1
+    return int(body.weight_version)
+
+
+def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
+    """The app serving one `WeightReceiver` (this process is group rank `rank_offset`)."""
+    app = FastAPI(title="DCS reference rollout receiver")
+
+    @app.post("/init_weights_update_group", response_model=EngineResponse)
+    async def init_group(body: InitWeightsUpdateGroupRequest) -> EngineResponse | JSONResponse:
+        spec = GroupSpec(
+            body.group_name, body.master_address, body.master_port, body.world_size, body.rank_offset, body.backend
+        )
+        try:
+            await asyncio.to_thread(receiver.init_group, spec)
+        except DCSError as exc:
+            return _failed(str(exc))
+        return EngineResponse(success=True, message=f"joined {body.group_name} as rank {body.rank_offset}")
+
+    @app.post("/update_weights_from_distributed", response_model=EngineResponse)
+    async def update(body: UpdateWeightsFromDistributedRequest) -> EngineResponse | JSONResponse:
+        try:
+            version = _version(receiver, body)
+            await asyncio.to_thread(
+                receiver.receive_bucket,
+                body.names,
+                body.dtypes,
+                body.shapes,
+                body.group_name,
+                version,
+                body.load_format == FLATTENED_BUCKET,
+            )
+            if body.flush_cache:
+                receiver.commit(version)
+        except (DCSError, ValueError) as exc:
+            return _failed(str(exc))
+        return EngineResponse(success=True, message=f"received {len(body.names)} tensors")
+
+    @app.post("/destroy_weights_update_group", response_model=EngineResponse)
+    async def destroy(body: DestroyWeightsUpdateGroupRequest) -> EngineResponse:
+        await asyncio.to_thread(receiver.destroy_group, body.group_name)
+        return EngineResponse(success=True, message=f"destroyed {body.group_name}")
+
+    @app.get("/weights_digest", response_model=WeightsDigest)
+    async def weights_digest() -> WeightsDigest:
+        version, tensors = await asyncio.to_thread(receiver.digest)
+        return WeightsDigest(weight_version=version, tensors=tensors)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,135 @@
+"""`WeightReceiver`: joins an update group, receives buckets into a staging area, swaps atomically.
+
+Contract: `weights` and `weight_version` change only in `commit()`, and only when every bucket of the
+staged update arrived intact; a failed or abandoned update leaves the previous weights and version
+untouched (no partial update). Buckets arrive either flattened (one uint8 broadcast laid out by
+`FusionLayout.from_wire`) or one broadcast per tensor (SGLang's default wire format).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from dcs_tasks.backends.base import CommBackend, GroupSpec
+from dcs_tasks.backends.fusion import FusionLayout, parse_dtype, unpack_views
+from dcs_tasks.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 hex of a tensor's raw bytes (C-contiguous, native byte order)."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+class WeightReceiver:
+    """Holds named tensors received from rank 0 of an update group. Thread-safe; one update at a time."""
+
+    def __init__(self, backend: CommBackend, device: torch.device | None = None) -> None:
+        self.backend = backend
+        self.device = device or torch.device("cpu")
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weight_version = 0
+        self.group_name: str | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staging_version: int | None = None
+        self._staging_failed = False
+        self._lock = threading.RLock()  # serialises group and bucket operations
+        self._state_lock = threading.Lock()  # guards the committed (weights, version) pair
+
+    def init_group(self, spec: GroupSpec) -> None:
+        """Join a new group (dropping the previous one and any staged update)."""
+        with self._lock:
+            if self.group_name is not None:
+                self.backend.destroy_group(self.group_name)
+                self.group_name = None
+            self.abort()
+            self.backend.create_group(spec)
+            self.group_name = spec.group_name
+
+    def destroy_group(self, group_name: str) -> None:
+        with self._lock:
+            self.backend.destroy_group(group_name)
+            if self.group_name == group_name:
+                self.group_name = None
+
+    def receive_bucket(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: int,
+        flattened: bool,
+    ) -> None:
+        """Receive one bucket of update `weight_version` into staging. Raises WeightSyncError on failure."""
+        with self._lock:
+            self._start_staging(weight_version)
+            try:
+                received = self._recv(names, dtypes, shapes, group_name, flattened)
+            except Exception:
+                self._staging_failed = True
+                raise
+            self._staging.update(received)
+
+    def _recv(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        flattened: bool,
+    ) -> dict[str, torch.Tensor]:
+        if flattened:
+            layout = FusionLayout.from_wire(names, dtypes, shapes)
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            self.backend.broadcast(buffer, 0, group_name)
+            return unpack_views(buffer, layout)
+        out = {
+            n: torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
+            for n, d, s in zip(names, dtypes, shapes, strict=True)
+        }
+        handles = [self.backend.broadcast_async(t, 0, group_name) for t in out.values()]
+        for handle in handles:
+            handle.wait()
+        return out
+
+    def _start_staging(self, weight_version: int) -> None:
+        if self._staging_version != weight_version:
+            if self._staging_version is not None:
+                log.warning("abandoning incomplete update v%s for v%s", self._staging_version, weight_version)
+            self.abort()
+            self._staging_version = weight_version
+
+    def commit(self, weight_version: int) -> None:
+        """Swap the staged update in. Raises WeightSyncError if it is incomplete or failed."""
+        with self._lock:
+            if self._staging_version != weight_version or self._staging_failed:
+                raise WeightSyncError(
+                    f"update v{weight_version} is incomplete or failed here (staged: v{self._staging_version}, "
+                    f"failed: {self._staging_failed}); keeping v{self.weight_version}"
+                )
+            with self._state_lock:
+                self.weights = self._staging
+                self.weight_version = weight_version
+            self._staging = {}
+            self._staging_version = None
+
+    def abort(self) -> None:
+        """Drop whatever is staged."""
+        with self._lock:
+            self._staging = {}
+            self._staging_version = None
+            self._staging_failed = False
+
+    def digest(self) -> tuple[int, dict[str, str]]:
+        """(committed version, sha256 hex per tensor); never waits for an update in flight."""
+        with self._state_lock:
+            weights, version = self.weights, self.weight_version
+        return version, {name: tensor_sha256(t) for name, t in weights.items()}

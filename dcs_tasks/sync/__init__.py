@@ -1,0 +1,1 @@
+"""Weight synchronisation: group planning, wire models, quantization, the bucketed sender and updaters."""

@@ -1,0 +1,152 @@
+"""Actor -> actor_fwd / reference weight sync: groups from /get_model_update_group_ranks, meta via the coordinator.
+
+Every participant calls `init_groups(rollout_id)` with the same `rollout_id` (rendezvous is a barrier).
+The reference joins only when `ref_update_interval` is set and divides `rollout_id`. Each actor marked
+`is_pp_src_rank` is rank 0 of its stage's group `update_actor_pp_{pp_rank}` (init method from the
+coordinator); receivers join every stage's group at their global rank. Per update each source posts one
+`WeightMeta` per bucket (then broadcasts the bucket flattened) and finally the end sentinel; a receiver
+commits once it has seen `train_pp_size` sentinels, so a partial update is never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dcs_tasks.backends.base import GroupSpec
+from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.backends.fusion import FusionLayout
+from dcs_tasks.client.coordinator_api import CoordinatorAPI
+from dcs_tasks.config import BackendType
+from dcs_tasks.errors import DCSTimeoutError
+from dcs_tasks.models import GroupRanksResponse, WeightMeta
+from dcs_tasks.receiver.weights import WeightReceiver
+from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.sender import BucketSender
+
+
+def needs_ref_update(rollout_id: int, ref_update_interval: int | None) -> bool:
+    return ref_update_interval is not None and rollout_id % ref_update_interval == 0
+
+
+def _parse_tcp(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
+def stage_specs(ranks: GroupRanksResponse, rollout_id: int, backend: BackendType) -> dict[str, GroupSpec]:
+    """The GroupSpec this node uses in every pp stage's group (named with the rollout id)."""
+    specs = {}
+    for stage, url in sorted(ranks.pp_groups.items()):
+        host, port = _parse_tcp(url)
+        name = f"{stage}-r{rollout_id}"
+        specs[stage] = GroupSpec(name, host, port, ranks.world_size, ranks.global_rank, backend)
+    return specs
+
+
+async def join_all(backend: DeviceDirectBackend, specs: list[GroupSpec]) -> None:
+    """Join every group concurrently (each rendezvous waits for all its members)."""
+    await asyncio.gather(*(asyncio.to_thread(backend.create_group, spec) for spec in specs))
+
+
+class ActorFwdSender:
+    """Actor side: broadcast this pp stage's part of the weights to actor_fwd (and reference)."""
+
+    def __init__(self, api: CoordinatorAPI, sender: BucketSender, pp_rank: int) -> None:
+        self.api = api
+        self.sender = sender
+        self.pp_rank = pp_rank
+        self.spec: GroupSpec | None = None
+
+    async def init_group(self, specs: dict[str, GroupSpec]) -> None:
+        mine = specs.get(f"update_actor_pp_{self.pp_rank}")
+        if mine is None:
+            raise DCSTimeoutError(f"the coordinator lists no group for pp stage {self.pp_rank}: {sorted(specs)}")
+        if self.spec is not None:
+            self.sender.backend.destroy_group(self.spec.group_name)
+        await asyncio.to_thread(self.sender.backend.create_group, mine)
+        self.spec = mine
+
+    async def update(
+        self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None
+    ) -> dict[str, Any]:
+        if self.spec is None:
+            return {"actor_fwd_groups": 0}
+        group_name = self.spec.group_name
+
+        async def announce(index: int, layout: FusionLayout, last: bool) -> None:
+            meta = WeightMeta(
+                names=layout.names,
+                dtypes=[s.dtype for s in layout.specs],
+                shapes=[list(s.shape) for s in layout.specs],
+                group_name=group_name,
+            )
+            await self.api.send_weight_meta(meta)
+
+        stats = await self.sender.send(state, group_name, announce, quant)
+        await self.api.send_weight_meta(WeightMeta.end())
+        return stats.as_dict()
+
+
+class ActorFwdReceiver:
+    """actor_fwd / reference side: follow the weight-meta log and receive each bucket it announces."""
+
+    def __init__(
+        self,
+        api: CoordinatorAPI,
+        receiver: WeightReceiver,
+        timeout_seconds: float,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        self.api = api
+        self.receiver = receiver
+        self.timeout_seconds = timeout_seconds
+        self.model = model
+        self.train_pp_size = 1
+        self.meta_index = 0
+        self.joined = False
+
+    async def init_groups(self, ranks: GroupRanksResponse, specs: dict[str, GroupSpec]) -> None:
+        """Snapshot the meta log's end *before* the rendezvous barrier, then join every stage's group."""
+        self.meta_index = (await self.api.recv_weight_meta(index=0, wait_timeout_s=0)).next_index
+        backend = self.receiver.backend
+        assert isinstance(backend, DeviceDirectBackend)
+        await join_all(backend, list(specs.values()))
+        self.train_pp_size = ranks.train_pp_size
+        self.joined = True
+
+    async def recv_weight(self) -> int:
+        """Receive one whole update; returns the new version. DCSTimeoutError if it does not end in time."""
+        deadline = time.monotonic() + self.timeout_seconds
+        version, ends, received = self.receiver.weight_version + 1, 0, 0
+        while ends < self.train_pp_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.receiver.abort()
+                raise DCSTimeoutError(
+                    f"weight update v{version} did not complete within {self.timeout_seconds:g}s "
+                    f"({received} buckets, {ends}/{self.train_pp_size} stages ended)"
+                )
+            batch = await self.api.recv_weight_meta(self.meta_index, wait_timeout_s=min(left, 5.0))
+            for meta in batch.entries:
+                self.meta_index += 1
+                if meta.is_end:
+                    ends += 1
+                    continue
+                await asyncio.to_thread(
+                    self.receiver.receive_bucket, meta.names, meta.dtypes, meta.shapes, meta.group_name, version, True
+                )
+                received += 1
+        self.receiver.commit(version)
+        self._apply()
+        return version
+
+    def _apply(self) -> None:
+        if self.model is None:
+            return
+        with torch.no_grad():
+            self.model.load_state_dict(self.receiver.weights, strict=False)

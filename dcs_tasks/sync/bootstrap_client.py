@@ -1,0 +1,136 @@
+"""Trainer side of group bootstrap: enqueue the bootstrap task, join as rank 0, retry with backoff.
+
+Call order: `form_group(plan)` -> (updates) -> `release(group)`. A group forms only if every engine's join
+task reports success and the trainer's rendezvous completes within `group_init_timeout_seconds`.
+Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
+`GroupInitError` / `PortAllocationError` naming what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from celery.result import ResultSet
+
+from dcs_tasks.backends.base import GroupSpec
+from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.celery_app import TaskName, node_queue
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.errors import GroupInitError, PortAllocationError, WeightSyncError
+from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, DestroyRequest, GroupPlan, JoinResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActiveGroup:
+    plan: GroupPlan
+    result: BootstrapResult
+
+
+class GroupBootstrapper:
+    """Forms rollout update groups through the host's Celery worker; this process is rank 0."""
+
+    def __init__(
+        self, config: DCSConfig, celery: Celery, backend: DeviceDirectBackend, group_prefix: str, master_address: str
+    ) -> None:
+        self.config = config
+        self.celery = celery
+        self.backend = backend
+        self.group_prefix = group_prefix
+        self.master_address = master_address
+
+    async def form_group(self, plan: GroupPlan) -> ActiveGroup:
+        last: WeightSyncError | None = None
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return await self._form_once(plan)
+            except (GroupInitError, PortAllocationError) as exc:
+                last = exc
+                delay = min(self.config.retry_delay_seconds * 2**attempt, self.config.retry_backoff_max_seconds)
+                log.warning("group formation attempt %d failed (%s); retrying in %.1fs", attempt + 1, exc, delay)
+                await asyncio.sleep(delay)
+        assert last is not None
+        kind = type(last)
+        raise kind(f"group formation failed after {self.config.max_retries + 1} attempts: {last}", last.member)
+
+    async def _form_once(self, plan: GroupPlan) -> ActiveGroup:
+        request = BootstrapRequest(
+            group_prefix=self.group_prefix,
+            master_address=self.master_address,
+            plan=plan,
+            backend=self.backend.backend_type,
+        )
+        result = BootstrapResult.model_validate(
+            await self._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
+        )
+        spec = GroupSpec(
+            result.group_name,
+            result.master_address,
+            result.master_port,
+            result.world_size,
+            0,
+            self.backend.backend_type,
+        )
+        timeout = self.config.group_init_timeout_seconds + 10
+        joins = ResultSet([self.celery.AsyncResult(i) for i in result.join_task_ids])
+        both: tuple[Any, Any] = await asyncio.gather(
+            asyncio.to_thread(self.backend.create_group, spec),
+            asyncio.to_thread(joins.join, timeout=timeout, propagate=False),  # one thread: result backends
+            return_exceptions=True,  # are not thread-safe
+        )
+        created, joined = both
+        group = ActiveGroup(plan, result)
+        outcomes = joined if isinstance(joined, list) else [joined] * len(plan.engines)
+        failure = self._first_failure(plan, outcomes) or created
+        if isinstance(failure, BaseException):
+            await self.release(group)
+            member = getattr(failure, "member", None)
+            raise GroupInitError(f"group {result.group_name} did not form: {failure}", member) from failure
+        for engine in plan.engines:
+            self.backend.register_peer(
+                result.group_name,
+                engine.rank_offset,
+                RoleInfo(role_name="rollout", rank=engine.rank, ip=engine.ip, port=engine.port),
+            )
+        return group
+
+    @staticmethod
+    def _first_failure(plan: GroupPlan, outcomes: list[Any]) -> BaseException | None:
+        for engine, outcome in zip(plan.engines, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                return GroupInitError(f"join task of {engine.node_id} failed: {outcome!r}", engine.node_id)
+            joined = JoinResult.model_validate(outcome)
+            if not joined.success:
+                return GroupInitError(f"{joined.node_id} could not join: {joined.message}", joined.node_id)
+        return None
+
+    async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
+        sent = self.celery.send_task(name.value, args=[payload], queue=node_queue(self.config.host_name))
+        timeout = self.config.group_init_timeout_seconds
+        try:
+            return await asyncio.to_thread(sent.get, timeout=timeout)
+        except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses the builtin
+            raise GroupInitError(
+                f"no `dcs worker` on host {self.config.host_name} ran {name.value} within {timeout:g}s; "
+                "start one (`dcs worker`) on the trainer's host"
+            ) from exc
+
+    async def release(self, group: ActiveGroup) -> None:
+        """Drop the local group and enqueue its teardown (engines, port, record); does not wait for it."""
+        self.backend.destroy_group(group.result.group_name)
+        request = DestroyRequest(
+            group_name=group.result.group_name,
+            host=self.config.host_name,
+            master_port=group.result.master_port,
+            engines=list(group.plan.engines),
+        )
+        self.celery.send_task(
+            TaskName.DESTROY_GROUP.value,
+            args=[request.model_dump(mode="json")],
+            queue=node_queue(self.config.host_name),
+        )

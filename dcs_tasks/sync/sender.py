@@ -1,0 +1,119 @@
+"""The bucketed, double-buffered broadcast of a state dict (the trainer side of every update).
+
+Steps per update: plan buckets (`plan_buckets`) -> pack bucket 0 -> for each bucket k: announce it to
+the receivers (an awaitable supplied by the caller: HTTP to rollout engines, or weight meta through the
+coordinator), start its broadcast, pack bucket k+1 into the other buffer while k is on the wire, then wait
+for both. Two flat buffers are allocated once and reused while the layout fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from dcs_tasks.backends.base import CommBackend
+from dcs_tasks.backends.fusion import FusionLayout, TensorSpec, pack_into, plan_buckets
+from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.quantize import to_wire, wire_spec
+
+Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
+
+
+@dataclass
+class SendStats:
+    """What one update moved and where the time went (seconds)."""
+
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    pack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    total_seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float | int]:
+        gbps = self.bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+        out: dict[str, float | int] = {
+            "bytes": self.bytes,
+            "tensors": self.tensors,
+            "buckets": self.buckets,
+            "pack_seconds": self.pack_seconds,
+            "wait_seconds": self.wait_seconds,
+            "broadcast_seconds": self.total_seconds,
+            "gb_per_s": gbps,
+        }
+        out.update(self.phases)
+        return out
+
+
+class BucketSender:
+    """Sends state dicts over one group of a backend as rank `src`; keeps its two buffers between updates."""
+
+    def __init__(self, backend: CommBackend, device: torch.device, bucket_size_bytes: int) -> None:
+        self.backend = backend
+        self.device = device
+        self.bucket_size_bytes = bucket_size_bytes
+        self._slots: list[torch.Tensor] = []
+
+    def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
+        specs = [wire_spec(TensorSpec.of(name, t), quant) for name, t in state.items()]
+        return plan_buckets(specs, self.bucket_size_bytes)
+
+    def _buffers(self, layouts: list[FusionLayout]) -> list[torch.Tensor]:
+        need = max((lay.total_bytes for lay in layouts), default=0)
+        if not self._slots or self._slots[0].numel() < need or self._slots[0].device != self.device:
+            self._slots = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._slots
+
+    def _pack(
+        self,
+        slot: torch.Tensor,
+        layout: FusionLayout,
+        state: Mapping[str, torch.Tensor],
+        quant: QuantizationConfig | None,
+    ) -> torch.Tensor:
+        tensors = {spec.name: to_wire(state[spec.name], quant).to(self.device) for spec in layout.specs}
+        view = pack_into(slot, layout, tensors)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return view
+
+    async def send(
+        self,
+        state: Mapping[str, torch.Tensor],
+        group_name: str,
+        announce: Announce,
+        quant: QuantizationConfig | None = None,
+        src: int = 0,
+    ) -> SendStats:
+        """Broadcast every tensor of `state`; `announce(k, layout, is_last)` runs alongside bucket k's broadcast."""
+        start = time.perf_counter()
+        layouts = self.plan(state, quant)
+        slots = self._buffers(layouts)
+        stats = SendStats(buckets=len(layouts), tensors=len(state))
+        t0 = time.perf_counter()
+        packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
+        stats.pack_seconds += time.perf_counter() - t0
+        for k, layout in enumerate(layouts):
+            assert packed is not None
+            announcing = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1))
+            try:
+                handle = self.backend.broadcast_async(packed, src, group_name)
+                if k + 1 < len(layouts):
+                    t0 = time.perf_counter()
+                    packed = await asyncio.to_thread(self._pack, slots[(k + 1) % 2], layouts[k + 1], state, quant)
+                    stats.pack_seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                await asyncio.gather(handle.wait_async(), announcing)
+                stats.wait_seconds += time.perf_counter() - t0
+            finally:
+                if not announcing.done():
+                    announcing.cancel()
+                    await asyncio.gather(announcing, return_exceptions=True)
+            stats.bytes += layout.payload_bytes
+        stats.total_seconds = time.perf_counter() - start
+        return stats

@@ -1,0 +1,133 @@
+"""Real processes for weight-sync tests: coordinator, a thread-pool `dcs worker`, `dcs receiver` servers."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.sync.models import WeightsDigest
+from tests.helpers.ports import free_port, wait_for_port
+from tests.helpers.procs import REPO, CoordinatorProcess, WorkerProcess, child_env
+
+
+class ReceiverProcess:
+    """`dcs receiver --coordinator-url URL --rank N --port P` in its own session."""
+
+    def __init__(self, config: DCSConfig, coordinator_url: str, rank: int, log_path: Path) -> None:
+        self.config = config
+        self.coordinator_url = coordinator_url
+        self.rank = rank
+        self.port = free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ReceiverProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "dcs_tasks.cli.main",
+            "receiver",
+            "--coordinator-url",
+            self.coordinator_url,
+            "--rank",
+            str(self.rank),
+            "--port",
+            str(self.port),
+        ]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
+        wait_for_port(self.port, timeout)
+        wait_registered(self.coordinator_url, "rollout", self.rank, timeout)
+        return self
+
+    def digest(self) -> WeightsDigest:
+        response = httpx.get(f"{self.url}/weights_digest", timeout=30)
+        response.raise_for_status()
+        return WeightsDigest.model_validate_json(response.content)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+def alive_ranks(coordinator_url: str, role: str) -> set[int]:
+    answer = httpx.get(f"{coordinator_url}/topology", params={"role_filter": role}, timeout=10).json()
+    return {int(r) for r in answer["nodes"].get(role, {})}
+
+
+def wait_registered(coordinator_url: str, role: str, rank: int, timeout: float, alive: bool = True) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (rank in alive_ranks(coordinator_url, role)) == alive:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{role}_{rank} not {'alive' if alive else 'gone'} after {timeout}s")
+
+
+@dataclass
+class SyncStack:
+    config: DCSConfig
+    coordinator: CoordinatorProcess
+    worker: WorkerProcess
+    tmp: Path
+    receivers: list[ReceiverProcess] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.coordinator.url
+
+    def add_receiver(self, rank: int) -> ReceiverProcess:
+        receiver = ReceiverProcess(self.config, self.url, rank, self.tmp / f"receiver{rank}.log").start()
+        self.receivers.append(receiver)
+        return receiver
+
+
+@contextmanager
+def sync_stack(config: DCSConfig, tmp: Path, receivers: int = 0) -> Iterator[SyncStack]:
+    """Coordinator + thread-pool worker (sync tasks block on rendezvous) + `receivers` receiver servers."""
+    coordinator = CoordinatorProcess(config, tmp / "coordinator.log").start()
+    config = config.model_copy(update={"coordinator_url": coordinator.url})
+    worker = WorkerProcess(config, tmp / "worker.log", concurrency=8, pool="threads").start()
+    stack = SyncStack(config, coordinator, worker, tmp)
+    try:
+        for rank in range(receivers):
+            stack.add_receiver(rank)
+        yield stack
+    finally:
+        for receiver in stack.receivers:
+            receiver.stop()
+        worker.terminate()
+        coordinator.stop()
