@@ -114,6 +114,8 @@ class DCSConfig(BaseSettings):
     pinned_memory: bool = True
     keep_last: int | None = Field(default=None, ge=1)
     keep_every: int | None = Field(default=None, ge=1)
+    # fault-injection knob: workers write checkpoint files no faster than this (None: full speed)
+    persist_throttle_bytes_per_second: float | None = Field(default=None, gt=0)
 
     # fault tolerance
     max_retries: int = Field(default=3, ge=0)

@@ -1,0 +1,272 @@
+"""`Checkpointer`: the trainer-side API — save (stage + enqueue), restore, list.
+
+save() = check a worker serves this host -> flatten -> take a staging buffer (policy block/skip) -> copy
+tensors into it -> open the step in the Redis ledger -> send one JSON persist task per file to this
+host's node queue. It returns a `PendingCheckpoint`; the workers write, checksum and commit. The stall
+the trainer pays is everything up to that return (the copy dominates).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from celery import Celery
+
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.checkpoint import cuda, reader
+from dcs_tasks.checkpoint.format import (
+    Layout,
+    ManifestDraft,
+    library_versions,
+    plan_layout,
+    specs_of,
+    step_dir_name,
+    tensor_index,
+)
+from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
+from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef
+from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
+from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into
+from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
+from dcs_tasks.checkpoint.telemetry import record_load, record_stall
+from dcs_tasks.config import DCSConfig, StagingPolicy
+from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, NoWorkerError, StagingError
+from dcs_tasks.keys import Keys
+
+log = logging.getLogger(__name__)
+RUN_PATTERN = r"^[A-Za-z0-9_.\-]+$"
+
+
+class Checkpointer:
+    """Asynchronous checkpoints of one run. Not thread-safe: one trainer thread calls save/restore."""
+
+    def __init__(
+        self,
+        run: str,
+        config: DCSConfig | None = None,
+        *,
+        size_hint_bytes: int | None = None,
+        celery_app: Celery | None = None,
+    ) -> None:
+        if not re.match(RUN_PATTERN, run):
+            raise CheckpointError(f"run name {run!r} must match {RUN_PATTERN}")
+        self.run = run
+        self.config = config or DCSConfig()
+        self.run_dir = (Path(self.config.checkpoint_dir) / run).resolve()
+        self._keys = Keys(self.config.namespace)
+        self._redis = redis.Redis.from_url(
+            self.config.redis_url,
+            decode_responses=True,
+            socket_timeout=self.config.redis_socket_timeout_seconds,
+            socket_connect_timeout=self.config.redis_socket_timeout_seconds,
+        )
+        self._ledger = StepLedger(self._redis, self._keys)
+        self._app = celery_app or make_celery(self.config)
+        self._pool = StagingPool(
+            Path(self.config.staging_dir), self.config.staging_buffers, prefix=f"dcs-{self.config.namespace}-{run}"
+        )
+        self._layouts: dict[tuple[Any, ...], Layout] = {}
+        self._pending: list[PendingCheckpoint] = []
+        if size_hint_bytes:
+            self._pool.reserve(size_hint_bytes)
+
+    # --- save -----------------------------------------------------------------------------------
+    def save(
+        self, state: Any, step: int, metadata: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> PendingCheckpoint:
+        """Stage `state` and enqueue its persistence; returns once staged. Raises NoWorkerError when no
+        worker serves this host, StagingError when no buffer frees up within `timeout` (policy block),
+        CheckpointError when `step` is already committed or in flight."""
+        started = time.perf_counter()
+        self._require_worker()
+        flat = flatten_state(state)
+        layout = self._layout(flat)
+        buf = self._acquire(layout.nbytes, timeout)
+        if buf is None:
+            return PendingCheckpoint(
+                self.run,
+                step,
+                ledger=None,
+                step_dir=self._step_dir(step),
+                stall_seconds=time.perf_counter() - started,
+                skipped=True,
+            )
+        try:
+            self._stage(buf, layout, flat)
+            ref = self._begin(step, layout, flat, metadata or {})
+            self._send(ref, buf, layout)
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        stall = time.perf_counter() - started
+        pending = PendingCheckpoint(
+            self.run,
+            step,
+            ledger=self._ledger,
+            step_dir=self._step_dir(step),
+            stall_seconds=stall,
+            on_finished=lambda: self._pool.release(buf),
+        )
+        self._pending.append(pending)
+        record_stall(stall, layout.data_bytes)
+        return pending
+
+    def reserve(self, state: Any) -> None:
+        """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop)."""
+        self._pool.reserve(self._layout(flatten_state(state)).nbytes)
+
+    def _require_worker(self) -> None:
+        queue = node_queue(self.config.host_name)
+        try:
+            present = bool(self._redis.exists(self._keys.worker_presence(queue)))
+        except redis.RedisError as exc:
+            raise NoWorkerError(f"cannot check for a worker on {queue}: Redis unreachable ({exc})") from exc
+        if not present:
+            raise NoWorkerError(
+                f"no live `dcs worker` serves queue {queue!r}; start one on host {self.config.host_name!r} "
+                "(`dcs worker`) before saving"
+            )
+
+    def _layout(self, flat: FlatState) -> Layout:
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in flat.tensors.items())
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = plan_layout(specs_of(flat.tensors), self.config.file_shard_bytes)
+            self._layouts = {key: layout}
+        return layout
+
+    def _acquire(self, nbytes: int, timeout: float | None) -> StagingBuffer | None:
+        limit = self.config.task_time_limit_seconds if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        delay = 0.001
+        while True:
+            self._reap()
+            buf = self._pool.try_acquire(nbytes)
+            if buf is not None or self.config.staging_policy is StagingPolicy.SKIP:
+                return buf
+            if time.monotonic() >= deadline:
+                raise StagingError(
+                    f"all {self.config.staging_buffers} staging buffers are still being persisted after {limit}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _reap(self) -> None:
+        for pending in list(self._pending):
+            try:
+                status = pending.poll()
+            except redis.RedisError:
+                continue
+            if pending.released and status in (StepStatus.COMMITTED, StepStatus.FAILED):
+                self._pending.remove(pending)
+
+    def _stage(self, buf: StagingBuffer, layout: Layout, flat: FlatState) -> None:
+        buf.write_headers(layout)
+        if torch.cuda.is_available() and cuda.has_cuda_tensors(flat.tensors):
+            cuda.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
+        else:
+            copy_into(buf, layout, flat.tensors)
+
+    def _begin(self, step: int, layout: Layout, flat: FlatState, metadata: dict[str, Any]) -> StepRef:
+        draft = ManifestDraft(
+            run=self.run,
+            step=step,
+            tensors=tensor_index(layout),
+            structure=flat.structure,
+            metadata=metadata,
+            created_at=time.time(),
+            versions=library_versions(),
+        )
+        ref = StepRef(run=self.run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
+        verdict = self._ledger.begin(self.run, step, ref.token, len(layout.files), draft)
+        if verdict is Verdict.COMMITTED:
+            raise CheckpointError(f"step {step} of run {self.run!r} is already committed; save under a new step")
+        if verdict is Verdict.BUSY:
+            raise CheckpointError(f"step {step} of run {self.run!r} is still being persisted")
+        return ref
+
+    def _send(self, ref: StepRef, buf: StagingBuffer, layout: Layout) -> None:
+        queue = node_queue(self.config.host_name)
+        retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
+        for f in layout.files:
+            request = PersistRequest(
+                ref=ref,
+                file_name=f.name,
+                staging_path=str(buf.path),
+                offset=f.offset,
+                length=f.size,
+                retention=retention,
+            )
+            self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
+
+    def _step_dir(self, step: int) -> Path:
+        return self.run_dir / step_dir_name(step)
+
+    # --- read -----------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints of this run, oldest first (newest last)."""
+        infos = []
+        for _, step_dir in reader.step_dirs(self.run_dir):
+            try:
+                infos.append(CheckpointInfo.of(reader.load_manifest(step_dir), step_dir))
+            except CorruptCheckpoint as exc:
+                log.warning("skipping unreadable checkpoint: %s", exc)
+        return infos
+
+    def restore(self, step: int | None = None, into: Any = None, verify: bool = True) -> RestoredCheckpoint:
+        """Load `step` (default: the newest committed step whose files verify, falling back to older ones
+        with a warning). `into`: a state of the same structure whose tensors are filled in place.
+        Raises CheckpointNotFound, CorruptCheckpoint (explicit step), StateMismatch (naming the tensor)."""
+        dirs = dict(reader.step_dirs(self.run_dir))
+        if step is not None:
+            if step not in dirs:
+                raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
+            return self._restore_dir(dirs[step], into, verify)
+        for candidate in sorted(dirs, reverse=True):
+            try:
+                return self._restore_dir(dirs[candidate], into, verify)
+            except CorruptCheckpoint as exc:
+                warnings.warn(
+                    f"checkpoint step {candidate} is corrupt ({exc}); falling back to an older one",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        raise CheckpointNotFound(f"run {self.run!r} has no committed checkpoint that verifies in {self.run_dir}")
+
+    def _restore_dir(self, step_dir: Path, into: Any, verify: bool) -> RestoredCheckpoint:
+        started = time.perf_counter()
+        manifest = reader.load_manifest(step_dir)
+        tensors = reader.load_tensors(step_dir, manifest, verify=verify)
+        if into is not None:
+            targets = flatten_state(into).tensors
+            reader.copy_into_targets(tensors, targets)
+            tensors = targets
+        state = unflatten_state(manifest.structure, tensors)
+        record_load(time.perf_counter() - started, manifest.total_bytes)
+        return RestoredCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait (bounded) for in-flight saves to finish with the staging buffers, then free them."""
+        deadline = time.monotonic() + timeout
+        while self._pool.in_flight() and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+        if self._pool.in_flight():
+            log.warning("closing with %d staging buffer(s) still in flight", self._pool.in_flight())
+        self._pool.close()
+        self._redis.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""Durable file writes: temp name, large writes, fsync, rename, directory fsync.
+
+A reader that sees a final name sees complete, durable bytes: a crash leaves at most a `.tmp` file,
+which readers ignore and the writer removes on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dcs_tasks.checkpoint.format import new_hasher
+
+CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs_durable(path: Path) -> None:
+    """`mkdir -p path`, fsyncing each parent whose entry was created, so the path survives a crash."""
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+        fsync_dir(directory.parent)
+
+
+def temp_path(final: Path, tag: str) -> Path:
+    return final.with_name(f".{final.name}.{tag}.tmp")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+@contextlib.contextmanager
+def durable_file(final: Path, tag: str) -> Iterator[int]:
+    """Yield a fd on a temp file; on success fsync it, rename it to `final` and fsync the directory.
+    On any error the temp file is removed and the final name is untouched."""
+    tmp = temp_path(final, tag)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            yield fd
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(final.parent)
+
+
+def write_bytes_durably(final: Path, data: bytes, tag: str) -> None:
+    with durable_file(final, tag) as fd:
+        _write_all(fd, memoryview(data))
+
+
+def stream_region(
+    source: Path, offset: int, length: int, final: Path, tag: str, throttle_bytes_per_second: float | None = None
+) -> str:
+    """Copy `length` bytes at `offset` of `source` into `final` durably; return their xxh3_128 hex digest,
+    computed on the same pass. `throttle_bytes_per_second` slows the copy (fault tests only)."""
+    hasher = new_hasher()
+    with open(source, "rb") as src, durable_file(final, tag) as fd:
+        if length == 0:
+            return str(hasher.hexdigest())
+        mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
+        try:
+            _copy_chunks(memoryview(mapping), fd, hasher, throttle_bytes_per_second)
+        finally:
+            mapping.close()
+    return str(hasher.hexdigest())
+
+
+def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None) -> None:
+    started = time.monotonic()
+    chunk = CHUNK_BYTES if throttle is None else max(64 * 1024, int(throttle / 20))
+    try:
+        for pos in range(0, len(view), chunk):
+            piece = view[pos : pos + chunk]
+            hasher.update(piece)
+            _write_all(fd, piece)
+            piece.release()
+            if throttle is not None:
+                ahead = (pos + chunk) / throttle - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+    finally:
+        view.release()
+
+
+def file_checksum(path: Path) -> str:
+    hasher = new_hasher()
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            hasher.update(view[:n])
+    return str(hasher.hexdigest())

@@ -1,0 +1,70 @@
+"""Retention policy: which committed steps to delete, and deleting them safely.
+
+Kept: the `keep_last` newest committed steps, every step divisible by `keep_every`, steps still in
+flight, and the newest step whose files are all present with their manifest sizes (the newest *good*
+checkpoint survives even if newer ones are damaged). A step is deleted manifest-first, so a reader never
+sees a half-deleted step as committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+from dcs_tasks.checkpoint.format import MANIFEST_NAME
+from dcs_tasks.checkpoint.fsio import fsync_dir
+from dcs_tasks.checkpoint.models import RetentionPolicy
+from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
+from dcs_tasks.errors import CorruptCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def steps_to_delete(steps: list[int], policy: RetentionPolicy, protected: set[int]) -> list[int]:
+    """Pure policy: the committed `steps` (any order) that `policy` lets go, never one in `protected`."""
+    if policy.keep_last is None:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-policy.keep_last :]) | protected
+    if policy.keep_every:
+        keep |= {s for s in ordered if s % policy.keep_every == 0}
+    return [s for s in ordered if s not in keep]
+
+
+def newest_intact(run_dir: Path) -> int | None:
+    """The newest step whose manifest reads and whose files all have their recorded sizes (cheap check)."""
+    for step, step_dir in reversed(step_dirs(run_dir)):
+        try:
+            manifest = load_manifest(step_dir)
+        except CorruptCheckpoint:
+            continue
+        sizes_ok = all(
+            (step_dir / f.name).is_file() and (step_dir / f.name).stat().st_size == f.size for f in manifest.files
+        )
+        if sizes_ok:
+            return step
+    return None
+
+
+def delete_step(step_dir: Path) -> None:
+    """Remove the manifest first (durably), then the rest of the directory."""
+    with contextlib.suppress(FileNotFoundError):
+        (step_dir / MANIFEST_NAME).unlink()
+        fsync_dir(step_dir)
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def apply_retention(run_dir: Path, policy: RetentionPolicy, in_flight: set[int]) -> list[int]:
+    """Delete what `policy` lets go in `run_dir`; returns the deleted steps."""
+    dirs = dict(step_dirs(run_dir))
+    protected = set(in_flight)
+    good = newest_intact(run_dir)
+    if good is not None:
+        protected.add(good)
+    doomed = steps_to_delete(list(dirs), policy, protected)
+    for step in doomed:
+        delete_step(dirs[step])
+        log.info("retention: deleted %s", dirs[step])
+    return doomed

@@ -1,0 +1,118 @@
+"""Flatten a training state into named tensors plus a JSON description of everything else, and back.
+
+A state is what trainers save: nested dicts (str or int keys, `OrderedDict` kept), lists, tuples,
+tensors of any dtype (views and non-contiguous tensors included) and plain values (None, bool, int,
+float, str, `torch.dtype`, `torch.Size`, `torch.device`). The description is pure JSON, so it travels
+in the manifest; floats are stored with `float.hex` so that NaN, inf and -0.0 survive bit-exactly.
+Anything else (arbitrary objects) is refused: DCS never pickles.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcs_tasks.errors import StagingError
+
+Node = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """`tensors` in traversal order (name -> tensor) and the JSON `structure` that rebuilds the state."""
+
+    tensors: dict[str, torch.Tensor]
+    structure: Node
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def name_for(self, path: tuple[str, ...]) -> str:
+        base = "/".join(path) or "tensor"
+        name, n = base, 1
+        while name in self.tensors:
+            name, n = f"{base}#{n}", n + 1
+        return name
+
+    def node(self, value: Any, path: tuple[str, ...]) -> Node:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, Mapping):
+            kind = "odict" if isinstance(value, OrderedDict) else "dict"
+            keys = [_scalar(k, path) for k in value]
+            values = [self.node(v, (*path, str(k))) for k, v in value.items()]
+            return {"k": kind, "keys": keys, "values": values}
+        if isinstance(value, torch.Size):
+            return {"k": "size", "v": list(value)}
+        if isinstance(value, list | tuple):
+            items = [self.node(v, (*path, str(i))) for i, v in enumerate(value)]
+            return {"k": "list" if isinstance(value, list) else "tuple", "items": items}
+        return _scalar(value, path)
+
+    def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> Node:
+        if tensor.is_sparse or tensor.is_quantized or tensor.device.type == "meta":
+            raise StagingError(f"cannot checkpoint tensor at {'/'.join(path)!r}: sparse/quantized/meta tensors")
+        name = self.name_for(path)
+        self.tensors[name] = tensor
+        return {"k": "tensor", "name": name}
+
+
+def _scalar(value: Any, path: tuple[str, ...]) -> Node:
+    if value is None or isinstance(value, bool | str):
+        return {"k": "v", "v": value}
+    if isinstance(value, int):
+        return {"k": "v", "v": int(value)}
+    if isinstance(value, float):
+        return {"k": "float", "v": float(value).hex()}
+    if isinstance(value, torch.dtype):
+        return {"k": "dtype", "v": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"k": "device", "v": str(value)}
+    where = "/".join(path) or "<root>"
+    raise StagingError(
+        f"cannot checkpoint value of type {type(value).__name__} at {where!r}: only tensors, dicts, lists, "
+        "tuples and plain values are supported (DCS never pickles)"
+    )
+
+
+def flatten_state(state: Any) -> FlatState:
+    """Split `state` into named tensors and a JSON structure. Raises StagingError on unsupported values."""
+    flattener = _Flattener()
+    structure = flattener.node(state, ())
+    return FlatState(tensors=flattener.tensors, structure=structure)
+
+
+def unflatten_state(structure: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild the state described by `structure`, taking tensors by name from `tensors`."""
+    kind = structure["k"]
+    if kind == "tensor":
+        return tensors[structure["name"]]
+    if kind in ("dict", "odict"):
+        keys = [unflatten_state(k, tensors) for k in structure["keys"]]
+        values = [unflatten_state(v, tensors) for v in structure["values"]]
+        pairs = zip(keys, values, strict=True)
+        return OrderedDict(pairs) if kind == "odict" else dict(pairs)
+    if kind in ("list", "tuple"):
+        items = [unflatten_state(i, tensors) for i in structure["items"]]
+        return items if kind == "list" else tuple(items)
+    return _scalar_value(kind, structure["v"])
+
+
+def _scalar_value(kind: str, raw: Any) -> Any:
+    if kind == "v":
+        return raw
+    if kind == "float":
+        return float.fromhex(raw)
+    if kind == "size":
+        return torch.Size(raw)
+    if kind == "dtype":
+        return getattr(torch, raw)
+    if kind == "device":
+        return torch.device(raw)
+    raise ValueError(f"unknown structure node kind {kind!r}")

@@ -1,0 +1,93 @@
+"""`DCSTask`: the Celery task base class with the reliability rules of RELIABILITY.md.
+
+- Redelivery cap: acks_late + reject_on_worker_lost redeliver a task whose process died (kill -9, OOM).
+  Each start increments a Redis counter per (task id, retry number); past `config.max_redeliveries`
+  the task fails with `RedeliveryLimitExceeded` instead of looping.
+- Retries: OSError, ConnectionError, TimeoutError (and redis connection/timeout errors) are retried with
+  exponential backoff and jitter (`retry_delay_seconds` doubling, capped at `retry_backoff_max_seconds`,
+  at most `max_retries` times); validation and other errors fail at once.
+- `give_up(payload, reason)`: subclasses record a final failure (called once the task fails for good,
+  whatever the cause), e.g. mark the checkpoint FAILED so a waiting trainer gets the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import redis
+from celery import Task
+
+from dcs_tasks.errors import DCSError
+from workers.runtime import runtime
+
+log = logging.getLogger(__name__)
+
+RETRYABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    ConnectionError,
+    TimeoutError,
+    redis.ConnectionError,
+    redis.TimeoutError,
+)
+
+
+class RedeliveryLimitExceeded(DCSError):
+    """A task was delivered more often than `max_redeliveries` (its process kept dying)."""
+
+
+def backoff_seconds(retries: int, base: float, cap: float) -> float:
+    """Exponential backoff with equal jitter: in [d/2, d] where d = min(cap, base * 2**retries)."""
+    delay = min(cap, base * (2**retries))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+class DCSTask(Task):
+    """Base class for DCS tasks (use `shared_task(base=DCSTask, bind=True, ...)`)."""
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self._count_delivery()
+            return super().__call__(*args, **kwargs)
+        except RETRYABLE as exc:
+            config = runtime().config
+            if self.request.called_directly or self.request.retries >= config.max_retries:
+                raise
+            countdown = backoff_seconds(
+                self.request.retries, config.retry_delay_seconds, config.retry_backoff_max_seconds
+            )
+            log.warning(
+                "%s[%s] retry %d in %.2fs: %s", self.name, self.request.id, self.request.retries + 1, countdown, exc
+            )
+            raise self.retry(exc=exc, countdown=countdown, max_retries=config.max_retries) from exc
+
+    def _count_delivery(self) -> None:
+        if self.request.called_directly or not self.request.id:
+            return
+        rt = runtime()
+        key = rt.keys.task_deliveries(f"{self.request.id}:{self.request.retries}")
+        pipe = rt.redis.pipeline()
+        pipe.incr(key)
+        pipe.expire(key, int(rt.config.visibility_timeout_seconds * 2))
+        count = int(pipe.execute()[0])
+        if count > rt.config.max_redeliveries:
+            raise RedeliveryLimitExceeded(
+                f"task {self.name}[{self.request.id}] was delivered {count} times (cap "
+                f"{rt.config.max_redeliveries}): its worker process keeps dying while running it"
+            )
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("%s[%s] failed for good: %s", self.name, task_id, reason)
+        try:
+            self.give_up(args, kwargs, reason)
+        except Exception:
+            log.exception("%s[%s]: could not record the failure", self.name, task_id)
+
+    def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
+        """Record a final failure. Subclasses override; the default only logs."""

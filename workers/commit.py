@@ -1,0 +1,61 @@
+"""Commit one step: write `manifest.json` durably, move `latest`, mark the step COMMITTED.
+
+Fenced by the ledger: only the task id that claimed the commit writes, a COMMITTED step is never
+rewritten, and a redelivered commit that finds its manifest already on disk keeps it (the manifest is a
+pure function of the ledger, so its bytes would not change anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest, manifest_bytes, step_dir_name
+from dcs_tasks.checkpoint.fsio import write_bytes_durably
+from dcs_tasks.checkpoint.ledger import StepStatus, Verdict
+from dcs_tasks.checkpoint.models import CommitRequest
+from dcs_tasks.checkpoint.reader import read_latest
+from dcs_tasks.checkpoint.telemetry import record_commit
+from dcs_tasks.errors import CheckpointFailed
+from workers.persist import ledger
+
+log = logging.getLogger(__name__)
+
+
+def commit(req: CommitRequest, task_id: str) -> Verdict:
+    """Returns WRITE when this call committed the step, otherwise why it did nothing."""
+    ref = req.ref
+    book = ledger()
+    verdict = book.claim_commit(ref.run, ref.step, ref.token, task_id)
+    if verdict is not Verdict.WRITE:
+        log.info("commit %s step %d: %s, nothing to do", ref.run, ref.step, verdict.value)
+        return verdict
+    started = time.monotonic()
+    state = book.read(ref.run, ref.step)
+    manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
+    step_dir = Path(ref.step_dir)
+    check_files(step_dir, manifest)
+    final = step_dir / MANIFEST_NAME
+    if not final.exists():
+        write_bytes_durably(final, manifest_bytes(manifest), task_id)
+    move_latest(step_dir.parent, ref.step, task_id)
+    book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED)
+    record_commit(time.monotonic() - started)
+    return verdict
+
+
+def check_files(step_dir: Path, manifest: Manifest) -> None:
+    for entry in manifest.files:
+        path = step_dir / entry.name
+        size = path.stat().st_size if path.is_file() else -1
+        if size != entry.size:
+            raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.size}")
+
+
+def move_latest(run_dir: Path, step: int, tag: str) -> None:
+    """Point `latest` at `step` unless it already names a newer step."""
+    current = read_latest(run_dir)
+    if current is not None and current >= step:
+        return
+    write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)

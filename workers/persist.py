@@ -1,0 +1,81 @@
+"""Persist one staged file: claim it in the ledger, stream it durably with its checksum, record it.
+
+Called by the `dcs.ckpt.persist` task; runs in a prefork child. Idempotent: a file already recorded, a
+file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
+duplicate delivery changes no bytes). The task that records the last file starts the commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
+from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region
+from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.models import PersistRequest
+from dcs_tasks.checkpoint.telemetry import record_persist
+from dcs_tasks.errors import CheckpointFailed
+from workers.runtime import runtime
+
+log = logging.getLogger(__name__)
+
+
+def ledger() -> StepLedger:
+    rt = runtime()
+    return StepLedger(rt.redis, rt.keys)
+
+
+def persist(req: PersistRequest, task_id: str) -> Verdict:
+    """Write `req`'s file if this task may; returns COMMIT when this call completed the step's files."""
+    ref = req.ref
+    book = ledger()
+    verdict = book.claim_file(ref.run, ref.step, ref.token, req.file_name, task_id)
+    if verdict is Verdict.CLOSED:  # the step failed meanwhile: count this file as finished, write nothing
+        finish(req, FileOutcome.SKIPPED, "step no longer persisting")
+        return verdict
+    if verdict is Verdict.DONE and book.progress(ref.run, ref.step)[0] is StepStatus.COMMITTING:
+        return Verdict.COMMIT  # a retry after the commit could not be sent: send it (commits are fenced)
+    if verdict is not Verdict.WRITE:
+        log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
+        return verdict
+    started = time.monotonic()
+    entry = write_file(req, task_id)
+    record_persist(time.monotonic() - started)
+    return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
+
+
+def write_file(req: PersistRequest, task_id: str) -> FileEntry:
+    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it."""
+    staging = Path(req.staging_path)
+    try:
+        staged_size = staging.stat().st_size
+    except FileNotFoundError as exc:
+        raise CheckpointFailed(f"staging file {staging} is gone (trainer closed or crashed)") from exc
+    if staged_size < req.offset + req.length:
+        raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
+    step_dir = Path(req.ref.step_dir)
+    make_dirs_durable(step_dir)
+    throttle = runtime().config.persist_throttle_bytes_per_second
+    checksum = stream_region(staging, req.offset, req.length, step_dir / req.file_name, task_id, throttle)
+    return FileEntry(name=req.file_name, size=req.length, checksum=checksum)
+
+
+def finish(req: PersistRequest, outcome: FileOutcome, value: str) -> FileFinish:
+    """Record the file's final outcome; the last finisher of a FAILED step removes its partial directory."""
+    ref = req.ref
+    result = ledger().finish_file(ref.run, ref.step, ref.token, req.file_name, outcome, value)
+    if result.all_finished and result.status is StepStatus.FAILED:
+        remove_partial_step(Path(ref.step_dir))
+    return result
+
+
+def remove_partial_step(step_dir: Path) -> None:
+    """Delete a step directory that never got a manifest (a failed save); never a committed one."""
+    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).exists():
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(step_dir)
+        log.info("removed partial step directory %s", step_dir)
