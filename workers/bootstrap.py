@@ -20,7 +20,7 @@ import redis
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError
 from dcs_tasks.keys import Keys
-from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, GroupStatus, JoinRequest, JoinResult
+from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, GroupStatus, JoinOutcome, JoinRequest, JoinResult
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +89,27 @@ def record_group(
 
 
 def join_engine(request: JoinRequest) -> JoinResult:
-    """POST the engine's /init_weights_update_group; blocks until the engine has joined (or fails)."""
+    """POST the engine's /init_weights_update_group; blocks until the engine has joined (or fails).
+
+    The HTTP timeout exceeds the rendezvous timeout by a margin, so an engine's own failure message wins.
+    """
     url = f"{request.engine.url}/init_weights_update_group"
+    node = request.engine.node_id
     try:
-        response = httpx.post(url, json=request.body.model_dump(mode="json"), timeout=request.timeout_seconds)
+        response = httpx.post(url, json=request.body.model_dump(mode="json"), timeout=request.timeout_seconds + 5)
+    except httpx.TimeoutException as exc:
+        return JoinResult(node_id=node, success=False, outcome=JoinOutcome.TIMED_OUT, message=f"{url}: {exc!r}")
     except httpx.HTTPError as exc:
-        return JoinResult(node_id=request.engine.node_id, success=False, message=f"{url} unreachable: {exc!r}")
+        return JoinResult(
+            node_id=node, success=False, outcome=JoinOutcome.UNREACHABLE, message=f"{url} unreachable: {exc!r}"
+        )
     try:
         body = response.json()
     except ValueError:
         body = {"success": False, "message": response.text[:500]}
-    success = response.is_success and bool(body.get("success", True))
-    return JoinResult(node_id=request.engine.node_id, success=success, message=str(body.get("message", "")))
+    if response.is_success and bool(body.get("success", True)):
+        return JoinResult(node_id=node, success=True, message=str(body.get("message", "")))
+    return JoinResult(node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=str(body.get("message", "")))
 
 
 def destroy_group(client: redis.Redis, keys: Keys, request: DestroyRequest, timeout: float = 10.0) -> int:

@@ -61,6 +61,7 @@ class CheckpointEngineClient:
         lock: Any = None,
         ip: str = "127.0.0.1",
         metadata: Mapping[str, Any] | None = None,
+        rollout_role: str = "rollout",
     ) -> None:
         base = config or DCSConfig()
         self.config = base.model_copy(update={"coordinator_url": coordinator_url}) if coordinator_url else base
@@ -71,6 +72,7 @@ class CheckpointEngineClient:
         self.lock = lock
         self.role_info = RoleInfo(role_name=role, rank=rank, ip=ip, device_id=device_id, metadata=dict(metadata or {}))
         self.backend_type = backend_type
+        self.rollout_role = rollout_role
         self._backend: DeviceDirectBackend | None = None
         self._api: CoordinatorAPI | None = None
         self._beats: HeartbeatLoop | None = None
@@ -175,7 +177,9 @@ class CheckpointEngineClient:
             self._fwd_receiver = ActorFwdReceiver(self._api, receiver, cfg.comm_timeout_seconds, model)
             return
         sender = BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes)
-        self._rollout = RolloutUpdater(self._api, self._bootstrapper, sender, cfg.comm_timeout_seconds)
+        self._rollout = RolloutUpdater(
+            self._api, self._bootstrapper, sender, cfg.comm_timeout_seconds, self.rollout_role
+        )
         pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
         self._fwd_sender = ActorFwdSender(
             self._api, BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes), pp_rank

@@ -23,6 +23,7 @@ def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser("receiver", help="run a reference rollout weight receiver")
     parser.add_argument("--coordinator-url", required=True)
     parser.add_argument("--rank", type=int, required=True, help="rollout rank to register as")
+    parser.add_argument("--role", default="rollout", help="role to register as (default rollout)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     parser.set_defaults(func=run)
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     info = RoleInfo(
-        role_name="rollout",
+        role_name=args.role,
         rank=args.rank,
         ip=args.host,
         port=sock.getsockname()[1],

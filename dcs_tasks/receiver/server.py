@@ -9,6 +9,7 @@ A failed call answers 400 with `{"success": false, "message": ...}`, as SGLang d
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -24,6 +25,8 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
     WeightsDigest,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _failed(message: str) -> JSONResponse:
@@ -64,9 +67,12 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
                 version,
                 body.load_format == FLATTENED_BUCKET,
             )
+            log.info("bucket of %d tensors for v%d received", len(body.names), version)
             if body.flush_cache:
                 receiver.commit(version)
+                log.info("committed v%d", version)
         except (DCSError, ValueError) as exc:
+            log.warning("update failed: %s", exc)
             return _failed(str(exc))
         return EngineResponse(success=True, message=f"received {len(body.names)} tensors")
 

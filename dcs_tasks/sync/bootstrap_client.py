@@ -21,7 +21,14 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.errors import GroupInitError, PortAllocationError, WeightSyncError
-from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, DestroyRequest, GroupPlan, JoinResult
+from dcs_tasks.sync.models import (
+    BootstrapRequest,
+    BootstrapResult,
+    DestroyRequest,
+    GroupPlan,
+    JoinOutcome,
+    JoinResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +108,27 @@ class GroupBootstrapper:
 
     @staticmethod
     def _first_failure(plan: GroupPlan, outcomes: list[Any]) -> BaseException | None:
+        """The join failure to blame: unreachable engines first, then refusing ones (often victims), then timeouts."""
+        failures: list[tuple[int, GroupInitError]] = []
         for engine, outcome in zip(plan.engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
-                return GroupInitError(f"join task of {engine.node_id} failed: {outcome!r}", engine.node_id)
+                failures.append(
+                    (1, GroupInitError(f"join task of {engine.node_id} failed: {outcome!r}", engine.node_id))
+                )
+                continue
             joined = JoinResult.model_validate(outcome)
             if not joined.success:
-                return GroupInitError(f"{joined.node_id} could not join: {joined.message}", joined.node_id)
-        return None
+                order = {JoinOutcome.UNREACHABLE: 0, JoinOutcome.REFUSED: 1}.get(joined.outcome, 2)
+                failures.append(
+                    (
+                        order,
+                        GroupInitError(
+                            f"{joined.node_id} could not join ({joined.outcome.value}): {joined.message}",
+                            joined.node_id,
+                        ),
+                    )
+                )
+        return min(failures, key=lambda f: f[0])[1] if failures else None
 
     async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
         sent = self.celery.send_task(name.value, args=[payload], queue=node_queue(self.config.host_name))

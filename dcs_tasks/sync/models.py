@@ -132,9 +132,19 @@ class JoinRequest(BaseModel):
     timeout_seconds: float = Field(gt=0)
 
 
+class JoinOutcome(str, enum.Enum):
+    """How an engine's join ended; `UNREACHABLE` and `REFUSED` blame that engine, `TIMED_OUT` may be a victim."""
+
+    JOINED = "joined"
+    UNREACHABLE = "unreachable"
+    REFUSED = "refused"
+    TIMED_OUT = "timed_out"
+
+
 class JoinResult(BaseModel):
     node_id: str
     success: bool
+    outcome: JoinOutcome = JoinOutcome.JOINED
     message: str = ""
 
 

@@ -76,6 +76,10 @@ class RolloutUpdater:
         group, version = self.group, self.weight_version + 1
         try:
             stats = await self.sender.send(state, group.result.group_name, self._announcer(group, version), quant)
+        except WeightSyncError as exc:
+            await self._drop_group()
+            member = exc.member or await self._blame(group.plan)
+            raise WeightSyncError(f"update v{version} failed (member: {member or 'unknown'}): {exc}", member) from exc
         except BaseException:
             await self._drop_group()
             raise
@@ -122,6 +126,15 @@ class RolloutUpdater:
             await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
 
         return announce
+
+    async def _blame(self, plan: GroupPlan) -> str | None:
+        """The first engine that does not answer GET /health within a second (None if all answer)."""
+        for engine in plan.engines:
+            try:
+                (await self._http.get(f"{engine.url}/health", timeout=1.0)).raise_for_status()
+            except httpx.HTTPError:
+                return engine.node_id
+        return None
 
     async def _post(self, engine: EngineEndpoint, body: UpdateWeightsFromDistributedRequest) -> None:
         url = f"{engine.url}/update_weights_from_distributed"

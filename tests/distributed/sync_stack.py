@@ -22,8 +22,11 @@ from tests.helpers.procs import REPO, CoordinatorProcess, WorkerProcess, child_e
 class ReceiverProcess:
     """`dcs receiver --coordinator-url URL --rank N --port P` in its own session."""
 
-    def __init__(self, config: DCSConfig, coordinator_url: str, rank: int, log_path: Path) -> None:
+    def __init__(
+        self, config: DCSConfig, coordinator_url: str, rank: int, log_path: Path, role: str = "rollout"
+    ) -> None:
         self.config = config
+        self.role = role
         self.coordinator_url = coordinator_url
         self.rank = rank
         self.port = free_port()
@@ -46,13 +49,19 @@ class ReceiverProcess:
             str(self.rank),
             "--port",
             str(self.port),
+            "--role",
+            self.role,
         ]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
         )
-        wait_for_port(self.port, timeout)
-        wait_registered(self.coordinator_url, "rollout", self.rank, timeout)
+        try:
+            wait_for_port(self.port, timeout)
+            wait_registered(self.coordinator_url, self.role, self.rank, timeout)
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     def digest(self) -> WeightsDigest:
@@ -109,8 +118,9 @@ class SyncStack:
     def url(self) -> str:
         return self.coordinator.url
 
-    def add_receiver(self, rank: int) -> ReceiverProcess:
-        receiver = ReceiverProcess(self.config, self.url, rank, self.tmp / f"receiver{rank}.log").start()
+    def add_receiver(self, rank: int, role: str = "rollout") -> ReceiverProcess:
+        log = self.tmp / f"receiver-{role}{rank}.log"
+        receiver = ReceiverProcess(self.config, self.url, rank, log, role).start()
         self.receivers.append(receiver)
         return receiver
 

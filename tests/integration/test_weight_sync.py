@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import PortAllocationError
+from dcs_tasks.keys import Keys
 from dcs_tasks.receiver.weights import tensor_sha256
-from tests.distributed.sync_stack import sync_stack
+from tests.distributed.sync_stack import SyncStack, sync_stack
+from workers.bootstrap import port_binds, release_port, reserve_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -70,3 +77,98 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
                     assert digest.tensors == expected_digest(model)
         finally:
             await client.stop()
+
+
+async def test_late_receiver_gets_the_full_current_weights_at_the_next_update(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path, receivers=1) as stack:
+        model = Tiny()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            for _ in range(2):
+                train_step(model)
+                await client.update_weights_for_rollout(rollout_only=True)
+            late = stack.add_receiver(1)
+            assert late.digest().weight_version == 0 and late.digest().tensors == {}
+            train_step(model)
+            metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+            assert metrics["group_rebuilt"] and metrics["engines"] == 2
+            for receiver in stack.receivers:
+                digest = receiver.digest()
+                assert digest.weight_version == 3 and digest.tensors == expected_digest(model)
+        finally:
+            await client.stop()
+
+
+async def test_two_groups_on_one_host_at_once_get_distinct_ports(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path) as stack:
+        stack.add_receiver(0, role="rollout")
+        stack.add_receiver(0, role="rollout_b")
+        models = [Tiny(), Tiny()]
+        clients = [
+            CheckpointEngineClient(
+                coordinator_url=stack.url,
+                role="actor",
+                rank=rank,
+                model=models[rank],
+                model_name="tiny",
+                config=stack.config,
+                rollout_role=peer,
+            )
+            for rank, peer in enumerate(("rollout", "rollout_b"))
+        ]
+        for client in clients:
+            await client.start()
+        try:
+            results = await asyncio.gather(*(c.update_weights_for_rollout(rollout_only=True) for c in clients))
+            ports = {stack_port(stack, r["rollout"]["group_name"]) for r in results}
+            assert len(ports) == 2 and all(config.comm_base_port <= p <= config.comm_max_port for p in ports)
+            for receiver, model in zip(stack.receivers, models, strict=True):
+                assert receiver.digest().tensors == expected_digest(model)
+            assert expected_digest(models[0]) != expected_digest(models[1])
+        finally:
+            for client in clients:
+                await client.stop()
+        released = redis.Redis.from_url(config.redis_url)
+        keys = Keys(config.namespace)
+        deadline = time.monotonic() + 20
+        while any(released.exists(keys.port_reservation(config.host_name, p)) for p in ports):
+            assert time.monotonic() < deadline, "destroy did not release the master ports"
+            time.sleep(0.1)
+
+
+def stack_port(stack: SyncStack, group_name: str) -> int:
+    record = redis.Redis.from_url(stack.config.redis_url, decode_responses=True).hgetall(
+        Keys(stack.config.namespace).group(group_name)
+    )
+    return int(record["master_port"])
+
+
+def test_port_reservation_skips_reserved_and_bound_ports_then_fails_named(dcs_config: DCSConfig) -> None:
+    client = redis.Redis.from_url(dcs_config.redis_url, decode_responses=True)
+    keys = Keys(dcs_config.namespace)
+    base = free_port_block(3)
+    config = dcs_config.model_copy(update={"comm_base_port": base, "comm_max_port": base + 2})
+    client.set(keys.port_reservation(config.host_name, base), "someone-else")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", base + 1))
+        busy.listen()
+        assert reserve_port(client, keys, config, "127.0.0.1", "g1") == base + 2
+        assert client.get(keys.port_reservation(config.host_name, base + 1)) is None
+        with pytest.raises(PortAllocationError):
+            reserve_port(client, keys, config, "127.0.0.1", "g2")
+    assert not release_port(client, keys, config.host_name, base + 2, "g2")  # only the owner releases
+    assert release_port(client, keys, config.host_name, base + 2, "g1")
+
+
+def free_port_block(n: int) -> int:
+    for start in range(40000, 60000, n):
+        if all(port_binds("127.0.0.1", p) for p in range(start, start + n)):
+            return start
+    raise RuntimeError("no free block of ports")
