@@ -28,10 +28,14 @@ class AppendNotifier:
     their own timeout and re-read the list, so a lost message delays an answer but never loses an entry.
     """
 
-    def __init__(self, redis: aioredis.Redis, channel: str, reconnect_delay_s: float = 0.5) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, channel: str, reconnect_delay_s: float = 0.5, poll_s: float = 0.5
+    ) -> None:
         self.redis = redis
         self.channel = channel
         self.reconnect_delay_s = reconnect_delay_s
+        self.poll_s = poll_s
+        self._stopping = False
         self._event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -40,10 +44,15 @@ class AppendNotifier:
             self._task = asyncio.create_task(self._listen_forever(), name="dcs-weight-meta-notifier")
 
     async def stop(self) -> None:
+        """Ends the listener within ~`poll_s` even if redis-py swallows the cancellation of a blocking read."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is None:
+            return
+        self._stopping = True
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=self.poll_s * 4)
+        if not done:
+            log.warning("weight-meta notifier did not stop in time; abandoning it")
 
     def waiter(self) -> asyncio.Event:
         """An event set at the next append notification (take it BEFORE re-checking the list)."""
@@ -54,20 +63,21 @@ class AppendNotifier:
         event.set()
 
     async def _listen_forever(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._listen_once()
             except (RedisError, OSError) as exc:
                 log.warning("weight-meta subscription lost (%r); resubscribing", exc)
             self._wake_all()  # re-read after a gap: something may have been appended meanwhile
-            await asyncio.sleep(self.reconnect_delay_s)
+            if not self._stopping:
+                await asyncio.sleep(self.reconnect_delay_s)
 
     async def _listen_once(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(self.channel)
-            while True:
-                message = await pubsub.get_message(timeout=None)
+            while not self._stopping:
+                message = await pubsub.get_message(timeout=self.poll_s)
                 if message is not None:
                     self._wake_all()
         finally:

@@ -58,11 +58,19 @@ def _raise_for_status(response: httpx.Response) -> None:
 class CoordinatorAPI:
     """Client of one coordinator at `base_url`. Use as `async with CoordinatorAPI(...) as api:` or call `aclose()`."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`transport` replaces the network (e.g. `httpx.ASGITransport(app)` to call an app in-process)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
 
     async def __aenter__(self) -> CoordinatorAPI:
         return self

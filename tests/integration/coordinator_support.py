@@ -1,0 +1,37 @@
+"""Helpers for coordinator tests: an in-process app (real lifespan, real Redis) and clients on it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI
+
+from coordinator.app import create_app
+from dcs_tasks.client import CoordinatorAPI
+from dcs_tasks.config import DCSConfig, TopologyConfig
+
+
+@dataclass
+class InProcessCoordinator:
+    app: FastAPI
+    api: CoordinatorAPI  # typed client, token from the config
+    http: httpx.AsyncClient  # raw client without any token, for malformed requests
+
+
+@asynccontextmanager
+async def in_process_coordinator(
+    config: DCSConfig, topology: TopologyConfig | None = None
+) -> AsyncIterator[InProcessCoordinator]:
+    """`create_app(config)` with its lifespan running, reached through httpx's ASGI transport."""
+    app = create_app(config, topology)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        api = CoordinatorAPI("http://coordinator", config.token(), timeout=10.0, transport=transport)
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", timeout=10.0) as http:
+            try:
+                yield InProcessCoordinator(app=app, api=api, http=http)
+            finally:
+                await api.aclose()

@@ -1,0 +1,223 @@
+"""The coordinator's endpoint semantics, in-process (real lifespan) against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dcs_tasks.config import DCSConfig, RoleInfo, TopologyConfig
+from dcs_tasks.errors import CoordinatorError, NodeNotFound
+from dcs_tasks.models import HealthStatus, WeightMeta
+from tests.helpers.redis_server import RedisServer
+from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def coord(dcs_config: DCSConfig) -> AsyncIterator[InProcessCoordinator]:
+    async with in_process_coordinator(dcs_config) as c:
+        yield c
+
+
+def node(role: str, rank: int | None = None, port: int = 0, **metadata: object) -> RoleInfo:
+    return RoleInfo(role_name=role, rank=rank, ip="10.0.0.1", port=port, metadata=dict(metadata))
+
+
+async def test_register_assigns_explicit_smallest_free_and_kept_ranks(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    explicit = await api.register(node("actor", rank=2, port=5002))
+    assert (explicit.rank, explicit.node_id) == (2, "actor_2")
+    first = await api.register(node("actor", port=5000))
+    second = await api.register(node("actor", port=5001))
+    assert (first.rank, second.rank) == (0, 1)
+    again = await api.register(node("actor", port=5000))  # same role + ip + port
+    assert again.rank == 0
+    assert (await api.register(node("actor", port=5003))).rank == 3
+    topo = await api.topology()
+    assert sorted(topo.nodes["actor"]) == [0, 1, 2, 3] and topo.world_size == 4
+    assert topo.nodes["actor"][1].port == 5001
+
+
+async def test_node_moving_to_an_explicit_rank_releases_its_old_rank(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    await api.register(node("actor", rank=0, port=6000))
+    await api.register(node("actor", rank=3, port=6000))
+    assert sorted((await api.topology("actor")).nodes["actor"]) == [3]
+
+
+async def test_hundred_concurrent_registrations_through_two_apps_get_distinct_ranks(dcs_config: DCSConfig) -> None:
+    async with in_process_coordinator(dcs_config) as a, in_process_coordinator(dcs_config) as b:
+        calls = [(a if i % 2 else b).api.register(node("rollout", port=7000 + i)) for i in range(100)]
+        answers = await asyncio.gather(*calls)
+        assert sorted(r.rank for r in answers) == list(range(100))
+        assert (await a.api.topology("rollout")).world_size == 100
+
+
+async def test_unknown_node_is_404_everywhere(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    for call in (
+        api.heartbeat("actor", 0),
+        api.node("actor", 0),
+        api.peer("actor", 0),
+        api.unregister("actor", 0),
+        api.global_rank("actor", 0),
+        api.model_update_group_ranks("actor", 0),
+    ):
+        with pytest.raises(NodeNotFound, match="actor_0|rollout_0"):
+            await call
+
+
+async def test_unregister_removes_node(coord: InProcessCoordinator) -> None:
+    await coord.api.register(node("actor", rank=0))
+    await coord.api.unregister("actor", 0)
+    with pytest.raises(NodeNotFound):
+        await coord.api.node("actor", 0)
+    assert (await coord.api.health()).world_size == 0
+
+
+async def test_heartbeat_expiry_drops_node_and_health_lists_it(dcs_config: DCSConfig) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.6})
+    async with in_process_coordinator(config) as c:
+        await c.api.register(node("actor", rank=0, port=1))
+        await c.api.register(node("rollout", rank=0, port=2))
+        assert (await c.api.peer("actor", 0)).port == 2
+        for _ in range(8):  # the actor keeps beating past its TTL, the rollout does not
+            await asyncio.sleep(0.15)
+            await c.api.heartbeat("actor", 0)
+        health = await c.api.health()
+        assert health.status is HealthStatus.DEGRADED and health.dead_nodes == ["rollout_0"]
+        assert health.world_size == 1
+        topo = await c.api.topology()
+        assert "rollout" not in topo.nodes or topo.nodes["rollout"] == {}
+        with pytest.raises(NodeNotFound, match="rollout_0"):
+            await c.api.peer("actor", 0)
+        await c.api.heartbeat("rollout", 0)  # a registered node that beats again is alive again
+        assert (await c.api.health()).status is HealthStatus.HEALTHY
+
+
+async def test_dead_nodes_rank_is_reused_by_a_new_node(dcs_config: DCSConfig) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    async with in_process_coordinator(config) as c:
+        await c.api.register(node("rollout", port=1))
+        await c.api.register(node("rollout", port=2))
+        await asyncio.sleep(0.3)
+        await c.api.heartbeat("rollout", 1)
+        await asyncio.sleep(0.25)  # rank 0 expired, rank 1 alive
+        replacement = await c.api.register(node("rollout", port=3))
+        assert replacement.rank == 0
+        assert (await c.api.node("rollout", 0)).port == 3
+
+
+async def test_peer_uses_mapping_or_explicit_role(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    await api.register(node("actor", rank=1, port=1))
+    await api.register(node("rollout", rank=1, port=2))
+    await api.register(node("critic", rank=1, port=3))
+    assert (await api.peer("actor", 1)).port == 2
+    assert (await api.peer("actor", 1, peer_role="critic")).port == 3
+    with pytest.raises(NodeNotFound, match="no peer role mapping"):
+        await api.peer("critic", 1)
+
+
+async def test_global_rank_follows_registration_order(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    for rank in range(2):
+        await api.register(node("actor", rank=rank, port=10 + rank))
+    for rank in range(3):
+        await api.register(node("rollout", rank=rank, port=20 + rank))
+    assert [await api.global_rank("actor", r) for r in range(2)] == [0, 1]
+    assert [await api.global_rank("rollout", r) for r in range(3)] == [2, 3, 4]
+
+
+async def test_global_rank_follows_configured_role_order(dcs_config: DCSConfig) -> None:
+    topology = TopologyConfig(role_order=["rollout", "actor"])
+    async with in_process_coordinator(dcs_config, topology) as c:
+        await c.api.register(node("actor", rank=0, port=1))
+        for rank in range(3):
+            await c.api.register(node("rollout", rank=rank, port=20 + rank))
+        assert await c.api.global_rank("actor", 0) == 3
+        assert await c.api.global_rank("rollout", 2) == 2
+
+
+async def test_model_update_group_ranks(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    src = {"is_pp_src_rank": True, "master_address": "10.1.1.1"}
+    await api.register(node("actor", rank=0, port=1, pp_size=2, pp_rank=0, master_port=11000, **src))
+    await api.register(node("actor", rank=1, port=2, pp_size=2, pp_rank=1, master_port=11001, **src))
+    for rank in range(3):
+        await api.register(node("actor_fwd", rank=rank, port=10 + rank))
+    for rank in range(2):
+        await api.register(node("reference", rank=rank, port=20 + rank))
+    await api.register(node("rollout", rank=0, port=30))
+
+    actor = await api.model_update_group_ranks("actor", 0, need_update_ref=True)
+    assert (actor.global_rank, actor.world_size, actor.train_pp_size) == (0, 6, 2)
+    assert actor.pp_groups == {"update_actor_pp_0": "tcp://10.1.1.1:11000", "update_actor_pp_1": "tcp://10.1.1.1:11001"}
+    fwd = await api.model_update_group_ranks("actor_fwd", 2, need_update_ref=False)
+    assert (fwd.global_rank, fwd.world_size) == (3, 4)
+    ref = await api.model_update_group_ranks("reference", 1, need_update_ref=True)
+    assert (ref.global_rank, ref.world_size) == (5, 6)
+    with pytest.raises(CoordinatorError, match="rollout") as info:
+        await api.model_update_group_ranks("rollout", 0)
+    assert info.value.status_code == 400
+
+
+async def test_weight_meta_append_read_by_index_and_clear(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    metas = [WeightMeta(names=[f"w{i}"], dtypes=["float32"], shapes=[[i, 2]], group_name="g") for i in range(3)]
+    for meta in metas:
+        await api.send_weight_meta(meta)
+    await api.send_weight_meta(WeightMeta.end())
+    batch = await api.recv_weight_meta(0)
+    assert batch.entries[:3] == metas and batch.entries[3].is_end and batch.next_index == 4
+    assert (await api.recv_weight_meta(2)).entries[0] == metas[2]
+    assert (await api.clear_weight_meta()).cleared == 4
+    assert (await api.recv_weight_meta(0)).entries == []
+
+
+async def test_long_poll_wakes_on_append_without_polling_redis(
+    coord: InProcessCoordinator, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    client.config_resetstat()
+    waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=10))
+    await asyncio.sleep(1.5)
+    assert not waiter.done()
+    lranges = int(client.info("commandstats").get("cmdstat_lrange", {}).get("calls", 0))
+    assert lranges <= 2, f"long-poll read the list {lranges} times while waiting"
+    start = time.monotonic()
+    await coord.api.send_weight_meta(WeightMeta.end())
+    batch = await asyncio.wait_for(waiter, 5)
+    assert batch.entries == [WeightMeta.end()] and time.monotonic() - start < 1.0
+
+
+async def test_long_poll_returns_empty_at_its_timeout(coord: InProcessCoordinator) -> None:
+    start = time.monotonic()
+    batch = await coord.api.recv_weight_meta(5, wait_timeout_s=0.5)
+    elapsed = time.monotonic() - start
+    assert batch.entries == [] and batch.next_index == 5
+    assert 0.45 <= elapsed < 3.0
+
+
+async def test_debug_topology_shows_dead_and_alive(coord: InProcessCoordinator) -> None:
+    await coord.api.register(node("actor", rank=0, port=1))
+    debug = await coord.api.debug_topology()
+    view = debug.nodes["actor"][0]
+    assert view.alive and view.heartbeat_ttl_ms is not None and 0 < view.heartbeat_ttl_ms <= 2000
+    assert debug.roles == ["actor"] and debug.role_mappings == {"actor": "rollout"}
+
+
+async def test_metrics_count_requests_by_route_template(coord: InProcessCoordinator) -> None:
+    await coord.api.register(node("actor", rank=0, port=1))
+    for _ in range(3):
+        await coord.api.heartbeat("actor", 0)
+    with pytest.raises(NodeNotFound):
+        await coord.api.heartbeat("actor", 9)
+    text = (await coord.http.get("/metrics")).text
+    assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="200"} 3.0' in text
+    assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="404"} 1.0' in text
+    assert 'dcs_coordinator_request_duration_seconds_count{method="GET",route="/heartbeat"} 4.0' in text

@@ -1,0 +1,134 @@
+"""Hostile and broken input, auth, and Redis outages: the coordinator answers with the right status."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.errors import AuthError, CoordinatorUnavailable
+from tests.helpers.redis_server import RedisServer
+from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def coord(dcs_config: DCSConfig) -> AsyncIterator[InProcessCoordinator]:
+    config = dcs_config.model_copy(update={"max_body_bytes": 4096})
+    async with in_process_coordinator(config) as c:
+        yield c
+
+
+@pytest.fixture
+async def secured(dcs_config: DCSConfig) -> AsyncIterator[InProcessCoordinator]:
+    async with in_process_coordinator(dcs_config.model_copy(update={"auth_token": SecretStr(TOKEN)})) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"role_name": "actor", "rank": -1}, "rank"),
+        ({"role_name": "actor", "world_size": -3}, "world_size"),
+        ({"role_name": "actor", "rank": "zero"}, "rank"),
+        ({"rank": 0}, "role_name: Field required"),
+        ({"role_name": "bad role!"}, "role_name"),
+        ({"role_name": "actor", "port": 70000}, "port"),
+    ],
+)
+async def test_bad_register_bodies_are_422_with_a_readable_message(
+    coord: InProcessCoordinator, body: dict[str, object], expected: str
+) -> None:
+    response = await coord.http.post("/register", json=body)
+    assert response.status_code == 422
+    assert expected in response.json()["detail"]
+
+
+async def test_malformed_json_and_bad_queries_are_422(coord: InProcessCoordinator) -> None:
+    response = await coord.http.post("/register", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert (await coord.http.get("/heartbeat", params={"role": "actor", "rank": -1})).status_code == 422
+    assert (await coord.http.get("/heartbeat", params={"role": "actor"})).status_code == 422
+    assert (await coord.http.get("/recv_weight_meta", params={"index": -1})).status_code == 422
+    mismatched = {"names": ["a", "b"], "dtypes": ["f32"], "shapes": [[1]], "group_name": "g"}
+    response = await coord.http.post("/send_weight_meta", json=mismatched)
+    assert response.status_code == 422 and "equal lengths" in response.json()["detail"]
+
+
+async def test_oversized_body_is_413_by_header_and_by_stream(coord: InProcessCoordinator) -> None:
+    big = {"role_name": "actor", "metadata": {"blob": "x" * 10_000}}
+    response = await coord.http.post("/register", json=big)
+    assert response.status_code == 413 and "4096" in response.json()["detail"]
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the size is counted while streaming
+        yield b'{"role_name": "actor", "metadata": {"blob": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}}'
+
+    response = await coord.http.post("/register", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert (await coord.api.topology()).world_size == 0
+
+
+async def test_token_required_except_healthz_and_metrics(secured: InProcessCoordinator) -> None:
+    http = secured.http
+    assert (await http.get("/topology")).status_code == 401
+    wrong = await http.get("/topology", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "bearer token" in wrong.json()["detail"]
+    assert (await http.post("/register", json={"role_name": "a"})).status_code == 401
+    assert (await http.get("/healthz")).status_code == 200
+    assert (await http.get("/metrics")).status_code == 200
+    registered = await secured.api.register(RoleInfo(role_name="actor"))  # the typed client sends the token
+    assert registered.rank == 0
+    assert (await http.get("/topology", headers={"Authorization": f"Bearer {TOKEN}"})).status_code == 200
+
+
+async def test_wrong_token_in_client_raises_auth_error(secured: InProcessCoordinator) -> None:
+    from dcs_tasks.client import CoordinatorAPI
+
+    transport = httpx.ASGITransport(app=secured.app)
+    async with CoordinatorAPI("http://coordinator", "wrong", transport=transport) as api:
+        with pytest.raises(AuthError):
+            await api.topology()
+
+
+async def test_redis_down_is_503_then_recovers(coord: InProcessCoordinator, redis_server: RedisServer) -> None:
+    await coord.api.register(RoleInfo(role_name="actor", rank=0))
+    redis_server.stop()
+    response = await coord.http.get("/topology")
+    assert response.status_code == 503
+    assert f"127.0.0.1:{redis_server.port}" in response.json()["detail"]
+    with pytest.raises(CoordinatorUnavailable):
+        await coord.api.heartbeat("actor", 0)
+    assert (await coord.http.get("/healthz")).status_code == 200
+    redis_server.start()
+    await coord.api.heartbeat("actor", 0)  # the Lua script is reloaded into the new server (NOSCRIPT)
+    assert (await coord.api.topology()).nodes["actor"][0].rank == 0
+
+
+async def test_long_poll_survives_a_redis_restart(coord: InProcessCoordinator, redis_server: RedisServer) -> None:
+    redis_server.restart()
+    await asyncio.sleep(1.0)  # the notifier resubscribes
+    waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=10))
+    await asyncio.sleep(0.3)
+    from dcs_tasks.models import WeightMeta
+
+    await coord.api.send_weight_meta(WeightMeta.end())
+    assert (await asyncio.wait_for(waiter, 5)).entries == [WeightMeta.end()]
+
+
+async def test_coordinator_unreachable_is_coordinator_unavailable() -> None:
+    from dcs_tasks.client import CoordinatorAPI
+    from tests.helpers.ports import free_port
+
+    async with CoordinatorAPI(f"http://127.0.0.1:{free_port()}", timeout=2) as api:
+        with pytest.raises(CoordinatorUnavailable, match="unreachable"):
+            await api.health()
