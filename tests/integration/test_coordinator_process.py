@@ -1,0 +1,112 @@
+"""Real `dcs coordinator` processes (uvicorn): statelessness, restarts of the coordinator and of Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.models import WeightMeta
+from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.redis_server import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def coordinator(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[CoordinatorProcess]:
+    proc = CoordinatorProcess(dcs_config, tmp_path / "coordinator-a.log").start()
+    yield proc
+    proc.stop()
+
+
+def _non_loopback_ip() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # no packet is sent; picks the outbound interface
+            ip = str(sock.getsockname()[0])
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+async def test_real_process_serves_the_api_on_loopback_only(coordinator: CoordinatorProcess) -> None:
+    async with CoordinatorAPI(coordinator.url, timeout=10) as api:
+        assert (await api.healthz()).status.value == "ok"
+        registered = await api.register(RoleInfo(role_name="actor", port=4000))
+        assert registered.node_id == "actor_0"
+        assert (await api.node("actor", 0)).port == 4000
+    ip = _non_loopback_ip()
+    if ip is not None:  # the default bind is 127.0.0.1: another interface must refuse
+        with pytest.raises(OSError), socket.create_connection((ip, coordinator.port), timeout=1):
+            pass
+
+
+async def test_two_coordinators_on_one_redis_answer_alike(
+    dcs_config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    other = CoordinatorProcess(dcs_config, tmp_path / "coordinator-b.log").start()
+    try:
+        async with CoordinatorAPI(coordinator.url) as a, CoordinatorAPI(other.url) as b:
+            answers = await asyncio.gather(
+                *[(a if i % 2 else b).register(RoleInfo(role_name="rollout", port=9000 + i)) for i in range(20)]
+            )
+            assert sorted(r.rank for r in answers) == list(range(20))
+            assert await a.topology() == await b.topology()
+            assert await a.global_rank("rollout", 7) == await b.global_rank("rollout", 7) == 7
+            waiter = asyncio.create_task(b.recv_weight_meta(0, wait_timeout_s=10))
+            await asyncio.sleep(0.3)
+            await a.send_weight_meta(WeightMeta.end())  # appended through A, wakes the long-poll on B
+            assert (await asyncio.wait_for(waiter, 5)).entries == [WeightMeta.end()]
+    finally:
+        other.stop()
+
+
+async def test_coordinator_restart_loses_nothing(coordinator: CoordinatorProcess) -> None:
+    async with CoordinatorAPI(coordinator.url) as api:
+        await api.register(RoleInfo(role_name="actor", rank=0, port=1))
+        await api.register(RoleInfo(role_name="rollout", rank=0, port=2))
+        await api.send_weight_meta(WeightMeta(names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g"))
+        before = await api.topology()
+    coordinator.stop()
+    coordinator.start()
+    async with CoordinatorAPI(coordinator.url) as api:
+        assert await api.topology() == before
+        assert len((await api.recv_weight_meta(0)).entries) == 1
+        assert (await api.register(RoleInfo(role_name="actor", port=1))).rank == 0
+
+
+async def test_redis_restart_keeps_topology_and_ranks(
+    coordinator: CoordinatorProcess, redis_server: RedisServer
+) -> None:
+    async with CoordinatorAPI(coordinator.url) as api:
+        for i in range(3):
+            await api.register(RoleInfo(role_name="actor", port=100 + i))
+        before = await api.topology()
+        redis_server.restart()  # graceful: AOF flushed, heartbeat TTLs kept as absolute expiry times
+        assert await api.topology() == before
+        await api.heartbeat("actor", 2)
+        assert (await api.register(RoleInfo(role_name="actor", port=101))).rank == 1
+        assert (await api.register(RoleInfo(role_name="actor", port=200))).rank == 3
+
+
+async def test_heartbeat_loop_keeps_a_node_alive_until_stopped(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 0.8})
+    proc = CoordinatorProcess(config, tmp_path / "coordinator-hb.log").start()
+    try:
+        async with CoordinatorAPI(proc.url) as api:
+            reg = await api.register(RoleInfo(role_name="actor", port=1))
+            loop = HeartbeatLoop(api, RoleInfo(role_name="actor", rank=reg.rank, port=1), interval=0.2).start()
+            await asyncio.sleep(1.6)  # two TTLs
+            assert (await api.health()).dead_nodes == []
+            await loop.stop()
+            assert loop.beats >= 5 and loop.failures == 0
+            await asyncio.sleep(1.2)
+            assert (await api.health()).dead_nodes == ["actor_0"]
+    finally:
+        proc.stop()
