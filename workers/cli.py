@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+import time
 from typing import Any
 
+from celery import signals
+
 from dcs_tasks.config import DCSConfig
+from workers.metrics import prepare_multiprocess_dir
+
+log = logging.getLogger(__name__)
+RESTART_DELAY_SECONDS = 1.0
 
 
 def register(sub: Any) -> None:
@@ -14,14 +24,22 @@ def register(sub: Any) -> None:
     parser.add_argument("--node-name", default=None, help="host name for the node queue (default: hostname)")
     parser.add_argument("--loglevel", "-l", default="INFO")
     parser.add_argument("--pool", default="prefork", choices=["prefork", "threads", "solo"])
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="re-exec the worker after an unrecoverable crash (e.g. kombu failing while Redis restarts), "
+        "at most this many times (default 5)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.app import make_worker_app
-
     overrides = {"node_name": args.node_name} if args.node_name else {}
     config = DCSConfig(**overrides)
+    prepare_multiprocess_dir(config)  # before prometheus_client is imported (by the task modules)
+    from workers.app import make_worker_app
+
     app = make_worker_app(config)
     argv = [
         "worker",
@@ -34,5 +52,32 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.concurrency:
         argv.append(f"--concurrency={args.concurrency}")
-    app.worker_main(argv)
+    signals.worker_ready.connect(_on_ready, weak=False)
+    signals.worker_shutting_down.connect(_on_shutdown_requested, weak=False)
+    try:
+        app.worker_main(argv)
+    finally:
+        if _lifecycle["ready"] and not _lifecycle["shutdown_requested"] and args.max_restarts > 0:
+            _reexec(args.max_restarts - 1)
     return 0
+
+
+_lifecycle = {"ready": False, "shutdown_requested": False}
+
+
+def _on_ready(**_: Any) -> None:
+    _lifecycle["ready"] = True
+
+
+def _on_shutdown_requested(**_: Any) -> None:
+    _lifecycle["shutdown_requested"] = True
+
+
+def _reexec(restarts_left: int) -> None:
+    """Replace this process by a fresh `dcs worker` after it stopped without a shutdown signal: Celery 5.7 /
+    kombu 5.7 log "Unrecoverable error" and exit 0 when Redis restarts while a late-ack task is unacked
+    (restore_unacked on a torn-down connection; celery#9250 class). Queued tasks are kept by Redis."""
+    log.warning("worker stopped without a shutdown signal; restarting it (%d restarts left)", restarts_left)
+    time.sleep(RESTART_DELAY_SECONDS)
+    argv = [a for a in sys.orig_argv if not a.startswith("--max-restarts")]
+    os.execv(sys.executable, [sys.executable, *argv[1:], f"--max-restarts={restarts_left}"])  # noqa: S606

@@ -36,6 +36,7 @@ def commit(req: CommitRequest, task_id: str) -> Verdict:
     manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
     step_dir = Path(ref.step_dir)
     check_files(step_dir, manifest)
+    remove_stray_temps(step_dir)
     final = step_dir / MANIFEST_NAME
     if not final.exists():
         write_bytes_durably(final, manifest_bytes(manifest), task_id)
@@ -51,6 +52,12 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
         size = path.stat().st_size if path.is_file() else -1
         if size != entry.size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.size}")
+
+
+def remove_stray_temps(step_dir: Path) -> None:
+    """Delete temp files left by persist attempts that died mid-write (every file is durable by now)."""
+    for tmp in step_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def move_latest(run_dir: Path, step: int, tag: str) -> None:

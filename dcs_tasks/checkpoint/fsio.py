@@ -45,9 +45,10 @@ def temp_path(final: Path, tag: str) -> Path:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
+    pos, size = 0, len(data)
+    while pos < size:
+        with data[pos:] as rest:  # views over an mmap must be released, or it cannot be closed
+            pos += os.write(fd, rest)
 
 
 @contextlib.contextmanager
@@ -97,10 +98,9 @@ def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None)
     chunk = CHUNK_BYTES if throttle is None else max(64 * 1024, int(throttle / 20))
     try:
         for pos in range(0, len(view), chunk):
-            piece = view[pos : pos + chunk]
-            hasher.update(piece)
-            _write_all(fd, piece)
-            piece.release()
+            with view[pos : pos + chunk] as piece:  # released even when the write fails (ENOSPC)
+                hasher.update(piece)
+                _write_all(fd, piece)
             if throttle is not None:
                 ahead = (pos + chunk) / throttle - (time.monotonic() - started)
                 if ahead > 0:

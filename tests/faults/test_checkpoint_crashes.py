@@ -1,0 +1,138 @@
+"""Crashes mid-save: kill -9 of worker children (redelivery, then the cap), Redis restart, disk full.
+
+Writes are slowed with `persist_throttle_bytes_per_second` (a config knob the worker honours) so that a
+fault can be injected while a file is being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs, verify_step
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CheckpointFailed
+from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
+from tests.helpers.procs import WorkerProcess
+from tests.helpers.redis_server import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MiB = 1 << 20
+
+
+def _temps(step_dir: Path) -> list[Path]:
+    return list(step_dir.glob(".*.tmp")) if step_dir.exists() else []
+
+
+def _kill_children_mid_write(worker: WorkerProcess, step_dir: Path) -> None:
+    wait_until(lambda: bool(_temps(step_dir)), 30, "a persist task to start writing")
+    for pid in worker.child_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_mid_write_is_redelivered_and_commits_once(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=MiB, persist_throttle_bytes_per_second=MiB)
+    worker = start_worker(config, tmp_path)
+    state = training_state(width=512)  # ~2.1 MiB in 3 files
+    try:
+        with Checkpointer("kill9", config) as ckpt:
+            pending = ckpt.save(state, step=1)
+            _kill_children_mid_write(worker, pending.step_dir)
+            info = pending.wait(timeout=90)
+            assert [i.step for i in ckpt.list()] == [1]
+            verify_step(info.path, load_manifest(info.path))
+            assert _temps(info.path) == []
+            on_disk = sorted(p.name for p in info.path.iterdir())
+            assert on_disk == sorted([*(f.name for f in load_manifest(info.path).files), "manifest.json"])
+            assert_same_state(state, ckpt.restore().state)
+    finally:
+        worker.kill()
+
+
+def test_redelivery_cap_fails_the_save_instead_of_looping(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=MiB / 4, max_redeliveries=2)
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("cap", config) as ckpt:
+            pending = ckpt.save(training_state(width=256), step=1)  # one ~0.6 MiB file: ~2.5 s per attempt
+            for _ in range(2):
+                _kill_children_mid_write(worker, pending.step_dir)
+                for tmp in _temps(pending.step_dir):  # the dead attempt's leftover; the next attempt recreates it
+                    tmp.unlink()
+            with pytest.raises(CheckpointFailed, match="delivered 3 times"):
+                pending.wait(timeout=60)
+            assert ckpt.list() == []
+            wait_until(lambda: not pending.step_dir.exists(), 30, "the partial step directory to be removed")
+    finally:
+        worker.kill()
+
+
+def test_redis_restart_mid_save_then_new_saves_complete(
+    dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=MiB)
+    worker = start_worker(config, tmp_path)
+    state = training_state(width=400)
+    try:
+        with Checkpointer("redis", config) as ckpt:
+            pending = ckpt.save(state, step=1)
+            wait_until(lambda: bool(_temps(pending.step_dir)), 30, "the write to start")
+            redis_server.restart(down_seconds=1.0)
+            pending.wait(timeout=60)
+            wait_until(lambda: worker.child_pids() != [] and _presence(ckpt), 30, "worker presence after restart")
+            ckpt.save(state, step=2).wait(timeout=60)
+            assert [i.step for i in ckpt.list()] == [1, 2]
+            assert_same_state(state, ckpt.restore().state)
+    finally:
+        worker.kill()
+
+
+def _presence(ckpt: Checkpointer) -> bool:
+    try:
+        ckpt._require_worker()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount an 8 MiB tmpfs (needs root): {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_disk_full_fails_with_reason_and_keeps_previous_latest(
+    dcs_config: DCSConfig, tmp_path: Path, small_disk: Path
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path, checkpoint_dir=small_disk, file_shard_bytes=MiB)
+    worker = start_worker(config, tmp_path)
+    small, big = training_state(width=256), training_state(width=1200)  # ~0.6 MiB and ~11 MiB
+    try:
+        with Checkpointer("full", config) as ckpt:
+            first = ckpt.save(small, step=1).wait(60)
+            pending = ckpt.save(big, step=2)
+            with pytest.raises(CheckpointFailed, match="No space left on device"):
+                pending.wait(timeout=60)
+            wait_until(lambda: pending.poll() is not None and pending.released, 30, "the staging buffer release")
+            wait_until(lambda: not pending.step_dir.exists(), 30, "the failed step's files to be removed")
+            assert read_latest(first.path.parent) == 1
+            assert [s for s, _ in step_dirs(first.path.parent)] == [1]
+            assert list(first.path.parent.rglob("*.tmp")) == []
+            assert_same_state(small, ckpt.restore().state)
+            ckpt.save(small, step=3).wait(60)  # the released buffer is reused
+    finally:
+        worker.kill()

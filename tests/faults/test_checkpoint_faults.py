@@ -1,0 +1,91 @@
+"""RELIABILITY.md faults 1, 4, 5, 8, 9 and 'no worker' against real Redis and real `dcs worker` processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.checkpoint.ledger import StepLedger
+from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest, StepRef
+from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CorruptCheckpoint, NoWorkerError
+from dcs_tasks.keys import Keys
+from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MiB = 1 << 20
+
+
+def _temps(step_dir: Path) -> list[Path]:
+    return list(step_dir.glob(".*.tmp")) if step_dir.exists() else []
+
+
+def test_save_without_worker_fails_at_once(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    with Checkpointer("noworker", ckpt_config(dcs_config, tmp_path)) as ckpt:
+        with pytest.raises(NoWorkerError, match=r"dcs\.node\.testhost"):
+            ckpt.save(training_state(), step=1)
+
+
+def test_corrupt_and_truncated_files_are_named_and_restore_falls_back(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("corrupt", config) as ckpt:
+            good, newer = training_state(seed=1), training_state(seed=2)
+            ckpt.save(good, step=1).wait(60)
+            info = ckpt.save(newer, step=2).wait(60)
+            victim = sorted(info.path.glob("*.safetensors"))[0]
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+            with pytest.raises(CorruptCheckpoint, match=victim.name) as err:
+                ckpt.restore(step=2)
+            assert err.value.path == str(victim)
+            with pytest.warns(RuntimeWarning, match="step 2 is corrupt"):
+                restored = ckpt.restore()
+            assert restored.step == 1
+            assert_same_state(good, restored.state)
+            victim.write_bytes(bytes(data[:100]))
+            with pytest.raises(CorruptCheckpoint, match="has 100 bytes"):
+                verify_step(info.path, load_manifest(info.path))
+    finally:
+        worker.terminate()
+
+
+def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    app = make_celery(config)
+    queue = node_queue(config.host_name)
+    try:
+        with Checkpointer("dup", config) as ckpt:
+            info = ckpt.save(training_state(), step=3).wait(60)
+            token = StepLedger(make_redis(config), Keys(config.namespace)).read("dup", 3).token
+            before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in info.path.iterdir()}
+            manifest = load_manifest(info.path)
+            for tok in (token, "0" * 32):  # a duplicate of this save, and a stale task of another attempt
+                ref = StepRef(run="dup", step=3, token=tok, step_dir=str(info.path))
+                for f in manifest.files:
+                    req = PersistRequest(
+                        ref=ref, file_name=f.name, staging_path="/nonexistent", offset=0, length=f.size
+                    )
+                    answer = app.send_task(TaskName.PERSIST.value, args=[req.model_dump(mode="json")], queue=queue)
+                    assert answer.get(timeout=30) in ("done", "stale")
+                commit = CommitRequest(ref=ref).model_dump(mode="json")
+                answer = app.send_task(TaskName.COMMIT.value, args=[commit], queue=queue)
+                assert answer.get(timeout=30) in ("done", "stale")
+            after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in info.path.iterdir()}
+            assert after == before
+            verify_step(info.path, load_manifest(info.path))
+    finally:
+        worker.terminate()
+
+
+def make_redis(config: DCSConfig) -> redis.Redis:
+    return redis.Redis.from_url(config.redis_url, decode_responses=True)
