@@ -27,17 +27,21 @@ class Services:
     request_metrics: RequestMetrics
 
 
-def get_services(request: Request) -> Services:
+# `async def` on purpose: FastAPI runs plain `def` dependencies in a worker thread, which costs more than
+# the whole heartbeat's Redis round trip.
+async def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
 
-def get_topology(request: Request) -> TopologyManager:
-    return get_services(request).topology
+async def get_topology(request: Request) -> TopologyManager:
+    services: Services = request.app.state.services
+    return services.topology
 
 
-def get_weight_meta(request: Request) -> WeightMetaStore:
-    return get_services(request).weight_meta
+async def get_weight_meta(request: Request) -> WeightMetaStore:
+    services: Services = request.app.state.services
+    return services.weight_meta
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]

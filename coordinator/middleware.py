@@ -95,6 +95,17 @@ class RequestMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one request; label children are cached (`labels()` takes a lock and builds a key each call)."""
+        key = (method, route, status)
+        children = self._children.get(key)
+        if children is None:
+            children = (self.requests.labels(method, route, str(status)), self.latency.labels(method, route))
+            self._children[key] = children
+        children[1].observe(seconds)
+        children[0].inc()
 
 
 class RequestMetricsMiddleware:
@@ -121,5 +132,4 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, recording_send)
         finally:
             route = getattr(scope.get("route"), "path", "<unmatched>")
-            self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
-            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.observe(scope["method"], route, status, time.perf_counter() - start)

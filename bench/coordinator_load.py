@@ -1,0 +1,210 @@
+"""Coordinator heartbeat throughput against a bare FastAPI endpoint doing one Redis SET, in the same run.
+
+Starts a private redis-server (AOF on, appendfsync everysec), our coordinator (`dcs coordinator`, uvicorn,
+one process) and a bare FastAPI app (uvicorn, one process, `SET key ts PX ttl` per request). A raw-asyncio
+HTTP/1.1 keep-alive load generator drives `GET /heartbeat?role=actor&rank=i` on each with `--connections`
+connections for `--duration` seconds; targets alternate for `--rounds` rounds so drift hits both alike.
+Prints req/s, p50/p99 and the ratio ours/bare (median over rounds); writes bench/results/coordinator_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dcs_tasks.config import DCSConfig, RoleInfo  # noqa: E402
+from dcs_tasks.keys import Keys  # noqa: E402
+from tests.helpers.ports import free_port, wait_for_port  # noqa: E402
+from tests.helpers.procs import CoordinatorProcess  # noqa: E402
+
+NODES = 64
+
+
+# --- the bare comparison app ---------------------------------------------------------------------
+def serve_bare(port: int, redis_url: str) -> None:
+    """FastAPI + redis.asyncio with the coordinator's client settings; one SET per request."""
+    from collections.abc import AsyncIterator as AI
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from coordinator.app import make_redis
+
+    config = DCSConfig(redis_url=redis_url)
+    keys = Keys("bare")
+    state: dict[str, object] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AI[None]:
+        state["redis"] = make_redis(config)
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/heartbeat")
+    async def heartbeat(role: str, rank: int) -> dict[str, object]:
+        now = time.time()
+        await state["redis"].set(keys.heartbeat(role, rank), repr(now), px=30_000)  # type: ignore[attr-defined]
+        return {"status": "ok", "timestamp": now}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# --- load generator ------------------------------------------------------------------------------
+@dataclass
+class RoundResult:
+    target: str
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    await reader.readexactly(length)
+    return status
+
+
+async def _connection(port: int, conn_id: int, deadline: float, latencies: list[float], errors: list[int]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    i = conn_id
+    try:
+        while time.perf_counter() < deadline:
+            rank = i % NODES
+            i += 1
+            request = f"GET /heartbeat?role=actor&rank={rank} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+            start = time.perf_counter()
+            writer.write(request)
+            status = await _read_response(reader)
+            latencies.append(time.perf_counter() - start)
+            if status != 200:
+                errors.append(status)
+    finally:
+        writer.close()
+
+
+async def drive(target: str, port: int, connections: int, duration: float) -> RoundResult:
+    latencies: list[float] = []
+    errors: list[int] = []
+    start = time.perf_counter()
+    deadline = start + duration
+    await asyncio.gather(*[_connection(port, c, deadline, latencies, errors) for c in range(connections)])
+    elapsed = time.perf_counter() - start
+    ordered = sorted(latencies)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3 if ordered else float("nan")
+
+    return RoundResult(target, len(latencies), len(errors), elapsed, len(latencies) / elapsed, pct(0.5), pct(0.99))
+
+
+# --- orchestration -------------------------------------------------------------------------------
+def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
+            "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
+            "--logfile", str(workdir / "redis.log")]  # fmt: skip
+    proc = subprocess.Popen(args)
+    wait_for_port(port)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+async def register_nodes(url: str) -> None:
+    from dcs_tasks.client import CoordinatorAPI
+
+    async with CoordinatorAPI(url) as api:
+        for rank in range(NODES):
+            await api.register(RoleInfo(role_name="actor", rank=rank, port=20000 + rank))
+
+
+async def run_rounds(ours: int, bare: int, args: argparse.Namespace) -> list[RoundResult]:
+    for port in (ours, bare):  # warm-up: connections, script cache, JIT-free but cache-warm paths
+        await drive("warmup", port, args.connections, args.warmup)
+    results = []
+    for _ in range(args.rounds):
+        results.append(await drive("bare", bare, args.connections, args.duration))
+        results.append(await drive("ours", ours, args.connections, args.duration))
+    return results
+
+
+def summarize(results: list[RoundResult], args: argparse.Namespace) -> dict[str, object]:
+    def med(target: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in results if r.target == target)
+
+    ratios = [o.rps / b.rps for b, o in zip(results[0::2], results[1::2], strict=True)]
+    return {
+        "connections": args.connections,
+        "duration_s": args.duration,
+        "rounds": [asdict(r) for r in results],
+        "ours": {"rps": med("ours", "rps"), "p50_ms": med("ours", "p50_ms"), "p99_ms": med("ours", "p99_ms")},
+        "bare": {"rps": med("bare", "rps"), "p50_ms": med("bare", "p50_ms"), "p99_ms": med("bare", "p99_ms")},
+        "ratio_ours_over_bare": statistics.median(ratios),
+        "ratios_per_round": ratios,
+        "errors": sum(r.errors for r in results),
+        "target_ratio": 0.8,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per round and target")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_bare:
+        serve_bare(args.serve_bare, args.redis_url)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        redis_proc, redis_url = start_redis(Path(tmp))
+        config = DCSConfig(redis_url=redis_url, enable_metrics=False)
+        ours = CoordinatorProcess(config, Path(tmp) / "coordinator.log").start()
+        bare_port = free_port()
+        bare = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(bare_port), "--redis-url", redis_url])
+        try:
+            wait_for_port(bare_port, 30)
+            asyncio.run(register_nodes(ours.url))
+            results = asyncio.run(run_rounds(ours.port, bare_port, args))
+        finally:
+            bare.terminate()
+            bare.wait(10)
+            ours.stop()
+            redis_proc.terminate()
+            redis_proc.wait(10)
+    summary = summarize(results, args)
+    out = REPO / "bench" / "results" / "coordinator_load.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    o, b = summary["ours"], summary["bare"]
+    print(
+        f"coordinator heartbeats, {args.connections} connections: ours {o['rps']:.0f} req/s "  # type: ignore[index]
+        f"(p50 {o['p50_ms']:.2f} ms, p99 {o['p99_ms']:.2f} ms) | bare FastAPI+SET {b['rps']:.0f} req/s "  # type: ignore[index]
+        f"(p50 {b['p50_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms) | ratio {summary['ratio_ours_over_bare']:.2f}x "  # type: ignore[index]
+        f"(target >= 0.8x; errors {summary['errors']}) -> {out.relative_to(REPO)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
