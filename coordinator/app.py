@@ -85,8 +85,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None) -> FastAPI:
-    """The coordinator app for `config`; `topology_config` gives role mappings and the global role order."""
-    topo_config = topology_config or TopologyConfig()
+    """The coordinator app for `config`; `topology_config` (role mappings, order) overrides the config's."""
+    topo_config = topology_config or config.topology_config()
     metrics = RequestMetrics(CollectorRegistry(auto_describe=True))
 
     @asynccontextmanager

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
-from dcs_tasks.config import DCSConfig, TopologyConfig
+from dcs_tasks.config import DCSConfig
 
 
 def _mapping(text: str) -> tuple[str, str]:
@@ -20,9 +21,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", help="bind address (default: DCS_COORDINATOR_HOST, 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default: DCS_COORDINATOR_PORT, 8000)")
     parser.add_argument(
-        "--role-mapping", type=_mapping, action="append", help="ROLE=PEER_ROLE for /peer (default actor=rollout)"
+        "--role-mapping",
+        type=_mapping,
+        action="append",
+        help="ROLE=PEER_ROLE for /peer, repeatable (default: DCS_ROLE_MAPPINGS, actor=rollout)",
     )
-    parser.add_argument("--role-order", help="comma-separated roles in global-rank order (default: registration order)")
+    parser.add_argument(
+        "--role-order",
+        help="comma-separated roles in global-rank order (default: DCS_ROLE_ORDER, else registration order)",
+    )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run)
 
@@ -32,14 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
     from coordinator.app import create_app
 
-    overrides = {k: v for k, v in {"coordinator_host": args.host, "coordinator_port": args.port}.items() if v}
-    config = DCSConfig(**overrides)
-    topology = TopologyConfig(
-        role_mappings=dict(args.role_mapping) if args.role_mapping else {"actor": "rollout"},
-        role_order=[r for r in args.role_order.split(",") if r] if args.role_order else None,
-    )
+    overrides: dict[str, Any] = {"coordinator_host": args.host, "coordinator_port": args.port}
+    if args.role_mapping:
+        overrides["role_mappings"] = dict(args.role_mapping)
+    if args.role_order:
+        overrides["role_order"] = [r for r in args.role_order.split(",") if r]
+    config = DCSConfig(**{k: v for k, v in overrides.items() if v is not None})
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config, topology)
+    app = create_app(config)
     uvicorn.run(
         app,
         host=config.coordinator_host,

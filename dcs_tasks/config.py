@@ -79,6 +79,9 @@ class DCSConfig(BaseSettings):
     auth_token: SecretStr | None = None
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     request_timeout_seconds: float = Field(default=30.0, gt=0)
+    # topology answers (/peer mapping, /global_rank role order); give every coordinator the same values
+    role_mappings: dict[str, str] = Field(default_factory=lambda: {"actor": "rollout"})
+    role_order: list[str] | None = None
 
     # identity of this host: names its Celery node queue `dcs.node.<node_name>` (default: hostname)
     node_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -186,3 +189,7 @@ class DCSConfig(BaseSettings):
 
     def token(self) -> str | None:
         return self.auth_token.get_secret_value() if self.auth_token else None
+
+    def topology_config(self) -> TopologyConfig:
+        """The role mappings and role order the coordinator answers with (`DCS_ROLE_MAPPINGS`, `DCS_ROLE_ORDER`)."""
+        return TopologyConfig(role_mappings=self.role_mappings, role_order=self.role_order)

@@ -110,3 +110,18 @@ async def test_heartbeat_loop_keeps_a_node_alive_until_stopped(dcs_config: DCSCo
             assert (await api.health()).dead_nodes == ["actor_0"]
     finally:
         proc.stop()
+
+
+async def test_role_mappings_and_order_come_from_dcs_env(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = dcs_config.model_copy(update={"role_mappings": {"trainer": "engine"}, "role_order": ["engine", "trainer"]})
+    proc = CoordinatorProcess(config, tmp_path / "coordinator-env.log").start()  # settings travel as DCS_* env
+    try:
+        async with CoordinatorAPI(proc.url) as api:
+            await api.register(RoleInfo(role_name="trainer", rank=0, port=1))
+            await api.register(RoleInfo(role_name="engine", rank=0, port=2))
+            await api.register(RoleInfo(role_name="engine", rank=1, port=3))
+            assert (await api.peer("trainer", 0)).port == 2
+            assert await api.global_rank("trainer", 0) == 2
+            assert (await api.debug_topology()).roles == ["engine", "trainer"]
+    finally:
+        proc.stop()

@@ -77,3 +77,10 @@ def test_topology_config_peer_role() -> None:
     config = TopologyConfig()
     assert config.get_peer_role("actor") == "rollout" and config.get_peer_role("rollout") is None
     assert TopologyConfig(role_mappings={"a": "b"}).get_peer_role("a") == "b"
+
+
+def test_topology_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DCS_ROLE_MAPPINGS", '{"trainer": "engine"}')
+    monkeypatch.setenv("DCS_ROLE_ORDER", '["engine", "trainer"]')
+    topology = DCSConfig().topology_config()
+    assert topology.get_peer_role("trainer") == "engine" and topology.role_order == ["engine", "trainer"]
