@@ -1,0 +1,125 @@
+"""`dcs ckpt list|verify|inspect|gc --run R [--dir D]`: look after the checkpoints of a run on disk.
+
+`verify` re-reads every file against its manifest checksum, prints progress on large files, and exits 1
+on the first bad file (naming it). `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
+DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dcs_tasks.config import DCSConfig
+
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser("ckpt", help="list, verify, inspect or gc checkpoints")
+    actions = parser.add_subparsers(dest="action", required=True)
+    for name, func, text in (
+        ("list", _list, "committed steps of a run"),
+        ("verify", _verify, "check sizes and checksums of a run's checkpoints"),
+        ("inspect", _inspect, "show one checkpoint's manifest summary"),
+        ("gc", _gc, "delete checkpoints the retention policy lets go"),
+    ):
+        p = actions.add_parser(name, help=text)
+        p.add_argument("--run", required=True)
+        p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+        p.set_defaults(func=func)
+        if name in ("verify", "inspect"):
+            p.add_argument("--step", type=int, default=None, help="one step (default: all / the newest)")
+        if name == "gc":
+            p.add_argument("--keep-last", type=int, default=None)
+            p.add_argument("--keep-every", type=int, default=None)
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    root = args.dir if args.dir is not None else DCSConfig().checkpoint_dir
+    return Path(root) / args.run
+
+
+def _list(args: argparse.Namespace) -> int:
+    from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
+
+    run_dir = _run_dir(args)
+    latest = read_latest(run_dir)
+    for step, step_dir in step_dirs(run_dir):
+        m = load_manifest(step_dir)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
+        mark = "  <- latest" if step == latest else ""
+        print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{mark}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dcs_tasks.checkpoint.reader import load_manifest, step_dirs, verify_step
+    from dcs_tasks.errors import CorruptCheckpoint
+
+    dirs = [(s, d) for s, d in step_dirs(_run_dir(args)) if args.step is None or s == args.step]
+    if not dirs:
+        print(f"no committed checkpoint found in {_run_dir(args)}", file=sys.stderr)
+        return 1
+    for step, step_dir in dirs:
+        try:
+            verify_step(step_dir, load_manifest(step_dir), progress=_progress)
+        except CorruptCheckpoint as exc:
+            print(f"step {step}: BAD: {exc}", file=sys.stderr)
+            return 1
+        print(f"step {step}: ok")
+    return 0
+
+
+def _progress(name: str, done: int, size: int) -> None:
+    if size >= PROGRESS_MIN_BYTES:
+        end = "\n" if done >= size else "\r"
+        print(f"  {name}: {100 * done // size:3d}% of {size / 2**20:.0f} MiB", end=end, file=sys.stderr, flush=True)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dcs_tasks.checkpoint.reader import describe, load_manifest, step_dirs
+
+    dirs = dict(step_dirs(_run_dir(args)))
+    step = args.step if args.step is not None else max(dirs, default=None)
+    if step is None or step not in dirs:
+        print(f"no committed step {args.step if args.step is not None else ''} in {_run_dir(args)}", file=sys.stderr)
+        return 1
+    print(json.dumps(describe(load_manifest(dirs[step])), indent=2))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from dcs_tasks.checkpoint.models import RetentionPolicy
+    from dcs_tasks.checkpoint.retention import apply_retention
+
+    config = DCSConfig()
+    policy = RetentionPolicy(
+        keep_last=args.keep_last or config.keep_last, keep_every=args.keep_every or config.keep_every
+    )
+    if not policy.active:
+        print("nothing to do: give --keep-last (or set DCS_KEEP_LAST)", file=sys.stderr)
+        return 2
+    deleted = apply_retention(_run_dir(args), policy, _in_flight(config, args.run))
+    print(f"deleted steps: {deleted}" if deleted else "nothing to delete")
+    return 0
+
+
+def _in_flight(config: DCSConfig, run: str) -> set[int]:
+    import redis
+
+    from dcs_tasks.checkpoint.ledger import StepLedger
+    from dcs_tasks.keys import Keys
+
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return StepLedger(client, Keys(config.namespace)).in_flight_steps(run)
+    except redis.RedisError as exc:
+        print(f"warning: Redis unreachable ({exc}); in-flight steps cannot be spared", file=sys.stderr)
+        return set()
+    finally:
+        client.close()

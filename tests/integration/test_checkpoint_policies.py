@@ -1,0 +1,114 @@
+"""Staging policies (block / skip, bounded memory, buffer reuse), retention after commit, and `dcs ckpt`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.config import DCSConfig, StagingPolicy
+from dcs_tasks.errors import CheckpointFailed, StagingError
+from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
+from tests.helpers.procs import REPO, child_env
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(
+        dcs_config,
+        tmp_path,
+        staging_buffers=1,
+        staging_policy=StagingPolicy.SKIP,
+        persist_throttle_bytes_per_second=MiB,
+    )
+    worker = start_worker(config, tmp_path)
+    state = training_state(width=300)  # ~1.1 MiB: ~1 s to persist
+    try:
+        with Checkpointer("skip", config) as ckpt:
+            first = ckpt.save(state, step=1)
+            buf_ptr = ckpt._pool.buffers[0].view.data_ptr()  # type: ignore[union-attr]
+            second = ckpt.save(state, step=2)
+            assert second.skipped and second.done()
+            with pytest.raises(CheckpointFailed, match="skipped"):
+                second.wait(1)
+            first.wait(60)
+            third = ckpt.save(state, step=3)
+            assert not third.skipped
+            third.wait(60)
+            assert [i.step for i in ckpt.list()] == [1, 3]
+            assert ckpt._pool.buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
+            assert len(list(Path(config.staging_dir).glob("*.stage"))) == 1
+    finally:
+        worker.terminate()
+
+
+def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, staging_buffers=1, persist_throttle_bytes_per_second=MiB)
+    worker = start_worker(config, tmp_path)
+    state = training_state(width=300)
+    try:
+        with Checkpointer("block", config, size_hint_bytes=2 * MiB) as ckpt:
+            first = ckpt.save(state, step=1)
+            with pytest.raises(StagingError, match="still being persisted"):
+                ckpt.save(state, step=2, timeout=0.2)
+            second = ckpt.save(state, step=3, timeout=60)  # blocks until step 1 released its buffer
+            assert first.released and second.stall_seconds > 0.3 > first.stall_seconds
+            second.wait(60)
+    finally:
+        worker.terminate()
+
+
+def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, keep_last=2, keep_every=4)
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("keep", config) as ckpt:
+            for step in range(1, 7):
+                ckpt.save(training_state(seed=step), step=step).wait(60)
+            wait_until(lambda: [i.step for i in ckpt.list()] == [4, 5, 6], 30, "retention to delete steps 1-3")
+            assert ckpt.restore().step == 6
+    finally:
+        worker.terminate()
+
+
+def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args]
+    return subprocess.run(cmd, env=child_env(config), cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_list_verify_inspect_gc(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("cli", config) as ckpt:
+            for step in (10, 20):
+                info = ckpt.save(training_state(seed=step), step=step, metadata={"s": step}).wait(60)
+    finally:
+        worker.terminate()
+    root = str(config.checkpoint_dir)
+    listing = _dcs(config, "list", "--run", "cli", "--dir", root)
+    assert listing.returncode == 0 and "20" in listing.stdout and "latest" in listing.stdout
+    assert _dcs(config, "verify", "--run", "cli", "--dir", root).returncode == 0
+    inspected = _dcs(config, "inspect", "--run", "cli", "--dir", root)
+    assert json.loads(inspected.stdout)["metadata"] == {"s": 20}
+    victim = sorted(info.path.glob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    bad = _dcs(config, "verify", "--run", "cli", "--dir", root)
+    assert bad.returncode == 1 and victim.name in bad.stderr
+    victim.write_bytes(bytes(data[:-10]))  # truncated: visibly damaged without reading it
+    gc = _dcs(config, "gc", "--run", "cli", "--dir", root, "--keep-last", "1")
+    assert gc.returncode == 0
+    # the newest step is damaged, so the newest *good* one (10) is kept along with the newest (20)
+    assert "nothing to delete" in gc.stdout
+    victim.unlink()
+    (info.path / "manifest.json").unlink()  # step 20 is gone for readers; now step 10 is the newest
+    assert _dcs(config, "gc", "--run", "cli", "--dir", root, "--keep-last", "1").stdout.strip() == "nothing to delete"
