@@ -91,7 +91,7 @@ class RequestMetrics:
         self.latency = Histogram(
             "dcs_coordinator_request_duration_seconds",
             "Coordinator request latency",
-            ["method", "route"],
+            ["method", "route", "status"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
@@ -102,7 +102,8 @@ class RequestMetrics:
         key = (method, route, status)
         children = self._children.get(key)
         if children is None:
-            children = (self.requests.labels(method, route, str(status)), self.latency.labels(method, route))
+            code = str(status)
+            children = (self.requests.labels(method, route, code), self.latency.labels(method, route, code))
             self._children[key] = children
         children[1].observe(seconds)
         children[0].inc()
