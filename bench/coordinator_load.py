@@ -168,8 +168,8 @@ def summarize(results: list[RoundResult], args: argparse.Namespace) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per round and target")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per round and target")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
