@@ -64,12 +64,17 @@ return {rank, kind}
 """
 
 # Refresh a registered node's heartbeat in one round trip.
-# KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)
+# KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)
 # ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value
-# Returns 1 when the node is registered (beat recorded, a dead node comes back alive), 0 when unknown.
+# ARGV[4] identity "ip:port" of the beating node, or "" to skip the ownership check
+# Returns 1 when the beat is recorded (a dead node comes back alive), 0 when (role, rank) is not registered,
+# -1 when the rank is now held by another identity (the caller was presumed dead and replaced).
 HEARTBEAT = """
 if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
   return 0
+end
+if ARGV[4] ~= "" and redis.call("HGET", KEYS[3], ARGV[1]) ~= ARGV[4] then
+  return -1
 end
 redis.call("SET", KEYS[2], ARGV[3], "PX", ARGV[2])
 return 1

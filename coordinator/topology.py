@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from coordinator import groups, scripts
 from dcs_tasks.config import RoleInfo, TopologyConfig
+from dcs_tasks.errors import RankConflict
 from dcs_tasks.keys import Keys
 
 
@@ -69,9 +70,9 @@ class TopologySnapshot:
         return [rec.info.node_id for role in self.roles for rec in self.nodes.get(role, {}).values() if not rec.alive]
 
 
-def _identity(info: RoleInfo) -> str:
-    """A node's stable identity for re-registration; none when it has no port (it could not be told apart)."""
-    return f"{info.ip}:{info.port}" if info.port else ""
+def node_identity(ip: str, port: int) -> str:
+    """Stable identity of a node for re-registration and heartbeat fencing; "" without a port (indistinct)."""
+    return f"{ip}:{port}" if port else ""
 
 
 class TopologyManager:
@@ -98,7 +99,7 @@ class TopologyManager:
         argv = [
             role,
             "" if info.rank is None else str(info.rank),
-            _identity(info),
+            node_identity(info.ip, info.port),
             info.model_dump_json(exclude={"rank"}),
             str(self._ttl_ms),
             self.keys.heartbeat_role_prefix(role),
@@ -107,12 +108,17 @@ class TopologyManager:
         rank, kind = await self._register(keys=keys, args=argv)
         return Registration(rank=int(rank), kind=_KINDS[int(kind)])
 
-    async def heartbeat(self, role: str, rank: int) -> float | None:
-        """Refresh the node's TTL; returns the beat time, or None when (role, rank) is not registered."""
+    async def heartbeat(self, role: str, rank: int, identity: str = "") -> float | None:
+        """Refresh the node's TTL; returns the beat time, or None when (role, rank) is not registered.
+
+        With an `identity` ("ip:port"), raises RankConflict when another node now holds the rank.
+        """
         now = time.time()
-        keys = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank)]
-        found = await self._heartbeat(keys=keys, args=[str(rank), str(self._ttl_ms), repr(now)])
-        return now if int(found) else None
+        keys = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank), self.keys.role_owners(role)]
+        found = int(await self._heartbeat(keys=keys, args=[str(rank), str(self._ttl_ms), repr(now), identity]))
+        if found < 0:
+            raise RankConflict(f"{role}_{rank} is now held by another node; {identity} was presumed dead", 409)
+        return now if found else None
 
     async def unregister(self, role: str, rank: int) -> bool:
         """Remove the node; False when it was not registered."""

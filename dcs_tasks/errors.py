@@ -36,6 +36,10 @@ class AuthError(CoordinatorError):
     """The coordinator refused the bearer token (401)."""
 
 
+class RankConflict(CoordinatorError):
+    """The rank is now held by another node (409): this node was presumed dead and replaced; re-register."""
+
+
 class RedisUnavailable(DCSError):
     """Redis could not be reached within the configured socket timeout."""
 

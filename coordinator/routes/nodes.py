@@ -7,8 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, TopologyDep
-from coordinator.topology import RegistrationKind, TopologyManager
+from coordinator.topology import RegistrationKind, TopologyManager, node_identity
 from dcs_tasks.config import RoleInfo
+from dcs_tasks.errors import RankConflict
 from dcs_tasks.models import HeartbeatResponse, RegisterRequest, RegisterResponse, StatusResponse
 
 router = APIRouter(tags=["nodes"])
@@ -27,14 +28,25 @@ def not_found(role: str, rank: int, what: str = "node") -> HTTPException:
 
 
 @router.get("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> HeartbeatResponse:
+async def heartbeat(
+    role: RoleQuery,
+    rank: RankQuery,
+    request: Request,
+    ip: Annotated[str | None, Query(max_length=255, description="beating node's ip (ownership check)")] = None,
+    port: Annotated[int | None, Query(ge=0, le=65535, description="beating node's port (ownership check)")] = None,
+) -> HeartbeatResponse:
     """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered.
 
+    With `ip` and `port`, 409 when another node now holds the rank (this one was presumed dead and replaced).
     The hot path: declared first (routes match in order) and reads the topology from app state directly
     instead of through a dependency (see bench/coordinator_load.py).
     """
     topology: TopologyManager = request.app.state.services.topology
-    beat = await topology.heartbeat(role, rank)
+    identity = node_identity(ip, port) if ip is not None and port is not None else ""
+    try:
+        beat = await topology.heartbeat(role, rank, identity)
+    except RankConflict as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
     if beat is None:
         raise not_found(role, rank)
     return HeartbeatResponse(timestamp=beat)

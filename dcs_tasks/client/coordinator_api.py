@@ -16,7 +16,7 @@ import httpx
 from pydantic import BaseModel
 
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound
+from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound, RankConflict
 from dcs_tasks.models import (
     ClearWeightMetaResponse,
     DebugTopologyResponse,
@@ -50,6 +50,8 @@ def _raise_for_status(response: httpx.Response) -> None:
         raise NodeNotFound(message, code)
     if code == 401:
         raise AuthError(message, code)
+    if code == 409:
+        raise RankConflict(message, code)
     if code == 503:
         raise CoordinatorUnavailable(message, code)
     raise CoordinatorError(message, code)
@@ -115,9 +117,17 @@ class CoordinatorAPI:
     async def unregister(self, role: str, rank: int) -> StatusResponse:
         return await self._call("DELETE", "/unregister", StatusResponse, params={"role": role, "rank": rank})
 
-    async def heartbeat(self, role: str, rank: int) -> HeartbeatResponse:
-        """Refresh the node's liveness; raises NodeNotFound when (role, rank) is not registered."""
-        return await self._call("GET", "/heartbeat", HeartbeatResponse, params={"role": role, "rank": rank})
+    async def heartbeat(
+        self, role: str, rank: int, *, ip: str | None = None, port: int | None = None
+    ) -> HeartbeatResponse:
+        """Refresh the node's liveness; NodeNotFound when (role, rank) is not registered.
+
+        Pass the node's `ip` and `port` to fence the beat: RankConflict when another node now holds the rank.
+        """
+        params: dict[str, Any] = {"role": role, "rank": rank}
+        if ip is not None and port:
+            params.update(ip=ip, port=port)
+        return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params)
 
     async def node(self, role: str, rank: int) -> RoleInfo:
         return await self._call("GET", "/node", RoleInfo, params={"role": role, "rank": rank})
@@ -170,9 +180,12 @@ class CoordinatorAPI:
 class HeartbeatLoop:
     """Beats for one node every `interval` seconds in a background asyncio task until `stop()`.
 
-    Transient failures (coordinator or Redis down) are logged and retried at the next beat. When the
-    coordinator no longer knows the node (404, e.g. after an unregister by an operator), the loop
-    re-registers `info` with the rank it had, so a node survives a flushed Redis.
+    Beats carry the node's ip:port (when it has a port), so they are fenced: if the node was presumed dead
+    and its rank given to a replacement, the beat fails with RankConflict; the loop then stops and keeps
+    the error in `lost` (the node must re-register and rebuild what it built on its old rank). Transient
+    failures (coordinator or Redis down) are logged and retried at the next beat. When the coordinator no
+    longer knows the node (404: unregistered by an operator, or a flushed Redis) the loop re-registers
+    `info` with the rank it had.
     """
 
     def __init__(self, api: CoordinatorAPI, info: RoleInfo, interval: float) -> None:
@@ -183,6 +196,7 @@ class HeartbeatLoop:
         self.interval = interval
         self.beats = 0
         self.failures = 0
+        self.lost: RankConflict | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> HeartbeatLoop:
@@ -197,9 +211,10 @@ class HeartbeatLoop:
             await asyncio.gather(task, return_exceptions=True)
 
     async def beat_once(self) -> None:
+        """One beat; raises RankConflict when the rank now belongs to another node."""
         assert self.info.rank is not None
         try:
-            await self.api.heartbeat(self.info.role_name, self.info.rank)
+            await self.api.heartbeat(self.info.role_name, self.info.rank, ip=self.info.ip, port=self.info.port)
         except NodeNotFound:
             await self.api.register(self.info)
         self.beats += 1
@@ -208,6 +223,10 @@ class HeartbeatLoop:
         while True:
             try:
                 await self.beat_once()
+            except RankConflict as exc:
+                self.lost = exc
+                log.error("%s lost its rank, heartbeats stopped: %s", self.info.node_id, exc)
+                return
             except CoordinatorError as exc:
                 self.failures += 1
                 log.warning("heartbeat of %s failed (will retry): %s", self.info.node_id, exc)

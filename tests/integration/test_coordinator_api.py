@@ -221,3 +221,25 @@ async def test_metrics_count_requests_by_route_template(coord: InProcessCoordina
     assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="200"} 3.0' in text
     assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="404"} 1.0' in text
     assert 'dcs_coordinator_request_duration_seconds_count{method="GET",route="/heartbeat",status="200"} 3.0' in text
+
+
+async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs_config: DCSConfig) -> None:
+    from dcs_tasks.client import HeartbeatLoop
+    from dcs_tasks.errors import RankConflict
+
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})
+    async with in_process_coordinator(config) as c:
+        old = node("rollout", port=1)
+        await c.api.register(old)
+        await asyncio.sleep(0.4)  # presumed dead
+        assert (await c.api.register(node("rollout", port=2))).rank == 0  # the replacement takes rank 0
+        with pytest.raises(RankConflict, match="rollout_0") as info:
+            await c.api.heartbeat("rollout", 0, ip="10.0.0.1", port=1)
+        assert info.value.status_code == 409
+        await c.api.heartbeat("rollout", 0, ip="10.0.0.1", port=2)  # the holder beats fine
+        loop = HeartbeatLoop(c.api, old.model_copy(update={"rank": 0}), interval=0.05).start()
+        await asyncio.sleep(0.3)
+        assert isinstance(loop.lost, RankConflict) and loop.beats == 0
+        await loop.stop()
+        held = (await c.api.debug_topology()).nodes["rollout"][0].info  # dead or alive: the old node did not
+        assert held.port == 2  # take the rank back
