@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, unpack_views
-from dcs_tasks.backends.process_group import destroy, new_group
+from dcs_tasks.backends.process_group import destroy, new_group_within, release_store
 from dcs_tasks.config import BackendType, RoleInfo
 from dcs_tasks.errors import GroupInitError, WeightSyncError
 
@@ -75,7 +75,7 @@ class DeviceDirectBackend(CommBackend):
         if self.backend_type is BackendType.NCCL and self.device_id is not None:
             torch.cuda.set_device(self.device_id)
         try:
-            pg = new_group(
+            pg = new_group_within(
                 spec.backend.value,
                 spec.master_address,
                 spec.master_port,
@@ -100,6 +100,8 @@ class DeviceDirectBackend(CommBackend):
             group = self._groups.pop(group_name, None)
         if group is not None:
             destroy(group.pg)
+            if group.spec.rank == 0:
+                release_store(group.spec.master_address, group.spec.master_port)
 
     def has_group(self, group_name: str) -> bool:
         with self._lock:

@@ -1,17 +1,49 @@
 """Named torch.distributed groups without a default process group.
 
 `torch.distributed.init_process_group` can run once per process, but a trainer holds several update
-groups at once and a receiver rebuilds its group when members change. This creates a standalone group
-the way SGLang's `init_custom_process_group` does (TCPStore rendezvous at tcp://addr:port, a PrefixStore
-per group name), so a real SGLang engine and our processes rendezvous identically.
+groups at once and rebuilds them when members change. A group here is a TCPStore at
+tcp://master_address:master_port, a PrefixStore per group name, and a backend built on it (as SGLang's
+`init_custom_process_group` does, so a real SGLang engine joins as a plain store client).
+
+Rank 0 hosts the TCPStore. Master stores are pooled per (address, port) and reference-counted: a
+successor group on the same port (e.g. the next rollout's actor_fwd group) reuses the live store instead
+of binding the port again while the old listener may linger. The gloo/NCCL constructor's full-mesh
+connect is the barrier: it waits for every rank, bounded by the init timeout.
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+_MASTERS: dict[tuple[str, int], tuple[dist.TCPStore, int]] = {}
+_MASTERS_LOCK = threading.Lock()
+
+
+def _store(address: str, port: int, rank: int, timeout: timedelta) -> dist.Store:
+    if rank != 0:
+        return dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    with _MASTERS_LOCK:
+        store, refs = _MASTERS.get((address, port), (None, 0))
+        if store is None:
+            store = dist.TCPStore(address, port, is_master=True, timeout=timeout, wait_for_workers=False)
+        _MASTERS[(address, port)] = (store, refs + 1)
+        return store
+
+
+def release_store(address: str, port: int) -> None:
+    """Drop one reference to the master store on address:port; the last one closes it."""
+    with _MASTERS_LOCK:
+        store, refs = _MASTERS.get((address, port), (None, 0))
+        if store is None:
+            return
+        if refs <= 1:
+            del _MASTERS[(address, port)]
+        else:
+            _MASTERS[(address, port)] = (store, refs - 1)
 
 
 def new_group(
@@ -25,20 +57,23 @@ def new_group(
     timeout_seconds: float,
 ) -> dist.ProcessGroup:
     """Rendezvous and build the group. Raises whatever torch raises (DistStoreError, RuntimeError)."""
-    init_url = f"tcp://{master_address}:{master_port}"
-    rendezvous = c10d.rendezvous(init_url, rank, world_size, timeout=timedelta(seconds=init_timeout_seconds))
-    store, rank, world_size = next(rendezvous)
-    store.set_timeout(timedelta(seconds=init_timeout_seconds))
-    prefixed = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        prefixed,
-        group_name=c10d.GroupName(group_name),
-        timeout=timedelta(seconds=timeout_seconds),
-    )
+    init_timeout = timedelta(seconds=init_timeout_seconds)
+    store = _store(master_address, master_port, rank, init_timeout)
+    try:
+        prefixed = c10d.PrefixStore(group_name, store)
+        pg, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            prefixed,
+            group_name=c10d.GroupName(group_name),
+            timeout=timedelta(seconds=timeout_seconds),
+        )
+    except BaseException:
+        if rank == 0:
+            release_store(master_address, master_port)
+        raise
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -49,3 +84,55 @@ def destroy(pg: dist.ProcessGroup) -> None:
         dist.destroy_process_group(pg)
     except (RuntimeError, ValueError, KeyError, AssertionError):
         c10d._world.pg_group_ranks.pop(pg, None)
+
+
+def new_group_within(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    init_timeout_seconds: float,
+    timeout_seconds: float,
+) -> dist.ProcessGroup:
+    """`new_group`, but given up after `init_timeout_seconds` even where torch would wait for the collective
+    timeout (the backend's full-mesh connect uses it). The abandoned attempt runs on in a daemon thread and
+    destroys its group if it ever forms. Raises TimeoutError when the deadline passes."""
+    outcome: dict[str, object] = {}
+    abandoned = threading.Event()
+    decided = threading.Lock()
+
+    def attempt() -> None:
+        try:
+            pg = new_group(
+                backend,
+                master_address,
+                master_port,
+                world_size,
+                rank,
+                group_name,
+                init_timeout_seconds,
+                timeout_seconds,
+            )
+        except BaseException as exc:
+            outcome["error"] = exc
+            return
+        with decided:
+            outcome["pg"] = pg
+            if not abandoned.is_set():
+                return
+        destroy(pg)
+        if rank == 0:
+            release_store(master_address, master_port)
+
+    thread = threading.Thread(target=attempt, name=f"dcs-join-{group_name}", daemon=True)
+    thread.start()
+    thread.join(init_timeout_seconds + 1.0)
+    with decided:
+        if not outcome:
+            abandoned.set()
+            raise TimeoutError(f"group {group_name!r} did not form within {init_timeout_seconds:g}s")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["pg"]  # type: ignore[return-value]

@@ -5,7 +5,9 @@ The reference joins only when `ref_update_interval` is set and divides `rollout_
 `is_pp_src_rank` is rank 0 of its stage's group `update_actor_pp_{pp_rank}` (init method from the
 coordinator); receivers join every stage's group at their global rank. Per update each source posts one
 `WeightMeta` per bucket (then broadcasts the bucket flattened) and finally the end sentinel; a receiver
-commits once it has seen `train_pp_size` sentinels, so a partial update is never applied.
+commits once it has seen `train_pp_size` sentinels, so a partial update is never applied. The meta log
+is shared: a receiver skips entries of groups it is not in and sentinels seen before its first bucket
+(every earlier update ends before this update's rendezvous, which precedes its first bucket).
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class ActorFwdSender:
         mine = specs.get(f"update_actor_pp_{self.pp_rank}")
         if mine is None:
             raise DCSTimeoutError(f"the coordinator lists no group for pp stage {self.pp_rank}: {sorted(specs)}")
-        if self.spec is not None:
-            self.sender.backend.destroy_group(self.spec.group_name)
-        await asyncio.to_thread(self.sender.backend.create_group, mine)
+        previous, self.spec = self.spec, None
+        await asyncio.to_thread(self.sender.backend.create_group, mine)  # before dropping `previous`: the
+        if previous is not None and previous.group_name != mine.group_name:  # master store stays bound
+            self.sender.backend.destroy_group(previous.group_name)
         self.spec = mine
 
     async def update(
@@ -108,16 +111,18 @@ class ActorFwdReceiver:
         self.model = model
         self.train_pp_size = 1
         self.meta_index = 0
-        self.joined = False
+        self.group_names: list[str] = []
 
     async def init_groups(self, ranks: GroupRanksResponse, specs: dict[str, GroupSpec]) -> None:
         """Snapshot the meta log's end *before* the rendezvous barrier, then join every stage's group."""
         self.meta_index = (await self.api.recv_weight_meta(index=0, wait_timeout_s=0)).next_index
         backend = self.receiver.backend
         assert isinstance(backend, DeviceDirectBackend)
+        for name in self.group_names:
+            backend.destroy_group(name)
+        self.group_names = [spec.group_name for spec in specs.values()]
         await join_all(backend, list(specs.values()))
         self.train_pp_size = ranks.train_pp_size
-        self.joined = True
 
     async def recv_weight(self) -> int:
         """Receive one whole update; returns the new version. DCSTimeoutError if it does not end in time."""
@@ -135,8 +140,10 @@ class ActorFwdReceiver:
             for meta in batch.entries:
                 self.meta_index += 1
                 if meta.is_end:
-                    ends += 1
+                    ends += 1 if received else 0  # sentinels before our first bucket close an older update
                     continue
+                if meta.group_name not in self.group_names:
+                    continue  # an older update's bucket, or another group's
                 await asyncio.to_thread(
                     self.receiver.receive_bucket, meta.names, meta.dtypes, meta.shapes, meta.group_name, version, True
                 )

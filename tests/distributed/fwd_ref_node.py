@@ -1,0 +1,92 @@
+"""One node of the actor -> actor_fwd / reference test, run as `python -m tests.distributed.fwd_ref_node`.
+
+Config comes from DCS_* env; results go to `--out` as JSON: {rollout_id: {"version": v, "digest": {...}}}.
+Actors hold `stage{pp_rank}.*` tensors (mixed dtypes) changed deterministically per rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from dcs_tasks.client.engine import CheckpointEngineClient
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.receiver.weights import tensor_sha256
+
+
+def stage_state(pp_rank: int, rollout_id: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * pp_rank + rollout_id)
+    state = {f"stage{pp_rank}.w{i}": torch.randn(17, 5 + i, generator=g) for i in range(12)}
+    state[f"stage{pp_rank}.bf16"] = torch.randn(64, generator=g).to(torch.bfloat16)
+    state[f"stage{pp_rank}.count"] = torch.tensor([rollout_id, pp_rank], dtype=torch.int64)
+    return state
+
+
+def digest(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: tensor_sha256(t) for name, t in state.items()}
+
+
+def wait_for_roles(url: str, expect: dict[str, int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        nodes = httpx.get(f"{url}/topology", timeout=10).json()["nodes"]
+        if all(len(nodes.get(role, {})) >= n for role, n in expect.items()):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"roles {expect} not all registered after {timeout}s")
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    config = DCSConfig()
+    is_actor = args.role == "actor"
+    metadata = {"pp_rank": args.pp_rank, "pp_size": args.pp_size, "is_pp_src_rank": True} if is_actor else {}
+    state = stage_state(args.pp_rank, 0)
+    client = CheckpointEngineClient(
+        coordinator_url=config.base_url,
+        role=args.role,
+        rank=args.rank,
+        model=state if args.role == "actor" else None,
+        model_name="fwd",
+        config=config,
+        metadata=metadata,
+    )
+    await client.start()
+    expect = dict(item.split("=") for item in args.expect.split(","))
+    await asyncio.to_thread(wait_for_roles, config.base_url, {k: int(v) for k, v in expect.items()})
+    results: dict[str, object] = {}
+    try:
+        for rollout_id in range(1, args.rollouts + 1):
+            if args.role == "actor":
+                state.update(stage_state(args.pp_rank, rollout_id))
+                await client.init_process_groups_for_actor_fwd_ref(rollout_id)
+                await client.update_weights_for_rollout(actor_fwd_only=True)
+                results[str(rollout_id)] = {"version": rollout_id, "digest": digest(state)}
+            elif await client.init_process_groups_for_actor_fwd_ref(rollout_id):
+                version = await client.recv_weight()
+                results[str(rollout_id)] = {"version": version, "digest": digest(client.received_weights)}
+    finally:
+        await client.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--pp-rank", type=int, default=0)
+    parser.add_argument("--pp-size", type=int, default=1)
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--expect", required=True, help="role=count,... to wait for before the first rollout")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(asyncio.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()
