@@ -40,7 +40,8 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] = {}
         self._staging_version: int | None = None
         self._staging_failed = False
-        self._lock = threading.RLock()  # serialises group and bucket operations
+        self._epoch = 0  # bumped whenever staging is dropped; a bucket received across a bump is discarded
+        self._lock = threading.RLock()  # guards groups and staging; never held while a collective waits
         self._state_lock = threading.Lock()  # guards the committed (weights, version) pair
 
     def init_group(self, spec: GroupSpec) -> None:
@@ -68,14 +69,26 @@ class WeightReceiver:
         weight_version: int,
         flattened: bool,
     ) -> None:
-        """Receive one bucket of update `weight_version` into staging. Raises WeightSyncError on failure."""
+        """Receive one bucket of update `weight_version` into staging. Raises WeightSyncError on failure.
+
+        The lock is not held while the collective waits, so a replacement group (`init_group`) can form
+        while a bucket of an abandoned update is still stuck waiting for its sender.
+        """
         with self._lock:
             self._start_staging(weight_version)
-            try:
-                received = self._recv(names, dtypes, shapes, group_name, flattened)
-            except Exception:
-                self._staging_failed = True
-                raise
+            epoch = self._epoch
+        try:
+            received = self._recv(names, dtypes, shapes, group_name, flattened)
+        except Exception:
+            with self._lock:
+                if self._epoch == epoch:
+                    self._staging_failed = True
+            raise
+        with self._lock:
+            if self._epoch != epoch:
+                raise WeightSyncError(
+                    f"bucket of v{weight_version} from {group_name!r} arrived after its update was abandoned; dropped"
+                )
             self._staging.update(received)
 
     def _recv(
@@ -124,6 +137,7 @@ class WeightReceiver:
     def abort(self) -> None:
         """Drop whatever is staged."""
         with self._lock:
+            self._epoch += 1
             self._staging = {}
             self._staging_version = None
             self._staging_failed = False

@@ -118,6 +118,7 @@ class ActorFwdReceiver:
         self.meta_index = (await self.api.recv_weight_meta(index=0, wait_timeout_s=0)).next_index
         backend = self.receiver.backend
         assert isinstance(backend, DeviceDirectBackend)
+        self.receiver.abort()
         for name in self.group_names:
             backend.destroy_group(name)
         self.group_names = [spec.group_name for spec in specs.values()]
