@@ -1,9 +1,8 @@
 """Read committed checkpoints: list, verify, load, restore in place.
 
 Only step directories with a `manifest.json` exist for readers (a partial step has none). Loading reads
-each file once, in large chunks, straight into one tensor-backed buffer while hashing it, and returns
-tensors as views over that buffer (the layout keeps every tensor aligned), so a verified restore costs one
-sequential read. Files are read in parallel threads.
+each file once, in order, hashing it while reading each tensor's bytes straight into that tensor's own
+storage, so a verified restore costs one sequential read per file. Files are read in parallel threads.
 """
 
 from __future__ import annotations
@@ -61,30 +60,56 @@ def read_latest(run_dir: Path) -> int | None:
         return None
 
 
-def _read_file(path: Path, entry: FileEntry, verify: bool, progress: Progress | None) -> torch.Tensor:
+Region = tuple[int, int, torch.Tensor]  # (begin, end, uint8 destination) inside one file
+
+
+def _regions_of(size: int, targets: list[Region]) -> list[Region]:
+    """Cover [0, size) with `targets` (sorted, disjoint) and scratch buffers for the gaps (header, padding)."""
+    regions: list[Region] = []
+    pos = 0
+    for begin, end, dest in sorted(targets, key=lambda r: r[0]):
+        if begin > pos:
+            regions.append((pos, begin, torch.empty(begin - pos, dtype=torch.uint8)))
+        regions.append((begin, end, dest))
+        pos = end
+    if pos < size:
+        regions.append((pos, size, torch.empty(size - pos, dtype=torch.uint8)))
+    return regions
+
+
+def _read_file(
+    path: Path, entry: FileEntry, verify: bool, progress: Progress | None, targets: list[Region] | None = None
+) -> torch.Tensor | None:
+    """Read `path` once, hashing it in order. Without `targets` the whole file lands in one uint8 tensor
+    (returned); with them each region lands in its own destination (None is returned)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(f"checkpoint file {path} is missing", str(path)) from exc
     if size != entry.size:
         raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {entry.size}", str(path))
-    data = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(data.numpy())  # type: ignore[arg-type]
+    whole = torch.empty(size, dtype=torch.uint8) if targets is None else None
+    regions = [(0, size, whole)] if whole is not None else _regions_of(size, targets or [])
     hasher = new_hasher() if verify else None
     with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < size:
-            n = f.readinto(view[pos : pos + CHUNK_BYTES])
-            if not n:
-                raise CorruptCheckpoint(f"checkpoint file {path} ended early at byte {pos}", str(path))
-            if hasher is not None:
-                hasher.update(view[pos : pos + n])
-            pos += n
+        for begin, end, dest in regions:
+            _read_region(f, path, begin, end, memoryview(dest.numpy()), hasher)  # type: ignore[arg-type]
             if progress is not None:
-                progress(entry.name, pos, size)
+                progress(entry.name, end, size)
     if hasher is not None and hasher.hexdigest() != entry.checksum:
         raise CorruptCheckpoint(f"checkpoint file {path} fails its {entry.algorithm} checksum", str(path))
-    return data
+    return whole
+
+
+def _read_region(f: Any, path: Path, begin: int, end: int, view: memoryview, hasher: Any) -> None:
+    done = 0
+    while done < end - begin:
+        n = f.readinto(view[done : min(done + CHUNK_BYTES, end - begin)])
+        if not n:
+            raise CorruptCheckpoint(f"checkpoint file {path} ended early at byte {begin + done}", str(path))
+        if hasher is not None:
+            hasher.update(view[done : done + n])
+        done += n
 
 
 def read_files(
@@ -94,7 +119,12 @@ def read_files(
     threads = max(1, min(READ_THREADS, len(manifest.files), os.cpu_count() or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="dcs-read") as pool:
         futures = {f.name: pool.submit(_read_file, step_dir / f.name, f, verify, progress) for f in manifest.files}
-        return {name: fut.result() for name, fut in futures.items()}
+        return {name: _whole(fut.result()) for name, fut in futures.items()}
+
+
+def _whole(data: torch.Tensor | None) -> torch.Tensor:
+    assert data is not None
+    return data
 
 
 def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = None) -> None:
@@ -104,13 +134,22 @@ def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = 
 
 
 def load_tensors(step_dir: Path, manifest: Manifest, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Tensor name -> tensor (views over the files' bytes, bit-exact to what was saved)."""
-    files = read_files(step_dir, manifest, verify=verify)
-    tensors: dict[str, torch.Tensor] = {}
+    """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
+    shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset) and the
+    bytes are read straight into it, so a verified restore is still one sequential read per file."""
+    tensors = {
+        name: torch.empty(entry.shape, dtype=CODE_DTYPES[entry.dtype]) for name, entry in manifest.tensors.items()
+    }
+    targets: dict[str, list[Region]] = {f.name: [] for f in manifest.files}
     for name, entry in manifest.tensors.items():
         begin, end = entry.offsets
-        raw = files[entry.file][begin:end]
-        tensors[name] = raw.view(CODE_DTYPES[entry.dtype]).view(entry.shape)
+        if end > begin:
+            targets[entry.file].append((begin, end, tensors[name].reshape(-1).view(torch.uint8)))
+    threads = max(1, min(READ_THREADS, len(manifest.files), os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="dcs-read") as pool:
+        futures = [pool.submit(_read_file, step_dir / f.name, f, verify, None, targets[f.name]) for f in manifest.files]
+        for fut in futures:
+            fut.result()
     return tensors
 
 
