@@ -25,11 +25,11 @@ redis-bin:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 format: install
-	$(BIN)/ruff format dcs_tasks coordinator workers tests bench
-	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench
+	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples
+	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples
 
 lint: install
-	$(BIN)/ruff check dcs_tasks coordinator workers tests bench
+	$(BIN)/ruff check dcs_tasks coordinator workers tests bench examples
 
 typecheck: install
 	$(BIN)/mypy
@@ -41,7 +41,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: install redis-bin
-	$(BIN)/python -m dcs_tasks.demo
+	$(BIN)/python examples/demo.py
 
 bench: install redis-bin
 	$(BIN)/python bench/coordinator_load.py
