@@ -4,7 +4,8 @@ Starts a private redis-server (AOF on, appendfsync everysec), our coordinator (`
 one process) and a bare FastAPI app (uvicorn, one process, `SET key ts PX ttl` per request). A raw-asyncio
 HTTP/1.1 keep-alive load generator drives `GET /heartbeat?role=actor&rank=i` on each with `--connections`
 connections for `--duration` seconds; targets alternate for `--rounds` rounds so drift hits both alike.
-Prints req/s, p50/p99 and the ratio ours/bare (median over rounds); writes bench/results/coordinator_load.json.
+Prints req/s, p50/p99 and the ratio ours/bare (median over rounds), plus each server's CPU time per request
+(from /proc; steadier than req/s when other jobs share the cores); writes bench/results/coordinator_load.json.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -72,6 +74,15 @@ class RoundResult:
     rps: float
     p50_ms: float
     p99_ms: float
+    server_cpu_us_per_req: float
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), immune to how busy the rest of the machine is."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _read_response(reader: asyncio.StreamReader) -> int:
@@ -103,19 +114,23 @@ async def _connection(port: int, conn_id: int, deadline: float, latencies: list[
         writer.close()
 
 
-async def drive(target: str, port: int, connections: int, duration: float) -> RoundResult:
+async def drive(target: str, port: int, pid: int, connections: int, duration: float) -> RoundResult:
     latencies: list[float] = []
     errors: list[int] = []
+    cpu_before = cpu_seconds(pid)
     start = time.perf_counter()
     deadline = start + duration
     await asyncio.gather(*[_connection(port, c, deadline, latencies, errors) for c in range(connections)])
     elapsed = time.perf_counter() - start
+    cpu = cpu_seconds(pid) - cpu_before
     ordered = sorted(latencies)
 
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3 if ordered else float("nan")
 
-    return RoundResult(target, len(latencies), len(errors), elapsed, len(latencies) / elapsed, pct(0.5), pct(0.99))
+    n = len(latencies)
+    cpu_us = cpu / n * 1e6 if n else float("nan")
+    return RoundResult(target, n, len(errors), elapsed, n / elapsed, pct(0.5), pct(0.99), cpu_us)
 
 
 # --- orchestration -------------------------------------------------------------------------------
@@ -137,21 +152,24 @@ async def register_nodes(url: str) -> None:
             await api.register(RoleInfo(role_name="actor", rank=rank, port=20000 + rank))
 
 
-async def run_rounds(ours: int, bare: int, args: argparse.Namespace) -> list[RoundResult]:
-    for port in (ours, bare):  # warm-up: connections, script cache, JIT-free but cache-warm paths
-        await drive("warmup", port, args.connections, args.warmup)
+async def run_rounds(ours: tuple[int, int], bare: tuple[int, int], args: argparse.Namespace) -> list[RoundResult]:
+    """`ours`/`bare` are (port, server pid); rounds alternate bare, ours so that drift hits both alike."""
+    for port, pid in (ours, bare):  # warm-up: connections, script cache, route caches
+        await drive("warmup", port, pid, args.connections, args.warmup)
     results = []
     for _ in range(args.rounds):
-        results.append(await drive("bare", bare, args.connections, args.duration))
-        results.append(await drive("ours", ours, args.connections, args.duration))
+        results.append(await drive("bare", *bare, args.connections, args.duration))
+        results.append(await drive("ours", *ours, args.connections, args.duration))
     return results
 
 
-def summarize(results: list[RoundResult], args: argparse.Namespace) -> dict[str, object]:
+def summarize(results: list[RoundResult], args: argparse.Namespace) -> dict[str, Any]:
     def med(target: str, field: str) -> float:
         return statistics.median(getattr(r, field) for r in results if r.target == target)
 
-    ratios = [o.rps / b.rps for b, o in zip(results[0::2], results[1::2], strict=True)]
+    pairs = list(zip(results[0::2], results[1::2], strict=True))
+    ratios = [o.rps / b.rps for b, o in pairs]
+    cpu_ratios = [b.server_cpu_us_per_req / o.server_cpu_us_per_req for b, o in pairs]
     return {
         "connections": args.connections,
         "duration_s": args.duration,
@@ -160,9 +178,25 @@ def summarize(results: list[RoundResult], args: argparse.Namespace) -> dict[str,
         "bare": {"rps": med("bare", "rps"), "p50_ms": med("bare", "p50_ms"), "p99_ms": med("bare", "p99_ms")},
         "ratio_ours_over_bare": statistics.median(ratios),
         "ratios_per_round": ratios,
+        "cpu_efficiency_ratio": statistics.median(cpu_ratios),
+        "cpu_efficiency_ratios_per_round": cpu_ratios,
+        "ours_cpu_us_per_req": med("ours", "server_cpu_us_per_req"),
+        "bare_cpu_us_per_req": med("bare", "server_cpu_us_per_req"),
         "errors": sum(r.errors for r in results),
         "target_ratio": 0.8,
     }
+
+
+def summary_line(s: dict[str, Any], out: Path) -> str:
+    o, b = s["ours"], s["bare"]
+    return (
+        f"coordinator heartbeats, {s['connections']} connections: "
+        f"ours {o['rps']:.0f} req/s (p50 {o['p50_ms']:.2f} ms, p99 {o['p99_ms']:.2f} ms) | "
+        f"bare FastAPI+SET {b['rps']:.0f} req/s (p50 {b['p50_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms) | "
+        f"ratio ours/bare (median per round) {s['ratio_ours_over_bare']:.2f}x (target >= 0.8x) | "
+        f"server CPU/req ours {s['ours_cpu_us_per_req']:.0f} us, bare {s['bare_cpu_us_per_req']:.0f} us "
+        f"-> efficiency {s['cpu_efficiency_ratio']:.2f}x | errors {s['errors']} -> {out}"
+    )
 
 
 def main() -> None:
@@ -186,7 +220,8 @@ def main() -> None:
         try:
             wait_for_port(bare_port, 30)
             asyncio.run(register_nodes(ours.url))
-            results = asyncio.run(run_rounds(ours.port, bare_port, args))
+            assert ours.proc is not None
+            results = asyncio.run(run_rounds((ours.port, ours.proc.pid), (bare_port, bare.pid), args))
         finally:
             bare.terminate()
             bare.wait(10)
@@ -197,13 +232,7 @@ def main() -> None:
     out = REPO / "bench" / "results" / "coordinator_load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
-    o, b = summary["ours"], summary["bare"]
-    print(
-        f"coordinator heartbeats, {args.connections} connections: ours {o['rps']:.0f} req/s "  # type: ignore[index]
-        f"(p50 {o['p50_ms']:.2f} ms, p99 {o['p99_ms']:.2f} ms) | bare FastAPI+SET {b['rps']:.0f} req/s "  # type: ignore[index]
-        f"(p50 {b['p50_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms) | ratio {summary['ratio_ours_over_bare']:.2f}x "  # type: ignore[index]
-        f"(target >= 0.8x; errors {summary['errors']}) -> {out.relative_to(REPO)}"
-    )
+    print(summary_line(summary, out.relative_to(REPO)))
 
 
 if __name__ == "__main__":

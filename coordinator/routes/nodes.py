@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, TopologyDep
 from coordinator.topology import RegistrationKind, TopologyManager, node_identity
@@ -34,7 +34,7 @@ async def heartbeat(
     request: Request,
     ip: Annotated[str | None, Query(max_length=255, description="beating node's ip (ownership check)")] = None,
     port: Annotated[int | None, Query(ge=0, le=65535, description="beating node's port (ownership check)")] = None,
-) -> HeartbeatResponse:
+) -> Response:
     """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered.
 
     With `ip` and `port`, 409 when another node now holds the rank (this one was presumed dead and replaced).
@@ -49,7 +49,8 @@ async def heartbeat(
         raise HTTPException(status_code=409, detail=str(exc)) from exc
     if beat is None:
         raise not_found(role, rank)
-    return HeartbeatResponse(timestamp=beat)
+    # pre-serialized: FastAPI would otherwise validate the returned model again before dumping it
+    return Response(HeartbeatResponse(timestamp=beat).model_dump_json(), media_type="application/json")
 
 
 @router.post("/register", response_model=RegisterResponse)
