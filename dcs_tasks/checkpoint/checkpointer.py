@@ -22,6 +22,7 @@ from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint import cuda, reader
+from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     Layout,
     ManifestDraft,
@@ -55,6 +56,7 @@ class Checkpointer:
         *,
         size_hint_bytes: int | None = None,
         celery_app: Celery | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         if not re.match(RUN_PATTERN, run):
             raise CheckpointError(f"run name {run!r} must match {RUN_PATTERN}")
@@ -73,6 +75,7 @@ class Checkpointer:
         self._pool = StagingPool(
             Path(self.config.staging_dir), self.config.staging_buffers, prefix=f"dcs-{self.config.namespace}-{run}"
         )
+        self._copier = HostCopier(copy_threads)
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._pending: list[PendingCheckpoint] = []
         if size_hint_bytes:
@@ -173,7 +176,7 @@ class Checkpointer:
         if torch.cuda.is_available() and cuda.has_cuda_tensors(flat.tensors):
             cuda.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
         else:
-            copy_into(buf, layout, flat.tensors)
+            copy_into(buf, layout, flat.tensors, copier=self._copier)
 
     def _begin(self, step: int, layout: Layout, flat: FlatState, metadata: dict[str, Any]) -> StepRef:
         draft = ManifestDraft(
@@ -244,11 +247,10 @@ class Checkpointer:
     def _restore_dir(self, step_dir: Path, into: Any, verify: bool) -> RestoredCheckpoint:
         started = time.perf_counter()
         manifest = reader.load_manifest(step_dir)
-        tensors = reader.load_tensors(step_dir, manifest, verify=verify)
-        if into is not None:
-            targets = flatten_state(into).tensors
-            reader.copy_into_targets(tensors, targets)
-            tensors = targets
+        targets = flatten_state(into).tensors if into is not None else None
+        if targets is not None:
+            reader.check_targets(manifest, targets)
+        tensors = reader.load_tensors(step_dir, manifest, verify=verify, into=targets)
         state = unflatten_state(manifest.structure, tensors)
         record_load(time.perf_counter() - started, manifest.total_bytes)
         return RestoredCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
@@ -263,6 +265,7 @@ class Checkpointer:
         if self._pool.in_flight():
             log.warning("closing with %d staging buffer(s) still in flight", self._pool.in_flight())
         self._pool.close()
+        self._copier.close()
         self._redis.close()
 
     def __enter__(self) -> Checkpointer:

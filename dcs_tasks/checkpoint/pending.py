@@ -16,7 +16,7 @@ from dcs_tasks.checkpoint.reader import load_manifest
 from dcs_tasks.errors import CheckpointFailed, DCSTimeoutError
 
 POLL_MIN_SECONDS = 0.005
-POLL_MAX_SECONDS = 0.1
+POLL_MAX_SECONDS = 0.05
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dcs_tasks.checkpoint.format import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
+    TensorEntry,
     new_hasher,
     read_manifest,
     step_dir_name,
@@ -133,44 +134,60 @@ def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = 
         _read_file(step_dir / entry.name, entry, True, progress)
 
 
-def load_tensors(step_dir: Path, manifest: Manifest, *, verify: bool = True) -> dict[str, torch.Tensor]:
+def load_tensors(
+    step_dir: Path, manifest: Manifest, *, verify: bool = True, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset) and the
-    bytes are read straight into it, so a verified restore is still one sequential read per file."""
-    tensors = {
-        name: torch.empty(entry.shape, dtype=CODE_DTYPES[entry.dtype]) for name, entry in manifest.tensors.items()
-    }
-    targets: dict[str, list[Region]] = {f.name: [] for f in manifest.files}
+    bytes are read straight into it, so a verified restore is still one sequential read per file.
+
+    `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are read into
+    directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
+    checksum the caller's tensors hold partial data and CorruptCheckpoint is raised."""
+    tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}
+    regions: dict[str, list[Region]] = {f.name: [] for f in manifest.files}
     for name, entry in manifest.tensors.items():
         begin, end = entry.offsets
         if end > begin:
-            targets[entry.file].append((begin, end, tensors[name].reshape(-1).view(torch.uint8)))
+            regions[entry.file].append((begin, end, tensors[name].reshape(-1).view(torch.uint8)))
     threads = max(1, min(READ_THREADS, len(manifest.files), os.cpu_count() or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="dcs-read") as pool:
-        futures = [pool.submit(_read_file, step_dir / f.name, f, verify, None, targets[f.name]) for f in manifest.files]
+        futures = [pool.submit(_read_file, step_dir / f.name, f, verify, None, regions[f.name]) for f in manifest.files]
         for fut in futures:
             fut.result()
-    return tensors
+    if into is None:
+        return tensors
+    with torch.no_grad():
+        for name, target in into.items():
+            if tensors[name] is not target:
+                target.copy_(tensors[name])
+    return dict(into)
 
 
-def copy_into_targets(loaded: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
-    """Copy loaded tensors into the caller's tensors (`into=`); StateMismatch names the first mismatch."""
-    missing = sorted(set(targets) - set(loaded))
+def _destination(name: str, entry: TensorEntry, into: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    target = into.get(name) if into is not None else None
+    if target is not None and target.device.type == "cpu" and target.is_contiguous():
+        return target
+    return torch.empty(entry.shape, dtype=CODE_DTYPES[entry.dtype])
+
+
+def check_targets(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
+    """`into=` must hold exactly the checkpoint's tensors with the same shapes and dtypes (StateMismatch
+    names the first tensor that differs), checked before anything is read."""
+    missing = [name for name in targets if name not in manifest.tensors]
     if missing:
         raise StateMismatch(f"checkpoint has no tensor {missing[0]!r} that the target state holds")
-    extra = sorted(set(loaded) - set(targets))
+    extra = [name for name in manifest.tensors if name not in targets]
     if extra:
         raise StateMismatch(f"checkpoint tensor {extra[0]!r} has no counterpart in the target state")
     for name, dst in targets.items():
-        src = loaded[name]
-        if dst.shape != src.shape or dst.dtype != src.dtype:
+        entry = manifest.tensors[name]
+        dtype = CODE_DTYPES[entry.dtype]
+        if tuple(dst.shape) != tuple(entry.shape) or dst.dtype != dtype:
             raise StateMismatch(
-                f"tensor {name!r}: checkpoint has {src.dtype} {tuple(src.shape)}, "
+                f"tensor {name!r}: checkpoint has {dtype} {tuple(entry.shape)}, "
                 f"target has {dst.dtype} {tuple(dst.shape)}"
             )
-    with torch.no_grad():
-        for name, src in loaded.items():
-            targets[name].copy_(src)
 
 
 def describe(manifest: Manifest) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import Layout
 from dcs_tasks.errors import StagingError
 
@@ -100,11 +101,34 @@ def _prefault(mapping: mmap.mmap, size: int) -> None:
         del view
 
 
+def remove_orphans(directory: Path, prefix: str) -> list[Path]:
+    """Delete staging files of `prefix` left by trainer processes that no longer exist (crashed)."""
+    removed = []
+    for path in directory.glob(f"{prefix}-*.stage"):
+        pid_text = path.name[len(prefix) + 1 :].split("-", 1)[0]
+        if pid_text.isdigit() and not _alive(int(pid_text)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class StagingPool:
     """`count` reusable staging buffers under `directory`; thread-safe acquire/release."""
 
     def __init__(self, directory: Path, count: int, prefix: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        remove_orphans(directory, prefix)
         token = uuid.uuid4().hex[:8]
         self._buffers = [StagingBuffer(directory / f"{prefix}-{os.getpid()}-{token}-{i}.stage") for i in range(count)]
         self._lock = threading.Lock()
@@ -155,16 +179,31 @@ class StagingPool:
 
 
 @torch.no_grad()
-def copy_into(buf: StagingBuffer, layout: Layout, tensors: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
+def copy_into(
+    buf: StagingBuffer,
+    layout: Layout,
+    tensors: dict[str, torch.Tensor],
+    non_blocking: bool = False,
+    copier: HostCopier | None = None,
+) -> None:
     """Copy every tensor into its slot of `buf` (headers must already be there). No allocation per tensor:
-    each destination is a dtype view over the mapping, and `copy_` handles non-contiguous sources."""
+    contiguous CPU tensors are `memmove`d by `copier` (when given); the rest are `copy_`ed into dtype views
+    over the mapping (`copy_` handles non-contiguous and device tensors)."""
     assert buf.view is not None
     view = buf.view
+    base_ptr = view.data_ptr()
+    jobs: list[tuple[int, int, int]] = []
     for f in layout.files:
         base = f.offset + f.data_start
         for slot in f.slots:
             if slot.end == slot.begin:
                 continue
             src = tensors[slot.spec.name]
+            if copier is not None and src.device.type == "cpu" and src.is_contiguous():
+                jobs.append((base_ptr + base + slot.begin, src.data_ptr(), slot.end - slot.begin))
+                continue
             dst = view[base + slot.begin : base + slot.end].view(src.dtype).view(src.shape)
             dst.copy_(src, non_blocking=non_blocking)
+    if jobs:
+        assert copier is not None
+        copier.copy(jobs)

@@ -95,3 +95,21 @@ def test_structure_round_trip_keeps_types_and_float_bits() -> None:
 def test_unsupported_values_are_refused_not_pickled() -> None:
     with pytest.raises(StagingError, match="object"):
         flatten_state({"bad": object()})
+
+
+def test_pool_reuses_buffers_and_removes_orphans_of_dead_trainers(tmp_path: Path) -> None:
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    orphan = directory / "t-999999999-deadbeef-0.stage"  # no such pid
+    orphan.write_bytes(b"x")
+    pool = StagingPool(directory, 2, "t")
+    assert not orphan.exists()
+    first = pool.try_acquire(10_000)
+    second = pool.try_acquire(10_000)
+    assert first is not None and second is not None and pool.try_acquire(1) is None  # bounded: 2 buffers
+    ptr = first.view.data_ptr()  # type: ignore[union-attr]
+    pool.release(first)
+    again = pool.try_acquire(5_000)
+    assert again is first and again.view.data_ptr() == ptr  # type: ignore[union-attr]  # same mapping
+    pool.close()
+    assert list(directory.iterdir()) == []

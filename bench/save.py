@@ -1,0 +1,310 @@
+"""Save stall, durable throughput and restore: DCS against the machine's limits and the usual alternatives.
+
+One run, same state (~`--size-mb` MiB of fp32 in `--tensors` tensors), same directory:
+  limits   memcpy into a pre-allocated (resident) buffer; sequential write + fsync of the same bytes with 1
+           and 4 writers; sequential read of them (page cache dropped with fadvise) with 1 and 4 readers
+  others   torch.save / torch.load; torch.distributed.checkpoint async_save default (thread executor,
+           default stager) and its best staging (process executor + shared-memory stager); dcp.load
+  ours     Checkpointer.save stall (median of `--repeats` after a warm-up), time to durable commit, and
+           restore (verified) through a private redis-server and a real `dcs worker`
+Ratios are the figures (BENCHMARKS.md). Writes bench/results/save.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.copier import HostCopier
+from dcs_tasks.config import DCSConfig
+from tests.helpers.ports import free_port
+from tests.helpers.procs import WorkerProcess
+from tests.helpers.redis_server import RedisServer
+
+GiB = 1 << 30
+MiB = 1 << 20
+RESULTS = Path(__file__).resolve().parent / "results" / "save.json"
+
+
+def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
+    per = size_mb * MiB // 4 // tensors
+    return {f"layers.{i}.weight": torch.randn(per) for i in range(tensors)}
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def drop_cache(root: Path) -> None:
+    """Evict the files under `root` from the page cache, so reads hit the disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn) for _ in range(repeats))
+
+
+# --- limits ---------------------------------------------------------------------------------------
+class Memcpy:
+    """The copy limit: `state` into a pre-allocated, resident buffer, by torch `copy_` and by threaded memmove
+    (the faster of the two is the limit). `once()` is also run right before each of our saves (paired ratio)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.buf = torch.empty(nbytes(state), dtype=torch.uint8)
+        self.buf.zero_()
+        self.copier = HostCopier()
+        self.views, self.jobs, pos = [], [], 0
+        for t in state.values():
+            n = t.numel() * t.element_size()
+            self.views.append((self.buf[pos : pos + n].view(t.dtype), t))
+            self.jobs.append((self.buf.data_ptr() + pos, t.data_ptr(), n))
+            pos += n
+
+    def torch_copy(self) -> None:
+        for dst, src in self.views:
+            dst.copy_(src)
+
+    def once(self) -> float:
+        return timed(lambda: self.copier.copy(self.jobs))
+
+    def limits(self, repeats: int) -> dict[str, float]:
+        return {
+            "memcpy_torch_s": median_of(self.torch_copy, repeats),
+            "memcpy_memmove_s": median_of(lambda: self.copier.copy(self.jobs), repeats),
+        }
+
+
+def _write_part(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for pos in range(0, len(data), 16 * MiB):
+            os.write(fd, data[pos : pos + 16 * MiB])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_part(path: Path) -> None:
+    buf = bytearray(16 * MiB)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def io_limits(total: int, root: Path, repeats: int) -> dict[str, float]:
+    data = memoryview(bytearray(os.urandom(MiB)) * (total // MiB))
+    out: dict[str, float] = {}
+    for writers in (1, 4):
+        directory = root / f"limit-{writers}"
+        directory.mkdir()
+        part = len(data) // writers
+        paths = [directory / f"part{i}" for i in range(writers)]
+
+        chunks = [(paths[i], data[i * part : (i + 1) * part]) for i in range(writers)]
+
+        def write(chunks: list[tuple[Path, memoryview]] = chunks, writers: int = writers) -> None:
+            with ThreadPoolExecutor(writers) as pool:
+                list(pool.map(lambda c: _write_part(*c), chunks))
+
+        out[f"write_fsync_{writers}_s"] = median_of(write, repeats, warmup=0)
+
+        def read(paths: list[Path] = paths, directory: Path = directory, writers: int = writers) -> None:
+            with ThreadPoolExecutor(writers) as pool:
+                list(pool.map(_read_part, paths))
+
+        times = []
+        for _ in range(repeats):
+            drop_cache(directory)
+            times.append(timed(read))
+        out[f"read_{writers}_s"] = statistics.median(times)
+        shutil.rmtree(directory)
+    return out
+
+
+# --- torch.save / DCP -------------------------------------------------------------------------------
+def torch_save(state: dict[str, torch.Tensor], root: Path, repeats: int) -> dict[str, float]:
+    path = root / "torch.pt"
+    stall = median_of(lambda: torch.save(state, path), repeats)
+    drop_cache(root)
+    load = timed(lambda: torch.load(path, weights_only=True))
+    path.unlink()
+    return {"stall_s": stall, "load_s": load}
+
+
+def init_dist() -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def dcp_async(state: dict[str, torch.Tensor], root: Path, repeats: int, best: bool) -> dict[str, float]:
+    """Stall = until async_save returns with the state staged; upload = until its future completes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    kwargs: dict[str, Any] = {}
+    if best:
+        kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+        kwargs["async_stager"] = DefaultStager(StagingOptions(False, True, False, False))
+    stalls, uploads = [], []
+    for i in range(repeats + 1):
+        target = root / f"dcp-{'best' if best else 'default'}-{i}"
+        start = time.perf_counter()
+        result = dcp.async_save(state, checkpoint_id=str(target), **kwargs)
+        staged = time.perf_counter()
+        future = getattr(result, "upload_completion", result)
+        future.result()
+        done = time.perf_counter()
+        if i:  # the first call is the warm-up
+            stalls.append(staged - start)
+            uploads.append(done - start)
+        if i < repeats:
+            shutil.rmtree(target)
+    drop_cache(target)
+    template = {k: torch.empty_like(v) for k, v in state.items()}
+    load = timed(lambda: dcp.load(template, checkpoint_id=str(target)))
+    shutil.rmtree(target)
+    if "async_stager" in kwargs:
+        kwargs["async_stager"].close()
+    return {"stall_s": statistics.median(stalls), "durable_s": statistics.median(uploads), "load_s": load}
+
+
+# --- ours -------------------------------------------------------------------------------------------
+def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int, memcpy: Memcpy) -> dict[str, float]:
+    redis = RedisServer(root / "redis")
+    redis.start()
+    config = DCSConfig(
+        redis_url=redis.url,
+        node_name="benchhost",
+        checkpoint_dir=root / "ours",
+        staging_dir=Path(tempfile.mkdtemp(prefix="dcs-bench-", dir="/dev/shm")),
+        enable_metrics=False,
+    )
+    worker = WorkerProcess(config, root / "worker.log", concurrency=workers).start()
+    try:
+        with Checkpointer("bench", config, size_hint_bytes=nbytes(state) + 64 * MiB) as ckpt:
+            stalls, durable, paired = [], [], []
+            for step in range(repeats + 1):
+                limit = memcpy.once()
+                start = time.perf_counter()
+                pending = ckpt.save(state, step=step)
+                pending.wait(timeout=600)
+                if step:  # step 0 is the warm-up
+                    stalls.append(pending.stall_seconds)
+                    durable.append(time.perf_counter() - start)
+                    paired.append(pending.stall_seconds / limit)
+            drop_cache(config.checkpoint_dir)
+            restore = timed(lambda: ckpt.restore(step=repeats))
+            into = {k: torch.empty_like(v) for k, v in state.items()}
+            drop_cache(config.checkpoint_dir)
+            restore_into = timed(lambda: ckpt.restore(step=repeats, into=into))
+            assert all(torch.equal(into[k], state[k]) for k in state)
+    finally:
+        worker.terminate()
+        redis.stop()
+        shutil.rmtree(config.staging_dir, ignore_errors=True)
+    return {
+        "stall_s": statistics.median(stalls),
+        "stall_vs_memcpy_paired": statistics.median(paired),
+        "durable_s": statistics.median(durable),
+        "restore_s": restore,
+        "restore_into_s": restore_into,
+    }
+
+
+def summarize(total: int, r: dict[str, Any]) -> dict[str, float]:
+    gb = total / 1e9
+    best_write = min(r["limits"]["write_fsync_1_s"], r["limits"]["write_fsync_4_s"])
+    best_read = min(r["limits"]["read_1_s"], r["limits"]["read_4_s"])
+    dcp_best_stall = min(r["dcp_default"]["stall_s"], r["dcp_best"]["stall_s"])
+    return {
+        "stall_vs_memcpy": r["ours"]["stall_s"] / r["limits"]["memcpy_s"],
+        "stall_vs_memcpy_paired": r["ours"]["stall_vs_memcpy_paired"],
+        "stall_vs_dcp_best": r["ours"]["stall_s"] / dcp_best_stall,
+        "durable_GBps": gb / r["ours"]["durable_s"],
+        "durable_vs_best_parallel_write": best_write / r["ours"]["durable_s"],
+        "restore_vs_read_limit": best_read / r["ours"]["restore_s"],
+        "restore_vs_dcp_load": r["dcp_default"]["load_s"] / r["ours"]["restore_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--tensors", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4, help="`dcs worker` processes (files written in parallel)")
+    parser.add_argument("--dir", type=Path, default=None, help="where files are written (default: a temp dir)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="dcs-bench-save-", dir=args.dir))
+    state = make_state(args.size_mb, args.tensors)
+    total = nbytes(state)
+    results: dict[str, Any] = {"bytes": total, "tensors": len(state), "repeats": args.repeats}
+    try:
+        memcpy = Memcpy(state)
+        copies = memcpy.limits(args.repeats)
+        results["limits"] = {"memcpy_s": min(copies.values()), **copies, **io_limits(total, root, args.repeats)}
+        results["torch_save"] = torch_save(state, root, args.repeats)
+        init_dist()
+        results["dcp_default"] = dcp_async(state, root, args.repeats, best=False)
+        results["dcp_best"] = dcp_async(state, root, args.repeats, best=True)
+        results["ours"] = ours(state, root, args.repeats, args.workers, memcpy)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results["ratios"] = summarize(total, results)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    report(results)
+
+
+def report(r: dict[str, Any]) -> None:
+    lim, ours_r, rat = r["limits"], r["ours"], r["ratios"]
+    print(json.dumps({k: r[k] for k in ("limits", "torch_save", "dcp_default", "dcp_best", "ours")}, indent=1))
+    dcp_d, dcp_b = r["dcp_default"]["stall_s"] * 1e3, r["dcp_best"]["stall_s"] * 1e3
+    print(
+        f"save {r['bytes'] / GiB:.2f} GiB/{r['tensors']} tensors: stall {ours_r['stall_s'] * 1e3:.0f} ms = "
+        f"{rat['stall_vs_memcpy']:.2f}x memcpy ({lim['memcpy_s'] * 1e3:.0f} ms; paired "
+        f"{rat['stall_vs_memcpy_paired']:.2f}x), {rat['stall_vs_dcp_best']:.2f}x "
+        f"DCP best (default {dcp_d:.0f} ms, best {dcp_b:.0f} ms), torch.save "
+        f"{r['torch_save']['stall_s'] * 1e3:.0f} ms | durable {ours_r['durable_s']:.2f} s = "
+        f"{rat['durable_vs_best_parallel_write']:.2f}x best fsync write | restore {ours_r['restore_s']:.2f} s = "
+        f"{rat['restore_vs_read_limit']:.2f}x read limit, {rat['restore_vs_dcp_load']:.2f}x faster than DCP load"
+    )
+
+
+if __name__ == "__main__":
+    main()
