@@ -4,6 +4,10 @@ Contract: `weights` and `weight_version` change only in `commit()`, and only whe
 staged update arrived intact; a failed or abandoned update leaves the previous weights and version
 untouched (no partial update). Buckets arrive either flattened (one uint8 broadcast laid out by
 `FusionLayout.from_wire`) or one broadcast per tensor (SGLang's default wire format).
+
+Flat receive buffers are recycled: version v's buffers receive version v+2, so steady-state updates
+touch no fresh memory. Tensors of `weights` therefore stay valid until the second commit after theirs;
+copy what must outlive that (ActorFwdReceiver copies into its model at commit).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class WeightReceiver:
         self.weight_version = 0
         self.group_name: str | None = None
         self._staging: dict[str, torch.Tensor] = {}
+        self._staged_buffers: list[torch.Tensor] = []  # flat buffers backing `_staging`
+        self._committed_buffers: list[torch.Tensor] = []  # flat buffers backing `weights`
+        self._spare: list[torch.Tensor] = []  # free, already page-faulted buffers (the previous version's)
         self._staging_version: int | None = None
         self._staging_failed = False
         self._epoch = 0  # bumped whenever staging is dropped; a bucket received across a bump is discarded
@@ -77,8 +84,10 @@ class WeightReceiver:
         with self._lock:
             self._start_staging(weight_version)
             epoch = self._epoch
+            layout = FusionLayout.from_wire(names, dtypes, shapes) if flattened else None
+            buffer = self._take_buffer(layout.total_bytes) if layout is not None else None
         try:
-            received = self._recv(names, dtypes, shapes, group_name, flattened)
+            received = self._recv(names, dtypes, shapes, group_name, layout, buffer)
         except Exception:
             with self._lock:
                 if self._epoch == epoch:
@@ -91,19 +100,28 @@ class WeightReceiver:
                 )
             self._staging.update(received)
 
+    def _take_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat receive buffer: the next spare one if big enough (no page faults), else a new one."""
+        if self._spare and self._spare[0].numel() >= nbytes:
+            buffer = self._spare.pop(0)
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._staged_buffers.append(buffer)
+        return buffer
+
     def _recv(
         self,
         names: Sequence[str],
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
         group_name: str,
-        flattened: bool,
+        layout: FusionLayout | None,
+        buffer: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
-        if flattened:
-            layout = FusionLayout.from_wire(names, dtypes, shapes)
-            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
-            self.backend.broadcast(buffer, 0, group_name)
-            return unpack_views(buffer, layout)
+        if layout is not None and buffer is not None:
+            view = buffer[: layout.total_bytes]
+            self.backend.broadcast(view, 0, group_name)
+            return unpack_views(view, layout)
         out = {
             n: torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
             for n, d, s in zip(names, dtypes, shapes, strict=True)
@@ -131,6 +149,8 @@ class WeightReceiver:
             with self._state_lock:
                 self.weights = self._staging
                 self.weight_version = weight_version
+            self._spare, self._committed_buffers = self._committed_buffers, self._staged_buffers
+            self._staged_buffers = []
             self._staging = {}
             self._staging_version = None
 
@@ -139,6 +159,7 @@ class WeightReceiver:
         with self._lock:
             self._epoch += 1
             self._staging = {}
+            self._staged_buffers = []  # not recycled: an abandoned collective may still write into them
             self._staging_version = None
             self._staging_failed = False
 

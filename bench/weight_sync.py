@@ -1,0 +1,207 @@
+"""Weight-sync benchmark: 1 sender -> 2 receivers over gloo, ~1 GiB in ~300 tensors (many small ones).
+
+Compared in one run (see ../shared/BENCHMARKS.md):
+  flat        one torch.distributed broadcast of a pre-allocated flat buffer holding the same bytes (the limit)
+  per_tensor  one blocking broadcast per tensor (what a naive sender does)
+  per_tensor_async  all per-tensor broadcasts issued async, then waited (SGLang's receive pattern)
+  dcs         `CheckpointEngineClient.update_weights_for_rollout` end to end: topology from the coordinator,
+              per-bucket HTTP meta (SGLang's API) to two real `dcs receiver` servers, packing overlapped with
+              the broadcasts, atomic commit on the receivers
+Each is timed after warm-ups (median of --repeats). Prints ratios; writes bench/results/weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
+
+
+def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
+    """`tensors` tensors, 5/6 of them small (1 KiB - 256 KiB, fp32 and bf16), the rest sharing the bulk."""
+    small_n = tensors * 5 // 6
+    state: dict[str, torch.Tensor] = {}
+    for i in range(small_n):
+        nbytes = 1024 * 2 ** (i % 9)
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        state[f"small.{i}"] = torch.full((nbytes // dtype.itemsize,), float(i % 7), dtype=dtype)
+    used = sum(t.numel() * t.element_size() for t in state.values())
+    big_n = tensors - small_n
+    per_big = max((size_mb * MiB - used) // big_n // 4, 1)
+    for i in range(big_n):
+        state[f"big.{i}"] = torch.full((per_big,), float(i), dtype=torch.float32)
+    return state
+
+
+def total_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def timed(pg: dist.ProcessGroup, fn: object, repeats: int) -> list[float]:
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        dist.barrier(group=pg)
+        if i:  # the first run is the warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def baseline_rank(args: argparse.Namespace) -> None:
+    """One rank of the raw-gloo baselines; rank 0 writes the timings to --out."""
+    from dcs_tasks.backends.process_group import new_group
+
+    pg = new_group("gloo", "127.0.0.1", args.port, 3, args.baseline_rank, "bench", 120, 600)
+    state = make_state(args.size_mb, args.tensors)
+    flat = torch.zeros(total_bytes(state), dtype=torch.uint8)
+    tensors = list(state.values())
+
+    def flat_once() -> None:
+        dist.broadcast(flat, 0, group=pg)
+
+    def per_tensor_once() -> None:
+        for t in tensors:
+            dist.broadcast(t, 0, group=pg)
+
+    def per_tensor_async_once() -> None:
+        works = [dist.broadcast(t, 0, group=pg, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+
+    result = {
+        "flat": timed(pg, flat_once, args.repeats),
+        "per_tensor": timed(pg, per_tensor_once, args.repeats),
+        "per_tensor_async": timed(pg, per_tensor_async_once, args.repeats),
+    }
+    if args.baseline_rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+
+
+def run_baselines(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    from tests.helpers.ports import free_port
+
+    out = tmp / "baseline.json"
+    port = free_port()
+    cmd = [
+        sys.executable,
+        __file__,
+        "--size-mb",
+        str(args.size_mb),
+        "--tensors",
+        str(args.tensors),
+        "--repeats",
+        str(args.repeats),
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+        "--baseline-rank",
+    ]
+    procs = [subprocess.Popen([*cmd, str(rank)]) for rank in range(3)]
+    if any(p.wait(timeout=1800) for p in procs):
+        raise RuntimeError("a baseline rank failed")
+    return json.loads(out.read_text())
+
+
+async def run_dcs(args: argparse.Namespace, tmp: Path) -> tuple[list[float], dict[str, object]]:
+    from dcs_tasks.client.engine import CheckpointEngineClient
+    from dcs_tasks.config import DCSConfig
+    from tests.distributed.sync_stack import sync_stack
+    from tests.helpers.redis_server import RedisServer
+
+    redis = RedisServer(tmp / "redis")
+    redis.start()
+    config = DCSConfig(
+        redis_url=redis.url,
+        node_name="benchhost",
+        enable_metrics=False,
+        bucket_size_bytes=args.bucket_mb * MiB,
+        heartbeat_interval_seconds=1.0,
+        heartbeat_timeout_seconds=10.0,
+    )
+    try:
+        with sync_stack(config, tmp, receivers=2) as stack:
+            state = make_state(args.size_mb, args.tensors)
+            client = CheckpointEngineClient(
+                coordinator_url=stack.url, role="actor", rank=0, model=state, model_name="bench", config=stack.config
+            )
+            await client.start()
+            times, last = [], {}
+            try:
+                for i in range(args.repeats + 2):  # two warm-ups: both receive-buffer sets get touched
+                    last = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                    if i >= 2:
+                        times.append(float(last["total_seconds"]))
+                digests = [r.digest() for r in stack.receivers]
+            finally:
+                await client.stop()
+            assert all(d.weight_version == args.repeats + 2 for d in digests), "receivers missed an update"
+            return times, last
+    finally:
+        redis.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--tensors", type=int, default=300)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.baseline_rank is not None:
+        baseline_rank(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        base = run_baselines(args, Path(tmp))
+        dcs_times, dcs_metrics = asyncio.run(run_dcs(args, Path(tmp)))
+    nbytes = total_bytes(make_state(args.size_mb, args.tensors))
+    med = {name: statistics.median(times) for name, times in base.items()}
+    med["dcs"] = statistics.median(dcs_times)
+    result = {
+        "bytes": nbytes,
+        "tensors": args.tensors,
+        "receivers": 2,
+        "backend": "gloo",
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "seconds": {**base, "dcs": dcs_times},
+        "median_seconds": med,
+        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "dcs_vs_flat": med["flat"] / med["dcs"],
+        "per_tensor_vs_flat": med["flat"] / med["per_tensor"],
+        "per_tensor_async_vs_flat": med["flat"] / med["per_tensor_async"],
+        "dcs_last_update_metrics": dcs_metrics,
+        "target": "dcs_vs_flat >= 0.9",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(
+        f"weight_sync {nbytes / MiB:.0f} MiB in {args.tensors} tensors -> 2 receivers (gloo): "
+        f"flat {med['flat']:.3f}s ({result['gb_per_s']['flat']:.2f} GB/s), "
+        f"per-tensor {med['per_tensor']:.3f}s ({result['per_tensor_vs_flat']:.2f}x flat), "
+        f"per-tensor async {med['per_tensor_async']:.3f}s ({result['per_tensor_async_vs_flat']:.2f}x flat), "
+        f"dcs end-to-end {med['dcs']:.3f}s ({result['dcs_vs_flat']:.2f}x flat; target >= 0.9x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
