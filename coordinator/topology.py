@@ -30,6 +30,7 @@ class RegistrationKind(str, enum.Enum):
     ASSIGNED = "assigned"
 
 
+_MAX_CACHED_NODES = 65536
 _KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: RegistrationKind.ASSIGNED}
 
 
@@ -86,6 +87,8 @@ class TopologyManager:
         self.config = config
         self.heartbeat_timeout_seconds = heartbeat_timeout_seconds
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
+        self._ttl_arg = str(self._ttl_ms)
+        self._beat_keys: dict[tuple[str, int], list[str]] = {}
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
         self._unregister = redis.register_script(scripts.UNREGISTER)
@@ -114,11 +117,21 @@ class TopologyManager:
         With an `identity` ("ip:port"), raises RankConflict when another node now holds the rank.
         """
         now = time.time()
-        keys = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank), self.keys.role_owners(role)]
-        found = int(await self._heartbeat(keys=keys, args=[str(rank), str(self._ttl_ms), repr(now), identity]))
+        keys = self._heartbeat_keys(role, rank)
+        found = int(await self._heartbeat(keys=keys, args=[str(rank), self._ttl_arg, repr(now), identity]))
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} was presumed dead", 409)
         return now if found else None
+
+    def _heartbeat_keys(self, role: str, rank: int) -> list[str]:
+        """The heartbeat script's KEYS, memoised: heartbeats are the hot path (bounded; cleared when large)."""
+        found = self._beat_keys.get((role, rank))
+        if found is None:
+            if len(self._beat_keys) >= _MAX_CACHED_NODES:
+                self._beat_keys.clear()
+            found = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank), self.keys.role_owners(role)]
+            self._beat_keys[(role, rank)] = found
+        return found
 
     async def unregister(self, role: str, rank: int) -> bool:
         """Remove the node; False when it was not registered."""

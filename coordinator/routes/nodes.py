@@ -27,29 +27,36 @@ def not_found(role: str, rank: int, what: str = "node") -> HTTPException:
     )
 
 
+NODE_HEADER = b"x-dcs-node"
+
+
+def caller_identity(request: Request) -> str:
+    """The `X-DCS-Node: ip:port` header of a fenced heartbeat, or "" when absent (read without FastAPI's
+    per-parameter machinery: this is the hottest path). Raises 422 when malformed."""
+    raw = next((v for k, v in request.scope["headers"] if k == NODE_HEADER), None)
+    if raw is None:
+        return ""
+    ip, _, port = raw.decode("latin-1").rpartition(":")
+    if not ip or not port.isdigit() or not 0 < int(port) < 65536 or len(ip) > 255:
+        raise HTTPException(status_code=422, detail=f"X-DCS-Node must be 'ip:port', got {raw[:300]!r}")
+    return node_identity(ip, int(port))
+
+
 @router.get("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(
-    role: RoleQuery,
-    rank: RankQuery,
-    request: Request,
-    ip: Annotated[str | None, Query(max_length=255, description="beating node's ip (ownership check)")] = None,
-    port: Annotated[int | None, Query(ge=0, le=65535, description="beating node's port (ownership check)")] = None,
-) -> Response:
+async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Response:
     """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered.
 
-    With `ip` and `port`, 409 when another node now holds the rank (this one was presumed dead and replaced).
-    The hot path: declared first (routes match in order) and reads the topology from app state directly
-    instead of through a dependency (see bench/coordinator_load.py).
+    Fencing: with header `X-DCS-Node: ip:port` (the node's registered address), 409 when another node now
+    holds the rank (this one was presumed dead and replaced). The hot path: declared first (routes match in
+    order), no dependency layer, pre-serialized answer (see bench/coordinator_load.py).
     """
     topology: TopologyManager = request.app.state.services.topology
-    identity = node_identity(ip, port) if ip is not None and port is not None else ""
     try:
-        beat = await topology.heartbeat(role, rank, identity)
+        beat = await topology.heartbeat(role, rank, caller_identity(request))
     except RankConflict as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from exc
     if beat is None:
         raise not_found(role, rank)
-    # pre-serialized: FastAPI would otherwise validate the returned model again before dumping it
     return Response(HeartbeatResponse(timestamp=beat).model_dump_json(), media_type="application/json")
 
 

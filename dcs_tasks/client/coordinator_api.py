@@ -94,9 +94,11 @@ class CoordinatorAPI:
         params: dict[str, Any] | None = None,
         body: BaseModel | None = None,
         timeout: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> M:
         content = body.model_dump_json().encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if body is not None else None
+        if body is not None:
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         try:
             response = await self._http.request(
                 method, path, params=params, content=content, headers=headers, timeout=timeout or self.timeout
@@ -122,12 +124,12 @@ class CoordinatorAPI:
     ) -> HeartbeatResponse:
         """Refresh the node's liveness; NodeNotFound when (role, rank) is not registered.
 
-        Pass the node's `ip` and `port` to fence the beat: RankConflict when another node now holds the rank.
+        Pass the node's registered `ip` and `port` to fence the beat (sent as header `X-DCS-Node: ip:port`):
+        RankConflict when another node now holds the rank.
         """
-        params: dict[str, Any] = {"role": role, "rank": rank}
-        if ip is not None and port:
-            params.update(ip=ip, port=port)
-        return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params)
+        params = {"role": role, "rank": rank}
+        headers = {"X-DCS-Node": f"{ip}:{port}"} if ip and port else None
+        return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params, headers=headers)
 
     async def node(self, role: str, rank: int) -> RoleInfo:
         return await self._call("GET", "/node", RoleInfo, params={"role": role, "rank": rank})

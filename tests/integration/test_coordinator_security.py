@@ -132,3 +132,10 @@ async def test_coordinator_unreachable_is_coordinator_unavailable() -> None:
     async with CoordinatorAPI(f"http://127.0.0.1:{free_port()}", timeout=2) as api:
         with pytest.raises(CoordinatorUnavailable, match="unreachable"):
             await api.health()
+
+
+@pytest.mark.parametrize("value", ["nonsense", "10.0.0.1:", "10.0.0.1:99999", ":80"])
+async def test_malformed_node_header_on_heartbeat_is_422(coord: InProcessCoordinator, value: str) -> None:
+    await coord.api.register(RoleInfo(role_name="actor", rank=0, port=80))
+    response = await coord.http.get("/heartbeat", params={"role": "actor", "rank": 0}, headers={"X-DCS-Node": value})
+    assert response.status_code == 422 and "X-DCS-Node" in response.json()["detail"]
