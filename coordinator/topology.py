@@ -77,7 +77,13 @@ def node_identity(ip: str, port: int) -> str:
 
 
 class TopologyManager:
-    """Register, beat, look up and export nodes. One instance per coordinator process; all state in Redis."""
+    """Register, beat, look up and export nodes. One instance per coordinator process; all state in Redis.
+
+    Rank policy (atomic, in `scripts.REGISTER`): an explicit rank is honoured (a previous holder is
+    replaced); a node re-registering from the same ip:port keeps its rank; otherwise it gets the smallest
+    rank that is unregistered or whose node is dead, so a replacement fills a dead node's slot. A node that
+    comes back after being replaced is refused by fenced heartbeats (`RankConflict`) instead of sharing it.
+    """
 
     def __init__(
         self, redis: aioredis.Redis, keys: Keys, config: TopologyConfig, heartbeat_timeout_seconds: float
