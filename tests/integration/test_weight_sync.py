@@ -16,6 +16,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError
 from dcs_tasks.keys import Keys
 from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.quantize import to_wire
 from tests.distributed.sync_stack import SyncStack, sync_stack
 from workers.bootstrap import port_binds, release_port, reserve_port
 
@@ -172,3 +174,26 @@ def free_port_block(n: int) -> int:
         if all(port_binds("127.0.0.1", p) for p in range(start, start + n)):
             return start
     raise RuntimeError("no free block of ports")
+
+
+async def test_quantized_update_sends_bf16_of_fp32_masters(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path, receivers=1) as stack:
+        model = Tiny()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            quant = QuantizationConfig(dtype="bfloat16")
+            metrics = (await client.update_weights_for_rollout(rollout_only=True, quantization=quant))["rollout"]
+            state = model.state_dict()
+            wire_bytes = sum(to_wire(t, quant).numel() * to_wire(t, quant).element_size() for t in state.values())
+            full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            assert metrics["bytes"] == wire_bytes < full_bytes  # fp32 went as bf16
+            expected = {n: tensor_sha256(to_wire(t, quant)) for n, t in state.items()}
+            digest = stack.receivers[0].digest()
+            assert digest.weight_version == 1 and digest.tensors == expected
+            assert expected["steps"] == tensor_sha256(state["steps"])  # ints untouched
+        finally:
+            await client.stop()
