@@ -82,6 +82,7 @@ class EngineEndpoint(BaseModel):
     port: int = Field(ge=1, le=65535)
     num_gpus: int = Field(default=1, ge=1)
     rank_offset: int = Field(default=1, ge=1)
+    flattened: bool = Field(default=False, description="accepts load_format=flattened_bucket (DCS receivers)")
 
     @property
     def url(self) -> str:
@@ -104,6 +105,11 @@ class GroupPlan(BaseModel):
     def signature(self) -> tuple[tuple[int, str, int, int], ...]:
         """Equal signatures mean the group can be reused."""
         return tuple((e.rank, e.ip, e.port, e.num_gpus) for e in self.engines)
+
+    @property
+    def flattened(self) -> bool:
+        """Flat buckets only if every engine accepts them; otherwise SGLang's one broadcast per tensor."""
+        return bool(self.engines) and all(e.flattened for e in self.engines)
 
 
 class BootstrapRequest(BaseModel):

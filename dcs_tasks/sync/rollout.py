@@ -75,7 +75,9 @@ class RolloutUpdater:
         assert self.group is not None
         group, version = self.group, self.weight_version + 1
         try:
-            stats = await self.sender.send(state, group.result.group_name, self._announcer(group, version), quant)
+            stats = await self.sender.send(
+                state, group.result.group_name, self._announcer(group, version), quant, flattened=group.plan.flattened
+            )
         except WeightSyncError as exc:
             await self._drop_group()
             member = exc.member or await self._blame(group.plan)
@@ -90,6 +92,7 @@ class RolloutUpdater:
             weight_version=version,
             group_name=group.result.group_name,
             group_rebuilt=rebuilt,
+            flattened=group.plan.flattened,
             bootstrap_seconds=bootstrap_seconds,
             total_seconds=time.perf_counter() - started,
         )
@@ -121,7 +124,7 @@ class RolloutUpdater:
                 group_name=group.result.group_name,
                 weight_version=str(version),
                 flush_cache=last,
-                load_format=FLATTENED_BUCKET,
+                load_format=FLATTENED_BUCKET if group.plan.flattened else None,
             )
             await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
 

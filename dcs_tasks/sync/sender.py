@@ -89,8 +89,14 @@ class BucketSender:
         announce: Announce,
         quant: QuantizationConfig | None = None,
         src: int = 0,
+        flattened: bool = True,
     ) -> SendStats:
-        """Broadcast every tensor of `state`; `announce(k, layout, is_last)` runs alongside bucket k's broadcast."""
+        """Broadcast every tensor of `state`; `announce(k, layout, is_last)` runs alongside bucket k's broadcast.
+
+        `flattened=False` sends each tensor of a bucket as its own broadcast (SGLang's default wire format).
+        """
+        if not flattened:
+            return await self.send_per_tensor(state, group_name, announce, quant, src)
         start = time.perf_counter()
         layouts = self.plan(state, quant)
         slots = self._buffers(layouts)
@@ -109,6 +115,34 @@ class BucketSender:
                     stats.pack_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 await asyncio.gather(handle.wait_async(), announcing)
+                stats.wait_seconds += time.perf_counter() - t0
+            finally:
+                if not announcing.done():
+                    announcing.cancel()
+                    await asyncio.gather(announcing, return_exceptions=True)
+            stats.bytes += layout.payload_bytes
+        stats.total_seconds = time.perf_counter() - start
+        return stats
+
+    async def send_per_tensor(
+        self,
+        state: Mapping[str, torch.Tensor],
+        group_name: str,
+        announce: Announce,
+        quant: QuantizationConfig | None = None,
+        src: int = 0,
+    ) -> SendStats:
+        """Per bucket: announce, then one async broadcast per tensor in layout order, then wait for all."""
+        start = time.perf_counter()
+        layouts = self.plan(state, quant)
+        stats = SendStats(buckets=len(layouts), tensors=len(state))
+        for k, layout in enumerate(layouts):
+            announcing = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1))
+            try:
+                wired = [to_wire(state[s.name], quant).to(self.device).contiguous() for s in layout.specs]
+                handles = [self.backend.broadcast_async(t, src, group_name) for t in wired]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(h.wait_async() for h in handles), announcing)
                 stats.wait_seconds += time.perf_counter() - t0
             finally:
                 if not announcing.done():

@@ -23,10 +23,17 @@ class ReceiverProcess:
     """`dcs receiver --coordinator-url URL --rank N --port P` in its own session."""
 
     def __init__(
-        self, config: DCSConfig, coordinator_url: str, rank: int, log_path: Path, role: str = "rollout"
+        self,
+        config: DCSConfig,
+        coordinator_url: str,
+        rank: int,
+        log_path: Path,
+        role: str = "rollout",
+        per_tensor: bool = False,
     ) -> None:
         self.config = config
         self.role = role
+        self.per_tensor = per_tensor
         self.coordinator_url = coordinator_url
         self.rank = rank
         self.port = free_port()
@@ -51,6 +58,7 @@ class ReceiverProcess:
             str(self.port),
             "--role",
             self.role,
+            *(["--per-tensor"] if self.per_tensor else []),
         ]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -118,9 +126,9 @@ class SyncStack:
     def url(self) -> str:
         return self.coordinator.url
 
-    def add_receiver(self, rank: int, role: str = "rollout") -> ReceiverProcess:
+    def add_receiver(self, rank: int, role: str = "rollout", per_tensor: bool = False) -> ReceiverProcess:
         log = self.tmp / f"receiver-{role}{rank}.log"
-        receiver = ReceiverProcess(self.config, self.url, rank, log, role).start()
+        receiver = ReceiverProcess(self.config, self.url, rank, log, role, per_tensor).start()
         self.receivers.append(receiver)
         return receiver
 

@@ -72,7 +72,7 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
                 metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
                 assert metrics["weight_version"] == update
                 assert metrics["group_rebuilt"] is (update == 1)
-                assert metrics["buckets"] > 1 and metrics["engines"] == 2
+                assert metrics["buckets"] > 1 and metrics["engines"] == 2 and metrics["flattened"]
                 for receiver in stack.receivers:
                     digest = receiver.digest()
                     assert digest.weight_version == update
@@ -195,5 +195,29 @@ async def test_quantized_update_sends_bf16_of_fp32_masters(dcs_config: DCSConfig
             digest = stack.receivers[0].digest()
             assert digest.weight_version == 1 and digest.tensors == expected
             assert expected["steps"] == tensor_sha256(state["steps"])  # ints untouched
+        finally:
+            await client.stop()
+
+
+async def test_an_engine_without_flat_buckets_gets_sglang_per_tensor_broadcasts(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path) as stack:
+        stack.add_receiver(0)
+        stack.add_receiver(1, per_tensor=True)  # registers like a real SGLang engine
+        model = Tiny()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            for update in (1, 2):
+                train_step(model)
+                metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                assert metrics["flattened"] is False and metrics["buckets"] > 1
+                for receiver in stack.receivers:
+                    digest = receiver.digest()
+                    assert digest.weight_version == update and digest.tensors == expected_digest(model)
         finally:
             await client.stop()
