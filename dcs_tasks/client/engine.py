@@ -21,6 +21,7 @@ from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.errors import DCSError, WeightSyncError
+from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper
@@ -228,10 +229,14 @@ class CheckpointEngineClient:
         quant = quantization or self.quantization_config
         started = time.perf_counter()
         metrics: dict[str, Any] = {}
-        if not actor_fwd_only and self._rollout is not None:
-            metrics["rollout"] = await self._rollout.update(state, quant)
-        if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
-            metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+        try:
+            if not actor_fwd_only and self._rollout is not None:
+                metrics["rollout"] = await self._rollout.update(state, quant)
+            if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
+                metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+        except WeightSyncError as exc:
+            get_metrics().record_error(type(exc).__name__)
+            raise
         metrics["total_seconds"] = time.perf_counter() - started
         _record_send(metrics)
         return metrics
@@ -290,10 +295,6 @@ class CheckpointEngineClient:
 
 
 def _record_send(metrics: Mapping[str, Any]) -> None:
-    try:
-        from dcs_tasks.metrics import get_metrics
-    except ImportError:
-        return
     for part in ("rollout", "actor_fwd"):
         sent = metrics.get(part)
         if isinstance(sent, Mapping) and sent.get("bytes"):
@@ -301,10 +302,6 @@ def _record_send(metrics: Mapping[str, Any]) -> None:
 
 
 def _record_recv(weights: Mapping[str, torch.Tensor], seconds: float) -> None:
-    try:
-        from dcs_tasks.metrics import get_metrics
-    except ImportError:
-        return
     get_metrics().record_recv(sum(t.numel() * t.element_size() for t in weights.values()), seconds)
 
 

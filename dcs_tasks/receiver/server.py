@@ -2,7 +2,8 @@
 
 Endpoints: POST /init_weights_update_group, POST /update_weights_from_distributed, POST
 /destroy_weights_update_group (SGLang's bodies, see `dcs_tasks.sync.models`), GET /weights_digest ->
-`WeightsDigest`, GET /health. Blocking collectives run in worker threads so the app keeps answering.
+`WeightsDigest`, GET /health, GET /metrics (dcs_recv_latency_seconds, dcs_bytes_received_total per
+bucket). Blocking collectives run in worker threads so the app keeps answering.
 A failed call answers 400 with `{"success": false, "message": ...}`, as SGLang does.
 """
 
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from dcs_tasks.backends.base import GroupSpec
+from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.errors import DCSError
+from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.models import (
     FLATTENED_BUCKET,
@@ -58,6 +63,7 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     async def update(body: UpdateWeightsFromDistributedRequest) -> EngineResponse | JSONResponse:
         try:
             version = _version(receiver, body)
+            started = time.perf_counter()
             await asyncio.to_thread(
                 receiver.receive_bucket,
                 body.names,
@@ -67,11 +73,14 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
                 version,
                 body.load_format == FLATTENED_BUCKET,
             )
+            nbytes = FusionLayout.from_wire(body.names, body.dtypes, body.shapes).payload_bytes
+            get_metrics().record_recv(nbytes, time.perf_counter() - started)
             log.info("bucket of %d tensors for v%d received", len(body.names), version)
             if body.flush_cache:
                 receiver.commit(version)
                 log.info("committed v%d", version)
         except (DCSError, ValueError) as exc:
+            get_metrics().record_error(type(exc).__name__)
             log.warning("update failed: %s", exc)
             return _failed(str(exc))
         return EngineResponse(success=True, message=f"received {len(body.names)} tensors")
@@ -85,6 +94,10 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     async def weights_digest() -> WeightsDigest:
         version, tensors = await asyncio.to_thread(receiver.digest)
         return WeightsDigest(weight_version=version, tensors=tensors)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(get_metrics().export_prometheus(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

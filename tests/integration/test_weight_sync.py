@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import torch
@@ -15,6 +16,7 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError
 from dcs_tasks.keys import Keys
+from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import tensor_sha256
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire
@@ -66,10 +68,12 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
         )
         await client.start()
+        sent_before, sent = counter(get_metrics().export_prometheus(), "dcs_bytes_sent_total"), 0
         try:
             for update in range(1, 4):
                 train_step(model)
                 metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                sent += metrics["bytes"]
                 assert metrics["weight_version"] == update
                 assert metrics["group_rebuilt"] is (update == 1)
                 assert metrics["buckets"] > 1 and metrics["engines"] == 2 and metrics["flattened"]
@@ -77,8 +81,19 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
                     digest = receiver.digest()
                     assert digest.weight_version == update
                     assert digest.tensors == expected_digest(model)
+            assert counter(get_metrics().export_prometheus(), "dcs_bytes_sent_total") - sent_before == sent
+            for receiver in stack.receivers:
+                assert counter(httpx.get(f"{receiver.url}/metrics").content, "dcs_bytes_received_total") == sent
         finally:
             await client.stop()
+
+
+def counter(exposition: bytes, name: str) -> float:
+    """The value of an unlabelled sample in Prometheus text exposition."""
+    for line in exposition.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
 
 
 async def test_late_receiver_gets_the_full_current_weights_at_the_next_update(
