@@ -61,6 +61,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     await asyncio.to_thread(wait_for_roles, config.base_url, {k: int(v) for k, v in expect.items()})
     results: dict[str, object] = {}
     try:
+        if args.fully_async:
+            return await run_fully_async(client, args, state)
         for rollout_id in range(1, args.rollouts + 1):
             if args.role == "actor":
                 state.update(stage_state(args.pp_rank, rollout_id))
@@ -75,6 +77,26 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     return results
 
 
+async def run_fully_async(
+    client: CheckpointEngineClient, args: argparse.Namespace, state: dict[str, torch.Tensor]
+) -> dict[str, object]:
+    """One group (rollout 1); the actor pushes --rollouts updates back to back, the receiver follows them
+    with `recv_weight_fully_async()`. Returns the last version and digest."""
+    await client.init_process_groups_for_actor_fwd_ref(1)
+    if args.role == "actor":
+        for update in range(1, args.rollouts + 1):
+            state.update(stage_state(args.pp_rank, update))
+            await client.update_weights_for_rollout(actor_fwd_only=True)
+        return {"version": args.rollouts, "digest": digest(state)}
+    task = client.recv_weight_fully_async()
+    deadline = time.monotonic() + 60
+    while client.weight_version < args.rollouts:
+        assert not task.done(), task.exception()
+        assert time.monotonic() < deadline, f"stuck at v{client.weight_version}"
+        await asyncio.sleep(0.05)
+    return {"version": client.weight_version, "digest": digest(client.received_weights)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", required=True)
@@ -84,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=3)
     parser.add_argument("--expect", required=True, help="role=count,... to wait for before the first rollout")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--fully-async", action="store_true")
     args = parser.parse_args()
     args.out.write_text(json.dumps(asyncio.run(run(args))))
 

@@ -75,3 +75,44 @@ def test_pp2_actors_update_actor_fwd_every_rollout_and_reference_on_its_interval
         **results["actor1"]["2"]["digest"],
     }
     assert results["reference0"]["2"]["version"] == 1
+
+
+def test_actor_fwd_follows_back_to_back_updates_with_recv_weight_fully_async(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = dcs_config.model_copy(update={"bucket_size_bytes": 2048, "comm_timeout_seconds": 30.0})
+    nodes = [("actor", 0), ("actor_fwd", 0)]
+    with sync_stack(config, tmp_path) as stack:
+        procs = []
+        for role, rank in nodes:
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.distributed.fwd_ref_node",
+                "--role",
+                role,
+                "--rank",
+                str(rank),
+                "--pp-size",
+                "1",
+                "--rollouts",
+                "3",
+                "--fully-async",
+                "--expect",
+                "actor=1,actor_fwd=1",
+                "--out",
+                str(tmp_path / f"{role}.json"),
+            ]
+            log = (tmp_path / f"{role}.log").open("wb")
+            procs.append(
+                subprocess.Popen(cmd, env=child_env(stack.config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            )
+        try:
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert codes == [0, 0], {r: (tmp_path / f"{r}.log").read_text()[-3000:] for r, _ in nodes}
+    actor = json.loads((tmp_path / "actor.json").read_text())
+    fwd = json.loads((tmp_path / "actor_fwd.json").read_text())
+    assert fwd == actor == {"version": 3, "digest": actor["digest"]}
