@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dcs_tasks.checkpoint.fastread import read_whole, tensors_over
 from dcs_tasks.checkpoint.format import (
     CODE_DTYPES,
     LATEST_NAME,
@@ -144,6 +145,8 @@ def load_tensors(
     `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are read into
     directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
     checksum the caller's tensors hold partial data and CorruptCheckpoint is raised."""
+    if into is None:
+        return _load_whole_files(step_dir, manifest, verify)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}
     regions: dict[str, list[Region]] = {f.name: [] for f in manifest.files}
     for name, entry in manifest.tensors.items():
@@ -162,6 +165,21 @@ def load_tensors(
             if tensors[name] is not target:
                 target.copy_(tensors[name])
     return dict(into)
+
+
+def _load_whole_files(step_dir: Path, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
+    by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
+    for name, entry in manifest.tensors.items():
+        by_file[entry.file][name] = entry
+
+    def load(f: FileEntry) -> dict[str, torch.Tensor]:
+        return tensors_over(read_whole(step_dir / f.name, f, verify), by_file[f.name])
+
+    threads = max(1, min(READ_THREADS, len(manifest.files), os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="dcs-read") as pool:
+        parts = list(pool.map(load, manifest.files))
+    loaded = {name: t for part in parts for name, t in part.items()}
+    return {name: loaded[name] for name in manifest.tensors}
 
 
 def _destination(name: str, entry: TensorEntry, into: dict[str, torch.Tensor] | None) -> torch.Tensor:
