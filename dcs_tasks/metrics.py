@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.samples import Sample
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("save", "load", "send", "recv")
@@ -83,44 +84,44 @@ class MetricsCollector:
     def record_error(self, error_type: str) -> None:
         self.errors.labels(error_type=error_type).inc()
 
-    def export_prometheus(self) -> bytes:
-        """Prometheus text format: this collector's registry, or every process's samples in multiprocess mode."""
+    def export_prometheus(self, *extra: CollectorRegistry) -> bytes:
+        """Prometheus text format of this collector and of the `extra` registries (e.g. a service's own).
+
+        In multiprocess mode it is instead the aggregate of every process's samples in the directory, which
+        already holds the `extra` registries' metrics (prometheus-client writes every metric of a process
+        there), so nothing is exported twice.
+        """
         mp_dir = multiprocess_dir()
         if mp_dir:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=mp_dir)
             return generate_latest(registry)
-        return generate_latest(self.registry)
+        return b"".join(generate_latest(r) for r in (self.registry, *extra))
 
     def get_all(self) -> dict[str, Any]:
-        """This process's values: {"counters": {...}, "latency": {op: {count, sum, avg, buckets}}, "gauges": {...}}."""
-        counters: dict[str, float] = {name: self.bytes[op]._value.get() for op, name in _BYTES_COUNTERS.items()}
-        counters.update({f"{op}_operations": self.operations[op]._value.get() for op in OPERATIONS})
-        counters["errors"] = sum(
-            s.value for m in self.errors.collect() for s in m.samples if s.name == "dcs_errors_total"
-        )
+        """This process's values: {"counters": {...}, "latency": {op: {count, sum, avg, buckets}}, "gauges": {...}}.
+
+        Read through the public `registry.collect()`, the same samples `export_prometheus()` writes.
+        """
+        samples = [s for metric in self.registry.collect() for s in metric.samples]
+        plain = {s.name: s.value for s in samples if not s.labels}
+        counters = {name: plain[f"dcs_{name}_total"] for name in _BYTES_COUNTERS.values()}
+        counters.update({f"{op}_operations": plain[f"dcs_{op}_operations_total"] for op in OPERATIONS})
+        counters["errors"] = sum(s.value for s in samples if s.name == "dcs_errors_total")
+        gauges = ("memory_buffer_usage_bytes", "active_connections", "pending_operations")
         return {
             "counters": counters,
-            "latency": {op: self._histogram_stats(op) for op in OPERATIONS},
-            "gauges": {
-                "memory_buffer_usage_bytes": self.memory_buffer_usage._value.get(),
-                "active_connections": self.active_connections._value.get(),
-                "pending_operations": self.pending_operations._value.get(),
-            },
+            "latency": {op: _histogram_stats(f"dcs_{op}_latency_seconds", samples) for op in OPERATIONS},
+            "gauges": {name: plain[f"dcs_{name}"] for name in gauges},
         }
 
-    def _histogram_stats(self, op: str) -> dict[str, Any]:
-        buckets: dict[str, float] = {}
-        count = total = 0.0
-        for metric in self.latency[op].collect():
-            for s in metric.samples:
-                if s.name.endswith("_bucket"):
-                    buckets[s.labels["le"]] = s.value
-                elif s.name.endswith("_count"):
-                    count = s.value
-                elif s.name.endswith("_sum"):
-                    total = s.value
-        return {"count": count, "sum": total, "avg": total / count if count else 0.0, "buckets": buckets}
+
+def _histogram_stats(name: str, samples: list[Sample]) -> dict[str, Any]:
+    """count, sum, avg and cumulative buckets (by `le`) of histogram `name` among `samples`."""
+    buckets = {s.labels["le"]: s.value for s in samples if s.name == f"{name}_bucket"}
+    count = next((s.value for s in samples if s.name == f"{name}_count"), 0.0)
+    total = next((s.value for s in samples if s.name == f"{name}_sum"), 0.0)
+    return {"count": count, "sum": total, "avg": total / count if count else 0.0, "buckets": buckets}
 
 
 _GLOBAL: MetricsCollector | None = None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator.deps import ServicesDep
+from dcs_tasks.metrics import get_metrics
 from dcs_tasks.models import StatusResponse
 
 router = APIRouter(tags=["ops"])
@@ -19,5 +20,10 @@ async def healthz() -> StatusResponse:
 
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
-    """The coordinator's request metrics in Prometheus text format."""
-    return Response(generate_latest(services.request_metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text: the coordinator's request metrics and this process's `get_metrics()` collector.
+
+    With PROMETHEUS_MULTIPROC_DIR set (before start), the aggregate of every process writing to that
+    directory instead (coordinator workers, and DCS processes of this host sharing it), each family once.
+    """
+    body = get_metrics().export_prometheus(services.request_metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -223,6 +223,20 @@ async def test_metrics_count_requests_by_route_template(coord: InProcessCoordina
     assert 'dcs_coordinator_request_duration_seconds_count{method="GET",route="/heartbeat",status="200"} 3.0' in text
 
 
+async def test_metrics_also_export_the_process_collector_once_per_family(coord: InProcessCoordinator) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dcs_tasks.metrics import get_metrics
+
+    get_metrics().record_error("coordinator-export-check")
+    await coord.api.healthz()
+    text = (await coord.http.get("/metrics")).text
+    assert 'dcs_errors_total{error_type="coordinator-export-check"} 1.0' in text
+    names = [family.name for family in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names)), "a metric family is exported twice"
+    assert {"dcs_coordinator_requests", "dcs_save_latency_seconds", "dcs_pending_operations"} <= set(names)
+
+
 async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs_config: DCSConfig) -> None:
     from dcs_tasks.client import HeartbeatLoop
     from dcs_tasks.errors import RankConflict

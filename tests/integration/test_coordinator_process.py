@@ -7,6 +7,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
@@ -125,3 +126,35 @@ async def test_role_mappings_and_order_come_from_dcs_env(dcs_config: DCSConfig, 
             assert (await api.debug_topology()).roles == ["engine", "trainer"]
     finally:
         proc.stop()
+
+
+WRITER = """
+from dcs_tasks.metrics import get_metrics
+get_metrics().record_send(bytes_sent=100, duration=0.01)
+"""
+
+
+async def test_metrics_aggregate_every_process_in_multiprocess_mode(
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp_dir))  # inherited by the processes started below
+    for _ in range(2):  # two other DCS processes of this host (e.g. worker children)
+        subprocess.run([sys.executable, "-c", WRITER], check=True, timeout=60, cwd=Path(__file__).parents[2])
+    proc = CoordinatorProcess(dcs_config, tmp_path / "coordinator-mp.log").start()
+    try:
+        async with CoordinatorAPI(proc.url) as api, httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
+            await api.healthz()
+            text = (await http.get("/metrics")).text
+    finally:
+        proc.stop()
+    assert "dcs_bytes_sent_total 200.0" in text  # the other processes' samples, summed
+    assert 'dcs_coordinator_requests_total{method="GET",route="/healthz",status="200"} 1.0' in text
+    names = [family.name for family in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))

@@ -74,6 +74,9 @@ from dcs_tasks.metrics import get_metrics
 m = get_metrics()
 m.record_send(bytes_sent=100, duration=0.01)
 m.memory_buffer_usage.set(7)
+stats = m.get_all()  # this process's own values, also in multiprocess mode
+assert stats["counters"]["bytes_sent"] == 100 and stats["gauges"]["memory_buffer_usage_bytes"] == 7, stats
+assert stats["latency"]["send"]["count"] == 1, stats
 """
 
 
