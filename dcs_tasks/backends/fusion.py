@@ -102,13 +102,20 @@ class FusionLayout:
         return [s.name for s in self.specs]
 
     @property
+    def wire_bytes(self) -> int:
+        """Bytes actually broadcast: up to the end of the last tensor (no trailing padding), so a
+        one-tensor bucket is exactly that tensor's bytes and can be sent from its own memory."""
+        return self.offsets[-1] + self.specs[-1].nbytes if self.specs else 0
+
+    @property
     def payload_bytes(self) -> int:
         """Bytes of tensor data, without alignment padding."""
         return sum(s.nbytes for s in self.specs)
 
 
 def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Copy the raw bytes of `tensors` into `buffer` (uint8, >= layout.total_bytes); returns the used view."""
+    """Copy the raw bytes of `tensors` into `buffer` (uint8, >= layout.total_bytes); returns the view to send
+    (`layout.wire_bytes` long)."""
     if buffer.dtype != torch.uint8 or buffer.numel() < layout.total_bytes:
         raise ValueError(f"buffer must be uint8 with >= {layout.total_bytes} bytes")
     for spec, offset in zip(layout.specs, layout.offsets, strict=True):
@@ -118,7 +125,7 @@ def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, 
         if spec.nbytes:
             raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
             buffer[offset : offset + spec.nbytes].copy_(raw, non_blocking=True)
-    return buffer[: layout.total_bytes]
+    return buffer[: layout.wire_bytes]
 
 
 def unpack_views(buffer: torch.Tensor, layout: FusionLayout) -> dict[str, torch.Tensor]:
@@ -159,18 +166,25 @@ class TensorFusion:
         return unpack_views(fused_buffer, metadata)
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int, alignment: int = ALIGNMENT) -> list[FusionLayout]:
-    """Split `specs` (order kept) into layouts of at most `bucket_size_bytes`; a larger tensor goes alone."""
+def plan_buckets(
+    specs: Sequence[TensorSpec], bucket_size_bytes: int, alignment: int = ALIGNMENT, alone_bytes: int | None = None
+) -> list[FusionLayout]:
+    """Split `specs` (order kept) into layouts of at most `bucket_size_bytes`. A tensor larger than a bucket,
+    or of at least `alone_bytes`, gets a bucket of its own (which a sender can broadcast without copying)."""
+    alone = min(bucket_size_bytes, alone_bytes) if alone_bytes else bucket_size_bytes
     buckets: list[FusionLayout] = []
     current: list[TensorSpec] = []
     current_bytes = 0
     for spec in specs:
         size = _align(spec.nbytes, alignment)
-        if current and current_bytes + size > bucket_size_bytes:
+        if current and (current_bytes + size > bucket_size_bytes or spec.nbytes >= alone):
             buckets.append(FusionLayout.build(current, alignment))
             current, current_bytes = [], 0
         current.append(spec)
         current_bytes += size
+        if spec.nbytes >= alone:
+            buckets.append(FusionLayout.build(current, alignment))
+            current, current_bytes = [], 0
     if current:
         buckets.append(FusionLayout.build(current, alignment))
     return buckets

@@ -119,7 +119,7 @@ class WeightReceiver:
         buffer: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
         if layout is not None and buffer is not None:
-            view = buffer[: layout.total_bytes]
+            view = buffer[: layout.wire_bytes]
             self.backend.broadcast(view, 0, group_name)
             return unpack_views(view, layout)
         out = {

@@ -69,6 +69,7 @@ class RolloutUpdater:
         started = time.perf_counter()
         plan = await self.plan()
         if not plan.engines:
+            await self._drop_group()
             return {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0}
         rebuilt = await self._ensure_group(plan)
         bootstrap_seconds = time.perf_counter() - started

@@ -20,6 +20,10 @@ from dcs_tasks.backends.fusion import FusionLayout, TensorSpec, pack_into, plan_
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire, wire_spec
 
+# Tensors this big are sent from their own memory in a bucket of their own: copying them into a flat
+# buffer costs more CPU than the extra HTTP round trip of one more bucket (~ms).
+ALONE_BYTES = 8 * 1024 * 1024
+
 Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
 
 
@@ -53,15 +57,18 @@ class SendStats:
 class BucketSender:
     """Sends state dicts over one group of a backend as rank `src`; keeps its two buffers between updates."""
 
-    def __init__(self, backend: CommBackend, device: torch.device, bucket_size_bytes: int) -> None:
+    def __init__(
+        self, backend: CommBackend, device: torch.device, bucket_size_bytes: int, alone_bytes: int | None = ALONE_BYTES
+    ) -> None:
         self.backend = backend
         self.device = device
         self.bucket_size_bytes = bucket_size_bytes
+        self.alone_bytes = alone_bytes
         self._slots: list[torch.Tensor] = []
 
     def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
         specs = [wire_spec(TensorSpec.of(name, t), quant) for name, t in state.items()]
-        return plan_buckets(specs, self.bucket_size_bytes)
+        return plan_buckets(specs, self.bucket_size_bytes, alone_bytes=self.alone_bytes)
 
     def _buffers(self, layouts: list[FusionLayout]) -> list[torch.Tensor]:
         need = max((lay.total_bytes for lay in layouts), default=0)
@@ -77,6 +84,10 @@ class BucketSender:
         quant: QuantizationConfig | None,
     ) -> torch.Tensor:
         tensors = {spec.name: to_wire(state[spec.name], quant).to(self.device) for spec in layout.specs}
+        if len(layout.specs) == 1:
+            only = tensors[layout.specs[0].name].detach()
+            if only.is_contiguous() and only.device == self.device:
+                return only.reshape(-1).view(torch.uint8)  # its own memory: no copy
         view = pack_into(slot, layout, tensors)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

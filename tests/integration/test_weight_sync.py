@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow
 
 
 class Tiny(torch.nn.Module):
-    """Mixed dtypes, many small tensors and a bigger one; big enough for several 4 KiB buckets."""
+    """Mixed dtypes, many small tensors, several 4 KiB buckets, and one 9 MiB tensor sent zero-copy."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,6 +35,7 @@ class Tiny(torch.nn.Module):
         self.head = torch.nn.Linear(8, 64)
         self.emb = torch.nn.Parameter(torch.randn(32, 16).to(torch.bfloat16))
         self.register_buffer("steps", torch.tensor([0], dtype=torch.int64))
+        self.register_buffer("table", torch.randn(9 * 2**18 + 3))  # > 8 MiB: sent alone from its own memory
 
 
 def sync_config(dcs_config: DCSConfig) -> DCSConfig:

@@ -84,7 +84,9 @@ def _bucket(receiver: WeightReceiver, tensors: dict[str, torch.Tensor], version:
     names, dtypes = layout.names, [s.dtype for s in layout.specs]
     shapes = [list(s.shape) for s in layout.specs]
     # world size 1: the broadcast is a real no-op collective; we pre-fill the buffer the receiver will get
-    receiver._spare = [buffer.clone()]
+    spare = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    spare[: buffer.numel()].copy_(buffer)
+    receiver._spare = [spare]
     receiver.receive_bucket(names, dtypes, shapes, "solo", version, flattened=True)
 
 

@@ -62,8 +62,9 @@ def test_layout_rebuilt_from_wire_lists_matches_sender() -> None:
         [s.name for s in layout.specs], [s.dtype for s in layout.specs], [list(s.shape) for s in layout.specs]
     )
     assert wire == layout
+    assert buffer.numel() == wire.wire_bytes <= wire.total_bytes  # no trailing padding on the wire
     received = torch.empty(wire.total_bytes, dtype=torch.uint8)
-    received.copy_(buffer)
+    received[: wire.wire_bytes].copy_(buffer)
     assert _bits(unpack_views(received, wire)["i64"]) == _bits(tensors["i64"])
 
 
@@ -92,3 +93,10 @@ def test_pack_into_rejects_a_tensor_that_differs_from_the_layout() -> None:
         assert "'a'" in str(exc)
     else:
         raise AssertionError("a shape mismatch must be refused")
+
+
+def test_tensors_of_alone_bytes_get_their_own_bucket_whose_wire_size_is_the_tensor() -> None:
+    specs = [TensorSpec("a", "float32", (10,)), TensorSpec("big", "bfloat16", (333,)), TensorSpec("b", "int8", (3,))]
+    buckets = plan_buckets(specs, bucket_size_bytes=1 << 20, alone_bytes=600)
+    assert [b.names for b in buckets] == [["a"], ["big"], ["b"]]
+    assert buckets[1].wire_bytes == 666 and buckets[1].total_bytes == 704
