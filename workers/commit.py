@@ -7,6 +7,7 @@ pure function of the ledger, so its bytes would not change anyway).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from dcs_tasks.errors import CheckpointFailed
 from workers.persist import ledger
 
 log = logging.getLogger(__name__)
+LATEST_LOCK_NAME = ".latest.lock"
 
 
 def commit(req: CommitRequest, task_id: str) -> Verdict:
@@ -61,8 +63,11 @@ def remove_stray_temps(step_dir: Path) -> None:
 
 
 def move_latest(run_dir: Path, step: int, tag: str) -> None:
-    """Point `latest` at `step` unless it already names a newer step."""
-    current = read_latest(run_dir)
-    if current is not None and current >= step:
-        return
-    write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)
+    """Point `latest` at `step` unless it already names a newer step (under a lock: commits of two steps
+    may run at once in different worker processes)."""
+    with open(run_dir / LATEST_LOCK_NAME, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = read_latest(run_dir)
+        if current is not None and current >= step:
+            return
+        write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)
