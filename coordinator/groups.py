@@ -27,15 +27,26 @@ def role_order(configured: Iterable[str] | None, registered: Iterable[str]) -> l
     return order
 
 
-def global_rank(order: list[str], world_sizes: Mapping[str, int], role: str, rank: int) -> int:
-    """Sum of the (live) world sizes of the roles before `role` in `order`, plus `rank`.
+def rank_span(live_ranks: Iterable[int]) -> int:
+    """The size of a role in the global rank space: its highest live rank + 1 (0 when none is alive).
 
+    With dense ranks 0..n-1 (the usual case: a missing rank gets the smallest free one) this is the live
+    count n. When a dead node leaves a gap below the highest live rank, the gap keeps its slot, so the
+    global ranks of the live nodes stay distinct and do not shift; a counted size would make them collide.
+    """
+    return max(live_ranks, default=-1) + 1
+
+
+def global_rank(order: list[str], spans: Mapping[str, int], role: str, rank: int) -> int:
+    """Sum of the rank spans (`rank_span`) of the roles before `role` in `order`, plus `rank`.
+
+    Distinct for every live node of the roles in `order`, and below the sum of all spans.
     Raises KeyError when `role` is not in `order`.
     """
     if role not in order:
         raise KeyError(role)
     before = order[: order.index(role)]
-    return sum(world_sizes.get(r, 0) for r in before) + rank
+    return sum(spans.get(r, 0) for r in before) + rank
 
 
 def _meta_int(meta: Mapping[str, Any], key: str, default: int, node: str) -> int:
@@ -77,7 +88,10 @@ def model_update_group_ranks(
     """Global rank and size of the group an actor broadcasts updated weights in.
 
     actor -> 0; actor_fwd -> 1 + rank; reference -> 1 + num_actor_fwd + rank. world_size = 1 + num_actor_fwd
-    (+ num_reference when `need_update_ref`). `train_pp_size` is actor rank 0's metadata `pp_size` (default 1).
+    (+ num_reference when `need_update_ref`). The counts are rank spans (`rank_span`: highest live rank + 1,
+    the live count when ranks are dense), so a dead node's gap never gives two members one group rank; the
+    group then waits for that slot and its init times out until a replacement takes the rank.
+    `train_pp_size` is actor rank 0's metadata `pp_size` (default 1).
     Raises GroupRoleError for any other role, or a reference node when `need_update_ref` is false.
     """
     if role == ACTOR:

@@ -61,7 +61,12 @@ class TopologySnapshot:
         return {role: self.alive(role) for role in self.roles if role in self.nodes}
 
     def world_sizes(self) -> dict[str, int]:
+        """Live nodes per role (invariant 4: dead nodes are not counted)."""
         return {role: len(self.alive(role)) for role in self.roles}
+
+    def rank_spans(self) -> dict[str, int]:
+        """Per role, the size of its block of global ranks (`groups.rank_span`: highest live rank + 1)."""
+        return {role: groups.rank_span(self.alive(role)) for role in self.roles}
 
     def world_size(self, role: str | None = None) -> int:
         sizes = self.world_sizes()
@@ -202,11 +207,12 @@ class TopologyManager:
         return (await self.snapshot(None if role is None else [role])).world_size(role)
 
     async def get_global_rank(self, role: str, rank: int) -> int | None:
-        """Global rank of a live node (see `groups.global_rank`), or None when it is not alive."""
+        """Global rank of a live node (see `groups.global_rank`: rank spans of the earlier roles + rank), or
+        None when it is not alive."""
         snap = await self.snapshot()
         if rank not in snap.alive(role):
             return None
-        return groups.global_rank(snap.roles, snap.world_sizes(), role, rank)
+        return groups.global_rank(snap.roles, snap.rank_spans(), role, rank)
 
     async def check_health(self) -> TopologySnapshot:
         """The full snapshot; its `dead_node_ids()` are the nodes registered without a heartbeat key."""

@@ -51,10 +51,15 @@ class HeartbeatResponse(BaseModel):
 
 
 class TopologyResponse(BaseModel):
-    """Live nodes by role and rank; `world_size` counts live nodes of the returned roles."""
+    """Live nodes by role and rank; `world_size` counts live nodes of the returned roles.
+
+    `rank_space` is the sum over the returned roles of (highest live rank + 1): global ranks lie below it.
+    It equals `world_size` unless a dead node leaves a gap below a live rank of its role.
+    """
 
     nodes: dict[str, dict[int, RoleInfo]]
     world_size: int = Field(ge=0)
+    rank_space: int = Field(default=0, ge=0, description="sum of the roles' highest live rank + 1")
 
 
 class GlobalRankResponse(BaseModel):

@@ -28,18 +28,32 @@ async def topology(
     topo: TopologyDep,
     role_filter: Annotated[str | None, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN)] = None,
 ) -> TopologyResponse:
-    """Live nodes by role (only `role_filter` when given); dead nodes are left out."""
+    """Live nodes by role (only `role_filter` when given); dead nodes are left out.
+
+    `world_size` counts the live nodes returned; `rank_space` sums their roles' rank spans (highest live
+    rank + 1): the two are equal unless a dead node leaves a gap below a live rank (see /global_rank).
+    """
     snap = await topo.snapshot(None if role_filter is None else [role_filter])
     if role_filter is not None:
         nodes = {role_filter: snap.alive(role_filter)}
     else:
         nodes = snap.alive_by_role()
-    return TopologyResponse(nodes=nodes, world_size=sum(len(n) for n in nodes.values()))
+    return TopologyResponse(
+        nodes=nodes,
+        world_size=sum(len(n) for n in nodes.values()),
+        rank_space=sum(groups.rank_span(n) for n in nodes.values()),
+    )
 
 
 @router.get("/global_rank", response_model=GlobalRankResponse)
 async def global_rank(role: RoleQuery, rank: RankQuery, topo: TopologyDep) -> GlobalRankResponse:
-    """Sum of the live world sizes of the roles before `role` (config role_order, else registration order) + rank."""
+    """Global rank of a live node: the rank spans of the roles before `role`, plus `rank`.
+
+    Roles are ordered by config `role_order`, then first registration. A role's span is its highest live
+    rank + 1, i.e. its live world size when ranks are dense (0..n-1). A dead node in the middle keeps its
+    slot, so live nodes never share a global rank and their global ranks do not shift; every answer is
+    below /topology's `rank_space`. 404 when the node is not registered or not alive.
+    """
     found = await topo.get_global_rank(role, rank)
     if found is None:
         raise not_found(role, rank)
@@ -50,7 +64,11 @@ async def global_rank(role: RoleQuery, rank: RankQuery, topo: TopologyDep) -> Gl
 async def model_update_group_ranks(
     role: RoleQuery, rank: RankQuery, topo: TopologyDep, need_update_ref: bool = False
 ) -> GroupRanksResponse:
-    """Rank of this node in the actor -> actor_fwd (+ reference) weight-update group; 400 for other roles."""
+    """Rank of this node in the actor -> actor_fwd (+ reference) weight-update group; 400 for other roles.
+
+    The actor_fwd and reference counts are rank spans as in /global_rank (the live counts when ranks are
+    dense), so a dead node's gap never makes two members share a group rank.
+    """
     snap = await topo.snapshot([groups.ACTOR, groups.ACTOR_FWD, groups.REFERENCE, role])
     if rank not in snap.alive(role):
         raise not_found(role, rank)
@@ -59,8 +77,8 @@ async def model_update_group_ranks(
             role,
             rank,
             need_update_ref,
-            num_actor_fwd=snap.world_size(groups.ACTOR_FWD),
-            num_reference=snap.world_size(groups.REFERENCE),
+            num_actor_fwd=groups.rank_span(snap.alive(groups.ACTOR_FWD)),
+            num_reference=groups.rank_span(snap.alive(groups.REFERENCE)),
             actors=snap.alive(groups.ACTOR),
         )
     except groups.GroupRoleError as exc:

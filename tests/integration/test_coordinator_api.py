@@ -143,6 +143,48 @@ async def test_global_rank_follows_configured_role_order(dcs_config: DCSConfig) 
         assert await c.api.global_rank("rollout", 2) == 2
 
 
+async def _kill_one(c: InProcessCoordinator, dead: tuple[str, int], nodes: list[tuple[str, int]]) -> None:
+    """Let `dead` expire (TTL 0.4 s) while every other node of `nodes` keeps beating."""
+    for _ in range(3):
+        await asyncio.sleep(0.2)
+        for role, rank in nodes:
+            if (role, rank) != dead:
+                await c.api.heartbeat(role, rank)
+    assert (await c.api.health()).dead_nodes == [f"{dead[0]}_{dead[1]}"]
+
+
+async def test_a_dead_nodes_gap_never_makes_global_ranks_collide(dcs_config: DCSConfig) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    nodes = [("actor", r) for r in range(3)] + [("rollout", r) for r in range(2)]
+    async with in_process_coordinator(config) as c:
+        for i, (role, rank) in enumerate(nodes):
+            await c.api.register(node(role, rank=rank, port=100 + i))
+        dense = await c.api.topology()
+        assert dense.world_size == dense.rank_space == 5
+        assert [await c.api.global_rank(role, rank) for role, rank in nodes] == [0, 1, 2, 3, 4]
+        await _kill_one(c, ("actor", 1), nodes)
+        live = [n for n in nodes if n != ("actor", 1)]
+        ranks = [await c.api.global_rank(role, rank) for role, rank in live]
+        assert ranks == [0, 2, 3, 4]  # no shift, no collision of rollout_0 with actor_2
+        topo = await c.api.topology()
+        assert (topo.world_size, topo.rank_space) == (4, 5) and max(ranks) < topo.rank_space
+        with pytest.raises(NodeNotFound, match="actor_1"):
+            await c.api.global_rank("actor", 1)
+
+
+async def test_a_dead_actor_fwd_keeps_its_group_slot(dcs_config: DCSConfig) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    nodes = [("actor", 0)] + [("actor_fwd", r) for r in range(3)] + [("reference", 0)]
+    async with in_process_coordinator(config) as c:
+        for i, (role, rank) in enumerate(nodes):
+            await c.api.register(node(role, rank=rank, port=100 + i))
+        await _kill_one(c, ("actor_fwd", 1), nodes)
+        fwd = await c.api.model_update_group_ranks("actor_fwd", 2, need_update_ref=True)
+        ref = await c.api.model_update_group_ranks("reference", 0, need_update_ref=True)
+        assert (fwd.global_rank, ref.global_rank) == (3, 4)  # distinct: rank 2 of actor_fwd is not shifted
+        assert fwd.world_size == ref.world_size == 5  # the dead slot is waited for, not reused by another
+
+
 async def test_model_update_group_ranks(coord: InProcessCoordinator) -> None:
     api = coord.api
     src = {"is_pp_src_rank": True, "master_address": "10.1.1.1"}

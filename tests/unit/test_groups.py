@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.groups import GroupRoleError, global_rank, model_update_group_ranks, pp_groups, role_order
+from coordinator.groups import (
+    GroupRoleError,
+    global_rank,
+    model_update_group_ranks,
+    pp_groups,
+    rank_span,
+    role_order,
+)
 from dcs_tasks.config import RoleInfo
 
 
@@ -25,6 +32,18 @@ def test_global_rank_sums_earlier_world_sizes() -> None:
     assert global_rank(order, sizes, "reference", 0) == 6
     with pytest.raises(KeyError):
         global_rank(order, sizes, "critic", 0)
+
+
+def test_rank_span_is_the_live_count_when_dense_and_keeps_a_dead_nodes_slot() -> None:
+    assert rank_span([]) == 0
+    assert rank_span([0, 1, 2]) == 3
+    assert rank_span([0, 2]) == 3  # rank 1 died: rank 2 keeps its place
+    order = ["actor", "rollout"]
+    spans = {"actor": rank_span([0, 2]), "rollout": rank_span([0, 1])}
+    live = [global_rank(order, spans, "actor", r) for r in (0, 2)] + [
+        global_rank(order, spans, "rollout", r) for r in (0, 1)
+    ]
+    assert live == [0, 2, 3, 4] and len(set(live)) == len(live)
 
 
 def test_group_ranks_of_each_role() -> None:
