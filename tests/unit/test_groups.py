@@ -13,6 +13,7 @@ from coordinator.groups import (
     role_order,
 )
 from dcs_tasks.config import RoleInfo
+from dcs_tasks.models import GroupRanksResponse
 
 
 def actor(rank: int, **meta: object) -> RoleInfo:
@@ -48,12 +49,15 @@ def test_rank_span_is_the_live_count_when_dense_and_keeps_a_dead_nodes_slot() ->
 
 def test_group_ranks_of_each_role() -> None:
     actors = {0: actor(0, pp_size=4)}
-    common = {"num_actor_fwd": 2, "num_reference": 3, "actors": actors}
-    a = model_update_group_ranks("actor", 0, True, **common)
+
+    def ranks(role: str, rank: int, need_ref: bool) -> GroupRanksResponse:
+        return model_update_group_ranks(role, rank, need_ref, num_actor_fwd=2, num_reference=3, actors=actors)
+
+    a = ranks("actor", 0, True)
     assert (a.global_rank, a.world_size, a.train_pp_size) == (0, 6, 4)
-    f = model_update_group_ranks("actor_fwd", 1, False, **common)
+    f = ranks("actor_fwd", 1, False)
     assert (f.global_rank, f.world_size) == (2, 3)
-    r = model_update_group_ranks("reference", 2, True, **common)
+    r = ranks("reference", 2, True)
     assert (r.global_rank, r.world_size) == (5, 6)
 
 
