@@ -44,6 +44,17 @@ def _version(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest
     return int(body.weight_version)
 
 
+def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest, version: int) -> None:
+    """Receive every broadcast `body` announces (one, or `bucket_sizes` of them), recording metrics."""
+    flattened = body.load_format == FLATTENED_BUCKET
+    for names, dtypes, shapes in body.chunks():
+        started = time.perf_counter()
+        receiver.receive_bucket(names, dtypes, shapes, body.group_name, version, flattened)
+        nbytes = FusionLayout.from_wire(names, dtypes, shapes).payload_bytes
+        get_metrics().record_recv(nbytes, time.perf_counter() - started)
+        log.info("bucket of %d tensors for v%d received", len(names), version)
+
+
 def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     """The app serving one `WeightReceiver` (this process is group rank `rank_offset`)."""
     app = FastAPI(title="DCS reference rollout receiver")
@@ -63,19 +74,7 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     async def update(body: UpdateWeightsFromDistributedRequest) -> EngineResponse | JSONResponse:
         try:
             version = _version(receiver, body)
-            started = time.perf_counter()
-            await asyncio.to_thread(
-                receiver.receive_bucket,
-                body.names,
-                body.dtypes,
-                body.shapes,
-                body.group_name,
-                version,
-                body.load_format == FLATTENED_BUCKET,
-            )
-            nbytes = FusionLayout.from_wire(body.names, body.dtypes, body.shapes).payload_bytes
-            get_metrics().record_recv(nbytes, time.perf_counter() - started)
-            log.info("bucket of %d tensors for v%d received", len(body.names), version)
+            await asyncio.to_thread(_receive, receiver, body, version)
             if body.flush_cache:
                 receiver.commit(version)
                 log.info("committed v%d", version)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcs_tasks.config import BackendType
 
@@ -39,6 +39,32 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     weight_version: str | None = None
     flush_cache: bool = True
     load_format: str | None = None
+    bucket_sizes: list[int] | None = Field(
+        default=None,
+        description="DCS extension, flattened_bucket only: the tensors form consecutive broadcasts of these "
+        "many tensors each, so one request announces a whole update",
+    )
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have equal lengths")
+        if self.bucket_sizes is not None:
+            if self.load_format != FLATTENED_BUCKET:
+                raise ValueError("bucket_sizes needs load_format=flattened_bucket")
+            if any(n < 1 for n in self.bucket_sizes) or sum(self.bucket_sizes) != len(self.names):
+                raise ValueError(f"bucket_sizes must be positive and sum to {len(self.names)}")
+        return self
+
+    def chunks(self) -> list[tuple[list[str], list[str], list[list[int]]]]:
+        """(names, dtypes, shapes) of each broadcast this request announces, in order."""
+        sizes = self.bucket_sizes or [len(self.names)]
+        out, start = [], 0
+        for n in sizes:
+            end = start + n
+            out.append((self.names[start:end], self.dtypes[start:end], self.shapes[start:end]))
+            start = end
+        return out
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):

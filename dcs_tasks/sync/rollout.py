@@ -3,9 +3,10 @@
 Per update: live rollout nodes from the coordinator -> plan (world size, rank offsets) -> reuse the group
 if the engine set (rank, ip, port, gpus) is unchanged, else form a new one -> per bucket, POST
 /update_weights_from_distributed to every engine while broadcasting the bucket; the last bucket carries
-`flush_cache=True` so receivers commit. `weight_version` rises by one per successful update. Any failure
-drops the group (the next update rebuilds it over the nodes then alive) and raises `WeightSyncError`
-naming the engine when one is to blame.
+`flush_cache=True` so receivers commit. When every engine takes flat buckets (DCS receivers), one request
+with `bucket_sizes` announces the whole update instead, so the meta costs one round trip per update.
+`weight_version` rises by one per successful update. Any failure drops the group (the next update
+rebuilds it over the nodes then alive) and raises `WeightSyncError` naming the engine when one is to blame.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
 )
 from dcs_tasks.sync.planning import plan_rollout_group
-from dcs_tasks.sync.sender import Announce, BucketSender
+from dcs_tasks.sync.sender import Announce, AnnounceAll, BucketSender
 
 
 class RolloutUpdater:
@@ -76,9 +77,14 @@ class RolloutUpdater:
         assert self.group is not None
         group, version = self.group, self.weight_version + 1
         try:
-            stats = await self.sender.send(
-                state, group.result.group_name, self._announcer(group, version), quant, flattened=group.plan.flattened
-            )
+            if group.plan.flattened:  # DCS receivers: one request announces the whole update
+                stats = await self.sender.send(
+                    state, group.result.group_name, quant=quant, announce_all=self._announce_all(group, version)
+                )
+            else:  # SGLang: one request per bucket, one broadcast per tensor
+                stats = await self.sender.send(
+                    state, group.result.group_name, self._announcer(group, version), quant, flattened=False
+                )
         except WeightSyncError as exc:
             await self._drop_group()
             member = exc.member or await self._blame(group.plan)
@@ -116,6 +122,23 @@ class RolloutUpdater:
         if group is not None:
             await self.bootstrapper.release(group)
 
+    def _announce_all(self, group: ActiveGroup, version: int) -> AnnounceAll:
+        async def announce(layouts: list[FusionLayout]) -> None:
+            specs = [spec for layout in layouts for spec in layout.specs]
+            body = UpdateWeightsFromDistributedRequest(
+                names=[s.name for s in specs],
+                dtypes=[s.dtype for s in specs],
+                shapes=[list(s.shape) for s in specs],
+                group_name=group.result.group_name,
+                weight_version=str(version),
+                flush_cache=True,
+                load_format=FLATTENED_BUCKET,
+                bucket_sizes=[len(layout.specs) for layout in layouts],
+            )
+            await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
+
+        return announce
+
     def _announcer(self, group: ActiveGroup, version: int) -> Announce:
         async def announce(index: int, layout: FusionLayout, last: bool) -> None:
             body = UpdateWeightsFromDistributedRequest(
@@ -125,7 +148,7 @@ class RolloutUpdater:
                 group_name=group.result.group_name,
                 weight_version=str(version),
                 flush_cache=last,
-                load_format=FLATTENED_BUCKET if group.plan.flattened else None,
+                load_format=None,
             )
             await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
 

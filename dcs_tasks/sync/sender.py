@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from dcs_tasks.sync.quantize import to_wire, wire_spec
 ALONE_BYTES = 8 * 1024 * 1024
 
 Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
+AnnounceAll = Callable[[list[FusionLayout]], Awaitable[None]]
 
 
 @dataclass
@@ -97,41 +99,44 @@ class BucketSender:
         self,
         state: Mapping[str, torch.Tensor],
         group_name: str,
-        announce: Announce,
+        announce: Announce | None = None,
         quant: QuantizationConfig | None = None,
         src: int = 0,
         flattened: bool = True,
+        announce_all: AnnounceAll | None = None,
     ) -> SendStats:
-        """Broadcast every tensor of `state`; `announce(k, layout, is_last)` runs alongside bucket k's broadcast.
-
-        `flattened=False` sends each tensor of a bucket as its own broadcast (SGLang's default wire format).
+        """Broadcast every tensor of `state`. Receivers learn what comes either per bucket (`announce(k, layout,
+        is_last)` runs alongside bucket k's broadcast) or once per update (`announce_all(layouts)` runs alongside
+        all of them). `flattened=False` sends one broadcast per tensor (SGLang's default wire format).
         """
         if not flattened:
+            assert announce is not None
             return await self.send_per_tensor(state, group_name, announce, quant, src)
         start = time.perf_counter()
         layouts = self.plan(state, quant)
         slots = self._buffers(layouts)
         stats = SendStats(buckets=len(layouts), tensors=len(state))
-        t0 = time.perf_counter()
-        packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
-        stats.pack_seconds += time.perf_counter() - t0
-        for k, layout in enumerate(layouts):
-            assert packed is not None
-            announcing = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1))
-            try:
+        whole = asyncio.ensure_future(announce_all(layouts)) if announce_all is not None else None
+        try:
+            t0 = time.perf_counter()
+            packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
+            stats.pack_seconds += time.perf_counter() - t0
+            for k, layout in enumerate(layouts):
+                assert packed is not None
+                per = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1)) if announce else None
                 handle = self.backend.broadcast_async(packed, src, group_name)
                 if k + 1 < len(layouts):
                     t0 = time.perf_counter()
                     packed = await asyncio.to_thread(self._pack, slots[(k + 1) % 2], layouts[k + 1], state, quant)
                     stats.pack_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                await asyncio.gather(handle.wait_async(), announcing)
+                await _settle(handle.wait_async(), per, whole)
                 stats.wait_seconds += time.perf_counter() - t0
-            finally:
-                if not announcing.done():
-                    announcing.cancel()
-                    await asyncio.gather(announcing, return_exceptions=True)
-            stats.bytes += layout.payload_bytes
+                stats.bytes += layout.payload_bytes
+            if whole is not None:
+                await whole
+        finally:
+            await _cancel(whole)
         stats.total_seconds = time.perf_counter() - start
         return stats
 
@@ -162,3 +167,25 @@ class BucketSender:
             stats.bytes += layout.payload_bytes
         stats.total_seconds = time.perf_counter() - start
         return stats
+
+
+async def _settle(
+    broadcast: Awaitable[Any], per: asyncio.Future[None] | None, whole: asyncio.Future[None] | None
+) -> None:
+    """Wait for a bucket's broadcast (and its announcement); fail as soon as any announcement fails."""
+    bucket = asyncio.ensure_future(asyncio.gather(broadcast, *([per] if per is not None else [])))
+    try:
+        if whole is not None:
+            await asyncio.wait({bucket, whole}, return_when=asyncio.FIRST_COMPLETED)
+            if whole.done() and whole.exception() is not None:
+                raise whole.exception()  # type: ignore[misc]
+        await bucket
+    finally:
+        await _cancel(bucket)
+        await _cancel(per)
+
+
+async def _cancel(future: asyncio.Future[Any] | None) -> None:
+    if future is not None and not future.done():
+        future.cancel()
+        await asyncio.gather(future, return_exceptions=True)
