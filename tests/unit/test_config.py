@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -54,7 +56,7 @@ def test_to_env_rebuilds_the_same_config(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"no_such_setting": 1}, "no_such_setting"),
     ],
 )
-def test_bad_values_are_rejected_with_a_message(kwargs: dict[str, object], message: str) -> None:
+def test_bad_values_are_rejected_with_a_message(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         DCSConfig(**kwargs)
 
