@@ -1,9 +1,10 @@
 """`Checkpointer`: the trainer-side API — save (stage + enqueue), restore, list.
 
 save() = check a worker serves this host -> flatten -> take a staging buffer (policy block/skip) -> copy
-tensors into it -> open the step in the Redis ledger -> send one JSON persist task per file to this
-host's node queue. It returns a `PendingCheckpoint`; the workers write, checksum and commit. The stall
-the trainer pays is everything up to that return (the copy dominates).
+tensors into it -> open the step in the Redis ledger -> return a `PendingCheckpoint`, while a dispatcher
+thread sends one JSON persist task per file to this host's node queue (a failed send fails the pending
+save with its reason). The workers write, checksum and commit. The stall the trainer pays is everything up
+to that return (the copy dominates).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,14 @@ from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
-from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, NoWorkerError, StagingError
+from dcs_tasks.errors import (
+    CheckpointError,
+    CheckpointFailed,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    NoWorkerError,
+    StagingError,
+)
 from dcs_tasks.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -76,6 +85,7 @@ class Checkpointer:
             Path(self.config.staging_dir), self.config.staging_buffers, prefix=f"dcs-{self.config.namespace}-{run}"
         )
         self._copier = HostCopier(copy_threads)
+        self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._pending: list[PendingCheckpoint] = []
         if size_hint_bytes:
@@ -105,10 +115,10 @@ class Checkpointer:
         try:
             self._stage(buf, layout, flat)
             ref = self._begin(step, layout, flat, metadata or {})
-            self._send(ref, buf, layout)
         except BaseException:
             self._pool.release(buf)
             raise
+        dispatch = self._dispatcher.submit(self._send, ref, buf, layout)  # off the trainer's critical path
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self.run,
@@ -117,6 +127,7 @@ class Checkpointer:
             step_dir=self._step_dir(step),
             stall_seconds=stall,
             on_finished=lambda: self._pool.release(buf),
+            dispatch=dispatch,
         )
         self._pending.append(pending)
         record_stall(stall, layout.data_bytes)
@@ -197,18 +208,29 @@ class Checkpointer:
         return ref
 
     def _send(self, ref: StepRef, buf: StagingBuffer, layout: Layout) -> None:
+        """Enqueue one persist task per file (dispatcher thread). On failure the pending save fails with the
+        reason; the buffer is released only when no task went out (a sent task may still read it)."""
         queue = node_queue(self.config.host_name)
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
-        for f in layout.files:
-            request = PersistRequest(
-                ref=ref,
-                file_name=f.name,
-                staging_path=str(buf.path),
-                offset=f.offset,
-                length=f.size,
-                retention=retention,
-            )
-            self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
+        sent = 0
+        try:
+            for f in layout.files:
+                request = PersistRequest(
+                    ref=ref,
+                    file_name=f.name,
+                    staging_path=str(buf.path),
+                    offset=f.offset,
+                    length=f.size,
+                    retention=retention,
+                )
+                self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
+                sent += 1
+        except Exception as exc:
+            if sent == 0:
+                self._pool.release(buf)
+            raise CheckpointFailed(
+                f"could not enqueue persist tasks of step {ref.step} ({sent}/{len(layout.files)} sent): {exc}"
+            ) from exc
 
     def _step_dir(self, step: int) -> Path:
         return self.run_dir / step_dir_name(step)
@@ -264,6 +286,7 @@ class Checkpointer:
             time.sleep(0.01)
         if self._pool.in_flight():
             log.warning("closing with %d staging buffer(s) still in flight", self._pool.in_flight())
+        self._dispatcher.shutdown(wait=True)
         self._pool.close()
         self._copier.close()
         self._redis.close()

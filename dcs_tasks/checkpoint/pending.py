@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,7 @@ class PendingCheckpoint:
         stall_seconds: float,
         skipped: bool = False,
         on_finished: Callable[[], None] | None = None,
+        dispatch: Future[None] | None = None,
     ) -> None:
         self.run = run
         self.step = step
@@ -78,6 +80,7 @@ class PendingCheckpoint:
         self.skipped = skipped
         self._ledger = ledger
         self._on_finished = on_finished
+        self._dispatch = dispatch
         self._status: StepStatus | None = None
         self._reason = ""
 
@@ -104,7 +107,7 @@ class PendingCheckpoint:
 
     def done(self) -> bool:
         """True once the step is committed or failed (or the save was skipped)."""
-        if self.skipped:
+        if self.skipped or self._dispatch_error() is not None:
             return True
         try:
             return self.poll() in (StepStatus.COMMITTED, StepStatus.FAILED)
@@ -119,6 +122,9 @@ class PendingCheckpoint:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN_SECONDS
         while True:
+            error = self._dispatch_error()
+            if error is not None:
+                raise CheckpointFailed(str(error)) from error
             status = self._poll_quietly()
             if status is StepStatus.COMMITTED and self._on_finished is None:
                 return self._info()
@@ -131,6 +137,11 @@ class PendingCheckpoint:
                 )
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX_SECONDS)
+
+    def _dispatch_error(self) -> BaseException | None:
+        if self._dispatch is None or not self._dispatch.done():
+            return None
+        return self._dispatch.exception()
 
     def _poll_quietly(self) -> StepStatus | None:
         try:
