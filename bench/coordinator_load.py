@@ -2,7 +2,8 @@
 
 Starts a private redis-server (AOF on, appendfsync everysec), our coordinator (`dcs coordinator`, uvicorn,
 one process) and a bare FastAPI app (uvicorn, one process, `SET key ts PX ttl` per request). A raw-asyncio
-HTTP/1.1 keep-alive load generator drives `GET /heartbeat?role=actor&rank=i` on each with `--connections`
+HTTP/1.1 keep-alive load generator drives `GET /heartbeat?role=actor&rank=i` (with the fencing header
+`X-DCS-Node: ip:port` that CoordinatorAPI sends) on each with `--connections`
 connections for `--duration` seconds; targets alternate for `--rounds` rounds so drift hits both alike.
 Prints req/s, p50/p99 and the ratio ours/bare (median over rounds), plus each server's CPU time per request
 (from /proc; steadier than req/s when other jobs share the cores); writes bench/results/coordinator_load.json.
@@ -103,7 +104,8 @@ async def _connection(port: int, conn_id: int, deadline: float, latencies: list[
         while time.perf_counter() < deadline:
             rank = i % NODES
             i += 1
-            request = f"GET /heartbeat?role=actor&rank={rank} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+            node = f"X-DCS-Node: 127.0.0.1:{20000 + rank}"  # fenced, as CoordinatorAPI sends it (bare ignores it)
+            request = f"GET /heartbeat?role=actor&rank={rank} HTTP/1.1\r\nHost: bench\r\n{node}\r\n\r\n".encode()
             start = time.perf_counter()
             writer.write(request)
             status = await _read_response(reader)

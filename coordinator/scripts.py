@@ -13,7 +13,8 @@ from __future__ import annotations
 # KEYS[4] role_seq          K counter for that order
 # ARGV[1] role name
 # ARGV[2] requested rank, or "" for "assign one"
-# ARGV[3] identity "ip:port", or "" when the node has none (port 0): such a node never reclaims a rank
+# ARGV[3] identity: "ip:port", or an identity issued for this registration when the node has no port (it
+#         never matches an earlier one, so such a node never reclaims a rank); "" = none recorded
 # ARGV[4] RoleInfo JSON without its "rank" field (an object, so it starts with "{")
 # ARGV[5] heartbeat TTL in milliseconds
 # ARGV[6] heartbeat key prefix of the role (prefix .. rank is the heartbeat key)
@@ -66,7 +67,7 @@ return {rank, kind}
 # Refresh a registered node's heartbeat in one round trip.
 # KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)
 # ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value
-# ARGV[4] identity "ip:port" of the beating node, or "" to skip the ownership check
+# ARGV[4] identity of the beating node (as its registration recorded it), or "" to skip the ownership check
 # Returns 1 when the beat is recorded (a dead node comes back alive), 0 when (role, rank) is not registered,
 # -1 when the rank is now held by another identity (the caller was presumed dead and replaced).
 HEARTBEAT = """

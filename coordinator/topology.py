@@ -11,6 +11,8 @@ Every method raises `redis.RedisError` subclasses when Redis is unreachable; the
 from __future__ import annotations
 
 import enum
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +40,7 @@ _KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: Reg
 class Registration:
     rank: int
     kind: RegistrationKind
+    identity: str  # what the node sends as X-DCS-Node to fence its heartbeats
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,21 @@ class TopologySnapshot:
         return [rec.info.node_id for role in self.roles for rec in self.nodes.get(role, {}).values() if not rec.alive]
 
 
+_ISSUED = re.compile(r"^anon:[0-9a-f]{16}$")
+
+
 def node_identity(ip: str, port: int) -> str:
     """Stable identity of a node for re-registration and heartbeat fencing; "" without a port (indistinct)."""
     return f"{ip}:{port}" if port else ""
+
+
+def issued_identity() -> str:
+    """A fencing identity for a node without a port: unique per registration, so it never reclaims a rank."""
+    return "anon:" + secrets.token_hex(8)
+
+
+def is_issued_identity(text: str) -> bool:
+    return _ISSUED.match(text) is not None
 
 
 class TopologyManager:
@@ -88,6 +103,10 @@ class TopologyManager:
     replaced); a node re-registering from the same ip:port keeps its rank; otherwise it gets the smallest
     rank that is unregistered or whose node is dead, so a replacement fills a dead node's slot. A node that
     comes back after being replaced is refused by fenced heartbeats (`RankConflict`) instead of sharing it.
+
+    Fencing identity: "ip:port" for a node with a port; a node without one (port 0) gets a fresh issued
+    identity per registration (`issued_identity`). `register` returns it; a heartbeat that carries it is
+    fenced, one that carries none is not (e.g. curl).
     """
 
     def __init__(
@@ -109,23 +128,25 @@ class TopologyManager:
     async def register(self, info: RoleInfo) -> Registration:
         """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
         role = info.role_name
+        identity = node_identity(info.ip, info.port) or issued_identity()
         keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.roles(), self.keys.role_seq()]
         argv = [
             role,
             "" if info.rank is None else str(info.rank),
-            node_identity(info.ip, info.port),
+            identity,
             info.model_dump_json(exclude={"rank"}),
             str(self._ttl_ms),
             self.keys.heartbeat_role_prefix(role),
             repr(time.time()),
         ]
         rank, kind = await self._register(keys=keys, args=argv)
-        return Registration(rank=int(rank), kind=_KINDS[int(kind)])
+        return Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
 
     async def heartbeat(self, role: str, rank: int, identity: str = "") -> float | None:
         """Refresh the node's TTL; returns the beat time, or None when (role, rank) is not registered.
 
-        With an `identity` ("ip:port"), raises RankConflict when another node now holds the rank.
+        With an `identity` (as `register` returned it), raises RankConflict when another node now holds the
+        rank; with "" the beat is not fenced.
         """
         now = time.time()
         keys = self._heartbeat_keys(role, rank)

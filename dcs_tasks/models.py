@@ -34,10 +34,13 @@ class RegisterRequest(RoleInfo):
 
 
 class RegisterResponse(BaseModel):
+    """`identity` fences the node's heartbeats: send it as header `X-DCS-Node` (CoordinatorAPI does)."""
+
     status: ResponseStatus = ResponseStatus.OK
     message: str = ""
     rank: int = Field(ge=0)
     node_id: str
+    identity: str = Field(default="", description="'ip:port', or 'anon:<hex>' issued to a node without a port")
 
 
 class StatusResponse(BaseModel):

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, TopologyDep
-from coordinator.topology import RegistrationKind, TopologyManager, node_identity
+from coordinator.topology import RegistrationKind, TopologyManager, is_issued_identity, node_identity
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import RankConflict
 from dcs_tasks.models import HeartbeatResponse, RegisterRequest, RegisterResponse, StatusResponse
@@ -30,25 +30,45 @@ def not_found(role: str, rank: int, what: str = "node") -> HTTPException:
 NODE_HEADER = b"x-dcs-node"
 
 
+NODE_HEADER_DOC = {
+    "parameters": [
+        {
+            "name": "X-DCS-Node",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "the `identity` /register returned (ip:port, or anon:<hex> for a node without a "
+            "port): fences the beat (409 when another node now holds the rank); without it the beat is unfenced",
+        }
+    ]
+}
+
+
 def caller_identity(request: Request) -> str:
-    """The `X-DCS-Node: ip:port` header of a fenced heartbeat, or "" when absent (read without FastAPI's
+    """The `X-DCS-Node` header of a fenced heartbeat, or "" when absent (read without FastAPI's
     per-parameter machinery: this is the hottest path). Raises 422 when malformed."""
     raw = next((v for k, v in request.scope["headers"] if k == NODE_HEADER), None)
     if raw is None:
         return ""
-    ip, _, port = raw.decode("latin-1").rpartition(":")
+    text = raw.decode("latin-1")
+    if is_issued_identity(text):
+        return text
+    ip, _, port = text.rpartition(":")
     if not ip or not port.isdigit() or not 0 < int(port) < 65536 or len(ip) > 255:
-        raise HTTPException(status_code=422, detail=f"X-DCS-Node must be 'ip:port', got {raw[:300]!r}")
+        detail = f"X-DCS-Node must be the identity /register returned ('ip:port' or 'anon:<hex>'), got {raw[:300]!r}"
+        raise HTTPException(status_code=422, detail=detail)
     return node_identity(ip, int(port))
 
 
-@router.get("/heartbeat", response_model=HeartbeatResponse)
+@router.get("/heartbeat", response_model=HeartbeatResponse, openapi_extra=NODE_HEADER_DOC)
 async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Response:
     """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered.
 
-    Fencing: with header `X-DCS-Node: ip:port` (the node's registered address), 409 when another node now
-    holds the rank (this one was presumed dead and replaced). The hot path: declared first (routes match in
-    order), no dependency layer, pre-serialized answer (see bench/coordinator_load.py).
+    Fencing: with header `X-DCS-Node: <identity>` (the `identity` /register returned: "ip:port", or an
+    issued "anon:<hex>" for a node without a port), 409 when another node now holds the rank (this one was
+    presumed dead and replaced). Without the header the beat is not fenced; `CoordinatorAPI` always sends
+    it for nodes it registered. The hot path: declared first (routes match in order), no dependency layer,
+    pre-serialized answer (see bench/coordinator_load.py).
     """
     topology: TopologyManager = request.app.state.services.topology
     try:
@@ -64,7 +84,12 @@ async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Respo
 async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResponse:
     """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank."""
     result = await topology.register(body)
-    return RegisterResponse(rank=result.rank, node_id=f"{body.role_name}_{result.rank}", message=_MESSAGES[result.kind])
+    return RegisterResponse(
+        rank=result.rank,
+        node_id=f"{body.role_name}_{result.rank}",
+        message=_MESSAGES[result.kind],
+        identity=result.identity,
+    )
 
 
 @router.delete("/unregister", response_model=StatusResponse)

@@ -73,6 +73,7 @@ class CoordinatorAPI:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
+        self._identities: dict[tuple[str, int], str] = {}  # (role, rank) -> fencing identity from /register
 
     async def __aenter__(self) -> CoordinatorAPI:
         return self
@@ -112,23 +113,34 @@ class CoordinatorAPI:
 
     # --- nodes ----------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> RegisterResponse:
-        """Register `info`; `rank=None` gets the smallest free rank; re-registering the same node keeps its rank."""
+        """Register `info`; `rank=None` gets the smallest free rank; re-registering the same node keeps its rank.
+
+        Remembers the answer's fencing `identity`, which `heartbeat` then sends for that (role, rank).
+        """
         body = RegisterRequest.model_validate(info.model_dump())
-        return await self._call("POST", "/register", RegisterResponse, body=body)
+        answer = await self._call("POST", "/register", RegisterResponse, body=body)
+        if answer.identity:
+            self._identities[(info.role_name, answer.rank)] = answer.identity
+        return answer
 
     async def unregister(self, role: str, rank: int) -> StatusResponse:
-        return await self._call("DELETE", "/unregister", StatusResponse, params={"role": role, "rank": rank})
+        answer = await self._call("DELETE", "/unregister", StatusResponse, params={"role": role, "rank": rank})
+        self._identities.pop((role, rank), None)
+        return answer
 
     async def heartbeat(
         self, role: str, rank: int, *, ip: str | None = None, port: int | None = None
     ) -> HeartbeatResponse:
         """Refresh the node's liveness; NodeNotFound when (role, rank) is not registered.
 
-        Pass the node's registered `ip` and `port` to fence the beat (sent as header `X-DCS-Node: ip:port`):
-        RankConflict when another node now holds the rank.
+        The beat is fenced (header `X-DCS-Node`; RankConflict when another node now holds the rank) with
+        `ip:port` when both are given (a node's identity when it has a port), else with the identity this
+        client's `register` got for (role, rank). Only a portless node registered by another client beats
+        unfenced.
         """
         params = {"role": role, "rank": rank}
-        headers = {"X-DCS-Node": f"{ip}:{port}"} if ip and port else None
+        identity = f"{ip}:{port}" if ip and port else self._identities.get((role, rank))
+        headers = {"X-DCS-Node": identity} if identity else None
         return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params, headers=headers)
 
     async def node(self, role: str, rank: int) -> RoleInfo:
@@ -182,9 +194,10 @@ class CoordinatorAPI:
 class HeartbeatLoop:
     """Beats for one node every `interval` seconds in a background asyncio task until `stop()`.
 
-    Beats carry the node's ip:port (when it has a port), so they are fenced: if the node was presumed dead
-    and its rank given to a replacement, the beat fails with RankConflict; the loop then stops and keeps
-    the error in `lost` (the node must re-register and rebuild what it built on its old rank). Transient
+    Beats are fenced (see `CoordinatorAPI.heartbeat`: the identity from registering through the same `api`,
+    else the node's ip:port): if the node was presumed dead and its rank given to a replacement, the beat
+    fails with RankConflict; the loop then stops and keeps the error in `lost` (the node must re-register
+    and rebuild what it built on its old rank). Transient
     failures (coordinator or Redis down) are logged and retried at the next beat. When the coordinator no
     longer knows the node (404: unregistered by an operator, or a flushed Redis) the loop re-registers
     `info` with the rank it had.

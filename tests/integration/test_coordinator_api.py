@@ -299,3 +299,39 @@ async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs
         await loop.stop()
         held = (await c.api.debug_topology()).nodes["rollout"][0].info  # dead or alive: the old node did not
         assert held.port == 2  # take the rank back
+
+
+async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dcs_config: DCSConfig) -> None:
+    import httpx
+
+    from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
+    from dcs_tasks.errors import RankConflict
+
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})
+    async with in_process_coordinator(config) as c:
+        assert (await c.api.register(node("actor", port=5000))).identity == "10.0.0.1:5000"
+        old = await c.api.register(node("trainer"))  # port 0: no address to tell two trainers apart
+        assert old.rank == 0 and old.identity.startswith("anon:")
+        await asyncio.sleep(0.4)  # presumed dead
+        transport = httpx.ASGITransport(app=c.app)
+        async with CoordinatorAPI("http://coordinator", transport=transport) as other_host:
+            new = await other_host.register(node("trainer"))
+            assert new.rank == 0 and new.identity != old.identity
+            with pytest.raises(RankConflict, match="trainer_0"):
+                await c.api.heartbeat("trainer", 0)  # the old node's client sends its identity unasked
+            loop = HeartbeatLoop(c.api, node("trainer", rank=0), interval=0.05).start()
+            await asyncio.sleep(0.3)
+            assert isinstance(loop.lost, RankConflict) and loop.beats == 0
+            await loop.stop()
+            await other_host.heartbeat("trainer", 0)  # the holder beats fine
+
+
+async def test_issued_identity_header_is_validated(coord: InProcessCoordinator) -> None:
+    reg = await coord.api.register(node("trainer"))
+    params: dict[str, str | int] = {"role": "trainer", "rank": reg.rank}
+    ok = await coord.http.get("/heartbeat", params=params, headers={"X-DCS-Node": reg.identity})
+    assert ok.status_code == 200
+    other = await coord.http.get("/heartbeat", params=params, headers={"X-DCS-Node": "anon:" + "0" * 16})
+    assert other.status_code == 409 and "trainer_0" in other.json()["detail"]
+    bad = await coord.http.get("/heartbeat", params=params, headers={"X-DCS-Node": "anon:xyz"})
+    assert bad.status_code == 422 and "X-DCS-Node" in bad.json()["detail"]
