@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "worker": "workers.cli",
     "ckpt": "dcs_tasks.cli.ckpt",
     "receiver": "dcs_tasks.receiver.cli",
+    "config": "dcs_tasks.cli.config",
 }
 
 
@@ -32,6 +34,7 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dcs ... | head` ends quietly
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser(args_list)
     args = parser.parse_args(args_list)

@@ -1,0 +1,60 @@
+"""`dcs config`: every setting, its environment variable, default and effective value (secrets masked)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from dcs_tasks.config import DCSConfig
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser("config", help="show the effective DCS settings")
+    parser.add_argument("--markdown", action="store_true", help="print a reference table (docs/configuration.md)")
+    parser.set_defaults(func=run)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return "***"
+    if value is None:
+        return "-"
+    return (
+        value.value
+        if hasattr(value, "value")
+        else str(value)
+        if not isinstance(value, dict | list)
+        else json.dumps(value)
+    )
+
+
+def rows(config: DCSConfig) -> list[tuple[str, str, str, str, str]]:
+    """(field, env var, type, default, effective value) for every setting."""
+    out = []
+    for name, field in DCSConfig.model_fields.items():
+        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        default = field.get_default(call_default_factory=True)
+        out.append((name, f"DCS_{name.upper()}", annotation, _shown(default), _shown(getattr(config, name))))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = DCSConfig()
+    except ValidationError as exc:
+        print(f"invalid DCS_* settings:\n{exc}")
+        return 2
+    if args.markdown:
+        print("| setting | environment | type | default | description |\n| --- | --- | --- | --- | --- |")
+        for name, env, kind, default, _ in rows(config):
+            doc = (DCSConfig.model_fields[name].description or "").replace("|", "\\|")
+            print(f"| `{name}` | `{env}` | {kind.replace('|', 'or')} | `{default}` | {doc} |")
+        return 0
+    width = max(len(env) for _, env, *_ in rows(config))
+    for _, env, _, default, value in rows(config):
+        marker = "" if value == default else "   (default " + default + ")"
+        print(f"{env:<{width}}  {value}{marker}")
+    return 0
