@@ -4,6 +4,10 @@ The app holds no state of its own (invariant 7): topology, heartbeats and weight
 any number of coordinator processes on one Redis answer alike and a restart loses nothing. Redis
 connections are made in the lifespan, never at import. Redis unreachable -> 503 with a JSON `detail`;
 the next request after Redis returns reconnects by itself.
+
+Every error answer is JSON `{"detail": "..."}` (401, 404, 409, 413, 422, 503). With a token configured,
+the OpenAPI schema and its pages (/openapi.json, /docs, /redoc) need the token too (invariant 9), so a
+browser cannot open /docs then: fetch the schema with `curl -H "Authorization: Bearer $DCS_AUTH_TOKEN"`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coordinator.deps import Services
 from coordinator.middleware import (
@@ -70,11 +76,14 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
 
 
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 for any Redis failure: unreachable (connection, timeout, loading) or a refused command."""
     config: DCSConfig = request.app.state.config
-    detail = (
-        f"Redis at {redis_location(config.redis_url)} is unreachable ({type(exc).__name__}: {exc}); "
-        "the coordinator keeps no state of its own and recovers when Redis returns - retry later"
-    )
+    where = f"Redis at {redis_location(config.redis_url)}"
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        what = f"{where} is unreachable ({type(exc).__name__}: {exc})"
+    else:
+        what = f"{where} refused the command ({type(exc).__name__}: {exc})"
+    detail = f"{what}; the coordinator keeps no state of its own and recovers when Redis does - retry later"
     return JSONResponse(status_code=503, content={"detail": detail}, headers={"Retry-After": "1"})
 
 

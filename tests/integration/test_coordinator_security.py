@@ -74,7 +74,7 @@ async def test_oversized_body_is_413_by_header_and_by_stream(coord: InProcessCoo
         yield b'"}}'
 
     response = await coord.http.post("/register", content=chunks(), headers={"content-type": "application/json"})
-    assert response.status_code == 413
+    assert response.status_code == 413 and "DCS_MAX_BODY_BYTES" in response.json()["detail"]
     assert (await coord.api.topology()).world_size == 0
 
 
@@ -139,3 +139,39 @@ async def test_malformed_node_header_on_heartbeat_is_422(coord: InProcessCoordin
     await coord.api.register(RoleInfo(role_name="actor", rank=0, port=80))
     response = await coord.http.get("/heartbeat", params={"role": "actor", "rank": 0}, headers={"X-DCS-Node": value})
     assert response.status_code == 422 and "X-DCS-Node" in response.json()["detail"]
+
+
+ENDPOINTS = {
+    "/register", "/unregister", "/heartbeat", "/topology", "/peer", "/node", "/global_rank",
+    "/get_model_update_group_ranks", "/send_weight_meta", "/recv_weight_meta", "/clear_weight_meta",
+    "/health", "/debug/topology", "/healthz", "/metrics",
+}  # fmt: skip
+
+
+async def test_openapi_schema_and_docs_render(coord: InProcessCoordinator) -> None:
+    schema = (await coord.http.get("/openapi.json")).json()
+    assert ENDPOINTS <= set(schema["paths"])
+    beat_params = {p["name"] for p in schema["paths"]["/heartbeat"]["get"]["parameters"]}
+    assert {"role", "rank", "X-DCS-Node"} <= beat_params
+    docs = await coord.http.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+async def test_with_a_token_the_docs_need_it_too(secured: InProcessCoordinator) -> None:
+    for path in ("/docs", "/openapi.json"):
+        assert (await secured.http.get(path)).status_code == 401
+        answer = await secured.http.get(path, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 200
+    assert "/heartbeat" in answer.json()["paths"]
+
+
+async def test_a_command_redis_refuses_is_503_naming_the_reason(
+    coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
+) -> None:
+    from dcs_tasks.keys import Keys
+
+    redis_server.client().set(Keys(dcs_config.namespace).role_nodes("actor"), "not a hash")
+    response = await coord.http.get("/topology", params={"role_filter": "actor"})
+    assert response.status_code == 503
+    detail = response.json()["detail"]
+    assert "WRONGTYPE" in detail and "refused the command" in detail and "unreachable" not in detail
