@@ -12,6 +12,7 @@ from coordinator.middleware import RequestMetrics
 from coordinator.topology import TopologyManager
 from coordinator.weight_meta import WeightMetaStore
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.models import MAX_RANK
 
 ROLE_PATTERN = r"^[A-Za-z0-9_.\-]+$"
 
@@ -48,4 +49,4 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 TopologyDep = Annotated[TopologyManager, Depends(get_topology)]
 WeightMetaDep = Annotated[WeightMetaStore, Depends(get_weight_meta)]
 RoleQuery = Annotated[str, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN, description="role name")]
-RankQuery = Annotated[int, Query(ge=0, description="rank inside the role")]
+RankQuery = Annotated[int, Query(ge=0, le=MAX_RANK, description="rank inside the role")]

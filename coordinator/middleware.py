@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
+# label values are bounded: any other method (clients may send any token) is counted as "OTHER"
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -110,7 +112,8 @@ class RequestMetrics:
 
 
 class RequestMetricsMiddleware:
-    """Observes every HTTP request into `RequestMetrics`; unmatched paths are labelled `<unmatched>`."""
+    """Observes every HTTP request into `RequestMetrics`; unmatched paths are labelled `<unmatched>` and
+    unknown methods `OTHER`, so unauthenticated clients cannot grow the label set."""
 
     def __init__(self, app: ASGIApp, metrics: RequestMetrics) -> None:
         self.app = app
@@ -133,4 +136,5 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, recording_send)
         finally:
             route = getattr(scope.get("route"), "path", "<unmatched>")
-            self.metrics.observe(scope["method"], route, status, time.perf_counter() - start)
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "OTHER"
+            self.metrics.observe(method, route, status, time.perf_counter() - start)

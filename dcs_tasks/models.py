@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcs_tasks.config import RoleInfo
 
+MAX_RANK = 2**20 - 1  # Lua numbers are doubles: far larger ranks would be rounded and stored under another rank
 WEIGHT_META_END_NAME = "weight_updated_stop"
 WEIGHT_META_END_GROUP = "end"
 
@@ -30,7 +31,13 @@ class HealthStatus(str, enum.Enum):
 
 
 class RegisterRequest(RoleInfo):
-    """A node announcing itself. `rank=None` asks the coordinator for the smallest free rank of the role."""
+    """A node announcing itself. `rank=None` asks the coordinator for the smallest free rank of the role.
+
+    Ranks and world sizes are bounded by `MAX_RANK` (422 beyond it).
+    """
+
+    rank: int | None = Field(default=None, ge=0, le=MAX_RANK)
+    world_size: int | None = Field(default=None, ge=0, le=MAX_RANK + 1)
 
 
 class RegisterResponse(BaseModel):

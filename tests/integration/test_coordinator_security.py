@@ -41,6 +41,8 @@ async def secured(dcs_config: DCSConfig) -> AsyncIterator[InProcessCoordinator]:
         ({"rank": 0}, "role_name: Field required"),
         ({"role_name": "bad role!"}, "role_name"),
         ({"role_name": "actor", "port": 70000}, "port"),
+        ({"role_name": "actor", "rank": 2**53 + 1}, "rank"),  # Lua would round it and store another rank
+        ({"role_name": "actor", "world_size": 10**20}, "world_size"),
     ],
 )
 async def test_bad_register_bodies_are_422_with_a_readable_message(
@@ -175,3 +177,15 @@ async def test_a_command_redis_refuses_is_503_naming_the_reason(
     assert response.status_code == 503
     detail = response.json()["detail"]
     assert "WRONGTYPE" in detail and "refused the command" in detail and "unreachable" not in detail
+
+
+async def test_arbitrary_methods_do_not_grow_the_metric_labels(coord: InProcessCoordinator) -> None:
+    for i in range(20):
+        assert (await coord.http.request(f"X{i}", "/healthz")).status_code == 405
+    text = (await coord.http.get("/metrics")).text
+    assert 'method="OTHER",route="/healthz",status="405"} 20.0' in text and 'method="X1"' not in text
+
+
+async def test_huge_rank_in_a_query_is_422(coord: InProcessCoordinator) -> None:
+    response = await coord.http.get("/heartbeat", params={"role": "actor", "rank": 2**60})
+    assert response.status_code == 422 and "rank" in response.json()["detail"]
