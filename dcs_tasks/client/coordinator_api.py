@@ -1,7 +1,8 @@
 """Async HTTP client of the coordinator: one typed method per endpoint.
 
-Errors map onto the DCS tree: 404 -> `NodeNotFound`, 401 -> `AuthError`, 503 and transport failures
-(refused, reset, timed out) -> `CoordinatorUnavailable`, any other non-2xx -> `CoordinatorError`. Every call
+Errors map onto the DCS tree: 404 -> `NodeNotFound`, 401 -> `AuthError`, 409 -> `RankConflict`, 503 and
+transport failures (refused, reset, timed out) -> `CoordinatorUnavailable`, any other non-2xx or an answer
+that does not parse as the endpoint's model -> `CoordinatorError`. Every call
 is bounded by `timeout` seconds; a long-poll adds its own `wait_timeout_s` on top.
 """
 
@@ -13,7 +14,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound, RankConflict
@@ -108,8 +109,17 @@ class CoordinatorAPI:
             raise CoordinatorUnavailable(
                 f"coordinator at {self.base_url} unreachable for {method} {path}: {exc!r}"
             ) from exc
+        except httpx.HTTPError as exc:  # decoding, redirects: not a transport failure, still typed
+            raise CoordinatorError(f"{method} {path} at {self.base_url} failed: {exc!r}") from exc
         _raise_for_status(response)
-        return model.model_validate_json(response.content)
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise CoordinatorError(
+                f"{method} {path} at {self.base_url} answered {response.status_code} with a body that is not a "
+                f"{model.__name__} (is base_url a DCS coordinator of this version?): {exc}",
+                response.status_code,
+            ) from exc
 
     # --- nodes ----------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> RegisterResponse:

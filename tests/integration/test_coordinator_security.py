@@ -189,3 +189,21 @@ async def test_arbitrary_methods_do_not_grow_the_metric_labels(coord: InProcessC
 async def test_huge_rank_in_a_query_is_422(coord: InProcessCoordinator) -> None:
     response = await coord.http.get("/heartbeat", params={"role": "actor", "rank": 2**60})
     assert response.status_code == 422 and "rank" in response.json()["detail"]
+
+
+async def test_a_server_that_is_not_a_coordinator_gives_a_typed_error() -> None:
+    from fastapi import FastAPI
+
+    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.errors import CoordinatorError
+
+    other = FastAPI()
+
+    @other.get("/health")
+    async def health() -> dict[str, str]:
+        return {"hello": "world"}
+
+    async with CoordinatorAPI("http://other", transport=httpx.ASGITransport(app=other)) as api:
+        with pytest.raises(CoordinatorError, match="not a HealthResponse") as info:
+            await api.health()
+        assert info.value.status_code == 200
