@@ -9,6 +9,7 @@ dtype, NaN payloads and negative zeros included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         numel = 1
         for dim in self.shape:

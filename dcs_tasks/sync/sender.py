@@ -70,7 +70,17 @@ class BucketSender:
 
     def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
         specs = [wire_spec(TensorSpec.of(name, t), quant) for name, t in state.items()]
-        return plan_buckets(specs, self.bucket_size_bytes, alone_bytes=self.alone_bytes)
+        layouts = plan_buckets(specs, self.bucket_size_bytes, alone_bytes=self.alone_bytes)
+        # buckets sent from the tensors' own memory first: packing the fused ones then overlaps their transfer
+        return sorted(layouts, key=lambda layout: not self._zero_copy(layout, state, quant))
+
+    def _zero_copy(
+        self, layout: FusionLayout, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None
+    ) -> bool:
+        if len(layout.specs) != 1:
+            return False
+        tensor = state[layout.specs[0].name]
+        return to_wire(tensor, quant) is tensor and tensor.is_contiguous() and tensor.device == self.device
 
     def _buffers(self, layouts: list[FusionLayout]) -> list[torch.Tensor]:
         need = max((lay.total_bytes for lay in layouts), default=0)
@@ -85,11 +95,9 @@ class BucketSender:
         state: Mapping[str, torch.Tensor],
         quant: QuantizationConfig | None,
     ) -> torch.Tensor:
+        if self._zero_copy(layout, state, quant):
+            return state[layout.specs[0].name].detach().reshape(-1).view(torch.uint8)  # its own memory: no copy
         tensors = {spec.name: to_wire(state[spec.name], quant).to(self.device) for spec in layout.specs}
-        if len(layout.specs) == 1:
-            only = tensors[layout.specs[0].name].detach()
-            if only.is_contiguous() and only.device == self.device:
-                return only.reshape(-1).view(torch.uint8)  # its own memory: no copy
         view = pack_into(slot, layout, tensors)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
