@@ -84,12 +84,20 @@ return 1
 # Remove a node.
 # KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)
 # ARGV[1] rank
-# Returns 1 when the node was registered, 0 otherwise.
+# ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
+# Returns 1 when the node was registered and is removed, 0 when it was not registered, -1 (nothing removed)
+# when the rank is now held by another identity: a replaced node shutting down must not remove its successor.
 UNREGISTER = """
-local existed = redis.call("HDEL", KEYS[1], ARGV[1])
+if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+if ARGV[2] ~= "" and redis.call("HGET", KEYS[2], ARGV[1]) ~= ARGV[2] then
+  return -1
+end
+redis.call("HDEL", KEYS[1], ARGV[1])
 redis.call("HDEL", KEYS[2], ARGV[1])
 redis.call("DEL", KEYS[3])
-return existed
+return 1
 """
 
 # A consistent snapshot of several roles.

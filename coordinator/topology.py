@@ -165,10 +165,16 @@ class TopologyManager:
             self._beat_keys[(role, rank)] = found
         return found
 
-    async def unregister(self, role: str, rank: int) -> bool:
-        """Remove the node; False when it was not registered."""
+    async def unregister(self, role: str, rank: int, identity: str = "") -> bool:
+        """Remove the node; False when it was not registered.
+
+        With an `identity`, raises RankConflict (and removes nothing) when another node now holds the rank.
+        """
         keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.heartbeat(role, rank)]
-        return bool(int(await self._unregister(keys=keys, args=[str(rank)])))
+        found = int(await self._unregister(keys=keys, args=[str(rank), identity]))
+        if found < 0:
+            raise RankConflict(f"{role}_{rank} is now held by another node; {identity} may not remove it", 409)
+        return bool(found)
 
     # --- reads ----------------------------------------------------------------------------------
     async def registered_roles(self) -> list[str]:

@@ -38,7 +38,7 @@ NODE_HEADER_DOC = {
             "required": False,
             "schema": {"type": "string"},
             "description": "the `identity` /register returned (ip:port, or anon:<hex> for a node without a "
-            "port): fences the beat (409 when another node now holds the rank); without it the beat is unfenced",
+            "port): fences the call (409 when another node now holds the rank); without it, it is unfenced",
         }
     ]
 }
@@ -82,7 +82,9 @@ async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Respo
 
 @router.post("/register", response_model=RegisterResponse)
 async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResponse:
-    """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank."""
+    """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank.
+
+    The answer's `identity` fences the node's later /heartbeat and /unregister (header X-DCS-Node)."""
     result = await topology.register(body)
     return RegisterResponse(
         rank=result.rank,
@@ -92,9 +94,15 @@ async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResp
     )
 
 
-@router.delete("/unregister", response_model=StatusResponse)
-async def unregister(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> StatusResponse:
-    if not await topology.unregister(role, rank):
+@router.delete("/unregister", response_model=StatusResponse, openapi_extra=NODE_HEADER_DOC)
+async def unregister(role: RoleQuery, rank: RankQuery, topology: TopologyDep, request: Request) -> StatusResponse:
+    """Remove the node. Fenced like /heartbeat: with `X-DCS-Node`, 409 (nothing removed) when another node
+    now holds the rank, so a replaced node shutting down cannot remove its successor."""
+    try:
+        removed = await topology.unregister(role, rank, caller_identity(request))
+    except RankConflict as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
+    if not removed:
         raise not_found(role, rank)
     return StatusResponse(message=f"unregistered {role}_{rank}")
 

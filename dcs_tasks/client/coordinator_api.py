@@ -134,7 +134,12 @@ class CoordinatorAPI:
         return answer
 
     async def unregister(self, role: str, rank: int) -> StatusResponse:
-        answer = await self._call("DELETE", "/unregister", StatusResponse, params={"role": role, "rank": rank})
+        """Remove (role, rank). Fenced with the identity this client's `register` got: RankConflict (nothing
+        removed) when another node now holds the rank."""
+        identity = self._identities.get((role, rank))
+        headers = {"X-DCS-Node": identity} if identity else None
+        params = {"role": role, "rank": rank}
+        answer = await self._call("DELETE", "/unregister", StatusResponse, params=params, headers=headers)
         self._identities.pop((role, rank), None)
         return answer
 

@@ -324,6 +324,10 @@ async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dc
             assert isinstance(loop.lost, RankConflict) and loop.beats == 0
             await loop.stop()
             await other_host.heartbeat("trainer", 0)  # the holder beats fine
+            with pytest.raises(RankConflict, match="trainer_0"):
+                await c.api.unregister("trainer", 0)  # shutting down, the old node must not remove its successor
+            await other_host.heartbeat("trainer", 0)
+            await other_host.unregister("trainer", 0)
 
 
 async def test_issued_identity_header_is_validated(coord: InProcessCoordinator) -> None:
