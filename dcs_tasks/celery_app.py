@@ -42,6 +42,9 @@ def celery_settings(config: DCSConfig) -> dict[str, Any]:
     """The Celery configuration mapping for `config` (pure; no connection is made)."""
     visibility = int(config.visibility_timeout_seconds)
     transport = {"visibility_timeout": visibility, "socket_timeout": config.redis_socket_timeout_seconds}
+    # kombu scans for unacked messages of dead workers every interval * throttle seconds (default 10 * 10):
+    # scan every 10 s, so a task of a worker killed with -9 returns ~visibility_timeout after it was taken
+    broker_transport = {**transport, "unacked_restore_throttle": 1}
     return {
         "broker_url": config.redis_url,
         "result_backend": config.redis_url,
@@ -54,7 +57,7 @@ def celery_settings(config: DCSConfig) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
-        "broker_transport_options": dict(transport),
+        "broker_transport_options": broker_transport,
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": visibility,
         "task_soft_time_limit": config.task_soft_time_limit_seconds,

@@ -1,0 +1,73 @@
+"""RELIABILITY.md faults 2 and 3: the whole worker is killed (-9) or warm-stopped (SIGTERM) mid-write and a
+new worker is started; the save completes once, with verified files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.config import DCSConfig
+from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MiB = 1 << 20
+
+
+def _writing(step_dir: Path) -> bool:
+    return step_dir.exists() and any(step_dir.glob(".*.tmp"))
+
+
+def _assert_committed_once(ckpt: Checkpointer, step_dir: Path) -> None:
+    assert [i.step for i in ckpt.list()] == [1]
+    manifest = load_manifest(step_dir)
+    verify_step(step_dir, manifest)
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted([*(f.name for f in manifest.files), "manifest.json"])
+
+
+def test_sigterm_mid_write_then_new_worker_completes_the_save(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=MiB)
+    state = training_state(width=400)  # ~1.3 MiB: ~1.3 s per write
+    worker = start_worker(config, tmp_path, name="first")
+    with Checkpointer("warm", config) as ckpt:
+        pending = ckpt.save(state, step=1)
+        wait_until(lambda: _writing(pending.step_dir), 30, "the write to start")
+        worker.terminate()  # warm shutdown: the running persist finishes, the commit stays queued
+        replacement = start_worker(config, tmp_path, name="second")
+        try:
+            pending.wait(timeout=60)
+            _assert_committed_once(ckpt, pending.step_dir)
+            assert_same_state(state, ckpt.restore().state)
+        finally:
+            replacement.terminate()
+
+
+def test_kill_9_of_the_whole_worker_then_new_worker_completes_the_save(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    # unacked messages of a dead worker come back after the visibility timeout: keep it short here
+    config = ckpt_config(
+        dcs_config,
+        tmp_path,
+        persist_throttle_bytes_per_second=MiB,
+        task_soft_time_limit_seconds=8,
+        task_time_limit_seconds=9,
+        visibility_timeout_seconds=12,
+    )
+    state = training_state(width=400)
+    worker = start_worker(config, tmp_path, name="first")
+    with Checkpointer("dead", config) as ckpt:
+        pending = ckpt.save(state, step=1)
+        wait_until(lambda: _writing(pending.step_dir), 30, "the write to start")
+        worker.kill()
+        killed_at = time.monotonic()
+        replacement = start_worker(config, tmp_path, name="second")
+        try:
+            pending.wait(timeout=90)
+            assert time.monotonic() - killed_at >= 5  # it took a redelivery, not the dead worker
+            _assert_committed_once(ckpt, pending.step_dir)
+            assert_same_state(state, ckpt.restore().state)
+        finally:
+            replacement.terminate()
