@@ -118,3 +118,20 @@ for i = 1, #KEYS do
 end
 return out
 """
+
+# Append one weight-meta entry at most once per append id, and wake long-polls.
+# KEYS[1] weight_meta()  L of entries
+# KEYS[2] weight_meta_append(append_id)  K marker holding the length after that append
+# ARGV[1] entry JSON  ARGV[2] pub/sub channel weight_meta_channel()  ARGV[3] marker TTL in milliseconds
+# Returns the list length after the append (entry index + 1); a repeat of the same append id (redis-py
+# retries a command whose reply was lost to a timeout or reset) returns the first answer and adds nothing.
+APPEND_WEIGHT_META = """
+local done = redis.call("GET", KEYS[2])
+if done then
+  return tonumber(done)
+end
+local length = redis.call("RPUSH", KEYS[1], ARGV[1])
+redis.call("SET", KEYS[2], length, "PX", ARGV[3])
+redis.call("PUBLISH", ARGV[2], "append")
+return length
+"""

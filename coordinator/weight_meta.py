@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from coordinator import scripts
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import WeightMeta, WeightMetaBatch
 
 log = logging.getLogger(__name__)
+
+APPEND_MARKER_TTL_MS = 60_000  # far longer than the client's retries of one command
 
 
 class AppendNotifier:
@@ -92,14 +96,17 @@ class WeightMetaStore:
         self.redis = redis
         self.keys = keys
         self.notifier = notifier
+        self._append = redis.register_script(scripts.APPEND_WEIGHT_META)
 
-    async def append(self, meta: WeightMeta) -> int:
-        """Append one entry and wake readers; returns the log's new length."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(self.keys.weight_meta(), meta.model_dump_json())
-            pipe.publish(self.keys.weight_meta_channel(), "append")
-            length, _ = await pipe.execute()
-        return int(length)
+    async def append(self, meta: WeightMeta, append_id: str | None = None) -> int:
+        """Append one entry and wake readers; returns the log's new length.
+
+        Exactly once per `append_id` (default: a fresh one per call) even when the Redis client retries the
+        command after a lost reply, so a receiver never sees a bucket twice.
+        """
+        keys = [self.keys.weight_meta(), self.keys.weight_meta_append(append_id or uuid.uuid4().hex)]
+        args = [meta.model_dump_json(), self.keys.weight_meta_channel(), str(APPEND_MARKER_TTL_MS)]
+        return int(await self._append(keys=keys, args=args))
 
     async def read(self, index: int) -> WeightMetaBatch:
         raw = await self.redis.lrange(self.keys.weight_meta(), index, -1)

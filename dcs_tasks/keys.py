@@ -53,6 +53,10 @@ class Keys:
         """pub/sub channel announcing appends to weight_meta (wakes long-polls)."""
         return self._k("wmeta", "chan")
 
+    def weight_meta_append(self, append_id: str) -> str:
+        """K marker of one append (short TTL): a retried append with the same id is stored once."""
+        return self._k("wmeta", "append", append_id)
+
     # --- checkpoints ----------------------------------------------------------------------------
     def ckpt_state(self, run: str, step: int) -> str:
         """H state of one checkpoint step (status, files done, commit fence)."""

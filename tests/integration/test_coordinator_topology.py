@@ -1,4 +1,4 @@
-"""TopologyManager used directly (as an embedding service would), on a real redis-server."""
+"""TopologyManager and WeightMetaStore used directly (as an embedding service would), on a real redis-server."""
 
 from __future__ import annotations
 
@@ -50,3 +50,20 @@ async def test_topology_survives_redis_kill_9_with_aof(manager: TopologyManager,
     redis_server.start()
     assert sorted(await manager.get_role_nodes("rollout")) == [0, 1, 2]
     assert (await manager.register(RoleInfo(role_name="rollout", port=2))).rank == 1
+
+
+async def test_a_retried_weight_meta_append_is_stored_once(dcs_config: DCSConfig) -> None:
+    from coordinator.weight_meta import AppendNotifier, WeightMetaStore
+    from dcs_tasks.models import WeightMeta
+
+    client = make_redis(dcs_config)
+    keys = Keys(dcs_config.namespace)
+    store = WeightMetaStore(client, keys, AppendNotifier(client, keys.weight_meta_channel()))
+    try:
+        meta = WeightMeta(names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g")
+        assert await store.append(meta, append_id="req-1") == 1
+        assert await store.append(meta, append_id="req-1") == 1  # what redis-py does after a lost reply
+        assert await store.append(WeightMeta.end()) == 2
+        assert (await store.read(0)).entries == [meta, WeightMeta.end()]
+    finally:
+        await client.aclose()
