@@ -123,11 +123,11 @@ class DCSConfig(BaseSettings):
     # fault tolerance
     max_retries: int = Field(default=3, ge=0)
     retry_delay_seconds: float = Field(default=1.0, ge=0)
-    retry_backoff_max_seconds: float = Field(default=60.0, ge=0)
+    retry_backoff_max_seconds: float = Field(default=30.0, ge=0)
     max_redeliveries: int = Field(default=3, ge=1)
-    task_soft_time_limit_seconds: float = Field(default=600.0, gt=0)
-    task_time_limit_seconds: float = Field(default=660.0, gt=0)
-    visibility_timeout_seconds: float = Field(default=3600.0, gt=0)
+    task_soft_time_limit_seconds: float = Field(default=300.0, gt=0)
+    task_time_limit_seconds: float = Field(default=360.0, gt=0)
+    visibility_timeout_seconds: float = Field(default=600.0, gt=0)
     worker_presence_timeout_seconds: float = Field(default=2.0, gt=0)
 
     # observability
