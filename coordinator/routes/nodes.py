@@ -45,8 +45,8 @@ NODE_HEADER_DOC = {
 
 
 def caller_identity(request: Request) -> str:
-    """The `X-DCS-Node` header of a fenced heartbeat, or "" when absent (read without FastAPI's
-    per-parameter machinery: this is the hottest path). Raises 422 when malformed."""
+    """The `X-DCS-Node` header of a fenced heartbeat or unregister, or "" when absent (read without
+    FastAPI's per-parameter machinery: the heartbeat is the hottest path). Raises 422 when malformed."""
     raw = next((v for k, v in request.scope["headers"] if k == NODE_HEADER), None)
     if raw is None:
         return ""
