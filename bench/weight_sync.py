@@ -1,13 +1,16 @@
 """Weight-sync benchmark: 1 sender -> 2 receivers over gloo, ~1 GiB in ~300 tensors (many small ones).
 
-Compared in one run (see ../shared/BENCHMARKS.md):
-  flat        one torch.distributed broadcast of a pre-allocated flat buffer holding the same bytes (the limit)
-  per_tensor  one blocking broadcast per tensor (what a naive sender does)
+Compared in one run, round by round (each round times every contender once, so all see the same noise on
+a shared machine; see ../shared/BENCHMARKS.md):
+  flat              one torch.distributed broadcast of a pre-allocated flat buffer of the same bytes (limit)
+  per_tensor        one blocking broadcast per tensor (what a naive sender does)
   per_tensor_async  all per-tensor broadcasts issued async, then waited (SGLang's receive pattern)
-  dcs         `CheckpointEngineClient.update_weights_for_rollout` end to end: topology from the coordinator,
-              per-bucket HTTP meta (SGLang's API) to two real `dcs receiver` servers, packing overlapped with
-              the broadcasts, atomic commit on the receivers
-Each is timed after warm-ups (median of --repeats). Prints ratios; writes bench/results/weight_sync.json.
+  dcs               `CheckpointEngineClient.update_weights_for_rollout` end to end: topology from the
+                    coordinator, HTTP meta (SGLang's API) to two real `dcs receiver` servers, packing
+                    overlapped with the broadcasts, atomic commit on the receivers
+The baselines run in three raw gloo processes (one sender, two receivers) that wait between rounds.
+The first two rounds are warm-ups; the figure is the median of the next --repeats. Prints ratios and
+writes bench/results/weight_sync.json.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,6 +34,8 @@ import torch.distributed as dist
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
+WARMUPS = 2
+BASELINES = ("flat", "per_tensor", "per_tensor_async")
 
 
 def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
@@ -51,22 +58,11 @@ def total_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def timed(pg: dist.ProcessGroup, fn: object, repeats: int) -> list[float]:
-    times = []
-    for i in range(repeats + 1):
-        dist.barrier(group=pg)
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        dist.barrier(group=pg)
-        if i:  # the first run is the warm-up
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def baseline_rank(args: argparse.Namespace) -> None:
-    """One rank of the raw-gloo baselines; rank 0 writes the timings to --out."""
+    """One rank of the raw-gloo baselines: per round (signalled through the control store), time each mode."""
     from dcs_tasks.backends.process_group import new_group
 
+    control = dist.TCPStore("127.0.0.1", args.control_port, is_master=False, timeout=timedelta(seconds=1800))
     pg = new_group("gloo", "127.0.0.1", args.port, 3, args.baseline_rank, "bench", 120, 600)
     state = make_state(args.size_mb, args.tensors)
     flat = torch.zeros(total_bytes(state), dtype=torch.uint8)
@@ -80,46 +76,66 @@ def baseline_rank(args: argparse.Namespace) -> None:
             dist.broadcast(t, 0, group=pg)
 
     def per_tensor_async_once() -> None:
-        works = [dist.broadcast(t, 0, group=pg, async_op=True) for t in tensors]
-        for work in works:
+        for work in [dist.broadcast(t, 0, group=pg, async_op=True) for t in tensors]:
             work.wait()
 
-    result = {
-        "flat": timed(pg, flat_once, args.repeats),
-        "per_tensor": timed(pg, per_tensor_once, args.repeats),
-        "per_tensor_async": timed(pg, per_tensor_async_once, args.repeats),
+    modes: dict[str, Callable[[], None]] = {
+        "flat": flat_once,
+        "per_tensor": per_tensor_once,
+        "per_tensor_async": per_tensor_async_once,
     }
-    if args.baseline_rank == 0:
-        Path(args.out).write_text(json.dumps(result))
+    for rnd in range(args.repeats + WARMUPS):
+        control.wait([f"go{rnd}"])
+        times = {}
+        for name, once in modes.items():
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            once()
+            dist.barrier(group=pg)
+            times[name] = time.perf_counter() - t0
+        if args.baseline_rank == 0:
+            control.set(f"done{rnd}", json.dumps(times))
 
 
-def run_baselines(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
-    from tests.helpers.ports import free_port
+class Baselines:
+    """The three baseline processes, driven round by round from this process."""
 
-    out = tmp / "baseline.json"
-    port = free_port()
-    cmd = [
-        sys.executable,
-        __file__,
-        "--size-mb",
-        str(args.size_mb),
-        "--tensors",
-        str(args.tensors),
-        "--repeats",
-        str(args.repeats),
-        "--port",
-        str(port),
-        "--out",
-        str(out),
-        "--baseline-rank",
-    ]
-    procs = [subprocess.Popen([*cmd, str(rank)]) for rank in range(3)]
-    if any(p.wait(timeout=1800) for p in procs):
-        raise RuntimeError("a baseline rank failed")
-    return json.loads(out.read_text())
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tests.helpers.ports import free_port
+
+        port = free_port()
+        self.control = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800)
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "--size-mb",
+            str(args.size_mb),
+            "--tensors",
+            str(args.tensors),
+            "--repeats",
+            str(args.repeats),
+            "--port",
+            str(port),
+            "--control-port",
+            str(self.control.port),
+            "--baseline-rank",
+        ]
+        self.procs = [subprocess.Popen([*cmd, str(rank)]) for rank in range(3)]
+
+    def round(self, rnd: int) -> dict[str, float]:
+        self.control.set(f"go{rnd}", "1")
+        self.control.wait([f"done{rnd}"])
+        return json.loads(self.control.get(f"done{rnd}"))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.wait(timeout=120):
+                raise RuntimeError("a baseline rank failed")
 
 
-async def run_dcs(args: argparse.Namespace, tmp: Path) -> tuple[list[float], dict[str, object]]:
+async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float]], dict[str, object]]:
     from dcs_tasks.client.engine import CheckpointEngineClient
     from dcs_tasks.config import DCSConfig
     from tests.distributed.sync_stack import sync_stack
@@ -135,6 +151,8 @@ async def run_dcs(args: argparse.Namespace, tmp: Path) -> tuple[list[float], dic
         heartbeat_interval_seconds=1.0,
         heartbeat_timeout_seconds=10.0,
     )
+    times: dict[str, list[float]] = {name: [] for name in (*BASELINES, "dcs")}
+    baselines = Baselines(args)
     try:
         with sync_stack(config, tmp, receivers=2) as stack:
             state = make_state(args.size_mb, args.tensors)
@@ -142,18 +160,22 @@ async def run_dcs(args: argparse.Namespace, tmp: Path) -> tuple[list[float], dic
                 coordinator_url=stack.url, role="actor", rank=0, model=state, model_name="bench", config=stack.config
             )
             await client.start()
-            times, last = [], {}
+            last: dict[str, object] = {}
             try:
-                for i in range(args.repeats + 2):  # two warm-ups: both receive-buffer sets get touched
+                for rnd in range(args.repeats + WARMUPS):
+                    base = await asyncio.to_thread(baselines.round, rnd)
                     last = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
-                    if i >= 2:
-                        times.append(float(last["total_seconds"]))
+                    if rnd >= WARMUPS:  # warm-ups touch every receive buffer on both sides
+                        for name in BASELINES:
+                            times[name].append(base[name])
+                        times["dcs"].append(float(last["total_seconds"]))  # type: ignore[arg-type]
                 digests = [r.digest() for r in stack.receivers]
             finally:
                 await client.stop()
-            assert all(d.weight_version == args.repeats + 2 for d in digests), "receivers missed an update"
+            assert all(d.weight_version == args.repeats + WARMUPS for d in digests), "receivers missed an update"
             return times, last
     finally:
+        baselines.close()
         redis.stop()
 
 
@@ -162,20 +184,20 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=300)
     parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.baseline_rank is not None:
         baseline_rank(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        base = run_baselines(args, Path(tmp))
-        dcs_times, dcs_metrics = asyncio.run(run_dcs(args, Path(tmp)))
+        times, dcs_metrics = asyncio.run(run(args, Path(tmp)))
     nbytes = total_bytes(make_state(args.size_mb, args.tensors))
-    med = {name: statistics.median(times) for name, times in base.items()}
-    med["dcs"] = statistics.median(dcs_times)
+    med = {name: statistics.median(values) for name, values in times.items()}
+    ratio = {f"{name}_vs_flat": med["flat"] / med[name] for name in ("per_tensor", "per_tensor_async", "dcs")}
     result = {
         "bytes": nbytes,
         "tensors": args.tensors,
@@ -183,23 +205,22 @@ def main() -> None:
         "backend": "gloo",
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
-        "seconds": {**base, "dcs": dcs_times},
+        "warmups": WARMUPS,
+        "seconds": times,
         "median_seconds": med,
-        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
-        "dcs_vs_flat": med["flat"] / med["dcs"],
-        "per_tensor_vs_flat": med["flat"] / med["per_tensor"],
-        "per_tensor_async_vs_flat": med["flat"] / med["per_tensor_async"],
+        "gb_per_s": {name: nbytes / value / 1e9 for name, value in med.items()},
+        **ratio,
         "dcs_last_update_metrics": dcs_metrics,
         "target": "dcs_vs_flat >= 0.9",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(
-        f"weight_sync {nbytes / MiB:.0f} MiB in {args.tensors} tensors -> 2 receivers (gloo): "
-        f"flat {med['flat']:.3f}s ({result['gb_per_s']['flat']:.2f} GB/s), "
-        f"per-tensor {med['per_tensor']:.3f}s ({result['per_tensor_vs_flat']:.2f}x flat), "
-        f"per-tensor async {med['per_tensor_async']:.3f}s ({result['per_tensor_async_vs_flat']:.2f}x flat), "
-        f"dcs end-to-end {med['dcs']:.3f}s ({result['dcs_vs_flat']:.2f}x flat; target >= 0.9x)"
+        f"weight_sync {nbytes / MiB:.0f} MiB in {args.tensors} tensors -> 2 receivers (gloo), median of "
+        f"{args.repeats} interleaved rounds: flat {med['flat']:.3f}s ({result['gb_per_s']['flat']:.2f} GB/s), "
+        f"per-tensor {med['per_tensor']:.3f}s ({ratio['per_tensor_vs_flat']:.2f}x flat), "
+        f"per-tensor async {med['per_tensor_async']:.3f}s ({ratio['per_tensor_async_vs_flat']:.2f}x flat), "
+        f"dcs end-to-end {med['dcs']:.3f}s ({ratio['dcs_vs_flat']:.2f}x flat; target >= 0.9x)"
     )
 
 

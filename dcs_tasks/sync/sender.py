@@ -2,8 +2,9 @@
 
 Steps per update: plan buckets (`plan_buckets`) -> pack bucket 0 -> for each bucket k: announce it to
 the receivers (an awaitable supplied by the caller: HTTP to rollout engines, or weight meta through the
-coordinator), start its broadcast, pack bucket k+1 into the other buffer while k is on the wire, then wait
-for both. Two flat buffers are allocated once and reused while the layout fits.
+coordinator), start its broadcast, wait for bucket k-1 (so two broadcasts are queued and the wire never
+idles between buckets), then pack bucket k+1 into k-1's buffer while k is on the wire. Two flat buffers
+are allocated once and reused while the layout fits.
 """
 
 from __future__ import annotations
@@ -125,28 +126,66 @@ class BucketSender:
         slots = self._buffers(layouts)
         stats = SendStats(buckets=len(layouts), tensors=len(state))
         whole = asyncio.ensure_future(announce_all(layouts)) if announce_all is not None else None
+        in_flight: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None] | None = None
         try:
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
             stats.pack_seconds += time.perf_counter() - t0
             for k, layout in enumerate(layouts):
                 assert packed is not None
-                per = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1)) if announce else None
+                per = self._announce_in_order(announce, k, layout, len(layouts), in_flight)
                 handle = self.backend.broadcast_async(packed, src, group_name)
+                if in_flight is not None:  # bucket k-1 done -> its slot is free for bucket k+1
+                    await self._settle(in_flight, whole, stats)
+                in_flight = (layout, handle.wait_async(), per)
                 if k + 1 < len(layouts):
                     t0 = time.perf_counter()
                     packed = await asyncio.to_thread(self._pack, slots[(k + 1) % 2], layouts[k + 1], state, quant)
                     stats.pack_seconds += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                await _settle(handle.wait_async(), per, whole)
-                stats.wait_seconds += time.perf_counter() - t0
-                stats.bytes += layout.payload_bytes
+            if in_flight is not None:
+                await self._settle(in_flight, whole, stats)
+                in_flight = None
             if whole is not None:
                 await whole
         finally:
+            if in_flight is not None:
+                await _cancel(in_flight[2])
+                await _cancel(asyncio.ensure_future(in_flight[1]))
             await _cancel(whole)
         stats.total_seconds = time.perf_counter() - start
         return stats
+
+    @staticmethod
+    def _announce_in_order(
+        announce: Announce | None,
+        k: int,
+        layout: FusionLayout,
+        count: int,
+        previous: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None] | None,
+    ) -> asyncio.Future[None] | None:
+        """Bucket k's announcement, started only after bucket k-1's went through (receivers read them in order)."""
+        if announce is None:
+            return None
+        before = previous[2] if previous is not None else None
+
+        async def after_previous() -> None:
+            if before is not None:
+                await before
+            await announce(k, layout, k == count - 1)
+
+        return asyncio.ensure_future(after_previous())
+
+    @staticmethod
+    async def _settle(
+        bucket: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None],
+        whole: asyncio.Future[None] | None,
+        stats: SendStats,
+    ) -> None:
+        layout, broadcast, per = bucket
+        t0 = time.perf_counter()
+        await _settle(broadcast, per, whole)
+        stats.wait_seconds += time.perf_counter() - t0
+        stats.bytes += layout.payload_bytes
 
     async def send_per_tensor(
         self,
