@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.app import make_worker_app
 
     app = make_worker_app(config)
+    _restore_orphans(app, config)
     argv = [
         "worker",
         f"--loglevel={args.loglevel}",
@@ -60,6 +61,19 @@ def run(args: argparse.Namespace) -> int:
         if _lifecycle["ready"] and not _lifecycle["shutdown_requested"] and args.max_restarts > 0:
             _reexec(args.max_restarts - 1)
     return 0
+
+
+def _restore_orphans(app: Any, config: DCSConfig) -> None:
+    """Take back this host's tasks that a killed worker left unacknowledged (see workers/recovery.py)."""
+    from dcs_tasks.celery_app import node_queue
+    from workers.recovery import restore_orphaned
+    from workers.runtime import runtime
+
+    rt = runtime()
+    try:
+        restore_orphaned(app, rt.redis, rt.keys, node_queue(config.host_name))
+    except Exception as exc:  # recovery is an optimisation: the visibility timeout still brings them back
+        log.warning("could not restore orphaned tasks at start-up: %s", exc)
 
 
 _lifecycle = {"ready": False, "shutdown_requested": False}
