@@ -70,69 +70,113 @@ class TopologyConfig(BaseModel):
 class DCSConfig(BaseSettings):
     """Every tunable of a DCS deployment. Environment variables: `DCS_<FIELD_NAME>`."""
 
-    model_config = SettingsConfigDict(env_prefix="DCS_", extra="forbid", validate_assignment=True)
+    model_config = SettingsConfigDict(
+        env_prefix="DCS_", extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
     # coordinator
     coordinator_host: str = "127.0.0.1"
+    """Address the coordinator binds (127.0.0.1 unless you mean to expose it)."""
     coordinator_port: int = Field(default=8000, ge=1, le=65535)
+    """Port the coordinator listens on."""
     coordinator_url: str | None = None
+    """URL clients use to reach the coordinator (default: built from host and port)."""
     auth_token: SecretStr | None = None
+    """Bearer token required on every coordinator endpoint but /healthz and /metrics when set."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
+    """Largest request body the coordinator accepts (413 beyond)."""
     request_timeout_seconds: float = Field(default=30.0, gt=0)
+    """Timeout of one HTTP request from a DCS client to the coordinator or an engine."""
     # topology answers (/peer mapping, /global_rank role order); give every coordinator the same values
     role_mappings: dict[str, str] = Field(default_factory=lambda: {"actor": "rollout"})
+    """Peer role of each role, e.g. {"actor": "rollout"} (JSON in the environment)."""
     role_order: list[str] | None = None
+    """Fixed role order for global ranks (default: order of first registration)."""
 
     # identity of this host: names its Celery node queue `dcs.node.<node_name>` (default: hostname)
     node_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Name of this host's node queue `dcs.node.<name>` (default: the hostname)."""
 
     # redis
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis for the coordinator state, the Celery broker and results."""
     namespace: str = Field(default="dcs", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Prefix of every Redis key DCS writes."""
     redis_socket_timeout_seconds: float = Field(default=5.0, gt=0)
+    """Connect and read timeout of every Redis connection."""
 
     # communication
     backend_type: BackendType = BackendType.GLOO
+    """Transport of tensor broadcasts: gloo (CPU), nccl (CUDA)."""
     tcp_buffer_size: int = Field(default=65536, ge=4096)
+    """Socket buffer size hint for TCP transports."""
     tcp_nodelay: bool = True
+    """Disable Nagle's algorithm on DCS sockets."""
     tensor_fusion_threshold: int = Field(default=1 * MiB, ge=0)
+    """Fuse tensors into one buffer when their total is at least this many bytes."""
     bucket_size_bytes: int = Field(default=256 * MiB, ge=1024)
+    """Largest fused bucket of a weight update; bigger tensors travel alone."""
     comm_base_port: int = Field(default=11000, ge=1024, le=65535)
+    """First master port for weight-sync process groups."""
     comm_max_port: int = Field(default=11999, ge=1024, le=65535)
+    """Last master port for weight-sync process groups."""
     comm_timeout_seconds: float = Field(default=300.0, gt=0)
+    """Timeout of every collective (broadcast) of a weight update."""
     group_init_timeout_seconds: float = Field(default=60.0, gt=0)
+    """Timeout for a weight-sync process group to form."""
     ref_update_interval: int | None = Field(default=None, ge=1)
+    """Update the reference model every N rollouts (None: never)."""
 
     # heartbeats
     heartbeat_interval_seconds: float = Field(default=5.0, gt=0)
+    """How often nodes send heartbeats."""
     heartbeat_timeout_seconds: float = Field(default=30.0, gt=0)
+    """A node without a heartbeat for this long is dead."""
 
     # storage
     checkpoint_dir: Path = Path("checkpoints")
+    """Directory (shared storage) under which runs and their steps are written."""
     staging_dir: Path = Path("/dev/shm")
+    """tmpfs directory of the shared-memory staging buffers."""
     staging_buffers: int = Field(default=2, ge=1)
+    """Staging buffers per Checkpointer: saves that may be in flight at once."""
     staging_policy: StagingPolicy = StagingPolicy.BLOCK
+    """When every buffer is in flight: block (wait, counted in the stall) or skip the save."""
     file_shard_bytes: int = Field(default=256 * MiB, ge=MiB)
+    """Largest safetensors file of a step; bigger states are split and written in parallel."""
     async_io: bool = True
+    """False: save() returns only once the step is committed (synchronous checkpoints)."""
     pinned_memory: bool = True
+    """Register staging buffers as pinned memory for CUDA tensors."""
     keep_last: int | None = Field(default=None, ge=1)
+    """Retention: keep the newest N committed steps (None: keep all)."""
     keep_every: int | None = Field(default=None, ge=1)
+    """Retention: also keep every step divisible by N."""
     # fault-injection knob: workers write checkpoint files no faster than this (None: full speed)
     persist_throttle_bytes_per_second: float | None = Field(default=None, gt=0)
+    """Fault-injection knob: workers write no faster than this."""
 
     # fault tolerance
     max_retries: int = Field(default=3, ge=0)
+    """Retries of a failed task or group init (exponential backoff with jitter)."""
     retry_delay_seconds: float = Field(default=1.0, ge=0)
+    """First retry delay; doubles each retry."""
     retry_backoff_max_seconds: float = Field(default=30.0, ge=0)
+    """Largest retry delay."""
     max_redeliveries: int = Field(default=3, ge=1)
+    """A task redelivered more often than this (worker crashes) fails instead of looping."""
     task_soft_time_limit_seconds: float = Field(default=300.0, gt=0)
+    """Celery soft time limit of a task."""
     task_time_limit_seconds: float = Field(default=360.0, gt=0)
+    """Celery hard time limit of a task."""
     visibility_timeout_seconds: float = Field(default=600.0, gt=0)
-    worker_presence_timeout_seconds: float = Field(default=2.0, gt=0)
+    """Redis redelivers an unacked task after this; must exceed limits plus backoff."""
 
     # observability
     enable_metrics: bool = True
+    """Record Prometheus metrics."""
     metrics_port: int = Field(default=9090, ge=0, le=65535)
+    """Port of a worker's Prometheus exporter (0: none)."""
 
     @field_validator("coordinator_url")
     @classmethod

@@ -95,7 +95,8 @@ class Checkpointer:
     def save(
         self, state: Any, step: int, metadata: dict[str, Any] | None = None, timeout: float | None = None
     ) -> PendingCheckpoint:
-        """Stage `state` and enqueue its persistence; returns once staged. Raises NoWorkerError when no
+        """Stage `state` and enqueue its persistence; returns once staged (with `async_io=False`, once
+        committed, raising CheckpointFailed like `wait()`). Raises NoWorkerError when no
         worker serves this host, StagingError when no buffer frees up within `timeout` (policy block),
         CheckpointError when `step` is already committed or in flight."""
         started = time.perf_counter()
@@ -131,6 +132,8 @@ class Checkpointer:
         )
         self._pending.append(pending)
         record_stall(stall, layout.data_bytes)
+        if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
+            pending.wait(timeout=self.config.visibility_timeout_seconds)
         return pending
 
     def reserve(self, state: Any) -> None:
