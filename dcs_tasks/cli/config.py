@@ -35,7 +35,10 @@ def rows(config: DCSConfig) -> list[tuple[str, str, str, str, str]]:
     """(field, env var, type, default, effective value) for every setting."""
     out = []
     for name, field in DCSConfig.model_fields.items():
-        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation)
+        annotation = (
+            annotation.replace("typing.", "").replace("pydantic.types.SecretStr", "secret").replace("pathlib.", "")
+        )
         default = field.get_default(call_default_factory=True)
         out.append((name, f"DCS_{name.upper()}", annotation, _shown(default), _shown(getattr(config, name))))
     return out
