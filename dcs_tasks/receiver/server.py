@@ -2,8 +2,8 @@
 
 Endpoints: POST /init_weights_update_group, POST /update_weights_from_distributed, POST
 /destroy_weights_update_group (SGLang's bodies, see `dcs_tasks.sync.models`), GET /weights_digest ->
-`WeightsDigest`, GET /health, GET /metrics (dcs_recv_latency_seconds, dcs_bytes_received_total per
-bucket). Blocking collectives run in worker threads so the app keeps answering.
+`WeightsDigest`, GET /get_weight_version, GET /health, GET /metrics (dcs_recv_latency_seconds,
+dcs_bytes_received_total per bucket). Blocking collectives run in worker threads so the app keeps answering.
 A failed call answers 400 with `{"success": false, "message": ...}`, as SGLang does.
 """
 
@@ -93,6 +93,11 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     async def weights_digest() -> WeightsDigest:
         version, tensors = await asyncio.to_thread(receiver.digest)
         return WeightsDigest(weight_version=version, tensors=tensors)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, int]:
+        """The committed version (cheap; /weights_digest also hashes every tensor)."""
+        return {"weight_version": receiver.weight_version}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -5,7 +5,8 @@ if the engine set (rank, ip, port, gpus) is unchanged, else form a new one -> pe
 /update_weights_from_distributed to every engine while broadcasting the bucket; the last bucket carries
 `flush_cache=True` so receivers commit. When every engine takes flat buckets (DCS receivers), one request
 with `bucket_sizes` announces the whole update instead, so the meta costs one round trip per update.
-`weight_version` rises by one per successful update. Any failure drops the group (the next update
+`weight_version` rises by one per successful update, starting above every engine's committed version
+when a group forms (so a restarted trainer never goes back). Any failure drops the group (the next update
 rebuilds it over the nodes then alive) and raises `WeightSyncError` naming the engine when one is to blame.
 """
 
@@ -115,7 +116,20 @@ class RolloutUpdater:
             return False
         await self._drop_group()
         self.group = await self.bootstrapper.form_group(plan)
+        self.weight_version = max(self.weight_version, *await self._engine_versions(plan))
         return True
+
+    async def _engine_versions(self, plan: GroupPlan) -> list[int]:
+        """Engines' committed versions, so a restarted trainer keeps versions rising (0 where unknown)."""
+
+        async def one(engine: EngineEndpoint) -> int:
+            try:
+                response = await self._http.get(f"{engine.url}/get_weight_version", timeout=2.0)
+                return int(response.json()["weight_version"]) if response.is_success else 0
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return 0
+
+        return list(await asyncio.gather(*(one(e) for e in plan.engines)))
 
     async def _drop_group(self) -> None:
         group, self.group = self.group, None

@@ -237,3 +237,24 @@ async def test_an_engine_without_flat_buckets_gets_sglang_per_tensor_broadcasts(
                     assert digest.weight_version == update and digest.tensors == expected_digest(model)
         finally:
             await client.stop()
+
+
+async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path, receivers=1) as stack:
+        model = Tiny()
+        for expected in (2, 3):  # the second client is the trainer after a restart
+            client = CheckpointEngineClient(
+                coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+            )
+            await client.start()
+            try:
+                if expected == 2:
+                    await client.update_weights_for_rollout(rollout_only=True)
+                train_step(model)
+                metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                assert metrics["weight_version"] == expected
+                digest = stack.receivers[0].digest()
+                assert digest.weight_version == expected and digest.tensors == expected_digest(model)
+            finally:
+                await client.stop()
