@@ -127,6 +127,7 @@ class BucketSender:
         stats = SendStats(buckets=len(layouts), tensors=len(state))
         whole = asyncio.ensure_future(announce_all(layouts)) if announce_all is not None else None
         in_flight: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None] | None = None
+        announcing: list[asyncio.Future[None] | None] = []
         try:
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
@@ -134,6 +135,7 @@ class BucketSender:
             for k, layout in enumerate(layouts):
                 assert packed is not None
                 per = self._announce_in_order(announce, k, layout, len(layouts), in_flight)
+                announcing.append(per)
                 handle = self.backend.broadcast_async(packed, src, group_name)
                 if in_flight is not None:  # bucket k-1 done -> its slot is free for bucket k+1
                     await self._settle(in_flight, whole, stats)
@@ -147,11 +149,11 @@ class BucketSender:
                 in_flight = None
             if whole is not None:
                 await whole
-        finally:
+        finally:  # on failure: stop announcing; a broadcast still queued ends within the group timeout
             if in_flight is not None:
-                await _cancel(in_flight[2])
                 await _cancel(asyncio.ensure_future(in_flight[1]))
-            await _cancel(whole)
+            for future in (*announcing, whole):
+                await _cancel(future)
         stats.total_seconds = time.perf_counter() - start
         return stats
 
