@@ -1,0 +1,105 @@
+"""fastread: chunked verified reads land every byte where it belongs, on disk with O_DIRECT, on disk buffered
+(as where a file system refuses O_DIRECT) and on tmpfs, across chunk and file boundaries; a bad or short
+file is named."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcs_tasks.checkpoint import fastread
+from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.errors import CorruptCheckpoint
+
+SIZES = (3 * 65536 + 777, 65536, 4096 * 5, 1)  # ragged, exactly one chunk, page multiple, one byte
+
+
+@pytest.fixture(params=["disk", "disk-buffered", "tmpfs"])
+def where(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    if request.param.startswith("disk"):
+        if request.param == "disk-buffered":
+            monkeypatch.setattr(fastread, "O_DIRECT", 0)
+        yield tmp_path
+        return
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        yield Path(shm)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fastread, "CHUNK_BYTES", 65536)  # many chunks per file, several files per window
+
+
+def _write(directory: Path, name: str, size: int, seed: int) -> tuple[Path, FileEntry]:
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    path = directory / name
+    path.write_bytes(data.numpy().tobytes())
+    hasher = new_hasher()
+    hasher.update(data.numpy().tobytes())
+    return path, FileEntry(name=name, size=size, checksum=hasher.hexdigest())
+
+
+def _files(directory: Path) -> list[tuple[Path, FileEntry]]:
+    return [_write(directory, f"f{i}", size, i) for i, size in enumerate(SIZES)]
+
+
+def test_read_many_returns_every_file_bit_exact(where: Path) -> None:
+    files = _files(where)
+    seen: dict[str, int] = {}
+    mappings = fastread.read_many(files, verify=True, progress=lambda name, done, size: seen.__setitem__(name, done))
+    for (path, entry), mapping in zip(files, mappings, strict=True):
+        assert mapping[: entry.size] == path.read_bytes()
+        assert seen[entry.name] == entry.size
+
+
+def test_read_scatter_fills_ranges_across_chunk_boundaries_and_nothing_else(where: Path) -> None:
+    files = _files(where)
+    first, last = files[0], files[-1]
+    spans = [(0, 10), (65530, 65536 * 2 + 3), (3 * 65536 + 1, SIZES[0])]  # header-like, straddling, tail
+    dests = [torch.full((end - begin + 2,), 0xAB, dtype=torch.uint8) for begin, end in spans]
+    targets = [(begin, end, dest.data_ptr() + 1) for (begin, end), dest in zip(spans, dests, strict=True)]
+    one = torch.zeros(1, dtype=torch.uint8)
+    fastread.read_scatter(
+        [
+            (first[0], first[1], targets),
+            *[(p, e, []) for p, e in files[1:-1]],
+            (last[0], last[1], [(0, 1, one.data_ptr())]),
+        ],
+        verify=True,
+    )
+    raw = first[0].read_bytes()
+    for (begin, end), dest in zip(spans, dests, strict=True):
+        assert dest[1:-1].numpy().tobytes() == raw[begin:end]
+        assert dest[0] == 0xAB and dest[-1] == 0xAB  # neighbours untouched
+    assert one.numpy().tobytes() == last[0].read_bytes()
+
+
+@pytest.mark.parametrize("mode", ["many", "scatter"])
+def test_flipped_byte_and_short_file_are_named(where: Path, mode: str) -> None:
+    files = _files(where)
+    path, entry = files[0]
+    with open(path, "r+b") as f:
+        f.seek(2 * 65536 + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+    def read(files: list[tuple[Path, FileEntry]]) -> None:
+        if mode == "many":
+            fastread.read_many(files, verify=True)
+        else:
+            fastread.read_scatter([(p, e, []) for p, e in files], verify=True)
+
+    with pytest.raises(CorruptCheckpoint, match=f"{path}.*checksum"):
+        read(files)
+    fastread.read_many([(path, entry)], verify=False)  # unverified reads do not hash
+    os.truncate(files[1][0], 100)
+    with pytest.raises(CorruptCheckpoint, match=f"{files[1][0]} has 100 bytes"):
+        read(files[1:])
