@@ -46,13 +46,11 @@ def _version(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest
 
 def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest, version: int) -> None:
     """Receive every broadcast `body` announces (one, or `bucket_sizes` of them), recording metrics."""
-    flattened = body.load_format == FLATTENED_BUCKET
-    for names, dtypes, shapes in body.chunks():
-        started = time.perf_counter()
-        receiver.receive_bucket(names, dtypes, shapes, body.group_name, version, flattened)
-        nbytes = FusionLayout.from_wire(names, dtypes, shapes).payload_bytes
-        get_metrics().record_recv(nbytes, time.perf_counter() - started)
-        log.info("bucket of %d tensors for v%d received", len(names), version)
+    started = time.perf_counter()
+    chunks = body.chunks()
+    receiver.receive_buckets(chunks, body.group_name, version, body.load_format == FLATTENED_BUCKET)
+    nbytes = sum(FusionLayout.from_wire(*chunk).payload_bytes for chunk in chunks)
+    get_metrics().record_recv(nbytes, time.perf_counter() - started)
 
 
 def create_receiver_app(receiver: WeightReceiver) -> FastAPI:

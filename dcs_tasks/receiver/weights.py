@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,16 @@ from dcs_tasks.backends.fusion import FusionLayout, parse_dtype, unpack_views
 from dcs_tasks.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
+
+Chunk = tuple[Sequence[str], Sequence[str], Sequence[Sequence[int]]]  # names, dtypes, shapes of one broadcast
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """What one announced chunk is received into, and how to read the named tensors back."""
+
+    tensors: list[torch.Tensor]
+    result: Callable[[], dict[str, torch.Tensor]]
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -76,18 +87,22 @@ class WeightReceiver:
         weight_version: int,
         flattened: bool,
     ) -> None:
-        """Receive one bucket of update `weight_version` into staging. Raises WeightSyncError on failure.
+        """Receive one bucket of update `weight_version` into staging (see `receive_buckets`)."""
+        self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened)
 
-        The lock is not held while the collective waits, so a replacement group (`init_group`) can form
+    def receive_buckets(self, chunks: Sequence[Chunk], group_name: str, weight_version: int, flattened: bool) -> None:
+        """Receive consecutive broadcasts (one per chunk: flat, or one per tensor) into staging. Every receive is
+        posted before the first wait, so the sender never stalls between buckets. Raises WeightSyncError.
+
+        The lock is not held while the collectives wait, so a replacement group (`init_group`) can form
         while a bucket of an abandoned update is still stuck waiting for its sender.
         """
         with self._lock:
             self._start_staging(weight_version)
             epoch = self._epoch
-            layout = FusionLayout.from_wire(names, dtypes, shapes) if flattened else None
-            buffer = self._take_buffer(layout.total_bytes) if layout is not None else None
+            targets = [self._targets(chunk, flattened) for chunk in chunks]
         try:
-            received = self._recv(names, dtypes, shapes, group_name, layout, buffer)
+            received = self._recv_all(targets, group_name, weight_version)
         except Exception:
             with self._lock:
                 if self._epoch == epoch:
@@ -109,26 +124,27 @@ class WeightReceiver:
         self._staged_buffers.append(buffer)
         return buffer
 
-    def _recv(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        layout: FusionLayout | None,
-        buffer: torch.Tensor | None,
-    ) -> dict[str, torch.Tensor]:
-        if layout is not None and buffer is not None:
-            view = buffer[: layout.wire_bytes]
-            self.backend.broadcast(view, 0, group_name)
-            return unpack_views(view, layout)
-        out = {
+    def _targets(self, chunk: Chunk, flattened: bool) -> _Targets:
+        names, dtypes, shapes = chunk
+        if flattened:
+            layout = FusionLayout.from_wire(names, dtypes, shapes)
+            view = self._take_buffer(layout.total_bytes)[: layout.wire_bytes]
+            return _Targets([view], lambda: unpack_views(view, layout))
+        tensors = {
             n: torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
             for n, d, s in zip(names, dtypes, shapes, strict=True)
         }
-        handles = [self.backend.broadcast_async(t, 0, group_name) for t in out.values()]
-        for handle in handles:
-            handle.wait()
+        return _Targets(list(tensors.values()), lambda: tensors)
+
+    def _recv_all(self, targets: list[_Targets], group_name: str, version: int) -> dict[str, torch.Tensor]:
+        handles = [[self.backend.broadcast_async(t, 0, group_name) for t in target.tensors] for target in targets]
+        out: dict[str, torch.Tensor] = {}
+        for index, (target, posted) in enumerate(zip(targets, handles, strict=True)):
+            for handle in posted:
+                handle.wait()
+            received = target.result()
+            out.update(received)
+            log.info("bucket %d/%d of v%d received (%d tensors)", index + 1, len(targets), version, len(received))
         return out
 
     def _start_staging(self, weight_version: int) -> None:

@@ -64,7 +64,7 @@ async def test_receiver_killed_mid_update_fails_fast_then_survivors_update(
                 for p in model.parameters():
                     p.mul_(-1.5)
             update = asyncio.create_task(client.update_weights_for_rollout(rollout_only=True))
-            await asyncio.to_thread(wait_for_log, victim, "for v2 received", 5, 30.0)
+            await asyncio.to_thread(wait_for_log, victim, "of v2 received", 5, 30.0)
             victim.kill()
             started = time.monotonic()
             with pytest.raises(WeightSyncError) as failure:
