@@ -68,7 +68,17 @@ async def test_two_coordinators_on_one_redis_answer_alike(
         other.stop()
 
 
-async def test_coordinator_restart_loses_nothing(coordinator: CoordinatorProcess) -> None:
+async def test_coordinator_restart_loses_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    # heartbeats must outlive the restart (seconds on a loaded machine); the fixture's 2 s TTL would not
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 5.0, "heartbeat_timeout_seconds": 120.0})
+    coordinator = CoordinatorProcess(config, tmp_path / "coordinator-restart.log").start()
+    try:
+        await _restart_and_compare(coordinator)
+    finally:
+        coordinator.stop()
+
+
+async def _restart_and_compare(coordinator: CoordinatorProcess) -> None:
     async with CoordinatorAPI(coordinator.url) as api:
         await api.register(RoleInfo(role_name="actor", rank=0, port=1))
         await api.register(RoleInfo(role_name="rollout", rank=0, port=2))
