@@ -93,8 +93,17 @@ async def _restart_and_compare(coordinator: CoordinatorProcess) -> None:
 
 
 async def test_redis_restart_keeps_topology_and_ranks(
-    coordinator: CoordinatorProcess, redis_server: RedisServer
+    dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 5.0, "heartbeat_timeout_seconds": 120.0})
+    coordinator = CoordinatorProcess(config, tmp_path / "coordinator-redis-restart.log").start()
+    try:
+        await _restart_redis_and_compare(coordinator, redis_server)
+    finally:
+        coordinator.stop()
+
+
+async def _restart_redis_and_compare(coordinator: CoordinatorProcess, redis_server: RedisServer) -> None:
     async with CoordinatorAPI(coordinator.url) as api:
         for i in range(3):
             await api.register(RoleInfo(role_name="actor", port=100 + i))
