@@ -16,6 +16,7 @@ naming the file; nothing is still being written when a read function returns or 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import mmap
@@ -82,8 +83,21 @@ class _File:
     fd: int = -1  # buffered
     direct_fd: int = -1  # O_DIRECT, when the file system takes it
     hasher: Any = None
-    targets: list[Target] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)  # sorted by begin, disjoint
     _refused: int = -1
+    _ends: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.targets = sorted(self.targets)
+        self._ends = [end for _, end, _ in self.targets]
+
+    def overlapping(self, begin: int, end: int) -> Iterator[Target]:
+        """The targets that overlap [begin, end), in order (a bisection, not a scan of every target)."""
+        for i in range(bisect.bisect_right(self._ends, begin), len(self.targets)):
+            target = self.targets[i]
+            if target[0] >= end:
+                return
+            yield target
 
     @property
     def direct(self) -> bool:
@@ -138,7 +152,7 @@ def _pread(f: _File, view: memoryview, begin: int, end: int) -> None:
 
 def _scatter(f: _File, base: int, begin: int, end: int) -> None:
     """Copy the chunk [begin, end) held at address `base` into every target overlapping it."""
-    for t_begin, t_end, dest in f.targets:
+    for t_begin, t_end, dest in f.overlapping(begin, end):
         lo, hi = max(begin, t_begin), min(end, t_end)
         if lo < hi:
             _memmove(dest + (lo - t_begin), base + (lo - begin), hi - lo)
