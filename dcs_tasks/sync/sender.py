@@ -1,15 +1,17 @@
 """The bucketed, double-buffered broadcast of a state dict (the trainer side of every update).
 
-Steps per update: plan buckets (`plan_buckets`) -> pack bucket 0 -> for each bucket k: announce it to
-the receivers (an awaitable supplied by the caller: HTTP to rollout engines, or weight meta through the
-coordinator), start its broadcast, wait for bucket k-1 (so two broadcasts are queued and the wire never
-idles between buckets), then pack bucket k+1 into k-1's buffer while k is on the wire. Two flat buffers
-are allocated once and reused while the layout fits.
+Steps per update: plan buckets (`plan_buckets`; tensors of >= ALONE_BYTES alone, sent from their own
+memory, first) -> for each bucket k: pack it if it is fused (into whichever of the two flat buffers is no
+longer on the wire, so packing overlaps the queued transfers), announce it to the receivers (an
+awaitable supplied by the caller: HTTP to rollout engines, or weight meta through the coordinator;
+announcements go out in bucket order) and queue its broadcast, keeping up to MAX_QUEUED in flight. The
+two flat buffers are allocated once and reused while the layout fits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.backends.base import CommBackend
+from dcs_tasks.backends.base import CommBackend, CommHandle
 from dcs_tasks.backends.fusion import FusionLayout, TensorSpec, pack_into, plan_buckets
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire, wire_spec
@@ -25,6 +27,8 @@ from dcs_tasks.sync.quantize import to_wire, wire_spec
 # Tensors this big are sent from their own memory in a bucket of their own: copying them into a flat
 # buffer costs more CPU than the extra HTTP round trip of one more bucket (~ms).
 ALONE_BYTES = 8 * 1024 * 1024
+# Broadcasts queued at once: enough that the wire never idles between buckets while Python catches up.
+MAX_QUEUED = 8
 
 Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
 AnnounceAll = Callable[[list[FusionLayout]], Awaitable[None]]
@@ -55,6 +59,17 @@ class SendStats:
         }
         out.update(self.phases)
         return out
+
+
+@dataclass
+class _Queued:
+    """A bucket whose broadcast is queued: its layout, handle, announcement and flat buffer slot (None: own
+    memory)."""
+
+    layout: FusionLayout
+    handle: CommHandle
+    announce: asyncio.Future[None] | None
+    slot: int | None
 
 
 class BucketSender:
@@ -126,33 +141,31 @@ class BucketSender:
         slots = self._buffers(layouts)
         stats = SendStats(buckets=len(layouts), tensors=len(state))
         whole = asyncio.ensure_future(announce_all(layouts)) if announce_all is not None else None
-        in_flight: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None] | None = None
-        announcing: list[asyncio.Future[None] | None] = []
+        queued: collections.deque[_Queued] = collections.deque()
         try:
-            t0 = time.perf_counter()
-            packed = await asyncio.to_thread(self._pack, slots[0], layouts[0], state, quant) if layouts else None
-            stats.pack_seconds += time.perf_counter() - t0
+            fused = 0
             for k, layout in enumerate(layouts):
-                assert packed is not None
-                per = self._announce_in_order(announce, k, layout, len(layouts), in_flight)
-                announcing.append(per)
-                handle = self.backend.broadcast_async(packed, src, group_name)
-                if in_flight is not None:  # bucket k-1 done -> its slot is free for bucket k+1
-                    await self._settle(in_flight, whole, stats)
-                in_flight = (layout, handle.wait_async(), per)
-                if k + 1 < len(layouts):
-                    t0 = time.perf_counter()
-                    packed = await asyncio.to_thread(self._pack, slots[(k + 1) % 2], layouts[k + 1], state, quant)
-                    stats.pack_seconds += time.perf_counter() - t0
-            if in_flight is not None:
-                await self._settle(in_flight, whole, stats)
-                in_flight = None
+                slot = None if self._zero_copy(layout, state, quant) else fused % 2
+                if slot is not None:
+                    fused += 1
+                    while any(q.slot == slot for q in queued):  # its buffer is still on the wire
+                        await self._settle(queued.popleft(), whole, stats)
+                t0 = time.perf_counter()
+                if slot is None:  # a view of the tensor itself: nothing to copy
+                    view = self._pack(slots[0], layout, state, quant)
+                else:
+                    view = await asyncio.to_thread(self._pack, slots[slot], layout, state, quant)
+                stats.pack_seconds += time.perf_counter() - t0
+                per = self._announce_in_order(announce, k, layout, len(layouts), queued[-1] if queued else None)
+                queued.append(_Queued(layout, self.backend.broadcast_async(view, src, group_name), per, slot))
+                while len(queued) > MAX_QUEUED:
+                    await self._settle(queued.popleft(), whole, stats)
+            while queued:
+                await self._settle(queued.popleft(), whole, stats)
             if whole is not None:
                 await whole
-        finally:  # on failure: stop announcing; a broadcast still queued ends within the group timeout
-            if in_flight is not None:
-                await _cancel(asyncio.ensure_future(in_flight[1]))
-            for future in (*announcing, whole):
+        finally:  # on failure: stop announcing; broadcasts still queued end within the group timeout
+            for future in (*(q.announce for q in queued), whole):
                 await _cancel(future)
         stats.total_seconds = time.perf_counter() - start
         return stats
@@ -163,12 +176,12 @@ class BucketSender:
         k: int,
         layout: FusionLayout,
         count: int,
-        previous: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None] | None,
+        previous: _Queued | None,
     ) -> asyncio.Future[None] | None:
         """Bucket k's announcement, started only after bucket k-1's went through (receivers read them in order)."""
         if announce is None:
             return None
-        before = previous[2] if previous is not None else None
+        before = previous.announce if previous is not None else None
 
         async def after_previous() -> None:
             if before is not None:
@@ -178,16 +191,11 @@ class BucketSender:
         return asyncio.ensure_future(after_previous())
 
     @staticmethod
-    async def _settle(
-        bucket: tuple[FusionLayout, Awaitable[Any], asyncio.Future[None] | None],
-        whole: asyncio.Future[None] | None,
-        stats: SendStats,
-    ) -> None:
-        layout, broadcast, per = bucket
+    async def _settle(queued: _Queued, whole: asyncio.Future[None] | None, stats: SendStats) -> None:
         t0 = time.perf_counter()
-        await _settle(broadcast, per, whole)
+        await _settle(queued.handle.wait_async(), queued.announce, whole)
         stats.wait_seconds += time.perf_counter() - t0
-        stats.bytes += layout.payload_bytes
+        stats.bytes += queued.layout.payload_bytes
 
     async def send_per_tensor(
         self,
