@@ -5,7 +5,9 @@ against ~0.7 s buffered (the buffered path adds a page-cache copy); fresh 4 KiB 
 fault in, transparent huge pages ~0.25 s/GiB; xxh3 costs ~0.15 s/GiB of one core. So every file is split
 into `CHUNK_BYTES` chunks that `IO_THREADS` threads read with `preadv` (O_DIRECT where the file system
 allows it, else buffered; the GIL is released), while the calling thread hashes the chunks in file order
-as they land. Faulting and hashing overlap the transfers of other chunks.
+as they land. Faulting and hashing overlap the transfers of other chunks. A file that is mostly in the page
+cache already (sampled with mincore) is read buffered instead: copying it costs ~0.35 s/GiB here, half of
+what O_DIRECT, which ignores the cache, would take.
 
 Destinations: `read_whole` lands a file in a fresh anonymous mapping (2 MiB-rounded, MADV_HUGEPAGE) that
 `tensors_over` then slices into tensors that own their storage (offset 0) without a copy. `read_scatter`
@@ -39,13 +41,42 @@ WINDOW = IO_THREADS + 2  # chunks read ahead of the hashing thread (also the num
 HUGE_PAGE = 2 * 1024 * 1024
 DIRECT_ALIGN = 4096
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+CACHED_ENOUGH = 0.5  # files at least this much in the page cache are read buffered (a copy beats the disk)
 
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, file size)
 Target = tuple[int, int, int]  # (begin, end) inside the file, destination address
 
-_memmove = ctypes.CDLL(None).memmove  # ctypes releases the GIL during the call
+_libc = ctypes.CDLL(None, use_errno=True)
+_memmove = _libc.memmove  # ctypes releases the GIL during the call
 _memmove.restype = ctypes.c_void_p
 _memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def cached_fraction(fd: int, size: int, probes: int = 64) -> float:
+    """Share of `probes` pages, spread over the file, that are in the page cache (mincore over a read-only
+    mapping: no I/O, microseconds). 0.0 when it cannot tell."""
+    if size == 0:
+        return 0.0
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, MAP_FAILED):
+        return 0.0
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        picks = sorted({pages * i // probes for i in range(probes)})
+        vec = ctypes.c_ubyte()
+        hits = 0
+        for page in picks:
+            if _libc.mincore(addr + page * mmap.PAGESIZE, mmap.PAGESIZE, ctypes.byref(vec)) != 0:
+                return 0.0
+            hits += vec.value & 1
+        return hits / len(picks)
+    finally:
+        _libc.munmap(addr, size)
 
 
 def checked_size(path: Path, entry: FileEntry) -> int:
@@ -106,7 +137,7 @@ class _File:
     def open(self, verify: bool) -> None:
         self.hasher = new_hasher() if verify else None
         self.fd = os.open(self.path, os.O_RDONLY)
-        if O_DIRECT:
+        if O_DIRECT and cached_fraction(self.fd, self.size) < CACHED_ENOUGH:
             try:
                 self.direct_fd = os.open(self.path, os.O_RDONLY | O_DIRECT)
             except OSError as exc:

@@ -41,9 +41,19 @@ def _write(directory: Path, name: str, size: int, seed: int) -> tuple[Path, File
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     path = directory / name
     path.write_bytes(data.numpy().tobytes())
+    _evict(path)  # on disk, restore reads with O_DIRECT only what is not cached
     hasher = new_hasher()
     hasher.update(data.numpy().tobytes())
     return path, FileEntry(name=name, size=size, checksum=hasher.hexdigest())
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _files(directory: Path) -> list[tuple[Path, FileEntry]]:
@@ -103,3 +113,15 @@ def test_flipped_byte_and_short_file_are_named(where: Path, mode: str) -> None:
     os.truncate(files[1][0], 100)
     with pytest.raises(CorruptCheckpoint, match=f"{files[1][0]} has 100 bytes"):
         read(files[1:])
+
+
+def test_cached_fraction_sees_the_page_cache(tmp_path: Path) -> None:
+    path, entry = _write(tmp_path, "f", 8 << 20, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fastread.cached_fraction(fd, entry.size) < 0.5  # just evicted: read from disk (O_DIRECT)
+        while os.read(fd, 1 << 20):
+            pass
+        assert fastread.cached_fraction(fd, entry.size) == 1.0  # all cached: a buffered copy is faster
+    finally:
+        os.close(fd)
