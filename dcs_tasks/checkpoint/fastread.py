@@ -39,6 +39,7 @@ CHUNK_BYTES = 32 * 1024 * 1024
 IO_THREADS = 4
 WINDOW = IO_THREADS + 2  # chunks read ahead of the hashing thread (also the number of bounce buffers)
 HUGE_PAGE = 2 * 1024 * 1024
+HUGE_FROM = 8 * 1024 * 1024  # smaller files get plain pages (a 2 MiB page for a few KiB is waste)
 DIRECT_ALIGN = 4096
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 CACHED_ENOUGH = 0.5  # files at least this much in the page cache are read buffered (a copy beats the disk)
@@ -90,15 +91,15 @@ def checked_size(path: Path, entry: FileEntry) -> int:
 
 
 def anonymous(nbytes: int) -> mmap.mmap:
-    """Fresh private memory of at least `nbytes`, backed by huge pages where the kernel allows it (the
-    length is rounded to 2 MiB so the kernel aligns the mapping for them)."""
-    mapping = mmap.mmap(
-        -1, max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    )
-    madvise = getattr(mapping, "madvise", None)
-    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+    """Fresh private memory of at least `nbytes` (page-rounded). From `HUGE_FROM` bytes on it is backed by
+    transparent huge pages where the kernel allows it (the length is rounded to 2 MiB so the kernel aligns
+    the mapping for them): a fault then zeroes 2 MiB at once, ~2x cheaper per byte than 4 KiB pages."""
+    huge = nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
+    unit = HUGE_PAGE if huge else mmap.PAGESIZE
+    mapping = mmap.mmap(-1, max(unit, -(-nbytes // unit) * unit), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
         try:
-            madvise(mmap.MADV_HUGEPAGE)
+            mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass  # THP disabled: plain pages, just slower to fault in
     return mapping
@@ -167,7 +168,7 @@ def _pread(f: _File, view: memoryview, begin: int, end: int) -> None:
     while done < want:
         fd = f.direct_fd  # read once: another thread may drop O_DIRECT meanwhile
         direct = fd >= 0
-        room = len(view) - done if direct else want - done
+        room = min(len(view), -(-want // DIRECT_ALIGN) * DIRECT_ALIGN) - done if direct else want - done
         with view[done : done + room] as piece:
             try:
                 n = os.preadv(fd if direct else f.fd, [piece], begin + done)
@@ -271,14 +272,17 @@ def read_scatter(
     the file) to their addresses; with no targets this only verifies. The caller keeps the destinations
     alive and unaliased. If a file fails, earlier targets may already hold its bytes."""
     opened = [_File(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
-    bounce = anonymous(WINDOW * CHUNK_BYTES)
+    slot_bytes = (
+        min(CHUNK_BYTES, max((f.size for f in opened), default=0) + DIRECT_ALIGN) // DIRECT_ALIGN * DIRECT_ALIGN
+    )
+    bounce = anonymous(WINDOW * slot_bytes)
     base = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
     whole = memoryview(bounce)
 
     def land(chunk: _Chunk) -> memoryview:
-        view = whole[chunk.slot * CHUNK_BYTES : (chunk.slot + 1) * CHUNK_BYTES]
+        view = whole[chunk.slot * slot_bytes : (chunk.slot + 1) * slot_bytes]
         _pread(chunk.f, view, chunk.begin, chunk.end)
-        _scatter(chunk.f, base + chunk.slot * CHUNK_BYTES, chunk.begin, chunk.end)
+        _scatter(chunk.f, base + chunk.slot * slot_bytes, chunk.begin, chunk.end)
         return view
 
     try:
