@@ -109,11 +109,11 @@ class DCSConfig(BaseSettings):
     backend_type: BackendType = BackendType.GLOO
     """Transport of tensor broadcasts: gloo (CPU), nccl (CUDA)."""
     tcp_buffer_size: int = Field(default=65536, ge=4096)
-    """Socket buffer size hint for TCP transports."""
+    """Send buffer (SO_SNDBUF) of a receiver's HTTP socket."""
     tcp_nodelay: bool = True
-    """Disable Nagle's algorithm on DCS sockets."""
+    """TCP_NODELAY on a receiver's HTTP socket (off costs a 40 ms delayed ACK per request)."""
     tensor_fusion_threshold: int = Field(default=1 * MiB, ge=0)
-    """Fuse tensors into one buffer when their total is at least this many bytes."""
+    """TensorFusion.should_fuse: fuse more than one tensor once their total reaches this many bytes."""
     bucket_size_bytes: int = Field(default=256 * MiB, ge=1024)
     """Largest fused bucket of a weight update; bigger tensors travel alone."""
     comm_base_port: int = Field(default=11000, ge=1024, le=65535)

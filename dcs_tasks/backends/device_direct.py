@@ -47,6 +47,7 @@ class DeviceDirectBackend(CommBackend):
         timeout_seconds: float = 300.0,
         group_init_timeout_seconds: float = 60.0,
         device_id: int | None = None,
+        fusion_threshold_bytes: int = 1024 * 1024,
     ) -> None:
         if backend_type not in (BackendType.GLOO, BackendType.NCCL):
             raise ValueError(f"DeviceDirectBackend supports gloo and nccl, not {backend_type.value}")
@@ -57,7 +58,7 @@ class DeviceDirectBackend(CommBackend):
         self.device_id = device_id
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
-        self._fusion = TensorFusion()
+        self._fusion = TensorFusion(fusion_threshold_bytes)
 
     @property
     def device(self) -> torch.device:

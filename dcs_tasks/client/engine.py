@@ -138,6 +138,7 @@ class CheckpointEngineClient:
             cfg.comm_timeout_seconds,
             cfg.group_init_timeout_seconds,
             self.role_info.device_id,
+            fusion_threshold_bytes=cfg.tensor_fusion_threshold,
         )
         celery = make_celery(cfg)
         prefix = f"{self.model_name}-{self.role}{self.rank if self.rank is not None else ''}"

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     # 40 ms delayed-ACK stall (uvicorn writes headers and body separately), i.e. 40 ms per bucket.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if config.tcp_nodelay else 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.tcp_buffer_size)
     sock.bind((args.host, args.port))
     info = RoleInfo(
         role_name=args.role,
@@ -62,6 +63,7 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
         info,
         timeout_seconds=config.comm_timeout_seconds,
         group_init_timeout_seconds=config.group_init_timeout_seconds,
+        fusion_threshold_bytes=config.tensor_fusion_threshold,
     )
     app = create_receiver_app(WeightReceiver(backend))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
