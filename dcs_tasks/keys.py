@@ -33,9 +33,6 @@ class Keys:
         """K present while the node is alive (TTL = heartbeat timeout); value = last beat time."""
         return self._k("hb", role, rank)
 
-    def heartbeat_prefix(self) -> str:
-        return self._k("hb") + ":"
-
     def heartbeat_role_prefix(self, role: str) -> str:
         """Prefix P such that P + str(rank) == heartbeat(role, rank) (Lua scripts build per-rank keys with it)."""
         return self._k("hb", role) + ":"
@@ -62,10 +59,6 @@ class Keys:
         """H state of one checkpoint step (status, files done, commit fence)."""
         return self._k("ckpt", run, step)
 
-    def ckpt_files_done(self, run: str, step: int) -> str:
-        """S names of files of a step that are durable."""
-        return self._k("ckpt", run, step, "files")
-
     def ckpt_inflight(self, run: str) -> str:
         """Z steps of `run` still in flight (score = start time); retention skips them."""
         return self._k("ckpt", run, "inflight")
@@ -86,10 +79,6 @@ class Keys:
     def group_epoch(self, group_name: str) -> str:
         """K monotonically increasing epoch of a group name."""
         return self._k("group", group_name, "epoch")
-
-    def weight_version(self, model_name: str) -> str:
-        """K current weight version of a model pushed to rollout engines."""
-        return self._k("wversion", model_name)
 
     # --- workers --------------------------------------------------------------------------------
     def worker_presence(self, queue: str) -> str:
