@@ -65,8 +65,8 @@ def load_tensors(
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
     is read once (`fastread`), hashed while the next chunks are in flight.
 
-    `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are filled
-    straight from the read buffers, others with `copy_` after the read. If a file then fails its
+    `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are read into
+    directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
     checksum the caller's tensors hold partial data and CorruptCheckpoint is raised."""
     if into is None:
         return _load_whole_files(step_dir, manifest, verify)
@@ -75,7 +75,8 @@ def load_tensors(
     for name, entry in manifest.tensors.items():
         begin, end = entry.offsets
         if end > begin:
-            targets[entry.file].append((begin, end, tensors[name].data_ptr()))
+            dest = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
+            targets[entry.file].append((begin, end, dest))
     read_scatter([(step_dir / f.name, f, targets[f.name]) for f in manifest.files], verify)
     with torch.no_grad():
         for name, target in into.items():

@@ -74,13 +74,13 @@ def test_read_scatter_fills_ranges_across_chunk_boundaries_and_nothing_else(wher
     first, last = files[0], files[-1]
     spans = [(0, 10), (65530, 65536 * 2 + 3), (3 * 65536 + 1, SIZES[0])]  # header-like, straddling, tail
     dests = [torch.full((end - begin + 2,), 0xAB, dtype=torch.uint8) for begin, end in spans]
-    targets = [(begin, end, dest.data_ptr() + 1) for (begin, end), dest in zip(spans, dests, strict=True)]
+    targets = [(begin, end, dest[1:-1].numpy().data) for (begin, end), dest in zip(spans, dests, strict=True)]
     one = torch.zeros(1, dtype=torch.uint8)
     fastread.read_scatter(
         [
             (first[0], first[1], targets),
             *[(p, e, []) for p, e in files[1:-1]],
-            (last[0], last[1], [(0, 1, one.data_ptr())]),
+            (last[0], last[1], [(0, 1, one.numpy().data)]),
         ],
         verify=True,
     )
@@ -125,3 +125,13 @@ def test_cached_fraction_sees_the_page_cache(tmp_path: Path) -> None:
         assert fastread.cached_fraction(fd, entry.size) == 1.0  # all cached: a buffered copy is faster
     finally:
         os.close(fd)
+
+
+def test_read_scatter_many_small_targets_in_one_chunk(where: Path) -> None:
+    path, entry = _write(where, "many", 65536, 9)  # one chunk, more pieces than one preadv takes
+    dest = torch.zeros(3 * 2000, dtype=torch.uint8)
+    view = dest.numpy().data
+    targets = [(5 + 4 * i, 8 + 4 * i, view[3 * i : 3 * i + 3]) for i in range(2000)]
+    fastread.read_scatter([(path, entry, targets)], verify=True)
+    raw = path.read_bytes()
+    assert dest.numpy().tobytes() == b"".join(raw[5 + 4 * i : 8 + 4 * i] for i in range(2000))
