@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +40,10 @@ def worker(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[WorkerProcess]:
     proc = WorkerProcess(dcs_config, tmp_path / "worker.log").start()
     yield proc
     proc.terminate()
+
+
+@pytest.fixture(autouse=True)
+def _remove_test_staging(tmp_path: Path) -> Iterator[None]:
+    """Staging buffers of a test live in /dev/shm (tests.checkpoint_support.ckpt_config): free them after it."""
+    yield
+    shutil.rmtree(Path("/dev/shm") / f"dcs-test-{tmp_path.name}", ignore_errors=True)
