@@ -39,3 +39,9 @@ def test_markdown_reference_lists_every_setting() -> None:
     done = dcs("config", "--markdown")
     assert done.returncode == 0
     assert "`DCS_REDIS_URL`" in done.stdout and "`DCS_STAGING_BUFFERS`" in done.stdout
+
+
+def test_configuration_reference_is_current() -> None:
+    """docs/configuration.md is the output of `dcs config --markdown`; regenerate it when a setting changes."""
+    done = dcs("config", "--markdown")
+    assert done.stdout in (REPO / "docs" / "configuration.md").read_text()
