@@ -47,6 +47,7 @@ bench: install redis-bin
 	$(BIN)/python bench/coordinator_load.py
 	$(BIN)/python bench/save.py
 	$(BIN)/python bench/weight_sync.py
+	$(BIN)/python bench/task_latency.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
