@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from dcs_tasks.keys import Keys
+from dcs_tasks.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,7 @@ def other_worker_alive(client: redis.Redis, keys: Keys, queue: str) -> bool:
     if not pid_text.isdigit():
         return True
     pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def restore_orphaned(app: Celery, client: redis.Redis, keys: Keys, queue: str) -> int:

@@ -26,6 +26,7 @@ import torch
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import Layout
 from dcs_tasks.errors import StagingError
+from dcs_tasks.process import pid_alive
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PAGE = mmap.PAGESIZE
@@ -106,21 +107,11 @@ def remove_orphans(directory: Path, prefix: str) -> list[Path]:
     removed = []
     for path in directory.glob(f"{prefix}-*.stage"):
         pid_text = path.name[len(prefix) + 1 :].split("-", 1)[0]
-        if pid_text.isdigit() and not _alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StagingPool:
