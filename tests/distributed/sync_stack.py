@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,11 +13,11 @@ import httpx
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.sync.models import WeightsDigest
 from tests.helpers.ports import free_port, wait_for_port
-from tests.helpers.procs import REPO, CoordinatorProcess, WorkerProcess, child_env
+from tests.helpers.procs import CoordinatorProcess, DcsProcess, WorkerProcess
 
 
-class ReceiverProcess:
-    """`dcs receiver --coordinator-url URL --rank N --port P` in its own session."""
+class ReceiverProcess(DcsProcess):
+    """`dcs receiver --coordinator-url URL --rank N --port P`; ready once registered and alive."""
 
     def __init__(
         self,
@@ -31,39 +28,21 @@ class ReceiverProcess:
         role: str = "rollout",
         per_tensor: bool = False,
     ) -> None:
-        self.config = config
+        super().__init__(config, log_path)
         self.role = role
         self.per_tensor = per_tensor
         self.coordinator_url = coordinator_url
         self.rank = rank
         self.port = free_port()
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> ReceiverProcess:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dcs_tasks.cli.main",
-            "receiver",
-            "--coordinator-url",
-            self.coordinator_url,
-            "--rank",
-            str(self.rank),
-            "--port",
-            str(self.port),
-            "--role",
-            self.role,
-            *(["--per-tensor"] if self.per_tensor else []),
-        ]
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-        )
+        args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", str(self.rank)]
+        args += ["--port", str(self.port), "--role", self.role, *(["--per-tensor"] if self.per_tensor else [])]
+        self.spawn(*args)
         try:
             wait_for_port(self.port, timeout)
             wait_registered(self.coordinator_url, self.role, self.rank, timeout)
@@ -76,25 +55,6 @@ class ReceiverProcess:
         response = httpx.get(f"{self.url}/weights_digest", timeout=30)
         response.raise_for_status()
         return WeightsDigest.model_validate_json(response.content)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self.proc = None
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
 
 def alive_ranks(coordinator_url: str, role: str) -> set[int]:

@@ -27,8 +27,53 @@ def child_env(config: DCSConfig, **extra: str) -> dict[str, str]:
     return env
 
 
-class WorkerProcess:
-    """`dcs worker` in its own process group; ready once its presence key is in Redis."""
+class DcsProcess:
+    """`python -m dcs_tasks.cli.main ARGS` in its own session, logging to `log_path`."""
+
+    def __init__(self, config: DCSConfig, log_path: Path) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def spawn(self, *args: str, extra_env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", *args]
+        log = self.log_path.open("ab")
+        env = child_env(self.config, **(extra_env or {}))
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (graceful), then kill -9 after `timeout`."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc = None
+
+    def kill(self) -> None:
+        """kill -9 the whole process group (a worker's pool included)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.proc = None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+
+class WorkerProcess(DcsProcess):
+    """`dcs worker`; ready once its presence key is in Redis."""
 
     def __init__(
         self,
@@ -39,32 +84,14 @@ class WorkerProcess:
         pool: str = "prefork",
         env: dict[str, str] | None = None,
     ) -> None:
-        self.config = config
-        self.log_path = log_path
+        super().__init__(config, log_path)
         self.concurrency = concurrency
         self.pool = pool
         self.extra_env = env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dcs_tasks.cli.main",
-            "worker",
-            f"--concurrency={self.concurrency}",
-            f"--pool={self.pool}",
-            "--loglevel=INFO",
-        ]
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            cmd,
-            env=child_env(self.config, **self.extra_env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=REPO,
-        )
+        args = ("worker", f"--concurrency={self.concurrency}", f"--pool={self.pool}", "--loglevel=INFO")
+        self.spawn(*args, extra_env=self.extra_env)
         self.wait_ready(timeout)
         return self
 
@@ -91,62 +118,22 @@ class WorkerProcess:
 
     def terminate(self, timeout: float = 30.0) -> None:
         """Warm shutdown (SIGTERM): running tasks finish or are restored."""
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self.proc = None
-
-    def kill(self) -> None:
-        """kill -9 the whole worker (main process and pool)."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
-        self.proc = None
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except FileNotFoundError:
-            return ""
+        self.stop(timeout)
 
 
-class CoordinatorProcess:
+class CoordinatorProcess(DcsProcess):
     """`dcs coordinator` (uvicorn) on a free port."""
 
     def __init__(self, config: DCSConfig, log_path: Path, port: int | None = None) -> None:
         self.port = port or free_port()
-        self.config = config.model_copy(update={"coordinator_port": self.port, "coordinator_host": "127.0.0.1"})
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        update = {"coordinator_port": self.port, "coordinator_host": "127.0.0.1"}
+        super().__init__(config.model_copy(update=update), log_path)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
-        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "coordinator"]
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            cmd, env=child_env(self.config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-        )
+        self.spawn("coordinator")
         wait_for_port(self.port, timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
