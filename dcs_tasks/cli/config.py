@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         print("| setting | environment | type | default | description |\n| --- | --- | --- | --- | --- |")
         for name, env, kind, default, _ in rows(config):
-            doc = (DCSConfig.model_fields[name].description or "").replace("|", "\\|")
+            doc = " ".join((DCSConfig.model_fields[name].description or "").split()).replace("|", "\\|")
             print(f"| `{name}` | `{env}` | {kind.replace('|', 'or')} | `{default}` | {doc} |")
         return 0
     width = max(len(env) for _, env, *_ in rows(config))
