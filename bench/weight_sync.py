@@ -1,7 +1,7 @@
 """Weight-sync benchmark: 1 sender -> 2 receivers over gloo, ~1 GiB in ~300 tensors (many small ones).
 
 Compared in one run, round by round (each round times every contender once, so all see the same noise on
-a shared machine; see ../shared/BENCHMARKS.md):
+a shared machine, and rounds alternate whether the baselines or DCS go first; see ../shared/BENCHMARKS.md):
   flat              one torch.distributed broadcast of a pre-allocated flat buffer of the same bytes (limit)
   per_tensor        one blocking broadcast per tensor (what a naive sender does)
   per_tensor_async  all per-tensor broadcasts issued async, then waited (SGLang's receive pattern)
@@ -95,6 +95,7 @@ def baseline_rank(args: argparse.Namespace) -> None:
             times[name] = time.perf_counter() - t0
         if args.baseline_rank == 0:
             control.set(f"done{rnd}", json.dumps(times))
+    control.wait(["quit"])  # exiting frees GiBs: not while the driver still times DCS
 
 
 class Baselines:
@@ -130,6 +131,7 @@ class Baselines:
         return json.loads(self.control.get(f"done{rnd}"))
 
     def close(self) -> None:
+        self.control.set("quit", "1")
         for proc in self.procs:
             if proc.wait(timeout=120):
                 raise RuntimeError("a baseline rank failed")
@@ -163,8 +165,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
             last: dict[str, object] = {}
             try:
                 for rnd in range(args.repeats + WARMUPS):
-                    base = await asyncio.to_thread(baselines.round, rnd)
-                    last = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                    if rnd % 2:  # alternate who goes first: whoever runs second pays for the first's wake
+                        last = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                        base = await asyncio.to_thread(baselines.round, rnd)
+                    else:
+                        base = await asyncio.to_thread(baselines.round, rnd)
+                        last = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
                     if rnd >= WARMUPS:  # warm-ups touch every receive buffer on both sides
                         for name in BASELINES:
                             times[name].append(base[name])
@@ -184,7 +190,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=300)
     parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--baseline-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
