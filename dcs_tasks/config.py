@@ -116,6 +116,9 @@ class DCSConfig(BaseSettings):
     """TensorFusion.should_fuse: fuse more than one tensor once their total reaches this many bytes."""
     bucket_size_bytes: int = Field(default=256 * MiB, ge=1024)
     """Largest fused bucket of a weight update; bigger tensors travel alone."""
+    sync_pause_gc: bool = True
+    """Hold off Python's cyclic garbage collector while a weight update is on the wire (sender and
+    receivers): a full collection in a large process stalls the whole group for ~0.1 s."""
     comm_base_port: int = Field(default=11000, ge=1024, le=65535)
     """First master port for weight-sync process groups."""
     comm_max_port: int = Field(default=11999, ge=1024, le=65535)

@@ -25,6 +25,7 @@ from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper
+from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.rollout import RolloutUpdater
 from dcs_tasks.sync.sender import BucketSender
@@ -178,14 +179,16 @@ class CheckpointEngineClient:
             model = self.model if isinstance(self.model, torch.nn.Module) else None
             self._fwd_receiver = ActorFwdReceiver(self._api, receiver, cfg.comm_timeout_seconds, model)
             return
-        sender = BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes)
+        backend = self._backend
+
+        def sender() -> BucketSender:
+            return BucketSender(backend, backend.device, cfg.bucket_size_bytes)
+
         self._rollout = RolloutUpdater(
-            self._api, self._bootstrapper, sender, cfg.comm_timeout_seconds, self.rollout_role
+            self._api, self._bootstrapper, sender(), cfg.comm_timeout_seconds, self.rollout_role
         )
         pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
-        self._fwd_sender = ActorFwdSender(
-            self._api, BucketSender(self._backend, self._backend.device, cfg.bucket_size_bytes), pp_rank
-        )
+        self._fwd_sender = ActorFwdSender(self._api, sender(), pp_rank)
 
     async def stop(self) -> None:
         """Cancel heartbeats and background receives, release groups, close the backend and HTTP client."""
@@ -231,10 +234,11 @@ class CheckpointEngineClient:
         started = time.perf_counter()
         metrics: dict[str, Any] = {}
         try:
-            if not actor_fwd_only and self._rollout is not None:
-                metrics["rollout"] = await self._rollout.update(state, quant)
-            if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
-                metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+            with paused_gc(self.config.sync_pause_gc):
+                if not actor_fwd_only and self._rollout is not None:
+                    metrics["rollout"] = await self._rollout.update(state, quant)
+                if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
+                    metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
         except WeightSyncError as exc:
             get_metrics().record_error(type(exc).__name__)
             raise
@@ -263,7 +267,8 @@ class CheckpointEngineClient:
         if self._fwd_receiver is None:
             raise WeightSyncError(f"recv_weight is for actor_fwd / reference nodes, not {self.role}")
         started = time.perf_counter()
-        version = await self._fwd_receiver.recv_weight()
+        with paused_gc(self.config.sync_pause_gc):
+            version = await self._fwd_receiver.recv_weight()
         _record_recv(self._fwd_receiver.receiver.weights, time.perf_counter() - started)
         return version
 

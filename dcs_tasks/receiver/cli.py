@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import socket
 from typing import Any
@@ -65,13 +66,14 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
         group_init_timeout_seconds=config.group_init_timeout_seconds,
         fusion_threshold_bytes=config.tensor_fusion_threshold,
     )
-    app = create_receiver_app(WeightReceiver(backend))
+    app = create_receiver_app(WeightReceiver(backend), pause_gc=config.sync_pause_gc)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
     answer = await api.register(info)
     info = info.model_copy(update={"rank": answer.rank})
     beats = HeartbeatLoop(api, info, config.heartbeat_interval_seconds).start()
     log.info("receiver %s serving on %s", answer.node_id, info.address)
+    gc.freeze()  # start-up objects (torch, FastAPI) leave the collector's view: later collections stay short
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -22,6 +22,7 @@ from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.errors import DCSError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
+from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import (
     FLATTENED_BUCKET,
     DestroyWeightsUpdateGroupRequest,
@@ -47,14 +48,15 @@ def _version(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest
 def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest, version: int) -> None:
     """Receive every broadcast `body` announces (one, or `bucket_sizes` of them), recording metrics."""
     started = time.perf_counter()
-    chunks = body.chunks()
-    receiver.receive_buckets(chunks, body.group_name, version, body.load_format == FLATTENED_BUCKET)
-    nbytes = sum(FusionLayout.from_wire(*chunk).payload_bytes for chunk in chunks)
+    buckets = body.buckets()
+    receiver.receive_buckets(buckets, body.group_name, version, body.load_format == FLATTENED_BUCKET)
+    nbytes = sum(FusionLayout.from_wire(*bucket).payload_bytes for bucket in buckets)
     get_metrics().record_recv(nbytes, time.perf_counter() - started)
 
 
-def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
-    """The app serving one `WeightReceiver` (this process is group rank `rank_offset`)."""
+def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> FastAPI:
+    """The app serving one `WeightReceiver` (this process is group rank `rank_offset`); `pause_gc` holds off
+    the cyclic garbage collector while an update is received (see `dcs_tasks.sync.gcpause`)."""
     app = FastAPI(title="DCS reference rollout receiver")
 
     @app.post("/init_weights_update_group", response_model=EngineResponse)
@@ -72,9 +74,11 @@ def create_receiver_app(receiver: WeightReceiver) -> FastAPI:
     async def update(body: UpdateWeightsFromDistributedRequest) -> EngineResponse | JSONResponse:
         try:
             version = _version(receiver, body)
-            await asyncio.to_thread(_receive, receiver, body, version)
+            with paused_gc(pause_gc):
+                await asyncio.to_thread(_receive, receiver, body, version)
+                if body.flush_cache:
+                    receiver.commit(version)
             if body.flush_cache:
-                receiver.commit(version)
                 log.info("committed v%d", version)
         except (DCSError, ValueError) as exc:
             get_metrics().record_error(type(exc).__name__)

@@ -26,12 +26,12 @@ from dcs_tasks.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-Chunk = tuple[Sequence[str], Sequence[str], Sequence[Sequence[int]]]  # names, dtypes, shapes of one broadcast
+BucketMeta = tuple[Sequence[str], Sequence[str], Sequence[Sequence[int]]]  # names, dtypes, shapes of one bucket
 
 
 @dataclass(frozen=True)
 class _Targets:
-    """What one announced chunk is received into, and how to read the named tensors back."""
+    """What one announced bucket is received into, and how to read the named tensors back."""
 
     tensors: list[torch.Tensor]
     result: Callable[[], dict[str, torch.Tensor]]
@@ -90,9 +90,16 @@ class WeightReceiver:
         """Receive one bucket of update `weight_version` into staging (see `receive_buckets`)."""
         self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened)
 
-    def receive_buckets(self, chunks: Sequence[Chunk], group_name: str, weight_version: int, flattened: bool) -> None:
-        """Receive consecutive broadcasts (one per chunk: flat, or one per tensor) into staging. Every receive is
-        posted before the first wait, so the sender never stalls between buckets. Raises WeightSyncError.
+    def receive_buckets(
+        self,
+        buckets: Sequence[BucketMeta],
+        group_name: str,
+        weight_version: int,
+        flattened: bool,
+    ) -> None:
+        """Receive consecutive buckets (each one flat broadcast, or one broadcast per tensor) into staging. Every
+        receive is posted before the first wait, so the sender never stalls between buckets. Raises
+        WeightSyncError.
 
         The lock is not held while the collectives wait, so a replacement group (`init_group`) can form
         while a bucket of an abandoned update is still stuck waiting for its sender.
@@ -100,7 +107,7 @@ class WeightReceiver:
         with self._lock:
             self._start_staging(weight_version)
             epoch = self._epoch
-            targets = [self._targets(chunk, flattened) for chunk in chunks]
+            targets = [self._targets(bucket, flattened) for bucket in buckets]
         try:
             received = self._recv_all(targets, group_name, weight_version)
         except Exception:
@@ -124,8 +131,8 @@ class WeightReceiver:
         self._staged_buffers.append(buffer)
         return buffer
 
-    def _targets(self, chunk: Chunk, flattened: bool) -> _Targets:
-        names, dtypes, shapes = chunk
+    def _targets(self, bucket: BucketMeta, flattened: bool) -> _Targets:
+        names, dtypes, shapes = bucket
         if flattened:
             layout = FusionLayout.from_wire(names, dtypes, shapes)
             view = self._take_buffer(layout.total_bytes)[: layout.wire_bytes]

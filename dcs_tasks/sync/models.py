@@ -56,7 +56,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
                 raise ValueError(f"bucket_sizes must be positive and sum to {len(self.names)}")
         return self
 
-    def chunks(self) -> list[tuple[list[str], list[str], list[list[int]]]]:
+    def buckets(self) -> list[tuple[list[str], list[str], list[list[int]]]]:
         """(names, dtypes, shapes) of each broadcast this request announces, in order."""
         sizes = self.bucket_sizes or [len(self.names)]
         out, start = [], 0
