@@ -70,7 +70,7 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
         config=config,
         redis=client,
         topology=TopologyManager(client, keys, topology_config, config.heartbeat_timeout_seconds),
-        weight_meta=WeightMetaStore(client, keys, notifier),
+        weight_meta=WeightMetaStore(client, keys, notifier, config.weight_meta_max_entries),
         request_metrics=metrics,
     )
 

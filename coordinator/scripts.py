@@ -119,19 +119,51 @@ end
 return out
 """
 
-# Append one weight-meta entry at most once per append id, and wake long-polls.
+# Append one weight-meta entry at most once per append id, trim the log to its bound, wake long-polls.
 # KEYS[1] weight_meta()  L of entries
-# KEYS[2] weight_meta_append(append_id)  K marker holding the length after that append
+# KEYS[2] weight_meta_append(append_id)  K marker holding the answer of that append
+# KEYS[3] weight_meta_base()  K absolute index of the list's first entry (absent: 0)
 # ARGV[1] entry JSON  ARGV[2] pub/sub channel weight_meta_channel()  ARGV[3] marker TTL in milliseconds
-# Returns the list length after the append (entry index + 1); a repeat of the same append id (redis-py
-# retries a command whose reply was lost to a timeout or reset) returns the first answer and adds nothing.
+# ARGV[4] most entries kept (0: all)
+# Returns the entry's absolute index + 1; a repeat of the same append id (redis-py retries a command whose
+# reply was lost to a timeout or reset) returns the first answer and adds nothing.
 APPEND_WEIGHT_META = """
 local done = redis.call("GET", KEYS[2])
 if done then
   return tonumber(done)
 end
 local length = redis.call("RPUSH", KEYS[1], ARGV[1])
-redis.call("SET", KEYS[2], length, "PX", ARGV[3])
+local base = tonumber(redis.call("GET", KEYS[3]) or "0")
+local keep = tonumber(ARGV[4])
+if keep > 0 and length > keep then
+  redis.call("LTRIM", KEYS[1], length - keep, -1)
+  base = redis.call("INCRBY", KEYS[3], length - keep)
+  length = keep
+end
+redis.call("SET", KEYS[2], base + length, "PX", ARGV[3])
 redis.call("PUBLISH", ARGV[2], "append")
-return length
+return base + length
+"""
+
+# Read the weight-meta log from an absolute index.
+# KEYS[1] weight_meta()  KEYS[2] weight_meta_base()  ARGV[1] absolute index
+# Returns {base, entries from max(index, base)}.
+READ_WEIGHT_META = """
+local base = tonumber(redis.call("GET", KEYS[2]) or "0")
+local start = tonumber(ARGV[1]) - base
+if start < 0 then
+  start = 0
+end
+return {base, redis.call("LRANGE", KEYS[1], start, -1)}
+"""
+
+# Empty the weight-meta log, keeping indices absolute: the base moves past the dropped entries.
+# KEYS[1] weight_meta()  KEYS[2] weight_meta_base()   Returns how many entries were dropped.
+CLEAR_WEIGHT_META = """
+local n = redis.call("LLEN", KEYS[1])
+if n > 0 then
+  redis.call("DEL", KEYS[1])
+  redis.call("INCRBY", KEYS[2], n)
+end
+return n
 """

@@ -1,9 +1,12 @@
 """The weight-meta log: senders append bucket descriptions, receivers read them by index with a long-poll.
 
-Entries live in a Redis list (RPUSH / LRANGE). Each append also PUBLISHes on `weight_meta_channel`; one
-`AppendNotifier` per coordinator process listens there and wakes its waiting long-polls, so a waiting
-request costs no Redis traffic until something is appended (or its timeout ends). Appends made through
-another coordinator wake this one too, because the wake-up goes through Redis.
+Entries live in a Redis list (RPUSH / LRANGE) holding at most `max_entries`; indices are absolute (a base
+counter moves past entries trimmed at append or dropped by `clear`), so a reader's index stays valid
+across both and a reader that fell behind is told where its entries resume (`first_index`). Each append
+also PUBLISHes on `weight_meta_channel`; one `AppendNotifier` per coordinator process listens there and
+wakes its waiting long-polls, so a waiting request costs no Redis traffic until something is appended (or
+its timeout ends). Appends made through another coordinator wake this one too, because the wake-up goes
+through Redis.
 """
 
 from __future__ import annotations
@@ -92,26 +95,37 @@ class AppendNotifier:
 class WeightMetaStore:
     """Append, read from an index (optionally waiting), and clear the weight-meta log."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: AppendNotifier) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: AppendNotifier, max_entries: int = 0) -> None:
         self.redis = redis
         self.keys = keys
         self.notifier = notifier
+        self.max_entries = max_entries
         self._append = redis.register_script(scripts.APPEND_WEIGHT_META)
+        self._read = redis.register_script(scripts.READ_WEIGHT_META)
+        self._clear = redis.register_script(scripts.CLEAR_WEIGHT_META)
 
     async def append(self, meta: WeightMeta, append_id: str | None = None) -> int:
-        """Append one entry and wake readers; returns the log's new length.
+        """Append one entry and wake readers; returns its absolute index + 1.
 
         Exactly once per `append_id` (default: a fresh one per call) even when the Redis client retries the
         command after a lost reply, so a receiver never sees a bucket twice.
         """
-        keys = [self.keys.weight_meta(), self.keys.weight_meta_append(append_id or uuid.uuid4().hex)]
-        args = [meta.model_dump_json(), self.keys.weight_meta_channel(), str(APPEND_MARKER_TTL_MS)]
+        marker = self.keys.weight_meta_append(append_id or uuid.uuid4().hex)
+        keys = [self.keys.weight_meta(), marker, self.keys.weight_meta_base()]
+        args: list[str | int] = [
+            meta.model_dump_json(),
+            self.keys.weight_meta_channel(),
+            APPEND_MARKER_TTL_MS,
+            self.max_entries,
+        ]
         return int(await self._append(keys=keys, args=args))
 
     async def read(self, index: int) -> WeightMetaBatch:
-        raw = await self.redis.lrange(self.keys.weight_meta(), index, -1)
+        """Entries from absolute `index` (from the oldest kept one if `index` was trimmed)."""
+        base, raw = await self._read(keys=[self.keys.weight_meta(), self.keys.weight_meta_base()], args=[index])
+        first = max(index, int(base))
         entries = [WeightMeta.model_validate_json(item) for item in raw]
-        return WeightMetaBatch(entries=entries, next_index=index + len(entries))
+        return WeightMetaBatch(entries=entries, next_index=first + len(entries), first_index=first)
 
     async def wait_read(self, index: int, wait_timeout_s: float) -> WeightMetaBatch:
         """Entries from `index`; if none yet, wait up to `wait_timeout_s` for an append, then read again."""
@@ -127,12 +141,8 @@ class WeightMetaStore:
                 await asyncio.wait_for(event.wait(), timeout=remaining)
 
     async def clear(self) -> int:
-        """Empty the log; returns how many entries it held."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.llen(self.keys.weight_meta())
-            pipe.delete(self.keys.weight_meta())
-            length, _ = await pipe.execute()
-        return int(length)
+        """Empty the log (indices keep counting); returns how many entries it held."""
+        return int(await self._clear(keys=[self.keys.weight_meta(), self.keys.weight_meta_base()]))
 
     async def length(self) -> int:
         return int(await self.redis.llen(self.keys.weight_meta()))

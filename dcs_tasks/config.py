@@ -87,6 +87,9 @@ class DCSConfig(BaseSettings):
     """Largest request body the coordinator accepts (413 beyond)."""
     request_timeout_seconds: float = Field(default=30.0, gt=0)
     """Timeout of one HTTP request from a DCS client to the coordinator or an engine."""
+    weight_meta_max_entries: int = Field(default=10_000, ge=0)
+    """Entries the weight-meta log keeps (0: all); older ones are dropped at append. Indices stay absolute,
+    so only a reader this far behind misses entries, and it is told (`first_index`)."""
     # topology answers (/peer mapping, /global_rank role order); give every coordinator the same values
     role_mappings: dict[str, str] = Field(default_factory=lambda: {"actor": "rollout"})
     """Peer role of each role, e.g. {"actor": "rollout"} (JSON in the environment)."""

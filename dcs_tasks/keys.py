@@ -46,6 +46,10 @@ class Keys:
         """L of weight-meta JSON entries, appended by senders, read by index."""
         return self._k("wmeta", "list")
 
+    def weight_meta_base(self) -> str:
+        """K absolute index of the first entry still in weight_meta (entries before it were trimmed or cleared)."""
+        return self._k("wmeta", "base")
+
     def weight_meta_channel(self) -> str:
         """pub/sub channel announcing appends to weight_meta (wakes long-polls)."""
         return self._k("wmeta", "chan")

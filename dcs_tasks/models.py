@@ -125,10 +125,14 @@ class WeightMeta(BaseModel):
 
 
 class WeightMetaBatch(BaseModel):
-    """Entries `[index, next_index)` of the weight-meta log; empty when the long-poll timed out."""
+    """Entries `[first_index, next_index)` of the weight-meta log; empty when the long-poll timed out.
+
+    Indices are absolute: they keep counting across trimming and /clear_weight_meta. `first_index` is the
+    index asked for, or later when the entries in between were already dropped from the log."""
 
     entries: list[WeightMeta]
     next_index: int = Field(ge=0)
+    first_index: int = Field(ge=0)
 
 
 class ClearWeightMetaResponse(StatusResponse):

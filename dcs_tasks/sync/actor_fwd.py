@@ -13,6 +13,7 @@ is shared: a receiver skips entries of groups it is not in and sentinels seen be
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,11 +25,13 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import BackendType
-from dcs_tasks.errors import DCSTimeoutError
+from dcs_tasks.errors import DCSTimeoutError, WeightSyncError
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.sender import BucketSender
+
+log = logging.getLogger(__name__)
 
 
 def needs_ref_update(rollout_id: int, ref_update_interval: int | None) -> bool:
@@ -138,6 +141,19 @@ class ActorFwdReceiver:
                     f"({received} buckets, {ends}/{self.train_pp_size} stages ended)"
                 )
             batch = await self.api.recv_weight_meta(self.meta_index, wait_timeout_s=min(left, 5.0))
+            if batch.first_index > self.meta_index:  # trimmed or cleared before we read them
+                missed = batch.first_index - self.meta_index
+                if received:
+                    self.receiver.abort()
+                    raise WeightSyncError(
+                        f"weight update v{version}: {missed} weight-meta entries were dropped from the log before "
+                        f"this receiver read them (raise weight_meta_max_entries); "
+                        f"keeping v{self.receiver.weight_version}"
+                    )
+                log.warning(
+                    "skipping %d weight-meta entries dropped from the log before this receiver read them", missed
+                )
+                self.meta_index = batch.first_index
             for meta in batch.entries:
                 self.meta_index += 1
                 if meta.is_end:

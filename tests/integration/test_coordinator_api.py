@@ -10,6 +10,7 @@ import pytest
 
 from dcs_tasks.config import DCSConfig, RoleInfo, TopologyConfig
 from dcs_tasks.errors import CoordinatorError, NodeNotFound
+from dcs_tasks.keys import Keys
 from dcs_tasks.models import HealthStatus, WeightMeta
 from tests.helpers.redis_server import RedisServer
 from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
@@ -219,6 +220,31 @@ async def test_weight_meta_append_read_by_index_and_clear(coord: InProcessCoordi
     assert (await api.recv_weight_meta(2)).entries[0] == metas[2]
     assert (await api.clear_weight_meta()).cleared == 4
     assert (await api.recv_weight_meta(0)).entries == []
+
+
+async def test_weight_meta_log_is_bounded_and_indices_stay_absolute(
+    dcs_config: DCSConfig, redis_server: RedisServer
+) -> None:
+    """Old entries are trimmed at append and cleared entries are gone, but every reader's index stays valid:
+    a reader that fell behind is told where its entries resume instead of reading the wrong ones."""
+    metas = [WeightMeta(names=[f"w{i}"], dtypes=["float32"], shapes=[[2]], group_name="g") for i in range(8)]
+    async with in_process_coordinator(dcs_config.model_copy(update={"weight_meta_max_entries": 3})) as coord:
+        api = coord.api
+        for meta in metas[:5]:
+            await api.send_weight_meta(meta)
+        assert redis_server.client().llen(Keys(dcs_config.namespace).weight_meta()) == 3
+        behind = await api.recv_weight_meta(0)
+        assert (behind.first_index, behind.entries, behind.next_index) == (2, metas[2:5], 5)
+        current = await api.recv_weight_meta(4)
+        assert (current.first_index, current.entries, current.next_index) == (4, [metas[4]], 5)
+
+        waiting = asyncio.create_task(api.recv_weight_meta(5, wait_timeout_s=10))
+        assert (await api.clear_weight_meta()).cleared == 3
+        await api.send_weight_meta(metas[5])  # index 5 after the clear, not 0
+        woken = await asyncio.wait_for(waiting, 5)
+        assert (woken.first_index, woken.entries, woken.next_index) == (5, [metas[5]], 6)
+        after_clear = await api.recv_weight_meta(0)
+        assert (after_clear.first_index, after_clear.entries) == (5, [metas[5]])
 
 
 async def test_long_poll_wakes_on_append_without_polling_redis(
