@@ -107,9 +107,15 @@ def join_engine(request: JoinRequest) -> JoinResult:
         body = response.json()
     except ValueError:
         body = {"success": False, "message": response.text[:500]}
+    if not isinstance(body, dict):
+        body = {"message": response.text[:500]}
     if response.is_success and bool(body.get("success", True)):
         return JoinResult(node_id=node, success=True, message=str(body.get("message", "")))
-    return JoinResult(node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=str(body.get("message", "")))
+    # SGLang answers {"success": false, "message"} or, for a body it cannot parse, FastAPI's {"detail"}
+    reason = body.get("message") or body.get("detail") or response.text[:500]
+    return JoinResult(
+        node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=f"{response.status_code}: {reason}"
+    )
 
 
 def destroy_group(client: redis.Redis, keys: Keys, request: DestroyRequest, timeout: float = 10.0) -> int:

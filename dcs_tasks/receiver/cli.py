@@ -16,7 +16,7 @@ from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.receiver.server import create_receiver_app
 from dcs_tasks.receiver.weights import WeightReceiver
-from dcs_tasks.sync.models import FLATTENED_BUCKET
+from dcs_tasks.sync.models import DCS_FUSED_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         rank=args.rank,
         ip=args.host,
         port=sock.getsockname()[1],
-        metadata={"num_gpus": 1, "load_formats": [] if args.per_tensor else [FLATTENED_BUCKET]},
+        metadata={"num_gpus": 1, "load_formats": [] if args.per_tensor else [DCS_FUSED_FORMAT]},
     )
     asyncio.run(serve(config, info, sock))
     return 0

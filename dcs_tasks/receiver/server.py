@@ -24,7 +24,7 @@ from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import (
-    FLATTENED_BUCKET,
+    DCS_FUSED_FORMAT,
     DestroyWeightsUpdateGroupRequest,
     EngineResponse,
     InitWeightsUpdateGroupRequest,
@@ -39,19 +39,26 @@ def _failed(message: str) -> JSONResponse:
     return JSONResponse(EngineResponse(success=False, message=message).model_dump(), status_code=400)
 
 
-def _version(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest) -> int:
+def _version(body: UpdateWeightsFromDistributedRequest) -> int | None:
+    """The announced version: an integer (SGLang sends it as a string), or None when not named."""
     if body.weight_version is None:
-        return receiver.weight_version + 1
-    return int(body.weight_version)
+        return None
+    try:
+        return int(body.weight_version)
+    except ValueError:
+        raise ValueError(f"weight_version must be an integer, got {body.weight_version!r}") from None
 
 
-def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest, version: int) -> None:
-    """Receive every broadcast `body` announces (one, or `bucket_sizes` of them), recording metrics."""
+def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest) -> int:
+    """Receive every broadcast `body` announces (one, or `bucket_sizes` of them), recording metrics; returns the
+    version staged."""
     started = time.perf_counter()
     buckets = body.buckets()
-    receiver.receive_buckets(buckets, body.group_name, version, body.load_format == FLATTENED_BUCKET)
+    flattened = body.load_format == DCS_FUSED_FORMAT
+    version = receiver.receive_buckets(buckets, body.group_name, _version(body), flattened)
     nbytes = sum(FusionLayout.from_wire(*bucket).payload_bytes for bucket in buckets)
     get_metrics().record_recv(nbytes, time.perf_counter() - started)
+    return version
 
 
 def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> FastAPI:
@@ -73,9 +80,8 @@ def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> Fast
     @app.post("/update_weights_from_distributed", response_model=EngineResponse)
     async def update(body: UpdateWeightsFromDistributedRequest) -> EngineResponse | JSONResponse:
         try:
-            version = _version(receiver, body)
             with paused_gc(pause_gc):
-                await asyncio.to_thread(_receive, receiver, body, version)
+                version = await asyncio.to_thread(_receive, receiver, body)
                 if body.flush_cache:
                     receiver.commit(version)
             if body.flush_cache:

@@ -57,6 +57,7 @@ class WeightReceiver:
         self._committed_buffers: list[torch.Tensor] = []  # flat buffers backing `weights`
         self._spare: list[torch.Tensor] = []  # free, already page-faulted buffers (the previous version's)
         self._staging_version: int | None = None
+        self._staging_named = False  # whether a bucket of the staged update named its version
         self._staging_failed = False
         self._epoch = 0  # bumped whenever staging is dropped; a bucket received across a bump is discarded
         self._lock = threading.RLock()  # guards groups and staging; never held while a collective waits
@@ -84,28 +85,31 @@ class WeightReceiver:
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
         group_name: str,
-        weight_version: int,
+        weight_version: int | None,
         flattened: bool,
-    ) -> None:
+    ) -> int:
         """Receive one bucket of update `weight_version` into staging (see `receive_buckets`)."""
-        self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened)
+        return self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened)
 
     def receive_buckets(
         self,
         buckets: Sequence[BucketMeta],
         group_name: str,
-        weight_version: int,
+        weight_version: int | None,
         flattened: bool,
-    ) -> None:
+    ) -> int:
         """Receive consecutive buckets (each one flat broadcast, or one broadcast per tensor) into staging. Every
-        receive is posted before the first wait, so the sender never stalls between buckets. Raises
-        WeightSyncError.
+        receive is posted before the first wait, so the sender never stalls between buckets. Returns the
+        version staged; raises WeightSyncError.
+
+        `weight_version=None` (SGLang's senders name the version on the last bucket only) joins the update
+        being staged, or starts one at the committed version + 1; a versioned bucket then names that update.
 
         The lock is not held while the collectives wait, so a replacement group (`init_group`) can form
         while a bucket of an abandoned update is still stuck waiting for its sender.
         """
         with self._lock:
-            self._start_staging(weight_version)
+            weight_version = self._start_staging(weight_version)
             epoch = self._epoch
             targets = [self._targets(bucket, flattened) for bucket in buckets]
         try:
@@ -121,6 +125,7 @@ class WeightReceiver:
                     f"bucket of v{weight_version} from {group_name!r} arrived after its update was abandoned; dropped"
                 )
             self._staging.update(received)
+        return weight_version
 
     def _take_buffer(self, nbytes: int) -> torch.Tensor:
         """A flat receive buffer: the next spare one if big enough (no page faults), else a new one."""
@@ -154,12 +159,23 @@ class WeightReceiver:
             log.info("bucket %d/%d of v%d received (%d tensors)", index + 1, len(targets), version, len(received))
         return out
 
-    def _start_staging(self, weight_version: int) -> None:
-        if self._staging_version != weight_version:
-            if self._staging_version is not None:
-                log.warning("abandoning incomplete update v%s for v%s", self._staging_version, weight_version)
+    def _start_staging(self, weight_version: int | None) -> int:
+        staging = self._staging_version
+        if weight_version is None:  # an unversioned bucket belongs to the update being staged
+            if staging is not None:
+                return staging
             self.abort()
-            self._staging_version = weight_version
+            self._staging_version, self._staging_named = self.weight_version + 1, False
+            return self._staging_version
+        if staging is not None and not self._staging_named and not self._staging_failed:
+            self._staging_version, self._staging_named = weight_version, True  # its first buckets were unversioned
+            return weight_version
+        if staging != weight_version:
+            if staging is not None:
+                log.warning("abandoning incomplete update v%s for v%s", staging, weight_version)
+            self.abort()
+            self._staging_version, self._staging_named = weight_version, True
+        return weight_version
 
     def commit(self, weight_version: int) -> None:
         """Swap the staged update in. Raises WeightSyncError if it is incomplete or failed."""

@@ -2,7 +2,7 @@
 
 The HTTP bodies follow SGLang's API (`/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`), so a real SGLang server accepts what the trainer sends. Two optional
-fields matter to DCS receivers: `load_format="flattened_bucket"` (the bucket arrives as one flat uint8
+fields matter to DCS receivers: `load_format="dcs_fused_u8_v1"` (the bucket arrives as one flat uint8
 broadcast laid out by `FusionLayout.from_wire`; absent = one broadcast per tensor, SGLang's default) and
 `flush_cache=True` only on the last bucket of an update (a DCS receiver commits the staged update then).
 """
@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcs_tasks.config import BackendType
 
-FLATTENED_BUCKET = "flattened_bucket"
+# Not SGLang's own "flattened_bucket" (one unpadded, element-indexed buffer per request): a different layout,
+# so a different name; an engine that advertises this one speaks DCS's format.
+DCS_FUSED_FORMAT = "dcs_fused_u8_v1"
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
@@ -41,7 +43,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     load_format: str | None = None
     bucket_sizes: list[int] | None = Field(
         default=None,
-        description="DCS extension, flattened_bucket only: the tensors form consecutive broadcasts of these "
+        description="DCS extension, dcs_fused_u8_v1 only: the tensors form consecutive broadcasts of these "
         "many tensors each, so one request announces a whole update",
     )
 
@@ -50,8 +52,8 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have equal lengths")
         if self.bucket_sizes is not None:
-            if self.load_format != FLATTENED_BUCKET:
-                raise ValueError("bucket_sizes needs load_format=flattened_bucket")
+            if self.load_format != DCS_FUSED_FORMAT:
+                raise ValueError("bucket_sizes needs load_format=dcs_fused_u8_v1")
             if any(n < 1 for n in self.bucket_sizes) or sum(self.bucket_sizes) != len(self.names):
                 raise ValueError(f"bucket_sizes must be positive and sum to {len(self.names)}")
         return self
@@ -108,7 +110,7 @@ class EngineEndpoint(BaseModel):
     port: int = Field(ge=1, le=65535)
     num_gpus: int = Field(default=1, ge=1)
     rank_offset: int = Field(default=1, ge=1)
-    flattened: bool = Field(default=False, description="accepts load_format=flattened_bucket (DCS receivers)")
+    flattened: bool = Field(default=False, description="accepts load_format=dcs_fused_u8_v1 (DCS receivers)")
 
     @property
     def url(self) -> str:

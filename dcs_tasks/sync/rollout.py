@@ -25,7 +25,7 @@ from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.models import (
-    FLATTENED_BUCKET,
+    DCS_FUSED_FORMAT,
     EngineEndpoint,
     GroupPlan,
     QuantizationConfig,
@@ -33,6 +33,8 @@ from dcs_tasks.sync.models import (
 )
 from dcs_tasks.sync.planning import plan_rollout_group
 from dcs_tasks.sync.sender import Announce, AnnounceAll, BucketSender
+
+BLAME_TIMEOUT_SECONDS = 3.0
 
 
 class RolloutUpdater:
@@ -120,14 +122,19 @@ class RolloutUpdater:
         return True
 
     async def _engine_versions(self, plan: GroupPlan) -> list[int]:
-        """Engines' committed versions, so a restarted trainer keeps versions rising (0 where unknown)."""
+        """Engines' committed versions, so a restarted trainer keeps versions rising (0 where unknown): GET
+        /get_weight_version (DCS receivers, older SGLang), else /model_info (newer SGLang). SGLang's version is a
+        string ("default" before any update); anything but an integer counts as 0."""
 
         async def one(engine: EngineEndpoint) -> int:
-            try:
-                response = await self._http.get(f"{engine.url}/get_weight_version", timeout=2.0)
-                return int(response.json()["weight_version"]) if response.is_success else 0
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return 0
+            for path in ("/get_weight_version", "/model_info"):
+                try:
+                    response = await self._http.get(f"{engine.url}{path}", timeout=2.0)
+                    if response.is_success:
+                        return int(response.json()["weight_version"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    continue
+            return 0
 
         return list(await asyncio.gather(*(one(e) for e in plan.engines)))
 
@@ -146,7 +153,7 @@ class RolloutUpdater:
                 group_name=group.result.group_name,
                 weight_version=str(version),
                 flush_cache=True,
-                load_format=FLATTENED_BUCKET,
+                load_format=DCS_FUSED_FORMAT,
                 bucket_sizes=[len(layout.specs) for layout in layouts],
             )
             await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
@@ -160,7 +167,7 @@ class RolloutUpdater:
                 dtypes=[s.dtype for s in layout.specs],
                 shapes=[list(s.shape) for s in layout.specs],
                 group_name=group.result.group_name,
-                weight_version=str(version),
+                weight_version=str(version) if last else None,  # SGLang publishes a named version at once
                 flush_cache=last,
                 load_format=None,
             )
@@ -169,10 +176,12 @@ class RolloutUpdater:
         return announce
 
     async def _blame(self, plan: GroupPlan) -> str | None:
-        """The first engine that does not answer GET /health within a second (None if all answer)."""
+        """The first engine that does not answer GET /health within BLAME_TIMEOUT_SECONDS (None if all answer).
+        Any HTTP answer counts as alive: SGLang's /health runs a one-token generation, which can take a second
+        and may fail while an update is failing."""
         for engine in plan.engines:
             try:
-                (await self._http.get(f"{engine.url}/health", timeout=1.0)).raise_for_status()
+                await self._http.get(f"{engine.url}/health", timeout=BLAME_TIMEOUT_SECONDS)
             except httpx.HTTPError:
                 return engine.node_id
         return None

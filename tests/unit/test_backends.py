@@ -6,6 +6,7 @@ The receiver tests use a real one-member gloo group (no other process needed, no
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -72,14 +73,15 @@ def test_quantized_transfer_stays_within_its_documented_bound(dtype: str) -> Non
 
 
 @pytest.fixture
-def solo_receiver() -> WeightReceiver:
+def solo_receiver() -> Iterator[WeightReceiver]:
     backend = DeviceDirectBackend(timeout_seconds=10, group_init_timeout_seconds=10)
     receiver = WeightReceiver(backend)
     receiver.init_group(GroupSpec("solo", "127.0.0.1", free_port(), 1, 0))
-    return receiver
+    yield receiver
+    backend.close()
 
 
-def _bucket(receiver: WeightReceiver, tensors: dict[str, torch.Tensor], version: int) -> None:
+def _bucket(receiver: WeightReceiver, tensors: dict[str, torch.Tensor], version: int | None) -> int:
     buffer, layout = TensorFusion().fuse(tensors)
     names, dtypes = layout.names, [s.dtype for s in layout.specs]
     shapes = [list(s.shape) for s in layout.specs]
@@ -87,7 +89,7 @@ def _bucket(receiver: WeightReceiver, tensors: dict[str, torch.Tensor], version:
     spare = torch.empty(layout.total_bytes, dtype=torch.uint8)
     spare[: buffer.numel()].copy_(buffer)
     receiver._spare = [spare]
-    receiver.receive_bucket(names, dtypes, shapes, "solo", version, flattened=True)
+    return receiver.receive_bucket(names, dtypes, shapes, "solo", version, flattened=True)
 
 
 def test_receiver_commits_only_a_complete_update(solo_receiver: WeightReceiver) -> None:
@@ -107,3 +109,26 @@ def test_receiver_commits_only_a_complete_update(solo_receiver: WeightReceiver) 
     with pytest.raises(WeightSyncError):
         solo_receiver.commit(3)
     assert solo_receiver.digest() == (1, digest)
+
+
+def test_unversioned_buckets_join_the_update_the_last_bucket_names(solo_receiver: WeightReceiver) -> None:
+    """SGLang's senders name weight_version on the last bucket only: earlier, unversioned buckets belong to
+    that update (not to an abandoned committed+1), and an update never named commits as committed+1."""
+    a, b = {"a": torch.randn(3)}, {"b": torch.randn(5)}
+    assert _bucket(solo_receiver, a, version=None) == 1  # provisional: committed + 1
+    assert _bucket(solo_receiver, b, version=7) == 7  # the trainer is further along: the update is v7
+    solo_receiver.commit(7)
+    version, digest = solo_receiver.digest()
+    assert version == 7 and set(digest) == {"a", "b"}
+
+    assert _bucket(solo_receiver, {"a": torch.zeros(3)}, version=None) == 8
+    assert _bucket(solo_receiver, {"b": torch.zeros(5)}, version=None) == 8
+    solo_receiver.commit(8)
+    assert solo_receiver.weight_version == 8 and torch.equal(solo_receiver.weights["b"], torch.zeros(5))
+
+    _bucket(solo_receiver, {"a": torch.ones(3)}, version=9)
+    assert _bucket(solo_receiver, {"b": torch.ones(5)}, version=None) == 9  # joins the named update
+    _bucket(solo_receiver, {"a": torch.full((3,), 2.0)}, version=10)  # a new name abandons v9
+    with pytest.raises(WeightSyncError):
+        solo_receiver.commit(9)
+    assert solo_receiver.weight_version == 8
