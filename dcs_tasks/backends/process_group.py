@@ -7,8 +7,10 @@ tcp://master_address:master_port, a PrefixStore per group name, and a backend bu
 
 Rank 0 hosts the TCPStore. Master stores are pooled per (address, port) and reference-counted: a
 successor group on the same port (e.g. the next rollout's actor_fwd group) reuses the live store instead
-of binding the port again while the old listener may linger. The gloo/NCCL constructor's full-mesh
-connect is the barrier: it waits for every rank, bounded by the init timeout.
+of binding the port again while the old listener may linger. A group counts as formed once every rank
+has built its backend and said so in the group's store (`joined/<rank>` keys), bounded by the init
+timeout: gloo's constructor connects the full mesh, but NCCL connects lazily at the first collective, so
+without this barrier a missing NCCL member would only show at the first broadcast.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def new_group(
             release_store(master_address, master_port)
         raise
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    try:
+        prefixed.set(f"joined/{rank}", "1")
+        prefixed.wait([f"joined/{r}" for r in range(world_size)], init_timeout)
+    except BaseException:
+        destroy(pg)
+        if rank == 0:
+            release_store(master_address, master_port)
+        raise
     return pg
 
 
