@@ -5,6 +5,10 @@ tensors into it -> open the step in the Redis ledger -> return a `PendingCheckpo
 thread sends one JSON persist task per file to this host's node queue (a failed send fails the pending
 save with its reason). The workers write, checksum and commit. The stall the trainer pays is everything up
 to that return (the copy dominates).
+
+Multi-rank runs: every trainer rank makes its own `Checkpointer(run, rank=r, world_size=W)` and saves its
+own part; a step counts once every rank committed it, and restore reshards to this checkpointer's world
+size (see `dcs_tasks.checkpoint.sharded`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,7 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint import cuda, reader
+from dcs_tasks.checkpoint import cuda, reader, sharded
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     Layout,
@@ -66,12 +71,22 @@ class Checkpointer:
         size_hint_bytes: int | None = None,
         celery_app: Celery | None = None,
         copy_threads: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if not re.match(RUN_PATTERN, run):
             raise CheckpointError(f"run name {run!r} must match {RUN_PATTERN}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise CheckpointError(f"rank {rank} is not a rank of world size {world_size}")
         self.run = run
+        self.rank = rank
+        self.world_size = world_size
         self.config = config or DCSConfig()
-        self.run_dir = (Path(self.config.checkpoint_dir) / run).resolve()
+        self.run_root = (Path(self.config.checkpoint_dir) / run).resolve()
+        # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
+        multi = world_size > 1
+        self._shard_run = sharded.shard_run_name(run, rank) if multi else run
+        self.run_dir = self.run_root / sharded.rank_dir_name(rank) if multi else self.run_root
         self._keys = Keys(self.config.namespace)
         self._redis = redis.Redis.from_url(
             self.config.redis_url,
@@ -82,7 +97,9 @@ class Checkpointer:
         self._ledger = StepLedger(self._redis, self._keys)
         self._app = celery_app or make_celery(self.config)
         self._pool = StagingPool(
-            Path(self.config.staging_dir), self.config.staging_buffers, prefix=f"dcs-{self.config.namespace}-{run}"
+            Path(self.config.staging_dir),
+            self.config.staging_buffers,
+            prefix=f"dcs-{self.config.namespace}-{self._shard_run}",
         )
         self._copier = HostCopier(copy_threads)
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
@@ -93,15 +110,23 @@ class Checkpointer:
 
     # --- save -----------------------------------------------------------------------------------
     def save(
-        self, state: Any, step: int, metadata: dict[str, Any] | None = None, timeout: float | None = None
+        self,
+        state: Any,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        sharding: Mapping[str, int] | None = None,
     ) -> PendingCheckpoint:
         """Stage `state` and enqueue its persistence; returns once staged (with `async_io=False`, once
-        committed, raising CheckpointFailed like `wait()`). Raises NoWorkerError when no
-        worker serves this host, StagingError when no buffer frees up within `timeout` (policy block),
-        CheckpointError when `step` is already committed or in flight."""
+        committed, raising CheckpointFailed like `wait()`). `sharding`: flat tensor name ("model/w") ->
+        the dimension this rank's part splits along (a restore at another world size reshards them; every
+        other tensor is rank-local). Raises NoWorkerError when no worker serves this host, StagingError when
+        no buffer frees up within `timeout` (policy block), CheckpointError when `step` is already committed
+        or in flight or `sharding` does not fit the state."""
         started = time.perf_counter()
         self._require_worker()
         flat = flatten_state(state)
+        dims = sharded.check_sharding(sharding or {}, flat.tensors)
         layout = self._layout(flat)
         buf = self._acquire(layout.nbytes, timeout)
         if buf is None:
@@ -115,14 +140,14 @@ class Checkpointer:
             )
         try:
             self._stage(buf, layout, flat)
-            ref = self._begin(step, layout, flat, metadata or {})
+            ref = self._begin(step, layout, flat, metadata or {}, dims)
         except BaseException:
             self._pool.release(buf)
             raise
         dispatch = self._dispatcher.submit(self._send, ref, buf, layout)  # off the trainer's critical path
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
-            self.run,
+            self._shard_run,
             step,
             ledger=self._ledger,
             step_dir=self._step_dir(step),
@@ -192,7 +217,9 @@ class Checkpointer:
         else:
             copy_into(buf, layout, flat.tensors, copier=self._copier)
 
-    def _begin(self, step: int, layout: Layout, flat: FlatState, metadata: dict[str, Any]) -> StepRef:
+    def _begin(
+        self, step: int, layout: Layout, flat: FlatState, metadata: dict[str, Any], dims: dict[str, int]
+    ) -> StepRef:
         draft = ManifestDraft(
             run=self.run,
             step=step,
@@ -201,9 +228,12 @@ class Checkpointer:
             metadata=metadata,
             created_at=time.time(),
             versions=library_versions(),
+            rank=self.rank,
+            world_size=self.world_size,
+            sharded_dims=dims,
         )
-        ref = StepRef(run=self.run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
-        verdict = self._ledger.begin(self.run, step, ref.token, len(layout.files), draft)
+        ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
+        verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft)
         if verdict is Verdict.COMMITTED:
             raise CheckpointError(f"step {step} of run {self.run!r} is already committed; save under a new step")
         if verdict is Verdict.BUSY:
@@ -252,7 +282,12 @@ class Checkpointer:
     def restore(self, step: int | None = None, into: Any = None, verify: bool = True) -> RestoredCheckpoint:
         """Load `step` (default: the newest committed step whose files verify, falling back to older ones
         with a warning). `into`: a state of the same structure whose tensors are filled in place.
-        Raises CheckpointNotFound, CorruptCheckpoint (explicit step), StateMismatch (naming the tensor)."""
+        Raises CheckpointNotFound, CorruptCheckpoint (explicit step), StateMismatch (naming the tensor).
+
+        When the run was saved by several ranks, or this checkpointer has several, only steps every saving
+        rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.sharded`)."""
+        if self.world_size > 1 or sharded.rank_dirs(self.run_root):
+            return self._restore_sharded(step, into, verify)
         dirs = dict(reader.step_dirs(self.run_dir))
         if step is not None:
             if step not in dirs:
@@ -268,6 +303,41 @@ class Checkpointer:
                     stacklevel=2,
                 )
         raise CheckpointNotFound(f"run {self.run!r} has no committed checkpoint that verifies in {self.run_dir}")
+
+    def _restore_sharded(self, step: int | None, into: Any, verify: bool) -> RestoredCheckpoint:
+        complete = sharded.complete_steps(self.run_root)
+        if step is not None:
+            if step not in complete:
+                partial = sharded.incomplete_steps(self.run_root).get(step)
+                detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
+                raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
+            return self._load_sharded(complete[step], into, verify)
+        for candidate in sorted(complete, reverse=True):
+            try:
+                return self._load_sharded(complete[candidate], into, verify)
+            except CorruptCheckpoint as exc:
+                warnings.warn(
+                    f"checkpoint step {candidate} is corrupt ({exc}); falling back to an older one",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        raise CheckpointNotFound(
+            f"run {self.run!r} has no step that every rank committed and that verifies in {self.run_root}"
+        )
+
+    def _load_sharded(self, shards: sharded.StepShards, into: Any, verify: bool) -> RestoredCheckpoint:
+        started = time.perf_counter()
+        plan = sharded.plan_reshard(shards, self.rank, self.world_size)
+        loaded = {
+            src: reader.load_tensors(shards.dirs[src], shards.manifests[src], verify=verify) for src in plan.sources
+        }
+        tensors = sharded.assemble(plan, shards, loaded)
+        if into is not None:
+            tensors = sharded.fill(flatten_state(into).tensors, tensors)
+        manifest = shards.manifests[plan.local_source]
+        state = unflatten_state(manifest.structure, tensors)
+        record_load(time.perf_counter() - started, sum(shards.manifests[src].total_bytes for src in plan.sources))
+        return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
 
     def _restore_dir(self, step_dir: Path, into: Any, verify: bool) -> RestoredCheckpoint:
         started = time.perf_counter()

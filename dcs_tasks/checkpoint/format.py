@@ -202,6 +202,11 @@ class ManifestDraft(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     created_at: float
     versions: dict[str, str] = Field(default_factory=dict)
+    rank: int = Field(default=0, ge=0)
+    world_size: int = Field(default=1, ge=1)
+    sharded_dims: dict[str, int] = Field(
+        default_factory=dict, description="flat tensor name -> dimension it is split along across ranks"
+    )
 
 
 class Manifest(ManifestDraft):

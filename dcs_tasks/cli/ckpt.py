@@ -31,6 +31,7 @@ def register(sub: Any) -> None:
         p = actions.add_parser(name, help=text)
         p.add_argument("--run", required=True)
         p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+        p.add_argument("--rank", type=int, default=None, help="one rank's part of a multi-rank run")
         p.set_defaults(func=func)
         if name in ("verify", "inspect"):
             p.add_argument("--step", type=int, default=None, help="one step (default: all / the newest)")
@@ -39,14 +40,24 @@ def register(sub: Any) -> None:
             p.add_argument("--keep-every", type=int, default=None)
 
 
-def _run_dir(args: argparse.Namespace) -> Path:
+def _run_root(args: argparse.Namespace) -> Path:
     root = args.dir if args.dir is not None else DCSConfig().checkpoint_dir
     return Path(root) / args.run
 
 
+def _run_dir(args: argparse.Namespace) -> Path:
+    from dcs_tasks.checkpoint.sharded import rank_dir_name
+
+    root = _run_root(args)
+    return root / rank_dir_name(args.rank) if args.rank is not None else root
+
+
 def _list(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
+    from dcs_tasks.checkpoint.sharded import rank_dirs
 
+    if args.rank is None and rank_dirs(_run_root(args)):
+        return _list_ranks(args)
     run_dir = _run_dir(args)
     latest = read_latest(run_dir)
     for step, step_dir in step_dirs(run_dir):
@@ -54,6 +65,20 @@ def _list(args: argparse.Namespace) -> int:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
         print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{mark}")
+    return 0
+
+
+def _list_ranks(args: argparse.Namespace) -> int:
+    """A multi-rank run: steps every rank committed (restorable), then steps some rank is missing."""
+    from dcs_tasks.checkpoint.sharded import complete_steps, incomplete_steps
+
+    root = _run_root(args)
+    for step, shards in complete_steps(root).items():
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(shards.manifests[0].created_at))
+        size = sum(m.total_bytes for m in shards.manifests.values()) / 2**20
+        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks")
+    for step, ranks in sorted(incomplete_steps(root).items()):
+        print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
     return 0
 
 

@@ -1,0 +1,220 @@
+"""Multi-rank checkpoints: where each rank's shard lives, which steps every rank committed, and resharding.
+
+A run saved by `world_size` > 1 trainers keeps one sub-directory per rank,
+`<checkpoint_dir>/<run>/rank-00003/step-00000040/`, each an ordinary single-rank checkpoint (own files,
+own `manifest.json`, own `latest`, own ledger entry under `<run>.rank-00003`). A step exists for readers
+only when every rank 0..world_size-1 committed it with the same world size (*complete*); a step that some
+rank never committed is ignored, so a crash between ranks' commits can never be restored half-way. A run
+saved by a single trainer (the plain layout, `<run>/step-.../`) reads as a complete 1-rank run.
+
+Resharding. `save(..., sharding={"model/w": 0})` marks flat tensor names (see `flatten_state`: keys joined
+by "/") as split along a dimension across ranks, in rank order; shards may be uneven. Every other tensor is
+rank-local (replicated tensors of data-parallel training are simply equal on every rank). Restoring as rank
+r of W':
+- a sharded tensor is the global tensor (the ranks' shards concatenated along its dim) split like
+  `torch.tensor_split(global, W', dim)[r]`, read only from the source ranks that overlap that part;
+- rank-local tensors and the non-tensor structure come from source rank r, or rank 0 when r >= W.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dcs_tasks.checkpoint.format import Manifest
+from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
+from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+
+RANK_DIR = re.compile(r"^rank-(\d{5})$")
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def shard_run_name(run: str, rank: int) -> str:
+    """The ledger and staging name of one rank's shard of `run`."""
+    return f"{run}.{rank_dir_name(rank)}"
+
+
+def rank_dirs(run_root: Path) -> dict[int, Path]:
+    """rank -> its directory, for a multi-rank run (empty for a plain single-rank run)."""
+    if not run_root.is_dir():
+        return {}
+    found = {}
+    for child in run_root.iterdir():
+        match = RANK_DIR.match(child.name)
+        if match and child.is_dir():
+            found[int(match.group(1))] = child
+    return found
+
+
+@dataclass(frozen=True)
+class StepShards:
+    """One complete step: every rank's step directory and manifest."""
+
+    step: int
+    world_size: int
+    dirs: dict[int, Path]
+    manifests: dict[int, Manifest]
+
+
+def complete_steps(run_root: Path) -> dict[int, StepShards]:
+    """step -> its shards, for every step that all ranks of its world size committed (plain runs: every
+    committed step, as world size 1). Unreadable manifests count as not committed."""
+    ranks = rank_dirs(run_root)
+    if not ranks:
+        ranks = {0: run_root}
+    found: dict[int, dict[int, tuple[Path, Manifest]]] = {}
+    for rank, directory in ranks.items():
+        for step, step_dir in step_dirs(directory):
+            try:
+                manifest = load_manifest(step_dir)
+            except CorruptCheckpoint:
+                continue
+            found.setdefault(step, {})[rank] = (step_dir, manifest)
+    out = {}
+    for step, shards in sorted(found.items()):
+        sizes = {m.world_size for _, m in shards.values()}
+        if len(sizes) != 1:
+            continue
+        world = sizes.pop()
+        if set(shards) != set(range(world)) or any(m.rank != r for r, (_, m) in shards.items()):
+            continue
+        out[step] = StepShards(
+            step, world, {r: d for r, (d, _) in shards.items()}, {r: m for r, (_, m) in shards.items()}
+        )
+    return out
+
+
+def incomplete_steps(run_root: Path) -> dict[int, list[int]]:
+    """step -> ranks that committed it, for steps not every rank committed (for error messages)."""
+    ranks = rank_dirs(run_root)
+    seen: dict[int, list[int]] = {}
+    for rank, directory in sorted(ranks.items()):
+        for step, _ in step_dirs(directory):
+            seen.setdefault(step, []).append(rank)
+    complete = complete_steps(run_root)
+    return {step: got for step, got in seen.items() if step not in complete}
+
+
+def check_sharding(sharding: Mapping[str, int], tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Validate `save(sharding=...)` against the flat tensors; CheckpointError names the first bad entry."""
+    out = {}
+    for name, dim in sharding.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            known = ", ".join(list(tensors)[:8])
+            raise CheckpointError(f"sharding names {name!r}, which is not a tensor of the state (first names: {known})")
+        if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < tensor.dim():
+            raise CheckpointError(
+                f"sharding of {name!r}: dim {dim!r} is not a dimension of its shape {tuple(tensor.shape)}"
+            )
+        out[name] = dim
+    return out
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """What rank `rank` of `world_size` reads from a complete step."""
+
+    local_source: int  # the source rank whose structure and rank-local tensors this rank takes
+    sources: tuple[int, ...]  # every source rank to read
+    pieces: dict[str, list[tuple[int, int, int]]]  # sharded name -> (source rank, start, length) along its dim
+    dims: dict[str, int]
+
+
+def plan_reshard(shards: StepShards, rank: int, world_size: int) -> ReshardPlan:
+    """Which source ranks and which slices make up rank `rank` of `world_size`. Raises CorruptCheckpoint
+    when the ranks' manifests disagree on what is sharded or on the other dimensions of a sharded tensor."""
+    local = rank if rank < shards.world_size else 0
+    reference = shards.manifests[local]
+    dims = dict(reference.sharded_dims)
+    pieces: dict[str, list[tuple[int, int, int]]] = {}
+    needed = {local}
+    for name, dim in dims.items():
+        sizes = []
+        for src in range(shards.world_size):
+            manifest = shards.manifests[src]
+            entry = manifest.tensors.get(name)
+            if entry is None or manifest.sharded_dims.get(name) != dim:
+                raise CorruptCheckpoint(
+                    f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim} like rank {local}"
+                )
+            ref_shape = list(reference.tensors[name].shape)
+            if entry.shape[:dim] + entry.shape[dim + 1 :] != ref_shape[:dim] + ref_shape[dim + 1 :]:
+                raise CorruptCheckpoint(
+                    f"step {shards.step}: shard of {name!r} on rank {src} has shape {entry.shape}, which does not "
+                    f"line up with {ref_shape} along dim {dim}"
+                )
+            sizes.append(entry.shape[dim])
+        begin, length = _tensor_split_range(sum(sizes), world_size, rank)
+        pieces[name] = _overlaps(sizes, begin, length)
+        needed.update(src for src, _, _ in pieces[name])
+    return ReshardPlan(local, tuple(sorted(needed)), pieces, dims)
+
+
+def _tensor_split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of part `index` of `torch.tensor_split(range(total), parts)`."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, base + (1 if index < extra else 0)
+
+
+def _overlaps(sizes: list[int], begin: int, length: int) -> list[tuple[int, int, int]]:
+    """(source, start within it, length) covering [begin, begin + length) of the concatenation of `sizes`."""
+    out, offset, end = [], 0, begin + length
+    for src, size in enumerate(sizes):
+        lo, hi = max(begin, offset), min(end, offset + size)
+        if hi > lo:
+            out.append((src, lo - offset, hi - lo))
+        offset += size
+    return out
+
+
+def assemble(
+    plan: ReshardPlan, shards: StepShards, loaded: Mapping[int, Mapping[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """This rank's flat tensors: rank-local ones from `plan.local_source`, sharded ones cut and joined."""
+    local = loaded[plan.local_source]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in local.items():
+        if name not in plan.dims:
+            out[name] = tensor
+            continue
+        dim = plan.dims[name]
+        pieces = plan.pieces[name]
+        if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == loaded[pieces[0][0]][name].shape[dim]:
+            out[name] = loaded[pieces[0][0]][name]  # exactly one whole source shard: no copy
+        elif pieces:
+            out[name] = torch.cat([loaded[src][name].narrow(dim, start, n) for src, start, n in pieces], dim=dim)
+        else:  # this rank's part is empty (more ranks than rows)
+            shape = list(tensor.shape)
+            shape[dim] = 0
+            out[name] = tensor.new_empty(shape)
+    return out
+
+
+def fill(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy the restored `tensors` into the caller's `targets` (restore(into=)), after checking that both hold
+    the same names, shapes and dtypes (StateMismatch names the first difference; nothing is written then)."""
+    for name, target in targets.items():
+        source = tensors.get(name)
+        if source is None:
+            raise StateMismatch(f"checkpoint has no tensor {name!r} that the target state holds")
+        if tuple(source.shape) != tuple(target.shape) or source.dtype != target.dtype:
+            raise StateMismatch(
+                f"tensor {name!r}: checkpoint resharded to {source.dtype} {tuple(source.shape)} for this rank, "
+                f"target has {target.dtype} {tuple(target.shape)}"
+            )
+    extra = [name for name in tensors if name not in targets]
+    if extra:
+        raise StateMismatch(f"checkpoint tensor {extra[0]!r} has no counterpart in the target state")
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(tensors[name])
+    return dict(targets)
