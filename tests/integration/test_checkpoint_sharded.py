@@ -150,3 +150,15 @@ def test_bad_sharding_or_rank_is_refused_with_the_name(config: DCSConfig) -> Non
             ckpt.save(rank_state(1, 0, 2), 1, sharding={"model/w": 2})
     with pytest.raises(CheckpointError, match="rank 2 is not a rank of world size 2"):
         Checkpointer("bad", config, rank=2, world_size=2)
+
+
+def test_a_single_trainer_checkpoint_reshards_too(config: DCSConfig) -> None:
+    """Train on one process, resume on two: the plain layout reads as a complete 1-rank run."""
+    with Checkpointer("solo", config) as ckpt:
+        ckpt.save(rank_state(10, 0, 1), 10, sharding=SHARDING).wait(timeout=60)
+    assert (Path(config.checkpoint_dir) / "solo" / "step-000000010" / "manifest.json").is_file()
+    for rank in range(2):
+        with Checkpointer("solo", config, rank=rank, world_size=2) as ckpt:
+            restored = ckpt.restore()
+        assert torch.equal(restored.state["model"]["w"], torch.tensor_split(global_state(10)["w"], 2, 0)[rank])
+        assert torch.equal(restored.state["rng"], torch.full((4,), 10.0))  # rank-local: from the only rank
