@@ -5,6 +5,11 @@ tensors of any dtype (views and non-contiguous tensors included) and plain value
 float, str, `torch.dtype`, `torch.Size`, `torch.device`). The description is pure JSON, so it travels
 in the manifest; floats are stored with `float.hex` so that NaN, inf and -0.0 survive bit-exactly.
 Anything else (arbitrary objects) is refused: DCS never pickles.
+
+Tied tensors (the same tensor, or the same view of the same storage, under two keys, e.g. an embedding
+shared with the output head) are saved once and come back as one tensor under both keys. The `_metadata`
+attribute `nn.Module.state_dict()` attaches (per-module versions that `load_state_dict` passes to
+`_load_from_state_dict`) is kept when it is plain JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class FlatState:
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self._seen: dict[tuple[Any, ...], str] = {}  # view identity -> the name it was saved under
 
     def name_for(self, path: tuple[str, ...]) -> str:
         base = "/".join(path) or "tensor"
@@ -47,7 +53,11 @@ class _Flattener:
             kind = "odict" if isinstance(value, OrderedDict) else "dict"
             keys = [_scalar(k, path) for k in value]
             values = [self.node(v, (*path, str(k))) for k, v in value.items()]
-            return {"k": kind, "keys": keys, "values": values}
+            node: Node = {"k": kind, "keys": keys, "values": values}
+            meta = _module_metadata(value)
+            if meta is not None:
+                node["meta"] = meta
+            return node
         if isinstance(value, torch.Size):
             return {"k": "size", "v": list(value)}
         if isinstance(value, list | tuple):
@@ -58,9 +68,36 @@ class _Flattener:
     def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> Node:
         if tensor.is_sparse or tensor.is_quantized or tensor.device.type == "meta":
             raise StagingError(f"cannot checkpoint tensor at {'/'.join(path)!r}: sparse/quantized/meta tensors")
+        identity = _view_identity(tensor)
+        if identity is not None and identity in self._seen:
+            return {"k": "tensor", "name": self._seen[identity]}  # tied: stored once
         name = self.name_for(path)
         self.tensors[name] = tensor
+        if identity is not None:
+            self._seen[identity] = name
         return {"k": "tensor", "name": name}
+
+
+def _view_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """Equal for two tensors that are the same view of the same memory (None: no storage to compare)."""
+    if tensor.numel() == 0:
+        return None
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def _module_metadata(value: Mapping[Any, Any]) -> dict[str, Any] | None:
+    """`state_dict()._metadata` ({module prefix: {"version": int, ...}}) when it is plain JSON, else None."""
+    meta = getattr(value, "_metadata", None)
+    if not isinstance(meta, Mapping):
+        return None
+    out: dict[str, Any] = {}
+    for prefix, entry in meta.items():
+        if not isinstance(prefix, str) or not isinstance(entry, Mapping):
+            return None
+        if not all(isinstance(k, str) and (v is None or isinstance(v, bool | int | str)) for k, v in entry.items()):
+            return None
+        out[prefix] = dict(entry)
+    return out
 
 
 def _scalar(value: Any, path: tuple[str, ...]) -> Node:
@@ -97,7 +134,14 @@ def unflatten_state(structure: Node, tensors: Mapping[str, torch.Tensor]) -> Any
         keys = [unflatten_state(k, tensors) for k in structure["keys"]]
         values = [unflatten_state(v, tensors) for v in structure["values"]]
         pairs = zip(keys, values, strict=True)
-        return OrderedDict(pairs) if kind == "odict" else dict(pairs)
+        if kind == "dict":
+            return dict(pairs)
+        rebuilt: OrderedDict[Any, Any] = OrderedDict(pairs)
+        if "meta" in structure:
+            rebuilt._metadata = OrderedDict(  # type: ignore[attr-defined]
+                (prefix, dict(entry)) for prefix, entry in structure["meta"].items()
+            )
+        return rebuilt
     if kind in ("list", "tuple"):
         items = [unflatten_state(i, tensors) for i in structure["items"]]
         return items if kind == "list" else tuple(items)

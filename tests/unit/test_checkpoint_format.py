@@ -113,3 +113,35 @@ def test_pool_reuses_buffers_and_removes_orphans_of_dead_trainers(tmp_path: Path
     assert again is first and again.view.data_ptr() == ptr  # type: ignore[union-attr]  # same mapping
     pool.close()
     assert list(directory.iterdir()) == []
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.BatchNorm1d(4)  # state_dict()._metadata carries its version
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_tensors_are_stored_once_and_come_back_tied_with_module_metadata() -> None:
+    import json
+
+    model = _Tied()
+    state = {"model": model.state_dict()}
+    flat = flatten_state(state)
+    assert "model/head.weight" not in flat.tensors and "model/embed.weight" in flat.tensors
+    structure = json.loads(json.dumps(flat.structure))  # it travels as JSON in the manifest
+    copies = {name: t.clone() for name, t in flat.tensors.items()}
+    restored = unflatten_state(structure, copies)["model"]
+    assert restored["head.weight"] is restored["embed.weight"]
+    assert restored._metadata == model.state_dict()._metadata and restored._metadata["norm"]["version"] == 2
+    fresh = _Tied()
+    fresh.load_state_dict(restored)
+    assert torch.equal(fresh.head.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
+
+
+def test_different_views_of_one_storage_are_not_tied() -> None:
+    base = torch.arange(12.0)
+    flat = flatten_state({"all": base, "head": base[:4], "reshaped": base.view(3, 4), "again": base})
+    assert sorted(flat.tensors) == ["all", "head", "reshaped"]  # "again" is the same view as "all"
