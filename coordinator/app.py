@@ -93,6 +93,12 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=422, content={"detail": "invalid request: " + "; ".join(problems)})
 
 
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """500 as JSON like every other answer (the traceback still goes to the log)."""
+    detail = f"internal error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}"
+    return JSONResponse(status_code=500, content={"detail": detail[:2000]})
+
+
 def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None) -> FastAPI:
     """The coordinator app for `config`; `topology_config` (role mappings, order) overrides the config's."""
     topo_config = topology_config or config.topology_config()
@@ -115,6 +121,7 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
         app.include_router(router)
     app.add_exception_handler(RedisError, _redis_unavailable)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
     # added last = outermost: metrics see every answer, auth runs before the body is read
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     token = config.token()

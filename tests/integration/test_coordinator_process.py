@@ -177,3 +177,20 @@ async def test_metrics_aggregate_every_process_in_multiprocess_mode(
     assert 'dcs_coordinator_requests_total{method="GET",route="/healthz",status="200"} 1.0' in text
     names = [family.name for family in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))
+
+
+async def test_an_unexpected_failure_answers_500_as_json_naming_it(
+    coordinator: CoordinatorProcess, redis_server: RedisServer, dcs_config: DCSConfig
+) -> None:
+    from dcs_tasks.keys import Keys
+
+    redis_server.client().hset(Keys(dcs_config.namespace).role_nodes("actor"), "0", "{not json")
+    async with httpx.AsyncClient(base_url=coordinator.url, timeout=10) as http:
+        response = await http.get("/topology", params={"role_filter": "actor"})
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/json"
+    assert "GET /topology" in response.json()["detail"]
+    deadline = asyncio.get_running_loop().time() + 5
+    while "Traceback" not in coordinator.log_path.read_text():  # the traceback is still logged
+        assert asyncio.get_running_loop().time() < deadline, coordinator.log_path.read_text()[-2000:]
+        await asyncio.sleep(0.1)
