@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -293,16 +293,24 @@ class Checkpointer:
             if step not in dirs:
                 raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
             return self._restore_dir(dirs[step], into, verify)
-        for candidate in sorted(dirs, reverse=True):
+        return self._newest_that_verifies(
+            list(dirs), lambda s: self._restore_dir(dirs[s], into, verify), f"committed checkpoint in {self.run_dir}"
+        )
+
+    def _newest_that_verifies(
+        self, steps: Sequence[int], load: Callable[[int], RestoredCheckpoint], what: str
+    ) -> RestoredCheckpoint:
+        """`load` the newest of `steps`, falling back to older ones (with a warning to restore's caller)."""
+        for candidate in sorted(steps, reverse=True):
             try:
-                return self._restore_dir(dirs[candidate], into, verify)
+                return load(candidate)
             except CorruptCheckpoint as exc:
                 warnings.warn(
                     f"checkpoint step {candidate} is corrupt ({exc}); falling back to an older one",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=4,
                 )
-        raise CheckpointNotFound(f"run {self.run!r} has no committed checkpoint that verifies in {self.run_dir}")
+        raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
 
     def _restore_sharded(self, step: int | None, into: Any, verify: bool) -> RestoredCheckpoint:
         complete = sharded.complete_steps(self.run_root)
@@ -312,17 +320,10 @@ class Checkpointer:
                 detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
                 raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
             return self._load_sharded(complete[step], into, verify)
-        for candidate in sorted(complete, reverse=True):
-            try:
-                return self._load_sharded(complete[candidate], into, verify)
-            except CorruptCheckpoint as exc:
-                warnings.warn(
-                    f"checkpoint step {candidate} is corrupt ({exc}); falling back to an older one",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        raise CheckpointNotFound(
-            f"run {self.run!r} has no step that every rank committed and that verifies in {self.run_root}"
+        return self._newest_that_verifies(
+            list(complete),
+            lambda s: self._load_sharded(complete[s], into, verify),
+            f"step every rank committed in {self.run_root}",
         )
 
     def _load_sharded(self, shards: sharded.StepShards, into: Any, verify: bool) -> RestoredCheckpoint:
