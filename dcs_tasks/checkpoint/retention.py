@@ -1,9 +1,10 @@
 """Retention policy: which committed steps to delete, and deleting them safely.
 
 Kept: the `keep_last` newest committed steps, every step divisible by `keep_every`, steps still in
-flight, and the newest step whose files are all present with their manifest sizes (the newest *good*
-checkpoint survives even if newer ones are damaged). A step is deleted manifest-first, so a reader never
-sees a half-deleted step as committed.
+flight, the newest step whose files are all present with their manifest sizes (the newest *good*
+checkpoint survives even if newer ones are damaged), and, in one rank's directory of a multi-rank run,
+the newest step every rank committed (a rank that runs ahead never deletes the only restorable step).
+A step is deleted manifest-first, so a reader never sees a half-deleted step as committed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dcs_tasks.checkpoint.format import MANIFEST_NAME
 from dcs_tasks.checkpoint.fsio import fsync_dir
 from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
+from dcs_tasks.checkpoint.sharded import RANK_DIR, complete_steps
 from dcs_tasks.errors import CorruptCheckpoint
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ def apply_retention(run_dir: Path, policy: RetentionPolicy, in_flight: set[int])
     good = newest_intact(run_dir)
     if good is not None:
         protected.add(good)
+    if RANK_DIR.match(run_dir.name):
+        complete = complete_steps(run_dir.parent)
+        if complete:
+            protected.add(max(complete))
     doomed = steps_to_delete(list(dirs), policy, protected)
     for step in doomed:
         delete_step(dirs[step])

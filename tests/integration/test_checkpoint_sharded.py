@@ -162,3 +162,20 @@ def test_a_single_trainer_checkpoint_reshards_too(config: DCSConfig) -> None:
             restored = ckpt.restore()
         assert torch.equal(restored.state["model"]["w"], torch.tensor_split(global_state(10)["w"], 2, 0)[rank])
         assert torch.equal(restored.state["rng"], torch.full((4,), 10.0))  # rank-local: from the only rank
+
+
+def test_retention_never_deletes_the_newest_step_every_rank_committed(config: DCSConfig) -> None:
+    from dcs_tasks.checkpoint.models import RetentionPolicy
+    from dcs_tasks.checkpoint.retention import apply_retention
+
+    save_all(config, "keep", 10, range(SAVED_WORLD))
+    save_all(config, "keep", 20, range(SAVED_WORLD - 1))  # rank 3 is behind
+    rank0 = Path(config.checkpoint_dir) / "keep" / "rank-00000"
+    keep_last_1 = RetentionPolicy(keep_last=1)
+    assert apply_retention(rank0, keep_last_1, set()) == []  # step 10 is the only restorable step
+    with Checkpointer("keep", config, rank=0, world_size=2) as ckpt:
+        assert ckpt.restore().step == 10
+    save_all(config, "keep", 20, range(SAVED_WORLD - 1, SAVED_WORLD))
+    assert apply_retention(rank0, keep_last_1, set()) == [10]  # now step 20 is complete
+    with Checkpointer("keep", config, rank=0, world_size=2) as ckpt:
+        assert ckpt.restore().step == 20
