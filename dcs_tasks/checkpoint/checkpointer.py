@@ -352,18 +352,31 @@ class Checkpointer:
         return RestoredCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def close(self, timeout: float = 60.0) -> None:
-        """Wait (bounded) for in-flight saves to finish with the staging buffers, then free them."""
-        deadline = time.monotonic() + timeout
+    def close(self, timeout: float | None = None) -> tuple[int, ...]:
+        """Wait for in-flight saves to finish with their staging buffers (at most `timeout` seconds, default
+        `visibility_timeout_seconds`: the longest a sent persist task can take to come back after a worker
+        crash), then free the buffers. Returns the steps still in flight then; their staging files are left
+        in place for the workers (deleting them would lose the save), and an error names them."""
+        limit = self.config.visibility_timeout_seconds if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while self._pool.in_flight() and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.01)
-        if self._pool.in_flight():
-            log.warning("closing with %d staging buffer(s) still in flight", self._pool.in_flight())
         self._dispatcher.shutdown(wait=True)
-        self._pool.close()
+        self._reap()
+        unfinished = tuple(sorted(p.step for p in self._pending if not p.released and not p.skipped))
+        if unfinished:
+            log.error(
+                "closing run %r with steps %s still being persisted after %gs; their staging files stay for the "
+                "workers (check them with `dcs ckpt list`)",
+                self._shard_run,
+                unfinished,
+                limit,
+            )
+        self._pool.close(keep_in_flight=True)
         self._copier.close()
         self._redis.close()
+        return unfinished
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -16,6 +16,7 @@ import contextlib
 import enum
 import mmap
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -105,9 +106,11 @@ def _prefault(mapping: mmap.mmap, size: int) -> None:
 def remove_orphans(directory: Path, prefix: str) -> list[Path]:
     """Delete staging files of `prefix` left by trainer processes that no longer exist (crashed)."""
     removed = []
+    # exactly <prefix>-<pid>-<8 hex>-<index>.stage: run "exp"'s cleanup must not read run "exp-2"'s files
+    ours = re.compile(rf"^{re.escape(prefix)}-(\d+)-[0-9a-f]{{8}}-\d+\.stage$")
     for path in directory.glob(f"{prefix}-*.stage"):
-        pid_text = path.name[len(prefix) + 1 :].split("-", 1)[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text)):
+        match = ours.match(path.name)
+        if match and not pid_alive(int(match.group(1))):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
@@ -161,12 +164,16 @@ class StagingPool:
         with self._lock:
             return sum(b.state is BufferState.IN_FLIGHT for b in self._buffers)
 
-    def close(self) -> None:
-        """Unmap and delete every buffer. Callers wait for in-flight saves first."""
+    def close(self, keep_in_flight: bool = False) -> None:
+        """Unmap every buffer and delete its file; with `keep_in_flight`, the files of buffers still in flight
+        stay (a worker has yet to read them; a later trainer of the run removes them once this one is dead)."""
         with self._lock:
             self._closed = True
             for buf in self._buffers:
-                buf.close()
+                if keep_in_flight and buf.state is BufferState.IN_FLIGHT:
+                    buf._unmap()
+                else:
+                    buf.close()
 
 
 @torch.no_grad()

@@ -66,3 +66,26 @@ def test_kill_9_of_the_whole_worker_then_new_worker_completes_the_save(dcs_confi
             assert "left unacknowledged by a dead worker" in replacement.log_tail(100_000)
         finally:
             replacement.terminate()
+
+
+def test_close_before_the_save_is_durable_keeps_its_staging_and_the_save_commits(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """A trainer that exits (close() with a short timeout) while its last save is still being written must
+    not delete the staged bytes under the worker: the save still commits."""
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=MiB)
+    state = training_state(width=400)  # ~1.3 MiB: ~1.3 s per write
+    worker = start_worker(config, tmp_path)
+    try:
+        ckpt = Checkpointer("last", config)
+        pending = ckpt.save(state, step=7)
+        staged = list(Path(config.staging_dir).glob("dcs-*last*"))
+        assert staged, "the save was staged in /dev/shm"
+        assert ckpt.close(timeout=0.2) == (7,)
+        assert all(p.exists() for p in staged), "close() deleted staging a worker still needs"
+        with Checkpointer("last", config) as fresh:
+            wait_until(lambda: [i.step for i in fresh.list()] == [7], 60, "the save to commit")
+            assert_same_state(state, fresh.restore().state)
+        assert pending.step_dir.is_dir()
+    finally:
+        worker.terminate()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -102,8 +103,12 @@ def test_pool_reuses_buffers_and_removes_orphans_of_dead_trainers(tmp_path: Path
     directory.mkdir()
     orphan = directory / "t-999999999-deadbeef-0.stage"  # no such pid
     orphan.write_bytes(b"x")
+    # live staging of run "t-999999998" (its trainer: this process), not an orphan of run "t"
+    other_run = directory / f"t-999999998-{os.getpid()}-deadbeef-0.stage"
+    other_run.write_bytes(b"x")
     pool = StagingPool(directory, 2, "t")
-    assert not orphan.exists()
+    assert not orphan.exists() and other_run.exists()
+    other_run.unlink()
     first = pool.try_acquire(10_000)
     second = pool.try_acquire(10_000)
     assert first is not None and second is not None and pool.try_acquire(1) is None  # bounded: 2 buffers
