@@ -240,6 +240,13 @@ class DCSConfig(BaseSettings):
     def token(self) -> str | None:
         return self.auth_token.get_secret_value() if self.auth_token else None
 
+    def abandoned_save_seconds(self) -> float:
+        """How long after it began a save still PERSISTING can no longer have a live persist task (a kill -9
+        of the worker brings a task back after the visibility timeout, and each try runs at most the hard
+        limit plus a backoff): a later save of the same step then takes it over."""
+        tries = self.max_retries + 1
+        return self.visibility_timeout_seconds + tries * (self.task_time_limit_seconds + self.retry_backoff_max_seconds)
+
     def topology_config(self) -> TopologyConfig:
         """The role mappings and role order the coordinator answers with (`DCS_ROLE_MAPPINGS`, `DCS_ROLE_ORDER`)."""
         return TopologyConfig(role_mappings=self.role_mappings, role_order=self.role_order)

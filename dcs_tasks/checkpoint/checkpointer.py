@@ -13,6 +13,7 @@ size (see `dcs_tasks.checkpoint.sharded`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -233,11 +234,15 @@ class Checkpointer:
             sharded_dims=dims,
         )
         ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
-        verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft)
+        abandoned_after = self.config.abandoned_save_seconds()
+        verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft, abandoned_after)
         if verdict is Verdict.COMMITTED:
             raise CheckpointError(f"step {step} of run {self.run!r} is already committed; save under a new step")
         if verdict is Verdict.BUSY:
-            raise CheckpointError(f"step {step} of run {self.run!r} is still being persisted")
+            raise CheckpointError(
+                f"step {step} of run {self.run!r} is still being persisted (an attempt that never finishes is "
+                f"taken over {abandoned_after:g}s after it began)"
+            )
         return ref
 
     def _send(self, ref: StepRef, buf: StagingBuffer, layout: Layout) -> None:
@@ -259,11 +264,12 @@ class Checkpointer:
                 self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
                 sent += 1
         except Exception as exc:
+            reason = f"could not enqueue persist tasks of step {ref.step} ({sent}/{len(layout.files)} sent): {exc}"
+            with contextlib.suppress(redis.RedisError):  # else a later save of this step waits for the takeover
+                self._ledger.abandon(ref.run, ref.step, ref.token, reason)
             if sent == 0:
                 self._pool.release(buf)
-            raise CheckpointFailed(
-                f"could not enqueue persist tasks of step {ref.step} ({sent}/{len(layout.files)} sent): {exc}"
-            ) from exc
+            raise CheckpointFailed(reason) from exc
 
     def _step_dir(self, step: int) -> Path:
         return self.run_dir / step_dir_name(step)

@@ -53,15 +53,30 @@ class Verdict(str, enum.Enum):
     COMMITTED = "committed"  # begin(): the step is already committed
 
 
+# ARGV: token, nfiles, draft, started (trainer clock), step, abandoned_before: a PERSISTING step begun before
+# that time is taken over (its trainer died before sending its tasks, or they can no longer be running)
 _BEGIN = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'committed' then return 'committed' end
-if st == 'persisting' or st == 'committing' then return 'busy' end
+if st == 'committing' then return 'busy' end
+if st == 'persisting' and tonumber(redis.call('HGET', KEYS[1], 'started') or '0') >= tonumber(ARGV[6]) then
+  return 'busy'
+end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'persisting', 'token', ARGV[1], 'nfiles', ARGV[2], 'finished', 0,
            'ok', 0, 'draft', ARGV[3], 'started', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 return 'write'
+"""
+
+# ARGV: token, reason, step, ttl.  PERSISTING -> FAILED for a save whose persist tasks could not all be sent.
+_ABANDON = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+if redis.call('HGET', KEYS[1], 'status') ~= 'persisting' then return 'closed' end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'reason', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 'ok'
 """
 
 _CLAIM_FILE = """
@@ -164,13 +179,24 @@ class StepLedger:
         self._finish_file = client.register_script(_FINISH_FILE)
         self._claim_commit = client.register_script(_CLAIM_COMMIT)
         self._finish_commit = client.register_script(_FINISH_COMMIT)
+        self._abandon = client.register_script(_ABANDON)
 
     def _k(self, run: str, step: int) -> list[str]:
         return [self._keys.ckpt_state(run, step), self._keys.ckpt_inflight(run)]
 
-    def begin(self, run: str, step: int, token: str, nfiles: int, draft: ManifestDraft) -> Verdict:
-        args: list[str | int] = [token, nfiles, draft.model_dump_json(), f"{draft.created_at:.6f}", step]
+    def begin(
+        self, run: str, step: int, token: str, nfiles: int, draft: ManifestDraft, abandoned_after: float
+    ) -> Verdict:
+        """Open a save attempt. BUSY while an earlier attempt is in flight, unless it is still PERSISTING
+        `abandoned_after` seconds after it began: then it is taken over (its tasks see a stale token)."""
+        before = f"{draft.created_at - abandoned_after:.6f}"
+        args: list[str | int] = [token, nfiles, draft.model_dump_json(), f"{draft.created_at:.6f}", step, before]
         return Verdict(_s(self._begin(keys=self._k(run, step), args=args)))
+
+    def abandon(self, run: str, step: int, token: str, reason: str) -> Verdict:
+        """Fail a PERSISTING attempt whose tasks were not all sent (so `finish_file` would never close it)."""
+        args: list[str | int] = [token, reason, step, STATE_TTL_SECONDS]
+        return Verdict(_s(self._abandon(keys=self._k(run, step), args=args)))
 
     def claim_file(self, run: str, step: int, token: str, name: str, task_id: str) -> Verdict:
         return Verdict(_s(self._claim_file(keys=self._k(run, step), args=[token, name, task_id])))

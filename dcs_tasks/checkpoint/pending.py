@@ -99,7 +99,11 @@ class PendingCheckpoint:
         if self._status in (StepStatus.COMMITTED, StepStatus.FAILED) and self._on_finished is None:
             return self._status
         status, finished, nfiles, reason = self._ledger.progress(self.run, self.step)
-        if self._on_finished is not None and nfiles and finished >= nfiles:
+        all_finished = bool(nfiles) and finished >= nfiles
+        # tasks never sent never finish: once such a save is FAILED the sent ones stop at their claim (one
+        # already writing may still read the buffer, into a file of this failed step that never commits)
+        unsent = status is StepStatus.FAILED and self._dispatch_error() is not None
+        if self._on_finished is not None and (all_finished or unsent):
             callback, self._on_finished = self._on_finished, None
             callback()
         self._status, self._reason = status, reason

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -13,7 +15,7 @@ from dcs_tasks.checkpoint.ledger import StepLedger
 from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest, StepRef
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CorruptCheckpoint, NoWorkerError
+from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, NoWorkerError
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
 
@@ -89,3 +91,44 @@ def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tm
 
 def make_redis(config: DCSConfig) -> redis.Redis:
     return redis.Redis.from_url(config.redis_url, decode_responses=True)
+
+
+def _draft(run: str, step: int, created_at: float) -> Any:
+    from dcs_tasks.checkpoint.format import ManifestDraft
+
+    return ManifestDraft(run=run, step=step, tensors={}, structure={"k": "v", "v": None}, created_at=created_at)
+
+
+def test_a_save_whose_trainer_died_before_sending_is_taken_over_later(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """A trainer killed between opening a step and sending its tasks leaves it PERSISTING with nobody to
+    finish it: a re-save of that step is refused while such an attempt could still be alive, and takes it
+    over once it cannot (it was stuck for the 7-day ledger TTL before)."""
+    config = ckpt_config(dcs_config, tmp_path)
+    book = StepLedger(make_redis(config), Keys(config.namespace))
+    age = config.abandoned_save_seconds()
+    assert book.begin("died", 5, "a" * 32, 1, _draft("died", 5, time.time() - 60), age).value == "write"
+    assert book.begin("died", 6, "b" * 32, 1, _draft("died", 6, time.time() - age - 60), age).value == "write"
+    worker = start_worker(config, tmp_path)
+    state = training_state()
+    try:
+        with Checkpointer("died", config) as ckpt:
+            with pytest.raises(CheckpointError, match="step 5 of run 'died' is still being persisted"):
+                ckpt.save(state, step=5)
+            ckpt.save(state, step=6).wait(60)  # the attempt begun long ago is taken over
+            assert_same_state(state, ckpt.restore(step=6).state)
+    finally:
+        worker.terminate()
+
+
+def test_an_abandoned_attempt_fails_and_frees_its_step(dcs_config: DCSConfig) -> None:
+    """What the trainer does when it cannot send every persist task: the step fails with the reason and can
+    be saved again at once; a stale token cannot abandon a newer attempt."""
+    book = StepLedger(make_redis(dcs_config), Keys(dcs_config.namespace))
+    age = dcs_config.abandoned_save_seconds()
+    assert book.begin("send", 1, "a" * 32, 2, _draft("send", 1, time.time()), age).value == "write"
+    assert book.abandon("send", 1, "z" * 32, "not mine").value == "stale"
+    assert book.abandon("send", 1, "a" * 32, "broker unreachable").value == "ok"
+    state = book.read("send", 1)
+    assert state.status is not None and state.status.value == "failed" and state.reason == "broker unreachable"
+    assert 1 not in book.in_flight_steps("send")
+    assert book.begin("send", 1, "c" * 32, 2, _draft("send", 1, time.time()), age).value == "write"
