@@ -8,6 +8,8 @@ _EXPORTS = {
     "CheckpointInfo": "dcs_tasks.checkpoint",
     "PendingCheckpoint": "dcs_tasks.checkpoint",
     "RestoredCheckpoint": "dcs_tasks.checkpoint",
+    "CheckpointEngineClient": "dcs_tasks.client.engine",
+    "create_client": "dcs_tasks.client.engine",
 }
 
 __all__ = sorted(_EXPORTS)

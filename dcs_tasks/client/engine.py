@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
-from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.errors import DCSError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
-from dcs_tasks.sync.bootstrap_client import GroupBootstrapper
+from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, send_teardown
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.rollout import RolloutUpdater
@@ -217,11 +217,7 @@ class CheckpointEngineClient:
             request = DestroyRequest(
                 group_name=name, host=self.config.host_name, master_port=int(self.role_info.metadata["master_port"])
             )
-            self._bootstrapper.celery.send_task(
-                TaskName.DESTROY_GROUP.value,
-                args=[request.model_dump(mode="json")],
-                queue=node_queue(self.config.host_name),
-            )
+            send_teardown(self._bootstrapper.celery, request, self.config.host_name)
 
     # --- weight sync ----------------------------------------------------------------------------
     async def update_weights_for_rollout(
@@ -272,8 +268,9 @@ class CheckpointEngineClient:
         _record_recv(self._fwd_receiver.receiver.weights, time.perf_counter() - started)
         return version
 
-    def recv_weight_fully_async(self) -> asyncio.Task[None]:
-        """Start receiving every update in the background (until `stop()`); returns the task."""
+    async def recv_weight_fully_async(self) -> asyncio.Task[None]:
+        """Start receiving every update in the background (until `stop()`); returns at once with the task
+        (awaiting the task itself waits until it fails or is cancelled)."""
 
         async def loop() -> None:
             while True:

@@ -170,7 +170,15 @@ class ActorFwdReceiver:
         return version
 
     def _apply(self) -> None:
+        """Copy the committed weights into `model`. The names must match the model's state dict exactly: a
+        silent partial load (strict=False) would leave the model on old weights with no error."""
         if self.model is None:
             return
         with torch.no_grad():
-            self.model.load_state_dict(self.receiver.weights, strict=False)
+            result = self.model.load_state_dict(self.receiver.weights, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise WeightSyncError(
+                f"v{self.receiver.weight_version} does not match the model: missing {result.missing_keys[:5]} "
+                f"(of {len(result.missing_keys)}), unexpected {result.unexpected_keys[:5]} "
+                f"(of {len(result.unexpected_keys)}); the receiver holds the weights, the model is not fully updated"
+            )

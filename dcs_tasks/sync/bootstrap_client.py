@@ -15,6 +15,8 @@ from typing import Any
 
 from celery import Celery
 from celery.result import ResultSet
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
 
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
@@ -131,14 +133,18 @@ class GroupBootstrapper:
         return min(failures, key=lambda f: f[0])[1] if failures else None
 
     async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
-        sent = self.celery.send_task(name.value, args=[payload], queue=node_queue(self.config.host_name))
         timeout = self.config.group_init_timeout_seconds
         try:
+            sent = self.celery.send_task(name.value, args=[payload], queue=node_queue(self.config.host_name))
             return await asyncio.to_thread(sent.get, timeout=timeout)
         except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses the builtin
             raise GroupInitError(
                 f"no `dcs worker` on host {self.config.host_name} ran {name.value} within {timeout:g}s; "
                 "start one (`dcs worker`) on the trainer's host"
+            ) from exc
+        except BROKER_ERRORS as exc:
+            raise GroupInitError(
+                f"cannot run {name.value}: the Celery broker / result backend is unreachable ({exc!r})"
             ) from exc
 
     async def release(self, group: ActiveGroup) -> None:
@@ -150,8 +156,19 @@ class GroupBootstrapper:
             master_port=group.result.master_port,
             engines=list(group.plan.engines),
         )
-        self.celery.send_task(
-            TaskName.DESTROY_GROUP.value,
-            args=[request.model_dump(mode="json")],
-            queue=node_queue(self.config.host_name),
+        send_teardown(self.celery, request, self.config.host_name)
+
+
+# What Celery's client raises when Redis (broker or result backend) is unreachable.
+BROKER_ERRORS = (KombuOperationalError, RedisError, OSError)
+
+
+def send_teardown(celery: Celery, request: DestroyRequest, host: str) -> None:
+    """Enqueue a group's teardown, best effort: with the broker down this only logs (the port reservation
+    expires by itself), so a teardown in an error path never hides the error being handled."""
+    try:
+        celery.send_task(TaskName.DESTROY_GROUP.value, args=[request.model_dump(mode="json")], queue=node_queue(host))
+    except BROKER_ERRORS as exc:
+        log.warning(
+            "could not enqueue the teardown of group %s (%r); its port reservation expires", request.group_name, exc
         )

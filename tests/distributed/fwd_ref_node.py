@@ -88,7 +88,7 @@ async def run_fully_async(
             state.update(stage_state(args.pp_rank, update))
             await client.update_weights_for_rollout(actor_fwd_only=True)
         return {"version": args.rollouts, "digest": digest(state)}
-    task = client.recv_weight_fully_async()
+    task = await client.recv_weight_fully_async()
     deadline = time.monotonic() + 60
     while client.weight_version < args.rollouts:
         assert not task.done(), task.exception()

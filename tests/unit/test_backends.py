@@ -132,3 +132,17 @@ def test_unversioned_buckets_join_the_update_the_last_bucket_names(solo_receiver
     with pytest.raises(WeightSyncError):
         solo_receiver.commit(9)
     assert solo_receiver.weight_version == 8
+
+
+def test_actor_fwd_receiver_refuses_weights_whose_names_do_not_match_its_model() -> None:
+    from dcs_tasks.sync.actor_fwd import ActorFwdReceiver
+
+    model = torch.nn.Linear(3, 2)
+    receiver = WeightReceiver(DeviceDirectBackend())
+    fwd = ActorFwdReceiver(api=None, receiver=receiver, timeout_seconds=1, model=model)  # type: ignore[arg-type]
+    receiver.weights = {"weight": torch.ones(2, 3), "bias": torch.zeros(2)}
+    fwd._apply()
+    assert torch.equal(model.weight, torch.ones(2, 3))
+    receiver.weights = {"module.weight": torch.full((2, 3), 2.0), "bias": torch.ones(2)}
+    with pytest.raises(WeightSyncError, match=r"missing \['weight'\].*unexpected \['module.weight'\]"):
+        fwd._apply()
