@@ -22,6 +22,7 @@ from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, un
 from dcs_tasks.backends.process_group import destroy, new_group_within, release_store
 from dcs_tasks.config import BackendType, RoleInfo
 from dcs_tasks.errors import GroupInitError, WeightSyncError
+from dcs_tasks.metrics import get_metrics
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +95,14 @@ class DeviceDirectBackend(CommBackend):
             ) from exc
         with self._lock:
             self._groups[spec.group_name] = _Group(spec, pg)
+        get_metrics().active_connections.inc()  # one per process group held
         log.info("joined group %s as rank %d of %d", spec.group_name, spec.rank, spec.world_size)
 
     def destroy_group(self, group_name: str) -> None:
         with self._lock:
             group = self._groups.pop(group_name, None)
         if group is not None:
+            get_metrics().active_connections.dec()
             destroy(group.pg)
             if group.spec.rank == 0:
                 release_store(group.spec.master_address, group.spec.master_port)

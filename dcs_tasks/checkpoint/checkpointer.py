@@ -45,7 +45,7 @@ from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
 from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
-from dcs_tasks.checkpoint.telemetry import record_load, record_stall
+from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
@@ -106,8 +106,10 @@ class Checkpointer:
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._pending: list[PendingCheckpoint] = []
+        self._gauges = StagingGauges()
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
+            self._gauges.memory(self._pool.mapped_bytes())
 
     # --- save -----------------------------------------------------------------------------------
     def save(
@@ -157,6 +159,8 @@ class Checkpointer:
             dispatch=dispatch,
         )
         self._pending.append(pending)
+        self._gauges.memory(self._pool.mapped_bytes())
+        self._gauges.pending(len(self._pending))
         record_stall(stall, layout.data_bytes)
         if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
             pending.wait(timeout=self.config.visibility_timeout_seconds)
@@ -165,6 +169,7 @@ class Checkpointer:
     def reserve(self, state: Any) -> None:
         """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop)."""
         self._pool.reserve(self._layout(flatten_state(state)).nbytes)
+        self._gauges.memory(self._pool.mapped_bytes())
 
     def _require_worker(self) -> None:
         queue = node_queue(self.config.host_name)
@@ -210,6 +215,7 @@ class Checkpointer:
                 continue
             if pending.released and status in (StepStatus.COMMITTED, StepStatus.FAILED):
                 self._pending.remove(pending)
+        self._gauges.pending(len(self._pending))
 
     def _stage(self, buf: StagingBuffer, layout: Layout, flat: FlatState) -> None:
         buf.write_headers(layout)
@@ -380,6 +386,8 @@ class Checkpointer:
                 limit,
             )
         self._pool.close(keep_in_flight=True)
+        self._gauges.memory(0)
+        self._gauges.pending(0)
         self._copier.close()
         self._redis.close()
         return unfinished

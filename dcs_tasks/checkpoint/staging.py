@@ -160,6 +160,11 @@ class StagingPool:
         with self._lock:
             buf.state = BufferState.FREE
 
+    def mapped_bytes(self) -> int:
+        """Bytes of staging memory this pool holds (the capacity of every buffer)."""
+        with self._lock:
+            return sum(b.capacity for b in self._buffers if not self._closed)
+
     def in_flight(self) -> int:
         with self._lock:
             return sum(b.state is BufferState.IN_FLIGHT for b in self._buffers)

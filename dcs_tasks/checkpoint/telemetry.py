@@ -71,3 +71,20 @@ def record_load(seconds: float, nbytes: int) -> None:
 
 def record_error(error_type: str) -> None:
     get_metrics().record_error(error_type)
+
+
+class StagingGauges:
+    """One checkpointer's share of the seed's `dcs_memory_buffer_usage_bytes` and `dcs_pending_operations`
+    gauges. Several checkpointers in a process add up, so each moves the gauges by its own deltas."""
+
+    def __init__(self) -> None:
+        self._memory = 0
+        self._pending = 0
+
+    def memory(self, nbytes: int) -> None:
+        get_metrics().memory_buffer_usage.inc(nbytes - self._memory)
+        self._memory = nbytes
+
+    def pending(self, count: int) -> None:
+        get_metrics().pending_operations.inc(count - self._pending)
+        self._pending = count

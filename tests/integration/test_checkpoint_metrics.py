@@ -9,7 +9,7 @@ import pytest
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
-from tests.checkpoint_support import ckpt_config, training_state, wait_until
+from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
 from tests.helpers.ports import free_port
 from tests.helpers.procs import WorkerProcess
 
@@ -43,5 +43,33 @@ def test_persist_and_commit_latency_are_exported_by_the_worker(dcs_config: DCSCo
         wait_until(lambda: _sample(scrape(), "dcs_ckpt_commit_seconds_count") >= 1, 30, "the commit metric")
         text = scrape()
         assert _sample(text, "dcs_ckpt_persist_seconds_count") == info.files  # one per file, every child summed
+    finally:
+        worker.terminate()
+
+
+def test_trainer_gauges_follow_staging_memory_and_saves_in_flight(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """The seed's dcs_memory_buffer_usage_bytes and dcs_pending_operations move with the trainer's staging
+    pool and its saves, and return to where they were once the checkpointer closes."""
+    from dcs_tasks.metrics import get_metrics
+
+    registry = get_metrics().registry
+
+    def gauge(name: str) -> float:
+        return registry.get_sample_value(name) or 0.0
+
+    config = ckpt_config(dcs_config, tmp_path)
+    memory0, pending0 = gauge("dcs_memory_buffer_usage_bytes"), gauge("dcs_pending_operations")
+    worker = start_worker(config, tmp_path)
+    try:
+        ckpt = Checkpointer("gauges", config)
+        state = training_state(width=256)
+        ckpt.reserve(state)
+        reserved = gauge("dcs_memory_buffer_usage_bytes") - memory0
+        assert reserved >= sum(t.numel() * t.element_size() for t in state["model"].values())
+        pending = ckpt.save(state, step=1)
+        assert gauge("dcs_pending_operations") - pending0 == 1
+        pending.wait(60)
+        ckpt.close()
+        assert gauge("dcs_memory_buffer_usage_bytes") == memory0 and gauge("dcs_pending_operations") == pending0
     finally:
         worker.terminate()

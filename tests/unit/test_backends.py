@@ -146,3 +146,17 @@ def test_actor_fwd_receiver_refuses_weights_whose_names_do_not_match_its_model()
     receiver.weights = {"module.weight": torch.full((2, 3), 2.0), "bias": torch.ones(2)}
     with pytest.raises(WeightSyncError, match=r"missing \['weight'\].*unexpected \['module.weight'\]"):
         fwd._apply()
+
+
+def test_active_connections_gauge_counts_the_groups_held() -> None:
+    from dcs_tasks.metrics import get_metrics
+
+    def held() -> float:
+        return get_metrics().registry.get_sample_value("dcs_active_connections") or 0.0
+
+    before = held()
+    backend = DeviceDirectBackend(timeout_seconds=10, group_init_timeout_seconds=10)
+    backend.create_group(GroupSpec("gauge", "127.0.0.1", free_port(), 1, 0))
+    assert held() == before + 1
+    backend.close()
+    assert held() == before
