@@ -183,6 +183,8 @@ class DCSConfig(BaseSettings):
     """Record Prometheus metrics."""
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port of a worker's Prometheus exporter (0: none)."""
+    metrics_host: str = "127.0.0.1"
+    """Address a worker's Prometheus exporter binds (0.0.0.0 inside a container, for a scraper next to it)."""
 
     @field_validator("coordinator_url")
     @classmethod

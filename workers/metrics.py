@@ -41,7 +41,7 @@ def mark_dead(pid: int) -> None:
 
 
 def start_exporter(config: DCSConfig) -> None:
-    """Serve every worker process's metrics on 127.0.0.1:`metrics_port` (a busy port only logs a warning)."""
+    """Serve every worker process's metrics on `metrics_host`:`metrics_port` (a busy port only logs a warning)."""
     if not (config.enable_metrics and os.environ.get(ENV) and config.metrics_port):
         return
     from prometheus_client import CollectorRegistry, start_http_server
@@ -50,6 +50,6 @@ def start_exporter(config: DCSConfig) -> None:
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     try:
-        start_http_server(config.metrics_port, addr="127.0.0.1", registry=registry)
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
     except OSError as exc:
         log.warning("worker metrics not exported: port %d unavailable (%s)", config.metrics_port, exc)
