@@ -104,7 +104,9 @@ class CheckpointEngineClient:
 
     @property
     def is_registered(self) -> bool:
-        return self._beats is not None
+        """True while this client holds its rank: started, and its heartbeats were not fenced off because
+        another node registered the same rank (`RankConflict`)."""
+        return self._beats is not None and self._beats.lost is None
 
     @property
     def backend(self) -> DeviceDirectBackend | None:

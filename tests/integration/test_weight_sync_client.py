@@ -36,3 +36,26 @@ async def test_client_saves_and_restores_its_model_through_the_checkpointer(
             assert {n: tensor_sha256(t) for n, t in model.state_dict().items()} == saved
         finally:
             await client.stop()
+
+
+async def test_is_registered_turns_false_when_another_node_takes_the_rank(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.config import RoleInfo
+
+    with sync_stack(dcs_config, tmp_path) as stack:
+        client = await create_client(coordinator_url=stack.url, role="actor", rank=0, model={}, config=stack.config)
+        try:
+            assert client.is_registered
+            async with CoordinatorAPI(stack.url, timeout=10) as other:
+                await other.register(RoleInfo(role_name="actor", rank=0, ip="10.9.9.9", port=1))  # the new owner
+            for _ in range(100):  # heartbeats every 0.5 s: the next one is fenced off (409)
+                if not client.is_registered:
+                    break
+                await asyncio.sleep(0.1)
+            assert not client.is_registered
+        finally:
+            await client.stop()
