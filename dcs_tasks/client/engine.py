@@ -9,9 +9,10 @@ Call order: `await start()` -> updates / receives -> `await stop()`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
-from dcs_tasks.errors import DCSError, WeightSyncError
+from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
@@ -64,6 +65,7 @@ class CheckpointEngineClient:
         ip: str = "127.0.0.1",
         metadata: Mapping[str, Any] | None = None,
         rollout_role: str = "rollout",
+        world_size: int | None = None,
     ) -> None:
         base = config or DCSConfig()
         self.config = base.model_copy(update={"coordinator_url": coordinator_url}) if coordinator_url else base
@@ -72,7 +74,9 @@ class CheckpointEngineClient:
         self.model_name = model_name
         self.quantization_config = quantization_config
         self.lock = lock
-        self.role_info = RoleInfo(role_name=role, rank=rank, ip=ip, device_id=device_id, metadata=dict(metadata or {}))
+        self.role_info = RoleInfo(
+            role_name=role, rank=rank, ip=ip, device_id=device_id, world_size=world_size, metadata=dict(metadata or {})
+        )
         self.backend_type = backend_type
         self.rollout_role = rollout_role
         self._backend: DeviceDirectBackend | None = None
@@ -232,7 +236,7 @@ class CheckpointEngineClient:
         started = time.perf_counter()
         metrics: dict[str, Any] = {}
         try:
-            with paused_gc(self.config.sync_pause_gc):
+            async with _held(self.lock, self.config.comm_timeout_seconds), _paused(self.config.sync_pause_gc):
                 if not actor_fwd_only and self._rollout is not None:
                     metrics["rollout"] = await self._rollout.update(state, quant)
                 if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
@@ -315,3 +319,37 @@ async def create_client(**kwargs: Any) -> CheckpointEngineClient:
     client = CheckpointEngineClient(**kwargs)
     await client.start()
     return client
+
+
+@contextlib.asynccontextmanager
+async def _held(lock: Any, timeout: float) -> AsyncIterator[None]:
+    """Hold the seed's `lock` (an asyncio lock, or a threading/multiprocessing one, taken off the event loop)
+    for the length of a weight update, so updates guarded by one lock never overlap. None: no lock.
+    DCSTimeoutError when it is not free within `timeout`; a cancelled wait never leaves it taken."""
+    if lock is None:
+        yield
+        return
+    if isinstance(lock, asyncio.Lock):
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError:
+            raise DCSTimeoutError(f"the update lock was not free within {timeout:g}s") from None
+    else:
+        acquiring = asyncio.ensure_future(asyncio.to_thread(lock.acquire, True, timeout))
+        try:
+            got = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:  # the thread may still get it: hand it straight back
+            acquiring.add_done_callback(lambda f: f.cancelled() or f.exception() or not f.result() or lock.release())
+            raise
+        if not got:
+            raise DCSTimeoutError(f"the update lock was not free within {timeout:g}s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.asynccontextmanager
+async def _paused(enabled: bool) -> AsyncIterator[None]:
+    with paused_gc(enabled):
+        yield

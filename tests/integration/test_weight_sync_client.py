@@ -59,3 +59,31 @@ async def test_is_registered_turns_false_when_another_node_takes_the_rank(
             assert not client.is_registered
         finally:
             await client.stop()
+
+
+async def test_updates_hold_the_seed_lock_and_world_size_is_kept(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    import asyncio
+    import threading
+
+    from dcs_tasks.errors import DCSTimeoutError
+
+    lock = threading.Lock()
+    config = dcs_config.model_copy(update={"comm_timeout_seconds": 1.0})
+    with sync_stack(config, tmp_path) as stack:
+        client = await create_client(
+            coordinator_url=stack.url, role="actor", rank=0, model={}, config=stack.config, lock=lock, world_size=4
+        )
+        try:
+            assert client.world_size == 4
+            lock.acquire()  # another updater holds it
+            update = asyncio.create_task(client.update_weights_for_rollout(rollout_only=True))
+            await asyncio.sleep(0.3)
+            assert not update.done()
+            lock.release()
+            assert (await asyncio.wait_for(update, 10))["rollout"]["engines"] == 0  # no engines registered
+            assert lock.acquire(timeout=1)  # released after the update
+            with pytest.raises(DCSTimeoutError, match="lock was not free within 1s"):
+                await client.update_weights_for_rollout(rollout_only=True)
+            lock.release()
+        finally:
+            await client.stop()
