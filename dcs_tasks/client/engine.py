@@ -236,11 +236,12 @@ class CheckpointEngineClient:
         started = time.perf_counter()
         metrics: dict[str, Any] = {}
         try:
-            async with _held(self.lock, self.config.comm_timeout_seconds), _paused(self.config.sync_pause_gc):
-                if not actor_fwd_only and self._rollout is not None:
-                    metrics["rollout"] = await self._rollout.update(state, quant)
-                if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
-                    metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+            async with _held(self.lock, self.config.comm_timeout_seconds):
+                with paused_gc(self.config.sync_pause_gc):
+                    if not actor_fwd_only and self._rollout is not None:
+                        metrics["rollout"] = await self._rollout.update(state, quant)
+                    if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
+                        metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
         except WeightSyncError as exc:
             get_metrics().record_error(type(exc).__name__)
             raise
@@ -347,9 +348,3 @@ async def _held(lock: Any, timeout: float) -> AsyncIterator[None]:
         yield
     finally:
         lock.release()
-
-
-@contextlib.asynccontextmanager
-async def _paused(enabled: bool) -> AsyncIterator[None]:
-    with paused_gc(enabled):
-        yield
