@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "worker": "workers.cli",
     "ckpt": "dcs_tasks.cli.ckpt",
     "receiver": "dcs_tasks.receiver.cli",
+    "engine": "dcs_tasks.cli.engine",
     "config": "dcs_tasks.cli.config",
 }
 

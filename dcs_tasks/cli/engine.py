@@ -1,0 +1,115 @@
+"""`dcs engine attach`: register a running SGLang server as a rollout engine and keep it registered.
+
+    dcs engine attach --coordinator-url http://coord:8000 --engine-url http://10.0.0.5:30000 --rank 0
+
+The coordinator token comes from DCS_AUTH_TOKEN; the engine's API key from --engine-api-key, else
+DCS_ENGINE_API_KEY, else the same token. Exit status: 0 after SIGTERM/SIGINT (engine unregistered), 1 on a
+named error (logged as `ErrorName: message`), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+from typing import Any
+
+import httpx
+
+from dcs_tasks.client.coordinator_api import CoordinatorAPI
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.engine.attach import AttachSettings, EngineAttachment
+from dcs_tasks.engine.client import EngineClient
+from dcs_tasks.errors import ConfigError, DCSError
+
+log = logging.getLogger("dcs_tasks.engine")
+ENGINE_API_KEY_ENV = "DCS_ENGINE_API_KEY"
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser("engine", help="attach real rollout engines (SGLang)")
+    engine_sub = parser.add_subparsers(dest="engine_command", metavar="{attach}", required=True)
+    attach = engine_sub.add_parser("attach", help="register a running SGLang server as a rollout engine")
+    attach.add_argument("--coordinator-url", required=True)
+    attach.add_argument("--engine-url", required=True, help="the SGLang server as this host reaches it")
+    attach.add_argument("--rank", type=int, required=True, help="rollout rank to register the engine as")
+    attach.add_argument("--role", default="rollout", help="role to register as (default rollout)")
+    attach.add_argument(
+        "--advertise-url", help="http://ip:port trainers use to reach the engine (default: --engine-url)"
+    )
+    attach.add_argument(
+        "--engine-api-key",
+        help=f"the engine's --api-key (default: ${ENGINE_API_KEY_ENV}, else DCS_AUTH_TOKEN); prefer the variable",
+    )
+    attach.add_argument("--wait-timeout", type=float, default=1800.0, help="longest wait for /health (s)")
+    attach.add_argument("--health-timeout", type=float, default=25.0, help="timeout of one /health probe (s)")
+    attach.add_argument(
+        "--down-after", type=float, help="unregister after /health fails this long (default: heartbeat timeout)"
+    )
+    attach.set_defaults(func=run)
+
+
+def advertised_address(engine_url: str, advertise_url: str | None) -> tuple[str, int]:
+    """(ip, port) trainers reach the engine at; ConfigError for an address they cannot use."""
+    url = httpx.URL(advertise_url or engine_url)
+    flag = "--advertise-url" if advertise_url else "--engine-url"
+    if url.scheme != "http" or not url.host:
+        raise ConfigError(f"{flag} must be http://host:port (trainers post plain HTTP), got {url.scheme}://{url.host}")
+    port = url.port or 80
+    try:
+        address = ipaddress.ip_address(url.host)
+    except ValueError:
+        address = None
+    if address is not None and address.is_unspecified:
+        raise ConfigError(f"{flag} host {url.host} is not an address trainers can reach; pass --advertise-url")
+    if advertise_url is None and (url.host == "localhost" or (address is not None and address.is_loopback)):
+        log.warning(
+            "advertising loopback %s:%d: only trainers on this host can reach it (--advertise-url)", url.host, port
+        )
+    return url.host, port
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
+    try:
+        config = DCSConfig(coordinator_url=args.coordinator_url)
+        ip, port = advertised_address(args.engine_url, args.advertise_url)
+        settings = AttachSettings(
+            rank=args.rank,
+            role=args.role,
+            advertise_ip=ip,
+            advertise_port=port,
+            interval=config.heartbeat_interval_seconds,
+            down_after=args.down_after if args.down_after is not None else config.heartbeat_timeout_seconds,
+            wait_timeout=args.wait_timeout,
+            health_timeout=args.health_timeout,
+        )
+        api_key = args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or config.token()
+        asyncio.run(_attach(config, args.engine_url, api_key, settings))
+    except DCSError as exc:
+        log.error("dcs engine attach failed: %s: %s", type(exc).__name__, exc)
+        return 1
+    return 0
+
+
+async def _attach(config: DCSConfig, engine_url: str, api_key: str | None, settings: AttachSettings) -> None:
+    """Run the attachment until SIGTERM/SIGINT (then unregister and return) or a named error."""
+    loop = asyncio.get_running_loop()
+    async with (
+        CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
+        EngineClient(engine_url, api_key, timeout=config.request_timeout_seconds) as engine,
+    ):
+        task = asyncio.create_task(EngineAttachment(api, engine, settings).run())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.info("stopped by signal; engine unregistered")
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)

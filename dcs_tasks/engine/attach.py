@@ -1,0 +1,147 @@
+"""`dcs engine attach`: a sidecar that puts one SGLang server into the DCS topology and keeps it there.
+
+Cycle: wait (bounded) for the engine's `/health` -> read its server info once and refuse what DCS cannot
+push weights to -> register it as `rollout` rank N with its advertised address and tp span -> every
+heartbeat interval probe `/health` and beat only while it answers -> once it has not answered for
+`down_after` seconds, unregister and start over (a restarted engine is read again and re-registered).
+Cancelling `run` (SIGTERM/SIGINT in the CLI) unregisters the engine. No key is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.config import RoleInfo
+from dcs_tasks.engine.client import EngineClient
+from dcs_tasks.engine.server_info import NEWEST_CHECKED_SGLANG_VERSION, check_engine, engine_metadata
+from dcs_tasks.errors import CoordinatorError, CoordinatorUnavailable, DCSTimeoutError, RankConflict
+from dcs_tasks.models import RegisterResponse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttachSettings:
+    """Everything one attachment needs; times in seconds."""
+
+    rank: int
+    advertise_ip: str
+    advertise_port: int
+    role: str = "rollout"
+    interval: float = 5.0
+    """Probe-and-beat period (the coordinator's heartbeat interval)."""
+    down_after: float = 30.0
+    """An engine that has not answered `/health` for this long is unregistered."""
+    wait_timeout: float = 1800.0
+    """Longest wait for the engine to (re)start answering `/health`, and for the coordinator to register it."""
+    health_timeout: float = 25.0
+    """Timeout of one `/health` probe (SGLang's own generation check gives up after 20 s)."""
+
+
+class EngineAttachment:
+    """Keeps the engine behind `engine` registered in the coordinator behind `api` while it is healthy."""
+
+    def __init__(self, api: CoordinatorAPI, engine: EngineClient, settings: AttachSettings) -> None:
+        self.api = api
+        self.engine = engine
+        self.settings = settings
+        self.registered: RoleInfo | None = None
+        self.registrations = 0
+
+    async def run(self) -> None:
+        """Attach, and re-attach after every engine outage, until cancelled (then unregister) or an error."""
+        try:
+            while True:
+                await self.attach_once()
+                await self.beat_while_healthy()
+                await self.unregister()
+                log.info("waiting up to %gs for the engine to answer /health again", self.settings.wait_timeout)
+        finally:
+            await self.unregister()
+
+    async def attach_once(self) -> RoleInfo:
+        """Wait for the engine, read and check its server info, register it; returns the registered node."""
+        s = self.settings
+        log.info("waiting up to %gs for engine %s to answer GET /health", s.wait_timeout, self.engine.base_url)
+        await self.engine.wait_healthy(s.wait_timeout, poll=min(s.interval, 1.0), health_timeout=s.health_timeout)
+        info = await self.engine.server_info()
+        version = check_engine(info)
+        if version > NEWEST_CHECKED_SGLANG_VERSION:
+            log.warning("SGLang %s is newer than the newest checked (%s)", version, NEWEST_CHECKED_SGLANG_VERSION)
+        node = RoleInfo(
+            role_name=s.role, rank=s.rank, ip=s.advertise_ip, port=s.advertise_port, metadata=engine_metadata(info)
+        )
+        answer = await self._register(node)
+        self.registered = node.model_copy(update={"rank": answer.rank})
+        self.registrations += 1
+        log.info(
+            "registered SGLang %s engine (tp %d, model %s) as %s at %s (span %d ranks)",
+            info.version,
+            info.tp_size,
+            info.model_path,
+            answer.node_id,
+            node.address,
+            info.tp_size,
+        )
+        return self.registered
+
+    async def _register(self, node: RoleInfo) -> RegisterResponse:
+        """Register, retrying while the coordinator is unavailable (bounded by `wait_timeout`)."""
+        deadline = time.monotonic() + self.settings.wait_timeout
+        while True:
+            try:
+                return await self.api.register(node)
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise DCSTimeoutError(
+                        f"coordinator at {self.api.base_url} unavailable for {self.settings.wait_timeout:g}s: {exc}"
+                    ) from exc
+                log.warning("registering failed, coordinator unavailable (will retry): %s", exc)
+                await asyncio.sleep(self.settings.interval)
+
+    async def beat_while_healthy(self) -> None:
+        """Beat every interval while `/health` answers; return once it has not answered for `down_after`."""
+        assert self.registered is not None
+        s = self.settings
+        beats = HeartbeatLoop(self.api, self.registered, s.interval)
+        down_since: float | None = None
+        while True:
+            started = time.monotonic()
+            reason = await self.engine.health(s.health_timeout)
+            if reason is None:
+                if down_since is not None:
+                    log.info("engine answers /health again; heartbeats resume")
+                down_since = None
+                await self._beat(beats)
+            else:
+                if down_since is None:
+                    down_since = started
+                    log.warning("engine stopped answering /health (%s): heartbeats paused", reason)
+                if time.monotonic() - down_since >= s.down_after:
+                    log.warning("engine has not answered /health for %gs: unregistering", s.down_after)
+                    return
+            await asyncio.sleep(max(0.0, s.interval - (time.monotonic() - started)))
+
+    async def _beat(self, beats: HeartbeatLoop) -> None:
+        """One beat; transient coordinator failures are logged, RankConflict (rank taken over) propagates."""
+        try:
+            await beats.beat_once()
+        except RankConflict:
+            raise
+        except CoordinatorError as exc:
+            log.warning("heartbeat failed (will retry): %s", exc)
+
+    async def unregister(self) -> None:
+        """Remove the registered node, if any (best effort: the coordinator expires it anyway)."""
+        node, self.registered = self.registered, None
+        if node is None or node.rank is None:
+            return
+        try:
+            await self.api.unregister(node.role_name, node.rank)
+            log.info("unregistered %s", node.node_id)
+        except CoordinatorError as exc:
+            log.warning("unregistering %s failed (its heartbeat will expire): %s", node.node_id, exc)

@@ -1,0 +1,56 @@
+"""Real `dcs engine attach` sidecar processes and topology reads for the attach tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from dcs_tasks.config import DCSConfig, RoleInfo
+from tests.helpers.procs import DcsProcess
+
+
+class AttachProcess(DcsProcess):
+    """`dcs engine attach --coordinator-url C --engine-url E --rank N [extra...]`."""
+
+    def __init__(self, config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> None:
+        super().__init__(config, log_path)
+        self.args = ["engine", "attach", "--coordinator-url", coordinator_url, "--engine-url", engine_url]
+        self.args += ["--rank", str(rank)]
+
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> AttachProcess:
+        self.spawn(*self.args, *extra, extra_env=env)
+        return self
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        self.proc = None
+        return code
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def rollout_nodes(coordinator_url: str, token: str | None, role: str = "rollout") -> dict[int, RoleInfo]:
+    """Live nodes of `role` as `/topology` reports them."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    answer = httpx.get(f"{coordinator_url}/topology", params={"role_filter": role}, headers=headers, timeout=10)
+    answer.raise_for_status()
+    nodes = answer.json()["nodes"].get(role, {})
+    return {int(rank): RoleInfo.model_validate(info) for rank, info in nodes.items()}
+
+
+def wait_for(predicate_desc: str, predicate: Callable[[], object], timeout: float, poll: float = 0.1) -> float:
+    """Poll `predicate()` until truthy; returns the seconds it took, TimeoutError naming `predicate_desc` after."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        try:
+            if predicate():
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    raise TimeoutError(f"{predicate_desc} not reached after {timeout}s")
