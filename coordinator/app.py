@@ -5,7 +5,11 @@ any number of coordinator processes on one Redis answer alike and a restart lose
 connections are made in the lifespan, never at import. Redis unreachable -> 503 with a JSON `detail`;
 the next request after Redis returns reconnects by itself.
 
-Every error answer is JSON `{"detail": "..."}` (401, 404, 409, 413, 422, 503). With a token configured,
+Every error answer is JSON `{"detail": "..."}` (400, 401, 403, 404, 405, 409, 413, 422, 500, 503), `detail`
+always a string (see `coordinator.responses`), and no answer or log line carries a secret (the token, a
+Redis password: `DCSConfig.scrub`). Cross-site browser requests are refused (403, `BrowserGuardMiddleware`).
+Redis connections come from a bounded blocking pool: a burst of requests waits for a free connection
+(up to DCS_REDIS_POOL_TIMEOUT_SECONDS) instead of failing. With a token configured,
 the OpenAPI schema and its pages (/openapi.json, /docs, /redoc) need the token too (invariant 9), so a
 browser cannot open /docs then: fetch the schema with `curl -H "Authorization: Bearer $DCS_AUTH_TOKEN"`.
 """
@@ -32,12 +36,14 @@ from coordinator.deps import Services
 from coordinator.middleware import (
     BearerAuthMiddleware,
     BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
     RequestMetrics,
     RequestMetricsMiddleware,
 )
 from coordinator.routes import ROUTERS
+from coordinator.sweeper import DeadNodeSweeper, sweep_interval
 from coordinator.topology import TopologyManager
-from coordinator.weight_meta import AppendNotifier, WeightMetaStore
+from coordinator.weight_meta import AppendNotifier, ReadLimits, WeightMetaStore
 from dcs_tasks.config import DCSConfig, TopologyConfig
 from dcs_tasks.keys import Keys
 
@@ -51,15 +57,20 @@ def redis_location(url: str) -> str:
 
 
 def make_redis(config: DCSConfig) -> aioredis.Redis:
-    """An asyncio Redis client whose every call is bounded by the configured socket timeout."""
-    return aioredis.Redis.from_url(
+    """An asyncio Redis client whose every call is bounded by the configured socket timeout, on a blocking pool
+    of DCS_REDIS_MAX_CONNECTIONS: when all are busy a call waits up to DCS_REDIS_POOL_TIMEOUT_SECONDS for one
+    (then a ConnectionError, i.e. 503) instead of failing at once."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url,
+        max_connections=config.redis_max_connections,
+        timeout=config.redis_pool_timeout_seconds,
         decode_responses=True,
         socket_timeout=config.redis_socket_timeout_seconds,
         socket_connect_timeout=config.redis_socket_timeout_seconds,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
         health_check_interval=30,
     )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 
 
 def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics: RequestMetrics) -> Services:
@@ -70,7 +81,13 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
         config=config,
         redis=client,
         topology=TopologyManager(client, keys, topology_config, config.heartbeat_timeout_seconds),
-        weight_meta=WeightMetaStore(client, keys, notifier, config.weight_meta_max_entries),
+        weight_meta=WeightMetaStore(
+            client,
+            keys,
+            notifier,
+            config.weight_meta_max_entries,
+            ReadLimits(config.weight_meta_read_max_entries, config.weight_meta_read_max_bytes),
+        ),
         request_metrics=metrics,
     )
 
@@ -80,11 +97,14 @@ async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
     config: DCSConfig = request.app.state.config
     where = f"Redis at {redis_location(config.redis_url)}"
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        what = f"{where} is unreachable ({type(exc).__name__}: {exc})"
+        what = f"{where} is unreachable or busy ({type(exc).__name__}: {exc})"
     else:
         what = f"{where} refused the command ({type(exc).__name__}: {exc})"
-    detail = f"{what}; the coordinator keeps no state of its own and recovers when Redis does - retry later"
-    return JSONResponse(status_code=503, content={"detail": detail}, headers={"Retry-After": "1"})
+    detail = config.scrub(
+        f"{what}; the coordinator keeps no state of its own and recovers when Redis does - retry later"
+    )
+    log.warning("%s %s answered 503: %s", request.method, request.url.path, detail)
+    return JSONResponse(status_code=503, content={"detail": detail[:2000]}, headers={"Retry-After": "1"})
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -95,7 +115,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """500 as JSON like every other answer (the traceback still goes to the log)."""
-    detail = f"internal error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}"
+    config: DCSConfig = request.app.state.config
+    detail = config.scrub(f"internal error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
     return JSONResponse(status_code=500, content={"detail": detail[:2000]})
 
 
@@ -108,10 +129,15 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = _build_services(config, topo_config, metrics)
         app.state.services = services
+        retention = config.dead_node_retention_seconds
+        interval = sweep_interval(config.heartbeat_timeout_seconds, retention)
+        sweeper = DeadNodeSweeper(services.topology, retention, interval)
         services.weight_meta.notifier.start()
+        sweeper.start()
         try:
             yield
         finally:
+            await sweeper.stop()
             await services.weight_meta.notifier.stop()
             await services.redis.aclose()
 
@@ -124,6 +150,7 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     app.add_exception_handler(Exception, _internal_error)
     # added last = outermost: metrics see every answer, auth runs before the body is read
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BrowserGuardMiddleware)
     token = config.token()
     if token:
         app.add_middleware(BearerAuthMiddleware, token=token)

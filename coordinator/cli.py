@@ -1,9 +1,9 @@
-"""`dcs coordinator`: serve `create_app(DCSConfig())` with uvicorn (binds 127.0.0.1 unless told otherwise)."""
+"""`dcs coordinator`: serve `create_app(DCSConfig())` with uvicorn (binds 127.0.0.1 unless told otherwise;
+slow clients bounded and secrets scrubbed from logs, see `coordinator.server`)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 from dcs_tasks.config import DCSConfig
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.app import create_app
+    from coordinator.server import configure_logging, uvicorn_options
 
     overrides: dict[str, Any] = {"coordinator_host": args.host, "coordinator_port": args.port}
     if args.role_mapping:
@@ -45,14 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role_order:
         overrides["role_order"] = [r for r in args.role_order.split(",") if r]
     config = DCSConfig(**{k: v for k, v in overrides.items() if v is not None})
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config, args.log_level)
     app = create_app(config)
-    uvicorn.run(
-        app,
-        host=config.coordinator_host,
-        port=config.coordinator_port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    uvicorn.run(app, **uvicorn_options(config, args.log_level))
     return 0

@@ -1,4 +1,5 @@
-"""Cross-cutting HTTP behaviour as pure ASGI middleware: bearer auth, body-size limit, request metrics.
+"""Cross-cutting HTTP behaviour as pure ASGI middleware: bearer auth, the cross-site browser guard, body-size
+limit, request metrics.
 
 Pure ASGI (not BaseHTTPMiddleware) keeps the heartbeat path cheap: each layer is a dict lookup or two.
 """
@@ -44,6 +45,41 @@ class BearerAuthMiddleware:
             detail = "missing or wrong bearer token: send 'Authorization: Bearer <DCS_AUTH_TOKEN>'"
             await _send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])
             return
+        await self.app(scope, receive, send)
+
+
+class BrowserGuardMiddleware:
+    """403 for a cross-site browser request: `Sec-Fetch-Site: cross-site|same-site`, or an `Origin` that is
+    not this server's own (`Host`). The coordinator serves programs, not web pages, and has no CORS, so a page
+    on another origin may not make a user's browser change its state (e.g. a GET of /clear_weight_meta from
+    an <img> tag, or a form POST). Same-origin requests (the /docs page) and non-browser clients (no such
+    headers) pass."""
+
+    def __init__(self, app: ASGIApp, public_paths: Collection[str] = PUBLIC_PATHS) -> None:
+        self.app = app
+        self.public_paths = frozenset(public_paths)
+
+    @staticmethod
+    def refusal(headers: list[tuple[bytes, bytes]]) -> str | None:
+        """Why the request is refused, or None."""
+        found = {k: v for k, v in headers if k in (b"sec-fetch-site", b"origin", b"host")}
+        site = found.get(b"sec-fetch-site", b"").lower()
+        if site in (b"cross-site", b"same-site"):
+            return f"Sec-Fetch-Site: {site.decode('latin-1')}"
+        origin = found.get(b"origin")
+        if origin is not None:
+            host = origin.partition(b"://")[2].rstrip(b"/")
+            if not host or host.lower() != found.get(b"host", b"").lower():
+                return f"Origin: {origin[:200].decode('latin-1')}"
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
+            why = self.refusal(scope["headers"])
+            if why is not None:
+                detail = f"cross-site browser requests are refused ({why}); call the coordinator from a program"
+                await _send_error(send, 403, detail)
+                return
         await self.app(scope, receive, send)
 
 

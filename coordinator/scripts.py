@@ -11,6 +11,7 @@ from __future__ import annotations
 # KEYS[2] role_owners(role) H rank -> "ip:port" identity
 # KEYS[3] roles             Z role -> first-registration order
 # KEYS[4] role_seq          K counter for that order
+# KEYS[5] node_beats        Z "role:rank" -> unix time of the last registration or beat (dead-node sweep)
 # ARGV[1] role name
 # ARGV[2] requested rank, or "" for "assign one"
 # ARGV[3] identity: "ip:port", or an identity issued for this registration when the node has no port (it
@@ -40,6 +41,7 @@ if ident ~= "" then
         redis.call("HDEL", KEYS[1], held)
         redis.call("HDEL", KEYS[2], held)
         redis.call("DEL", ARGV[6] .. held)
+        redis.call("ZREM", KEYS[5], ARGV[1] .. ":" .. held)
       end
     end
   end
@@ -58,6 +60,7 @@ else
   redis.call("HDEL", KEYS[2], rank)
 end
 redis.call("SET", ARGV[6] .. rank, ARGV[7], "PX", ARGV[5])
+redis.call("ZADD", KEYS[5], ARGV[7], ARGV[1] .. ":" .. rank)
 if redis.call("ZSCORE", KEYS[3], ARGV[1]) == false then
   redis.call("ZADD", KEYS[3], redis.call("INCR", KEYS[4]), ARGV[1])
 end
@@ -65,9 +68,10 @@ return {rank, kind}
 """
 
 # Refresh a registered node's heartbeat in one round trip.
-# KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)
-# ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value
+# KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)  KEYS[4] node_beats
+# ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value (unix time of the beat)
 # ARGV[4] identity of the beating node (as its registration recorded it), or "" to skip the ownership check
+# ARGV[5] node_beats member "role:rank"
 # Returns 1 when the beat is recorded (a dead node comes back alive), 0 when (role, rank) is not registered,
 # -1 when the rank is now held by another identity (the caller was presumed dead and replaced).
 HEARTBEAT = """
@@ -78,13 +82,17 @@ if ARGV[4] ~= "" and redis.call("HGET", KEYS[3], ARGV[1]) ~= ARGV[4] then
   return -1
 end
 redis.call("SET", KEYS[2], ARGV[3], "PX", ARGV[2])
+redis.call("ZADD", KEYS[4], ARGV[3], ARGV[5])
 return 1
 """
 
 # Remove a node.
-# KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)
+# KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
+# KEYS[5] node_beats
 # ARGV[1] rank
 # ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
+# ARGV[3] role name
+# The role leaves `roles` with its last node (a later registration appends it to the order again).
 # Returns 1 when the node was registered and is removed, 0 when it was not registered, -1 (nothing removed)
 # when the rank is now held by another identity: a replaced node shutting down must not remove its successor.
 UNREGISTER = """
@@ -97,24 +105,62 @@ end
 redis.call("HDEL", KEYS[1], ARGV[1])
 redis.call("HDEL", KEYS[2], ARGV[1])
 redis.call("DEL", KEYS[3])
+redis.call("ZREM", KEYS[5], ARGV[3] .. ":" .. ARGV[1])
+if redis.call("HLEN", KEYS[1]) == 0 then
+  redis.call("ZREM", KEYS[4], ARGV[3])
+end
 return 1
+"""
+
+# Remove nodes dead for longer than the retention, and each role with its last node.
+# KEYS[1] node_beats  KEYS[2] roles
+# ARGV[1] cutoff: nodes whose last beat is older (unix time) go  ARGV[2] most nodes removed per call
+# ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix  ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
+# Returns how many node_beats entries were processed (== ARGV[2]: call again). A node that beats again in
+# time (its heartbeat key exists) is kept; its next beat puts it back into node_beats.
+SWEEP_DEAD_NODES = """
+local stale = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", ARGV[1], "LIMIT", 0, tonumber(ARGV[2]))
+for _, member in ipairs(stale) do
+  redis.call("ZREM", KEYS[1], member)
+  local role, rank = string.match(member, "^(.+):(%d+)$")
+  if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 0 then
+    local nodes = ARGV[3] .. role
+    if redis.call("TYPE", nodes)["ok"] == "hash" then
+      redis.call("HDEL", nodes, rank)
+      redis.call("HDEL", ARGV[4] .. role, rank)
+      if redis.call("HLEN", nodes) == 0 then
+        redis.call("ZREM", KEYS[2], role)
+      end
+    end
+  end
+end
+return #stale
 """
 
 # A consistent snapshot of several roles.
 # KEYS[i]  role_nodes(role_i)
 # ARGV[i]  heartbeat key prefix of role_i
 # Returns, per role, a flat list {rank, RoleInfo JSON, heartbeat PTTL, ...}; PTTL -2 = dead (no key).
+# A key that is not a hash (corrupt) gives {"!" .. its type} instead, so one bad key does not fail the read.
 SNAPSHOT = """
 local out = {}
 for i = 1, #KEYS do
-  local nodes = redis.call("HGETALL", KEYS[i])
+  local kind = redis.call("TYPE", KEYS[i])["ok"]
+  local nodes = {}
+  if kind == "hash" then
+    nodes = redis.call("HGETALL", KEYS[i])
+  elseif kind ~= "none" then
+    out[i] = {"!" .. kind}
+  end
   local role = {}
   for j = 1, #nodes, 2 do
     role[#role + 1] = nodes[j]
     role[#role + 1] = nodes[j + 1]
     role[#role + 1] = redis.call("PTTL", ARGV[i] .. nodes[j])
   end
-  out[i] = role
+  if out[i] == nil then
+    out[i] = role
+  end
 end
 return out
 """
@@ -145,16 +191,35 @@ redis.call("PUBLISH", ARGV[2], "append")
 return base + length
 """
 
-# Read the weight-meta log from an absolute index.
-# KEYS[1] weight_meta()  KEYS[2] weight_meta_base()  ARGV[1] absolute index
-# Returns {base, entries from max(index, base)}.
+# Read a bounded slice of the weight-meta log from an absolute index.
+# KEYS[1] weight_meta()  KEYS[2] weight_meta_base()
+# ARGV[1] absolute index  ARGV[2] most entries (0: none, only the indices)  ARGV[3] most bytes of entries
+# (the first entry is always returned, so a reader always progresses)
+# Returns {base, length of the list, entries from max(index, base)}; the log's absolute end is base + length.
+# Entries are fetched in small chunks, so one call never copies more than the caps (plus one chunk).
 READ_WEIGHT_META = """
 local base = tonumber(redis.call("GET", KEYS[2]) or "0")
+local length = redis.call("LLEN", KEYS[1])
 local start = tonumber(ARGV[1]) - base
 if start < 0 then
   start = 0
 end
-return {base, redis.call("LRANGE", KEYS[1], start, -1)}
+local limit = tonumber(ARGV[2])
+local budget = tonumber(ARGV[3])
+local out = {}
+local used = 0
+while start < length and #out < limit do
+  local chunk = redis.call("LRANGE", KEYS[1], start, start + math.min(31, limit - #out - 1))
+  for _, item in ipairs(chunk) do
+    if #out > 0 and used + #item > budget then
+      return {base, length, out}
+    end
+    out[#out + 1] = item
+    used = used + #item
+  end
+  start = start + #chunk
+end
+return {base, length, out}
 """
 
 # Empty the weight-meta log, keeping indices absolute: the base moves past the dropped entries.

@@ -6,11 +6,15 @@ identity; a sorted set of roles in first-registration order; per node a heartbea
 unregistration are single Lua scripts (see `coordinator.scripts`), so concurrent coordinators agree.
 
 Every method raises `redis.RedisError` subclasses when Redis is unreachable; the app maps them to 503.
+A stored record that cannot be read (not JSON, not a RoleInfo, a key of the wrong type) is skipped and
+listed in `TopologySnapshot.unreadable` (/health reports it), so one bad record never fails every read.
+Nodes dead for longer than the retention are removed by `sweep_dead_nodes`, and a role with its last node.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import re
 import secrets
 import time
@@ -23,6 +27,8 @@ from dcs_tasks.config import RoleInfo, TopologyConfig
 from dcs_tasks.errors import RankConflict
 from dcs_tasks.keys import Keys
 
+log = logging.getLogger(__name__)
+
 
 class RegistrationKind(str, enum.Enum):
     """How `register` chose the rank."""
@@ -33,6 +39,7 @@ class RegistrationKind(str, enum.Enum):
 
 
 _MAX_CACHED_NODES = 65536
+_SWEEP_BATCH = 500
 _KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: RegistrationKind.ASSIGNED}
 
 
@@ -56,6 +63,7 @@ class TopologySnapshot:
 
     roles: list[str]
     nodes: dict[str, dict[int, NodeRecord]] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)  # "redis key[rank]" of records skipped
 
     def alive(self, role: str) -> dict[int, RoleInfo]:
         return {rank: rec.info for rank, rec in sorted(self.nodes.get(role, {}).items()) if rec.alive}
@@ -118,18 +126,25 @@ class TopologyManager:
         self.heartbeat_timeout_seconds = heartbeat_timeout_seconds
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
-        self._beat_keys: dict[tuple[str, int], list[str]] = {}
+        self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
         self._unregister = redis.register_script(scripts.UNREGISTER)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
+        self._sweep = redis.register_script(scripts.SWEEP_DEAD_NODES)
 
     # --- writes ---------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> Registration:
         """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
         role = info.role_name
         identity = node_identity(info.ip, info.port) or issued_identity()
-        keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.roles(), self.keys.role_seq()]
+        keys = [
+            self.keys.role_nodes(role),
+            self.keys.role_owners(role),
+            self.keys.roles(),
+            self.keys.role_seq(),
+            self.keys.node_beats(),
+        ]
         argv = [
             role,
             "" if info.rank is None else str(info.rank),
@@ -149,19 +164,26 @@ class TopologyManager:
         rank; with "" the beat is not fenced.
         """
         now = time.time()
-        keys = self._heartbeat_keys(role, rank)
-        found = int(await self._heartbeat(keys=keys, args=[str(rank), self._ttl_arg, repr(now), identity]))
+        keys, member = self._heartbeat_keys(role, rank)
+        found = int(await self._heartbeat(keys=keys, args=[str(rank), self._ttl_arg, repr(now), identity, member]))
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} was presumed dead", 409)
         return now if found else None
 
-    def _heartbeat_keys(self, role: str, rank: int) -> list[str]:
-        """The heartbeat script's KEYS, memoised: heartbeats are the hot path (bounded; cleared when large)."""
+    def _heartbeat_keys(self, role: str, rank: int) -> tuple[list[str], str]:
+        """The heartbeat script's KEYS and node_beats member, memoised: heartbeats are the hot path (bounded;
+        cleared when large)."""
         found = self._beat_keys.get((role, rank))
         if found is None:
             if len(self._beat_keys) >= _MAX_CACHED_NODES:
                 self._beat_keys.clear()
-            found = [self.keys.role_nodes(role), self.keys.heartbeat(role, rank), self.keys.role_owners(role)]
+            keys = [
+                self.keys.role_nodes(role),
+                self.keys.heartbeat(role, rank),
+                self.keys.role_owners(role),
+                self.keys.node_beats(),
+            ]
+            found = (keys, f"{role}:{rank}")
             self._beat_keys[(role, rank)] = found
         return found
 
@@ -170,11 +192,30 @@ class TopologyManager:
 
         With an `identity`, raises RankConflict (and removes nothing) when another node now holds the rank.
         """
-        keys = [self.keys.role_nodes(role), self.keys.role_owners(role), self.keys.heartbeat(role, rank)]
-        found = int(await self._unregister(keys=keys, args=[str(rank), identity]))
+        keys = [
+            self.keys.role_nodes(role),
+            self.keys.role_owners(role),
+            self.keys.heartbeat(role, rank),
+            self.keys.roles(),
+            self.keys.node_beats(),
+        ]
+        found = int(await self._unregister(keys=keys, args=[str(rank), identity, role]))
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} may not remove it", 409)
         return bool(found)
+
+    async def sweep_dead_nodes(self, retention_seconds: float, now: float | None = None) -> int:
+        """Remove every node whose last beat is older than its heartbeat timeout plus `retention_seconds`,
+        and each role with its last node; returns how many stale entries were processed."""
+        cutoff = (time.time() if now is None else now) - self.heartbeat_timeout_seconds - retention_seconds
+        keys = [self.keys.node_beats(), self.keys.roles()]
+        prefixes = [self.keys.role_nodes_prefix(), self.keys.role_owners_prefix(), self.keys.heartbeat_prefix()]
+        total = 0
+        while True:
+            done = int(await self._sweep(keys=keys, args=[repr(cutoff), _SWEEP_BATCH, *prefixes]))
+            total += done
+            if done < _SWEEP_BATCH:
+                return total
 
     # --- reads ----------------------------------------------------------------------------------
     async def registered_roles(self) -> list[str]:
@@ -189,15 +230,33 @@ class TopologyManager:
         keys = [self.keys.role_nodes(r) for r in wanted]
         argv = [self.keys.heartbeat_role_prefix(r) for r in wanted]
         raw = await self._snapshot(keys=keys, args=argv)
-        nodes: dict[str, dict[int, NodeRecord]] = {}
-        for role, flat in zip(wanted, raw, strict=True):
+        snap = TopologySnapshot(roles=order)
+        for role, key, flat in zip(wanted, keys, raw, strict=True):
+            if len(flat) % 3:  # {"!<type>"}: the key is not a hash
+                snap.unreadable.append(f"{key} (a {str(flat[0])[1:]}, not a hash)")
+                continue
             records: dict[int, NodeRecord] = {}
             for i in range(0, len(flat), 3):
+                info = self._parse(role, str(flat[i]), flat[i + 1])
+                if info is None:
+                    snap.unreadable.append(f"{key}[{flat[i]}]")
+                    continue
                 ttl = int(flat[i + 2])
-                info = RoleInfo.model_validate_json(flat[i + 1])
-                records[int(flat[i])] = NodeRecord(info=info, alive=ttl != -2, ttl_ms=None if ttl == -2 else ttl)
-            nodes[role] = records
-        return TopologySnapshot(roles=order, nodes=nodes)
+                records[info.rank or 0] = NodeRecord(info=info, alive=ttl != -2, ttl_ms=None if ttl == -2 else ttl)
+            snap.nodes[role] = records
+        return snap
+
+    @staticmethod
+    def _parse(role: str, rank: str, raw: str) -> RoleInfo | None:
+        """The stored record of (role, rank), or None (logged) when it is not a valid RoleInfo of that node."""
+        try:
+            info = RoleInfo.model_validate_json(raw)
+            if info.role_name != role or str(info.rank) != rank:
+                raise ValueError(f"it says it is {info.role_name}_{info.rank}")
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            log.warning("skipping the unreadable topology record %s_%s: %s", role, rank[:64], str(exc)[:300])
+            return None
+        return info
 
     async def get_node(self, role: str, rank: int, *, include_dead: bool = False) -> RoleInfo | None:
         """The node at (role, rank), or None when unregistered (or dead, unless `include_dead`)."""
@@ -207,7 +266,7 @@ class TopologyManager:
             raw, alive = await pipe.execute()
         if raw is None or not (alive or include_dead):
             return None
-        return RoleInfo.model_validate_json(raw)
+        return self._parse(role, str(rank), raw)
 
     async def get_peer(self, role: str, rank: int, peer_role: str | None = None) -> RoleInfo | None:
         """The live node of the same rank in `peer_role` (default: the configured mapping of `role`)."""

@@ -6,7 +6,8 @@ across both and a reader that fell behind is told where its entries resume (`fir
 also PUBLISHes on `weight_meta_channel`; one `AppendNotifier` per coordinator process listens there and
 wakes its waiting long-polls, so a waiting request costs no Redis traffic until something is appended (or
 its timeout ends). Appends made through another coordinator wake this one too, because the wake-up goes
-through Redis.
+through Redis. One read is capped in entries and bytes (`ReadLimits`), so one answer, and the Redis script
+behind it, stay small however long the log is; the reader continues from `next_index`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -92,20 +94,36 @@ class AppendNotifier:
                 await pubsub.aclose()
 
 
+@dataclass(frozen=True)
+class ReadLimits:
+    """Most entries and bytes of entries one read returns (the first entry always, whatever its size)."""
+
+    max_entries: int = 1000
+    max_bytes: int = 4 * 1024 * 1024
+
+
 class WeightMetaStore:
     """Append, read from an index (optionally waiting), and clear the weight-meta log."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: AppendNotifier, max_entries: int = 0) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        notifier: AppendNotifier,
+        max_entries: int = 0,
+        limits: ReadLimits | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.notifier = notifier
         self.max_entries = max_entries
+        self.limits = limits or ReadLimits()
         self._append = redis.register_script(scripts.APPEND_WEIGHT_META)
         self._read = redis.register_script(scripts.READ_WEIGHT_META)
         self._clear = redis.register_script(scripts.CLEAR_WEIGHT_META)
 
-    async def append(self, meta: WeightMeta, append_id: str | None = None) -> int:
-        """Append one entry and wake readers; returns its absolute index + 1.
+    async def append(self, meta: WeightMeta | str, append_id: str | None = None) -> int:
+        """Append one entry (a WeightMeta or its JSON) and wake readers; returns its absolute index + 1.
 
         Exactly once per `append_id` (default: a fresh one per call) even when the Redis client retries the
         command after a lost reply, so a receiver never sees a bucket twice.
@@ -113,29 +131,33 @@ class WeightMetaStore:
         marker = self.keys.weight_meta_append(append_id or uuid.uuid4().hex)
         keys = [self.keys.weight_meta(), marker, self.keys.weight_meta_base()]
         args: list[str | int] = [
-            meta.model_dump_json(),
+            meta if isinstance(meta, str) else meta.model_dump_json(),
             self.keys.weight_meta_channel(),
             APPEND_MARKER_TTL_MS,
             self.max_entries,
         ]
         return int(await self._append(keys=keys, args=args))
 
-    async def read(self, index: int) -> WeightMetaBatch:
-        """Entries from absolute `index` (from the oldest kept one if `index` was trimmed)."""
-        base, raw = await self._read(keys=[self.keys.weight_meta(), self.keys.weight_meta_base()], args=[index])
+    async def read(self, index: int, limit: int | None = None) -> WeightMetaBatch:
+        """Entries from absolute `index` (from the oldest kept one if `index` was trimmed), at most `limit`
+        (and the configured caps); `end_index` says where the log ends."""
+        count = self.limits.max_entries if limit is None else min(limit, self.limits.max_entries)
+        keys = [self.keys.weight_meta(), self.keys.weight_meta_base()]
+        base, length, raw = await self._read(keys=keys, args=[index, count, self.limits.max_bytes])
         first = max(index, int(base))
         entries = [WeightMeta.model_validate_json(item) for item in raw]
-        return WeightMetaBatch(entries=entries, next_index=first + len(entries), first_index=first)
+        end = int(base) + int(length)
+        return WeightMetaBatch(entries=entries, next_index=first + len(entries), first_index=first, end_index=end)
 
-    async def wait_read(self, index: int, wait_timeout_s: float) -> WeightMetaBatch:
+    async def wait_read(self, index: int, wait_timeout_s: float, limit: int | None = None) -> WeightMetaBatch:
         """Entries from `index`; if none yet, wait up to `wait_timeout_s` for an append, then read again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_timeout_s
         while True:
             event = self.notifier.waiter()
-            batch = await self.read(index)
+            batch = await self.read(index, limit)
             remaining = deadline - loop.time()
-            if batch.entries or remaining <= 0:
+            if batch.entries or remaining <= 0 or limit == 0:
                 return batch
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=remaining)

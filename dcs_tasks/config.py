@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,29 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+MASK = "***"
+# scheme://user:password@  or  scheme://user@  (a lone user may be a secret too); ?password=... query values
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^@/\s?#]*)@")
+_URL_PASSWORD_PARAM = re.compile(r"(?P<key>[?&](?:password|pass|pwd|token)=)[^&#\s]*", re.IGNORECASE)
+
+
+def _mask_userinfo(match: re.Match[str]) -> str:
+    user, sep, _ = match["userinfo"].partition(":")
+    return f"{match['scheme']}{user}:{MASK}@" if sep else f"{match['scheme']}{MASK}@"
+
+
+def mask_url_credentials(text: str) -> str:
+    """`text` with the credentials of every URL in it masked: `redis://user:***@host/0`, `redis://***@host`,
+    `?password=***`. Safe to apply to whole log lines and error messages."""
+    return _URL_PASSWORD_PARAM.sub(lambda m: m["key"] + MASK, _URL_USERINFO.sub(_mask_userinfo, text))
+
+
+def scrub_secrets(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """`text` with every given secret value and every URL's credentials replaced by `***`."""
+    for secret in secrets:
+        if secret and len(secret) >= 3:
+            text = text.replace(secret, MASK)
+    return mask_url_credentials(text)
 
 
 class BackendType(str, enum.Enum):
@@ -90,6 +115,30 @@ class DCSConfig(BaseSettings):
     weight_meta_max_entries: int = Field(default=10_000, ge=0)
     """Entries the weight-meta log keeps (0: all); older ones are dropped at append. Indices stay absolute,
     so only a reader this far behind misses entries, and it is told (`first_index`)."""
+    weight_meta_entry_max_bytes: int = Field(default=1 * MiB, ge=1024)
+    """Largest JSON of one /send_weight_meta entry (413 beyond); at most weight_meta_read_max_bytes."""
+    weight_meta_read_max_entries: int = Field(default=1000, ge=1)
+    """Most entries one /recv_weight_meta answer carries; the client continues from `next_index`."""
+    weight_meta_read_max_bytes: int = Field(default=4 * MiB, ge=1024)
+    """Most bytes of entries one /recv_weight_meta answer carries (one entry always fits)."""
+    metadata_max_depth: int = Field(default=16, ge=1, le=64)
+    """Deepest nesting of the `metadata` a node registers (422 beyond)."""
+    metadata_max_bytes: int = Field(default=64 * 1024, ge=256)
+    """Largest JSON of the `metadata` a node registers (422 beyond)."""
+    dead_node_retention_seconds: float = Field(default=3600.0, gt=0)
+    """A node dead this long is removed (and its role when it was the role's last node); until then it is
+    listed in /health and keeps its rank for a replacement."""
+    redis_max_connections: int = Field(default=256, ge=4)
+    """Redis connections one coordinator process opens at most; a request waits for a free one."""
+    redis_pool_timeout_seconds: float = Field(default=5.0, gt=0)
+    """How long a coordinator request waits for a free Redis connection before answering 503."""
+    coordinator_keep_alive_seconds: float = Field(default=5.0, gt=0)
+    """An idle keep-alive connection to the coordinator is closed after this."""
+    coordinator_request_read_timeout_seconds: float = Field(default=15.0, gt=0)
+    """A client must send a whole request (headers and body) within this, else its connection is closed
+    (slow clients cannot hold connections open)."""
+    coordinator_max_header_bytes: int = Field(default=16 * 1024, ge=1024)
+    """Largest request line plus headers the coordinator reads (the connection is refused beyond)."""
     # topology answers (/peer mapping, /global_rank role order); give every coordinator the same values
     role_mappings: dict[str, str] = Field(default_factory=lambda: {"actor": "rollout"})
     """Peer role of each role, e.g. {"actor": "rollout"} (JSON in the environment)."""
@@ -213,6 +262,10 @@ class DCSConfig(BaseSettings):
             raise ValueError(f"comm port range is empty: {self.comm_base_port}-{self.comm_max_port}")
         if self.task_time_limit_seconds < self.task_soft_time_limit_seconds:
             raise ValueError("task_time_limit_seconds must be >= task_soft_time_limit_seconds")
+        if self.weight_meta_entry_max_bytes > self.weight_meta_read_max_bytes:
+            raise ValueError(
+                "weight_meta_entry_max_bytes must be <= weight_meta_read_max_bytes (one entry must fit an answer)"
+            )
         return self
 
     @property
@@ -241,6 +294,24 @@ class DCSConfig(BaseSettings):
 
     def token(self) -> str | None:
         return self.auth_token.get_secret_value() if self.auth_token else None
+
+    def secret_values(self) -> list[str]:
+        """Every secret this config holds (token, URL passwords), for `scrub_secrets`."""
+        found = [self.token() or ""]
+        for url in (self.redis_url, self.coordinator_url or ""):
+            match = _URL_USERINFO.search(url)
+            if match:
+                found.append(match["userinfo"].partition(":")[2] or match["userinfo"])
+        return [value for value in found if value]
+
+    def scrub(self, text: str) -> str:
+        """`text` (a log line, an error message) with this config's secrets masked."""
+        return scrub_secrets(text, self.secret_values())
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        """repr() and str() never show URL credentials (the token is a SecretStr already)."""
+        for name, value in super().__repr_args__():
+            yield name, mask_url_credentials(value) if isinstance(value, str) else value
 
     def abandoned_save_seconds(self) -> float:
         """How long after it began a save still PERSISTING can no longer have a live persist task (a kill -9

@@ -41,6 +41,23 @@ class Keys:
         """H rank -> "ip:port" identity of the node holding that rank (re-registration keeps the rank)."""
         return self._k("topo", "owner", role)
 
+    def role_nodes_prefix(self) -> str:
+        """Prefix P such that P + role == role_nodes(role) (the dead-node sweep builds keys from stored roles)."""
+        return self._k("topo", "role") + ":"
+
+    def role_owners_prefix(self) -> str:
+        """Prefix P such that P + role == role_owners(role)."""
+        return self._k("topo", "owner") + ":"
+
+    def heartbeat_prefix(self) -> str:
+        """Prefix P such that P + role + ":" + str(rank) == heartbeat(role, rank)."""
+        return self._k("hb") + ":"
+
+    def node_beats(self) -> str:
+        """Z "role:rank" scored by the unix time of the node's last registration or heartbeat (the sweep
+        removes nodes dead for longer than the retention)."""
+        return self._k("topo", "beats")
+
     # --- weight metadata ------------------------------------------------------------------------
     def weight_meta(self) -> str:
         """L of weight-meta JSON entries, appended by senders, read by index."""

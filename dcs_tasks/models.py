@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dcs_tasks.config import RoleInfo
 
 MAX_RANK = 2**20 - 1  # Lua numbers are doubles: far larger ranks would be rounded and stored under another rank
+MAX_INDEX = 2**53 - 1  # weight-meta indices: the largest integer a Lua number (a double) holds exactly
 WEIGHT_META_END_NAME = "weight_updated_stop"
 WEIGHT_META_END_GROUP = "end"
 
@@ -128,11 +129,19 @@ class WeightMetaBatch(BaseModel):
     """Entries `[first_index, next_index)` of the weight-meta log; empty when the long-poll timed out.
 
     Indices are absolute: they keep counting across trimming and /clear_weight_meta. `first_index` is the
-    index asked for, or later when the entries in between were already dropped from the log."""
+    index asked for, or later when the entries in between were already dropped from the log. One answer is
+    capped in entries and bytes: while `next_index < end_index` more entries are waiting, so read again from
+    `next_index` (`more` says so)."""
 
     entries: list[WeightMeta]
     next_index: int = Field(ge=0)
     first_index: int = Field(ge=0)
+    end_index: int = Field(ge=0, description="absolute index one past the log's last entry when read")
+
+    @property
+    def more(self) -> bool:
+        """True when the log held entries past this answer (read again from `next_index`)."""
+        return self.next_index < self.end_index
 
 
 class ClearWeightMetaResponse(StatusResponse):
@@ -144,6 +153,10 @@ class HealthResponse(BaseModel):
     timestamp: float
     world_size: int = Field(ge=0, description="live nodes of every role")
     dead_nodes: list[str] = Field(description="node ids registered but without a heartbeat key")
+    unreadable_records: int = Field(default=0, ge=0, description="stored node records that could not be read")
+    unreadable_keys: list[str] = Field(
+        default_factory=list, description="where they are: 'redis key[rank]' (at most 100 listed)"
+    )
 
 
 class NodeView(BaseModel):

@@ -6,7 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, TopologyDep
+from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
+from coordinator.limits import metadata_problem
+from coordinator.responses import COMMON, errors
 from coordinator.topology import RegistrationKind, TopologyManager, is_issued_identity, node_identity
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import RankConflict
@@ -60,7 +62,9 @@ def caller_identity(request: Request) -> str:
     return node_identity(ip, int(port))
 
 
-@router.get("/heartbeat", response_model=HeartbeatResponse, openapi_extra=NODE_HEADER_DOC)
+@router.get(
+    "/heartbeat", response_model=HeartbeatResponse, openapi_extra=NODE_HEADER_DOC, responses=errors(*COMMON, 404, 409)
+)
 async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Response:
     """Refresh the node's TTL (a node that had expired comes back alive); 404 when it never registered.
 
@@ -80,12 +84,18 @@ async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Respo
     return Response(HeartbeatResponse(timestamp=beat).model_dump_json(), media_type="application/json")
 
 
-@router.post("/register", response_model=RegisterResponse)
-async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResponse:
+@router.post("/register", response_model=RegisterResponse, responses=errors(*COMMON, 400, 413))
+async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResponse:
     """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank.
 
-    The answer's `identity` fences the node's later /heartbeat and /unregister (header X-DCS-Node)."""
-    result = await topology.register(body)
+    The answer's `identity` fences the node's later /heartbeat and /unregister (header X-DCS-Node).
+    `metadata` is bounded in nesting depth and JSON bytes (DCS_METADATA_MAX_DEPTH, DCS_METADATA_MAX_BYTES;
+    422 naming the limit), so every stored record stays readable."""
+    config = services.config
+    problem = metadata_problem(body.metadata, config.metadata_max_depth, config.metadata_max_bytes)
+    if problem is not None:
+        raise HTTPException(status_code=422, detail=f"invalid request: body.{problem}")
+    result = await services.topology.register(body)
     return RegisterResponse(
         rank=result.rank,
         node_id=f"{body.role_name}_{result.rank}",
@@ -94,7 +104,9 @@ async def register(body: RegisterRequest, topology: TopologyDep) -> RegisterResp
     )
 
 
-@router.delete("/unregister", response_model=StatusResponse, openapi_extra=NODE_HEADER_DOC)
+@router.delete(
+    "/unregister", response_model=StatusResponse, openapi_extra=NODE_HEADER_DOC, responses=errors(*COMMON, 404, 409)
+)
 async def unregister(role: RoleQuery, rank: RankQuery, topology: TopologyDep, request: Request) -> StatusResponse:
     """Remove the node. Fenced like /heartbeat: with `X-DCS-Node`, 409 (nothing removed) when another node
     now holds the rank, so a replaced node shutting down cannot remove its successor."""
@@ -107,7 +119,7 @@ async def unregister(role: RoleQuery, rank: RankQuery, topology: TopologyDep, re
     return StatusResponse(message=f"unregistered {role}_{rank}")
 
 
-@router.get("/node", response_model=RoleInfo)
+@router.get("/node", response_model=RoleInfo, responses=errors(*COMMON, 404))
 async def node(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> RoleInfo:
     found = await topology.get_node(role, rank)
     if found is None:
@@ -115,7 +127,7 @@ async def node(role: RoleQuery, rank: RankQuery, topology: TopologyDep) -> RoleI
     return found
 
 
-@router.get("/peer", response_model=RoleInfo)
+@router.get("/peer", response_model=RoleInfo, responses=errors(*COMMON, 404))
 async def peer(
     role: RoleQuery,
     rank: RankQuery,

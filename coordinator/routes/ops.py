@@ -18,7 +18,11 @@ async def healthz() -> StatusResponse:
     return StatusResponse(message="coordinator up")
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+)
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus text: the coordinator's request metrics and this process's `get_metrics()` collector.
 

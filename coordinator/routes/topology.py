@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Query
 
 from coordinator import groups
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
+from coordinator.responses import COMMON, errors
 from coordinator.routes.nodes import not_found
 from dcs_tasks.models import (
     DebugTopologyResponse,
@@ -23,7 +24,7 @@ from dcs_tasks.models import (
 router = APIRouter(tags=["topology"])
 
 
-@router.get("/topology", response_model=TopologyResponse)
+@router.get("/topology", response_model=TopologyResponse, responses=errors(*COMMON))
 async def topology(
     topo: TopologyDep,
     role_filter: Annotated[str | None, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN)] = None,
@@ -45,7 +46,7 @@ async def topology(
     )
 
 
-@router.get("/global_rank", response_model=GlobalRankResponse)
+@router.get("/global_rank", response_model=GlobalRankResponse, responses=errors(*COMMON, 404))
 async def global_rank(role: RoleQuery, rank: RankQuery, topo: TopologyDep) -> GlobalRankResponse:
     """Global rank of a live node: the rank spans of the roles before `role`, plus `rank`.
 
@@ -60,7 +61,7 @@ async def global_rank(role: RoleQuery, rank: RankQuery, topo: TopologyDep) -> Gl
     return GlobalRankResponse(global_rank=found)
 
 
-@router.get("/get_model_update_group_ranks", response_model=GroupRanksResponse)
+@router.get("/get_model_update_group_ranks", response_model=GroupRanksResponse, responses=errors(*COMMON, 400, 404))
 async def model_update_group_ranks(
     role: RoleQuery, rank: RankQuery, topo: TopologyDep, need_update_ref: bool = False
 ) -> GroupRanksResponse:
@@ -85,20 +86,23 @@ async def model_update_group_ranks(
         raise HTTPException(status_code=400, detail=str(exc)) from exc
 
 
-@router.get("/health", response_model=HealthResponse)
+@router.get("/health", response_model=HealthResponse, responses=errors(*COMMON))
 async def health(topo: TopologyDep) -> HealthResponse:
-    """Live world size and the nodes registered without a heartbeat key (dead)."""
+    """Live world size, the nodes registered without a heartbeat key (dead), and the stored records that
+    could not be read (skipped by every read; `degraded` while any exist: remove or re-register them)."""
     snap = await topo.check_health()
     dead = snap.dead_node_ids()
     return HealthResponse(
-        status=HealthStatus.DEGRADED if dead else HealthStatus.HEALTHY,
+        status=HealthStatus.DEGRADED if dead or snap.unreadable else HealthStatus.HEALTHY,
         timestamp=time.time(),
         world_size=snap.world_size(),
         dead_nodes=dead,
+        unreadable_records=len(snap.unreadable),
+        unreadable_keys=snap.unreadable[:100],
     )
 
 
-@router.get("/debug/topology", response_model=DebugTopologyResponse)
+@router.get("/debug/topology", response_model=DebugTopologyResponse, responses=errors(*COMMON))
 async def debug_topology(services: ServicesDep) -> DebugTopologyResponse:
     """Every registered node, dead or alive, with its remaining heartbeat TTL."""
     snap = await services.topology.snapshot()

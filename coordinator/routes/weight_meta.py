@@ -1,36 +1,67 @@
-"""The weight-meta log: append, long-poll read by index, clear."""
+"""The weight-meta log: append, long-poll read by index (bounded answers), clear."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query
 
-from coordinator.deps import WeightMetaDep
-from dcs_tasks.models import ClearWeightMetaResponse, StatusResponse, WeightMeta, WeightMetaBatch
+from coordinator.deps import ServicesDep, WeightMetaDep
+from coordinator.responses import COMMON, errors
+from dcs_tasks.models import MAX_INDEX, ClearWeightMetaResponse, StatusResponse, WeightMeta, WeightMetaBatch
 
 router = APIRouter(tags=["weight-meta"])
 
 MAX_WAIT_S = 300.0
+MAX_LIMIT = 100_000
 
 
-@router.post("/send_weight_meta", response_model=StatusResponse)
-async def send_weight_meta(body: WeightMeta, store: WeightMetaDep) -> StatusResponse:
-    length = await store.append(body)
+@router.post("/send_weight_meta", response_model=StatusResponse, responses=errors(*COMMON, 400, 413))
+async def send_weight_meta(body: WeightMeta, services: ServicesDep) -> StatusResponse:
+    """Append one entry; 413 when its JSON is over DCS_WEIGHT_META_ENTRY_MAX_BYTES."""
+    entry = body.model_dump_json()
+    limit = services.config.weight_meta_entry_max_bytes
+    if len(entry.encode()) > limit:
+        detail = (
+            f"weight-meta entry is {len(entry.encode())} bytes of JSON; the limit is {limit} bytes "
+            "(DCS_WEIGHT_META_ENTRY_MAX_BYTES): split the bucket"
+        )
+        raise HTTPException(status_code=413, detail=detail)
+    length = await services.weight_meta.append(entry)
     return StatusResponse(message=f"appended entry {length - 1}")
 
 
-@router.get("/recv_weight_meta", response_model=WeightMetaBatch)
+@router.get("/recv_weight_meta", response_model=WeightMetaBatch, responses=errors(*COMMON))
 async def recv_weight_meta(
     store: WeightMetaDep,
-    index: Annotated[int, Query(ge=0, description="first entry wanted")] = 0,
+    index: Annotated[int, Query(ge=0, le=MAX_INDEX, description="first entry wanted (absolute index)")] = 0,
     wait_timeout_s: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll bound, seconds")] = 0.0,
+    limit: Annotated[
+        int | None, Query(ge=0, le=MAX_LIMIT, description="most entries wanted (0: only the indices)")
+    ] = None,
 ) -> WeightMetaBatch:
-    """Entries from `index`; when none exist yet, waits (pub/sub, no polling) up to `wait_timeout_s`."""
-    return await store.wait_read(index, wait_timeout_s)
+    """Entries from `index`; when none exist yet, waits (pub/sub, no polling) up to `wait_timeout_s`.
+
+    One answer carries at most DCS_WEIGHT_META_READ_MAX_ENTRIES entries and DCS_WEIGHT_META_READ_MAX_BYTES
+    bytes of them (and at most `limit`): while `next_index < end_index`, read again from `next_index`.
+    """
+    return await store.wait_read(index, wait_timeout_s, limit)
 
 
-@router.get("/clear_weight_meta", response_model=ClearWeightMetaResponse)
+@router.post("/clear_weight_meta", response_model=ClearWeightMetaResponse, responses=errors(*COMMON))
 async def clear_weight_meta(store: WeightMetaDep) -> ClearWeightMetaResponse:
+    """Empty the log (indices keep counting)."""
     cleared = await store.clear()
     return ClearWeightMetaResponse(message=f"cleared {cleared} entries", cleared=cleared)
+
+
+@router.get(
+    "/clear_weight_meta",
+    response_model=ClearWeightMetaResponse,
+    responses=errors(*COMMON),
+    operation_id="clear_weight_meta_get",
+)
+async def clear_weight_meta_get(store: WeightMetaDep) -> ClearWeightMetaResponse:
+    """The seed's GET form of POST /clear_weight_meta, kept for scripts. It changes state, so it needs the token
+    when one is set, and without a token it refuses cross-site browser requests (403); prefer POST."""
+    return await clear_weight_meta(store)

@@ -1,4 +1,7 @@
-"""`dcs config`: every setting, its environment variable, default and effective value (secrets masked)."""
+"""`dcs config`: every setting, its environment variable, default and effective value.
+
+Secrets are masked: the token (a SecretStr) and the credentials of every URL (`DCS_REDIS_URL`'s password).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from dcs_tasks.config import DCSConfig
+from dcs_tasks.config import MASK, DCSConfig, mask_url_credentials
 
 
 def register(sub: Any) -> None:
@@ -18,17 +21,18 @@ def register(sub: Any) -> None:
 
 
 def _shown(value: Any) -> str:
+    """The value as printed: secrets as `***`, URL credentials masked."""
     if isinstance(value, SecretStr):
-        return "***"
+        return MASK
     if value is None:
         return "-"
-    return (
-        value.value
-        if hasattr(value, "value")
-        else str(value)
-        if not isinstance(value, dict | list)
-        else json.dumps(value)
-    )
+    if hasattr(value, "value"):
+        text = str(value.value)
+    elif isinstance(value, dict | list):
+        text = json.dumps(value)
+    else:
+        text = str(value)
+    return mask_url_credentials(text)
 
 
 def rows(config: DCSConfig) -> list[tuple[str, str, str, str, str]]:
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = DCSConfig()
     except ValidationError as exc:
-        print(f"invalid DCS_* settings:\n{exc}")
+        print(f"invalid DCS_* settings:\n{mask_url_credentials(str(exc))}")  # the input may hold a password
         return 2
     if args.markdown:
         print("| setting | environment | type | default | description |\n| --- | --- | --- | --- | --- |")

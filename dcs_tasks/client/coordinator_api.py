@@ -195,15 +195,45 @@ class CoordinatorAPI:
     async def send_weight_meta(self, meta: WeightMeta) -> StatusResponse:
         return await self._call("POST", "/send_weight_meta", StatusResponse, body=meta)
 
-    async def recv_weight_meta(self, index: int = 0, wait_timeout_s: float = 0.0) -> WeightMetaBatch:
-        """Entries from `index` on; waits up to `wait_timeout_s` for one to arrive (empty batch on timeout)."""
-        params = {"index": index, "wait_timeout_s": wait_timeout_s}
+    async def recv_weight_meta(
+        self, index: int = 0, wait_timeout_s: float = 0.0, limit: int | None = None
+    ) -> WeightMetaBatch:
+        """Entries from `index` on; waits up to `wait_timeout_s` for one to arrive (empty batch on timeout).
+
+        One answer is capped (entries, bytes; at most `limit` entries when given): when `batch.more`, more
+        entries are already in the log, so continue from `batch.next_index` (`recv_weight_meta_all` does).
+        """
+        params: dict[str, Any] = {"index": index, "wait_timeout_s": wait_timeout_s}
+        if limit is not None:
+            params["limit"] = limit
         return await self._call(
             "GET", "/recv_weight_meta", WeightMetaBatch, params=params, timeout=self.timeout + wait_timeout_s
         )
 
+    async def recv_weight_meta_all(self, index: int = 0, wait_timeout_s: float = 0.0) -> WeightMetaBatch:
+        """Every entry from `index` to the log's end as one batch, following `next_index` across capped answers
+        (waits like `recv_weight_meta` only for the first). Stops early if entries were dropped from the log
+        between two answers (then `more` is still true). For a bounded log; a long-lived reader should process
+        each `recv_weight_meta` answer instead of holding the whole log (as `ActorFwdReceiver` does)."""
+        batch = await self.recv_weight_meta(index, wait_timeout_s)
+        first, entries = batch.first_index, list(batch.entries)
+        while batch.more and batch.entries:
+            following = await self.recv_weight_meta(batch.next_index)
+            if following.first_index != batch.next_index:  # trimmed or cleared in between: not contiguous
+                break
+            batch = following
+            entries.extend(batch.entries)
+        return WeightMetaBatch(
+            entries=entries, next_index=batch.next_index, first_index=first, end_index=batch.end_index
+        )
+
+    async def weight_meta_end(self) -> int:
+        """The absolute index one past the log's last entry (where a new reader starts), without reading entries."""
+        return (await self.recv_weight_meta(0, limit=0)).end_index
+
     async def clear_weight_meta(self) -> ClearWeightMetaResponse:
-        return await self._call("GET", "/clear_weight_meta", ClearWeightMetaResponse)
+        """Empty the weight-meta log (POST: it changes state)."""
+        return await self._call("POST", "/clear_weight_meta", ClearWeightMetaResponse)
 
 
 class HeartbeatLoop:

@@ -118,7 +118,7 @@ class ActorFwdReceiver:
 
     async def init_groups(self, ranks: GroupRanksResponse, specs: dict[str, GroupSpec]) -> None:
         """Snapshot the meta log's end *before* the rendezvous barrier, then join every stage's group."""
-        self.meta_index = (await self.api.recv_weight_meta(index=0, wait_timeout_s=0)).next_index
+        self.meta_index = await self.api.weight_meta_end()  # answers are capped: ask for the end itself
         backend = self.receiver.backend
         assert isinstance(backend, DeviceDirectBackend)
         self.receiver.abort()
@@ -140,6 +140,8 @@ class ActorFwdReceiver:
                     f"weight update v{version} did not complete within {self.timeout_seconds:g}s "
                     f"({received} buckets, {ends}/{self.train_pp_size} stages ended)"
                 )
+            # one answer is capped (entries, bytes); a capped one (batch.more) is continued from its next_index
+            # (== meta_index once its entries are consumed) at the next turn, which answers at once
             batch = await self.api.recv_weight_meta(self.meta_index, wait_timeout_s=min(left, 5.0))
             if batch.first_index > self.meta_index:  # trimmed or cleared before we read them
                 missed = batch.first_index - self.meta_index

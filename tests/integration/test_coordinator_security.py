@@ -172,8 +172,9 @@ async def test_a_command_redis_refuses_is_503_naming_the_reason(
 ) -> None:
     from dcs_tasks.keys import Keys
 
-    redis_server.client().set(Keys(dcs_config.namespace).role_nodes("actor"), "not a hash")
-    response = await coord.http.get("/topology", params={"role_filter": "actor"})
+    # (a wrong-typed topology record is skipped instead: see test_coordinator_hostile.py)
+    redis_server.client().set(Keys(dcs_config.namespace).weight_meta(), "not a list")
+    response = await coord.http.get("/recv_weight_meta")
     assert response.status_code == 503
     detail = response.json()["detail"]
     assert "WRONGTYPE" in detail and "refused the command" in detail and "unreachable" not in detail
