@@ -182,6 +182,16 @@ class DCSConfig(BaseSettings):
     ref_update_interval: int | None = Field(default=None, ge=1)
     """Update the reference model every N rollouts (None: never)."""
 
+    # rollout receivers (`dcs receiver`)
+    receiver_max_update_bytes: int = Field(default=256 * 1024**3, ge=1)
+    """Most tensor bytes a receiver accepts in one weight update (all its requests together); a request
+    announcing more is refused (400) before anything is allocated."""
+    receiver_request_read_timeout_seconds: float = Field(default=10.0, gt=0)
+    """Slow-client guard of `dcs receiver`: a connection whose request (head and body) has not fully arrived
+    this long after it opened, or after the request's first byte, is closed."""
+    receiver_keep_alive_seconds: float = Field(default=5.0, gt=0)
+    """An idle keep-alive connection to `dcs receiver` is closed after this long."""
+
     # heartbeats
     heartbeat_interval_seconds: float = Field(default=5.0, gt=0)
     """How often nodes send heartbeats."""

@@ -77,6 +77,16 @@ class StagingError(CheckpointError):
     """The shared-memory staging pool cannot take the state (too big, closed, busy under policy skip)."""
 
 
+class InvalidTaskPayload(CheckpointError, ValueError):
+    """A checkpoint task's JSON payload is malformed (bad run name, step, file name or path). A worker
+    fails such a task at once and never retries it."""
+
+
+class UntrustedPath(InvalidTaskPayload):
+    """A checkpoint task names a path outside the worker's configured checkpoint root or staging directory
+    (or one reached through a symlink that leaves them); the worker refuses it without touching it."""
+
+
 # --- weight sync --------------------------------------------------------------------------------
 class WeightSyncError(DCSError):
     """A weight update failed; `member` names the node that failed, when known."""
@@ -92,3 +102,18 @@ class GroupInitError(WeightSyncError):
 
 class PortAllocationError(WeightSyncError):
     """No free master port in the configured range on the host."""
+
+
+class RequestRejected(WeightSyncError):
+    """A receiver refused a weight-sync request before acting on it (bad dtype, shape, name or address, over a
+    size limit, wrong group, another group init in flight); nothing was allocated or changed."""
+
+
+class EngineIncompatible(WeightSyncError):
+    """A rollout engine cannot take DCS's distributed weight updates: it is not an SGLang version DCS supports
+    (docs/weight_sync.md lists them), or it runs with dp_size > 1 or pp_size > 1. Refused before any group
+    forms; `member` names the engine."""
+
+
+class EngineAuthRefused(WeightSyncError):
+    """A rollout engine refused DCS's API key (401/403): start it with `--api-key` equal to DCS_AUTH_TOKEN."""
