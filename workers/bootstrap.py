@@ -20,6 +20,7 @@ import redis
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError
 from dcs_tasks.keys import Keys
+from dcs_tasks.sync.engine_protocol import auth_headers
 from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, GroupStatus, JoinOutcome, JoinRequest, JoinResult
 
 log = logging.getLogger(__name__)
@@ -88,15 +89,21 @@ def record_group(
     client.expire(key, GROUP_RECORD_TTL_SECONDS)
 
 
-def join_engine(request: JoinRequest) -> JoinResult:
-    """POST the engine's /init_weights_update_group; blocks until the engine has joined (or fails).
+def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
+    """POST the engine's /init_weights_update_group (with SGLang's API-key header when DCS has a token);
+    blocks until the engine has joined (or fails).
 
     The HTTP timeout exceeds the rendezvous timeout by a margin, so an engine's own failure message wins.
     """
     url = f"{request.engine.url}/init_weights_update_group"
     node = request.engine.node_id
     try:
-        response = httpx.post(url, json=request.body.model_dump(mode="json"), timeout=request.timeout_seconds + 5)
+        response = httpx.post(
+            url,
+            json=request.body.model_dump(mode="json"),
+            headers=auth_headers(token),
+            timeout=request.timeout_seconds + 5,
+        )
     except httpx.TimeoutException as exc:
         return JoinResult(node_id=node, success=False, outcome=JoinOutcome.TIMED_OUT, message=f"{url}: {exc!r}")
     except httpx.HTTPError as exc:
@@ -111,20 +118,28 @@ def join_engine(request: JoinRequest) -> JoinResult:
         body = {"message": response.text[:500]}
     if response.is_success and bool(body.get("success", True)):
         return JoinResult(node_id=node, success=True, message=str(body.get("message", "")))
-    # SGLang answers {"success": false, "message"} or, for a body it cannot parse, FastAPI's {"detail"}
-    reason = body.get("message") or body.get("detail") or response.text[:500]
+    # SGLang answers {"success": false, "message"}, FastAPI's {"detail"} for a body it cannot parse, or
+    # {"error": "Unauthorized"} (401/403) for a wrong API key
+    reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
+    if response.status_code in (401, 403):
+        reason = f"{reason}: the engine refused DCS's API key (start it with --api-key equal to DCS_AUTH_TOKEN)"
     return JoinResult(
         node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=f"{response.status_code}: {reason}"
     )
 
 
-def destroy_group(client: redis.Redis, keys: Keys, request: DestroyRequest, timeout: float = 10.0) -> int:
+def destroy_group(
+    client: redis.Redis, keys: Keys, request: DestroyRequest, timeout: float = 10.0, token: str | None = None
+) -> int:
     """Best-effort engine teardown, then port release and record removal; returns engines that answered."""
     answered = 0
     for engine in request.engines:
         try:
             httpx.post(
-                f"{engine.url}/destroy_weights_update_group", json={"group_name": request.group_name}, timeout=timeout
+                f"{engine.url}/destroy_weights_update_group",
+                json={"group_name": request.group_name},
+                headers=auth_headers(token),
+                timeout=timeout,
             )
             answered += 1
         except httpx.HTTPError as exc:

@@ -59,12 +59,13 @@ def bootstrap_group(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
 @shared_task(name=TaskName.JOIN_ENGINE.value)
 def join_engine(payload: dict[str, Any]) -> dict[str, Any]:
     """Have one engine join; returns a `JoinResult` (success False with the engine's reason on failure)."""
-    return join_engine_impl(JoinRequest.model_validate(payload)).model_dump(mode="json")
+    token = runtime().config.token()  # this host's DCS_AUTH_TOKEN: sent as the engine's API key, never in payloads
+    return join_engine_impl(JoinRequest.model_validate(payload), token).model_dump(mode="json")
 
 
 @shared_task(name=TaskName.DESTROY_GROUP.value)
 def destroy_group(payload: dict[str, Any]) -> dict[str, Any]:
     """Tell engines to drop the group, release its master port and delete its record (idempotent)."""
     rt = runtime()
-    answered = destroy_group_impl(rt.redis, rt.keys, DestroyRequest.model_validate(payload))
+    answered = destroy_group_impl(rt.redis, rt.keys, DestroyRequest.model_validate(payload), token=rt.config.token())
     return {"engines_answered": answered}

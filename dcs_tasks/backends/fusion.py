@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 ALIGNMENT = 64
+SGLANG_ALIGNMENT = 1  # SGLang's flattened_bucket: tensors back to back, each offset a multiple of its itemsize
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -92,11 +93,28 @@ class FusionLayout:
         return cls(specs_t, tuple(offsets), cursor)
 
     @classmethod
-    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> FusionLayout:
-        """The layout of a bucket described by SGLang-style parallel lists."""
+    def from_wire(
+        cls,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        alignment: int = ALIGNMENT,
+    ) -> FusionLayout:
+        """The layout of a bucket described by SGLang-style parallel lists. With `SGLANG_ALIGNMENT` (SGLang's
+        `FlattenedTensorBucket.empty`) a tensor whose byte offset is not a multiple of its itemsize is refused
+        with SGLang's message, as no view of it can exist."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        return cls.build(TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True))
+        layout = cls.build(
+            (TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)), alignment
+        )
+        for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+            dtype = parse_dtype(spec.dtype)
+            if any(dim < 0 for dim in spec.shape):
+                raise ValueError(f"Negative dimension in received tensor {spec.name}: {list(spec.shape)}")
+            if offset % dtype.itemsize:
+                raise ValueError(f"Unaligned received tensor {spec.name}: byte offset {offset}, dtype {dtype}")
+        return layout
 
     @property
     def names(self) -> list[str]:
@@ -136,6 +154,13 @@ def unpack_views(buffer: torch.Tensor, layout: FusionLayout) -> dict[str, torch.
         raw = buffer[offset : offset + spec.nbytes]
         out[spec.name] = raw.view(parse_dtype(spec.dtype)).view(spec.shape)
     return out
+
+
+def sglang_layout(specs: Iterable[TensorSpec]) -> FusionLayout:
+    """SGLang's flattened-bucket layout of `specs`, ordered by itemsize (largest first, stable) so that every
+    tensor's byte offset is a multiple of its itemsize, as SGLang's receiver requires."""
+    ordered = sorted(specs, key=lambda spec: -parse_dtype(spec.dtype).itemsize)
+    return FusionLayout.build(ordered, SGLANG_ALIGNMENT)
 
 
 class TensorFusion:

@@ -7,10 +7,15 @@ tcp://master_address:master_port, a PrefixStore per group name, and a backend bu
 
 Rank 0 hosts the TCPStore. Master stores are pooled per (address, port) and reference-counted: a
 successor group on the same port (e.g. the next rollout's actor_fwd group) reuses the live store instead
-of binding the port again while the old listener may linger. A group counts as formed once every rank
-has built its backend and said so in the group's store (`joined/<rank>` keys), bounded by the init
-timeout: gloo's constructor connects the full mesh, but NCCL connects lazily at the first collective, so
-without this barrier a missing NCCL member would only show at the first broadcast.
+of binding the port again while the old listener may linger.
+
+Readiness comes only from what SGLang's protocol itself does, so that a real SGLang engine and `dcs receiver`
+behave alike (neither writes anything else to the store): gloo's constructor connects the full mesh, so rank
+0's `new_group` returns only once every rank connected to it (bounded by `new_group_within`). NCCL connects
+lazily, and SGLang runs no collective when it joins (`init_custom_process_group` passes no device id), so an
+NCCL group is proven only by its first collective: the trainer then relies on every engine's join answer
+(SGLang answers success only after its rank built the group) and on the first broadcast, which is bounded by
+the group timeout (`comm_timeout_seconds`) and fails naming the group's members. NCCL was not run here (no GPU).
 """
 
 from __future__ import annotations
@@ -77,14 +82,6 @@ def new_group(
             release_store(master_address, master_port)
         raise
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    try:
-        prefixed.set(f"joined/{rank}", "1")
-        prefixed.wait([f"joined/{r}" for r in range(world_size)], init_timeout)
-    except BaseException:
-        destroy(pg)
-        if rank == 0:
-            release_store(master_address, master_port)
-        raise
     return pg
 
 

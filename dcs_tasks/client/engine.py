@@ -187,14 +187,14 @@ class CheckpointEngineClient:
             return
         backend = self._backend
 
-        def sender() -> BucketSender:
-            return BucketSender(backend, backend.device, cfg.bucket_size_bytes)
+        def sender(sglang: bool) -> BucketSender:
+            return BucketSender(backend, backend.device, cfg.bucket_size_bytes, sglang=sglang)
 
         self._rollout = RolloutUpdater(
-            self._api, self._bootstrapper, sender(), cfg.comm_timeout_seconds, self.rollout_role
+            self._api, self._bootstrapper, sender(True), cfg.comm_timeout_seconds, self.rollout_role, cfg.token()
         )
         pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
-        self._fwd_sender = ActorFwdSender(self._api, sender(), pp_rank)
+        self._fwd_sender = ActorFwdSender(self._api, sender(False), pp_rank)
 
     async def stop(self) -> None:
         """Cancel heartbeats and background receives, release groups, close the backend and HTTP client."""

@@ -16,7 +16,6 @@ from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.receiver.server import create_receiver_app
 from dcs_tasks.receiver.weights import WeightReceiver
-from dcs_tasks.sync.models import DCS_FUSED_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +25,6 @@ def register(sub: Any) -> None:
     parser.add_argument("--coordinator-url", required=True)
     parser.add_argument("--rank", type=int, required=True, help="rollout rank to register as")
     parser.add_argument("--role", default="rollout", help="role to register as (default rollout)")
-    parser.add_argument(
-        "--per-tensor",
-        action="store_true",
-        help="advertise only SGLang's per-tensor wire format (as a real SGLang engine would)",
-    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     parser.set_defaults(func=run)
@@ -51,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         rank=args.rank,
         ip=args.host,
         port=sock.getsockname()[1],
-        metadata={"num_gpus": 1, "load_formats": [] if args.per_tensor else [DCS_FUSED_FORMAT]},
+        metadata={},  # the trainer reads tp_size and version from GET /server_info, as for a real SGLang engine
     )
     asyncio.run(serve(config, info, sock))
     return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dcs_tasks.backends.base import CommBackend, GroupSpec
-from dcs_tasks.backends.fusion import FusionLayout, parse_dtype, unpack_views
+from dcs_tasks.backends.fusion import ALIGNMENT, FusionLayout, parse_dtype, unpack_views
 from dcs_tasks.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,10 @@ class WeightReceiver:
         group_name: str,
         weight_version: int | None,
         flattened: bool,
+        alignment: int = ALIGNMENT,
     ) -> int:
         """Receive one bucket of update `weight_version` into staging (see `receive_buckets`)."""
-        return self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened)
+        return self.receive_buckets([(names, dtypes, shapes)], group_name, weight_version, flattened, alignment)
 
     def receive_buckets(
         self,
@@ -97,6 +98,7 @@ class WeightReceiver:
         group_name: str,
         weight_version: int | None,
         flattened: bool,
+        alignment: int = ALIGNMENT,
     ) -> int:
         """Receive consecutive buckets (each one flat broadcast, or one broadcast per tensor) into staging. Every
         receive is posted before the first wait, so the sender never stalls between buckets. Returns the
@@ -111,7 +113,7 @@ class WeightReceiver:
         with self._lock:
             weight_version = self._start_staging(weight_version)
             epoch = self._epoch
-            targets = [self._targets(bucket, flattened) for bucket in buckets]
+            targets = [self._targets(bucket, flattened, alignment) for bucket in buckets]
         try:
             received = self._recv_all(targets, group_name, weight_version)
         except Exception:
@@ -136,10 +138,10 @@ class WeightReceiver:
         self._staged_buffers.append(buffer)
         return buffer
 
-    def _targets(self, bucket: BucketMeta, flattened: bool) -> _Targets:
+    def _targets(self, bucket: BucketMeta, flattened: bool, alignment: int = ALIGNMENT) -> _Targets:
         names, dtypes, shapes = bucket
-        if flattened:
-            layout = FusionLayout.from_wire(names, dtypes, shapes)
+        if flattened:  # `alignment`: ALIGNMENT (DCS senders) or SGLANG_ALIGNMENT (SGLang's flattened_bucket)
+            layout = FusionLayout.from_wire(names, dtypes, shapes, alignment)
             view = self._take_buffer(layout.total_bytes)[: layout.wire_bytes]
             return _Targets([view], lambda: unpack_views(view, layout))
         tensors = {

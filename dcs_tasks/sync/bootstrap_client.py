@@ -1,7 +1,10 @@
 """Trainer side of group bootstrap: enqueue the bootstrap task, join as rank 0, retry with backoff.
 
-Call order: `form_group(plan)` -> (updates) -> `release(group)`. A group forms only if every engine's join
-task reports success and the trainer's rendezvous completes within `group_init_timeout_seconds`.
+Call order: `form_group(plan)` -> (updates) -> `release(group)`. A group counts as formed only from what
+SGLang's protocol gives: every engine's `POST /init_weights_update_group` answered success (SGLang answers
+only after each of its TP ranks built the group) and the trainer's own group construction completed within
+`group_init_timeout_seconds` (for gloo that constructor connects the full mesh, so it completes only once
+every engine rank connected). For NCCL see `dcs_tasks.backends.process_group` (the first broadcast proves it).
 Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
 `GroupInitError` / `PortAllocationError` naming what failed.
 """
@@ -101,11 +104,9 @@ class GroupBootstrapper:
             member = getattr(failure, "member", None)
             raise GroupInitError(f"group {result.group_name} did not form: {failure}", member) from failure
         for engine in plan.engines:
-            self.backend.register_peer(
-                result.group_name,
-                engine.rank_offset,
-                RoleInfo(role_name="rollout", rank=engine.rank, ip=engine.ip, port=engine.port),
-            )
+            peer = RoleInfo(role_name="rollout", rank=engine.rank, ip=engine.ip, port=engine.port)
+            for group_rank in range(engine.rank_offset, engine.rank_offset + engine.tp_size):
+                self.backend.register_peer(result.group_name, group_rank, peer)
         return group
 
     @staticmethod

@@ -1,72 +1,70 @@
 """Models crossing process boundaries in weight sync: SGLang's weight-update bodies and Celery payloads.
 
-The HTTP bodies follow SGLang's API (`/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`), so a real SGLang server accepts what the trainer sends. Two optional
-fields matter to DCS receivers: `load_format="dcs_fused_u8_v1"` (the bucket arrives as one flat uint8
-broadcast laid out by `FusionLayout.from_wire`; absent = one broadcast per tensor, SGLang's default) and
-`flush_cache=True` only on the last bucket of an update (a DCS receiver commits the staged update then).
+The HTTP bodies are SGLang's (`InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`,
+... in sglang/srt/managers/io_struct.py of 0.5.20-0.5.23), field for field, so a real SGLang server accepts
+what the trainer sends and `dcs receiver` accepts what SGLang's own clients send. There is no DCS extension:
+the fast path is SGLang's own `load_format="flattened_bucket"` (one unpadded uint8 broadcast per request,
+see `dcs_tasks.backends.fusion.sglang_layout`).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcs_tasks.config import BackendType
 
-# Not SGLang's own "flattened_bucket" (one unpadded, element-indexed buffer per request): a different layout,
-# so a different name; an engine that advertises this one speaks DCS's format.
-DCS_FUSED_FORMAT = "dcs_fused_u8_v1"
+SGLANG_FLAT_FORMAT = "flattened_bucket"
+"""SGLang's flattened-bucket load format: the request's tensors arrive as one uint8 broadcast, each tensor's
+raw bytes right after the previous one's (no padding; every offset must be a multiple of its itemsize)."""
+SGLANG_DEFAULT_GROUP = "weight_update_group"
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
-    """SGLang's body: join group `group_name` at tcp://master_address:master_port with ranks from rank_offset."""
+    """SGLang's body: join group `group_name` at tcp://master_address:master_port with ranks from rank_offset
+    (an engine of tp_size T joins as rank_offset .. rank_offset + T - 1)."""
 
     master_address: str
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
-    group_name: str = Field(min_length=1, max_length=256)
-    backend: BackendType = BackendType.GLOO
+    group_name: str = Field(default=SGLANG_DEFAULT_GROUP, min_length=1, max_length=256)
+    backend: BackendType = BackendType.NCCL
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
-    """SGLang's body: receive these tensors from rank 0 of `group_name` (one bucket of an update)."""
+    """SGLang's body: receive these tensors from rank 0 of `group_name` (one bucket of an update).
+
+    `load_format=None`: one broadcast per tensor, in order; `"flattened_bucket"`: one broadcast of all of
+    them (SGLang's layout). The trainer sends only the fields it sets (`wire()`), so older SGLang versions,
+    which lack `selector` / `torch_empty_cache`, accept the body too."""
 
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
-    group_name: str = Field(min_length=1, max_length=256)
-    weight_version: str | None = None
+    group_name: str = Field(default=SGLANG_DEFAULT_GROUP, min_length=1, max_length=256)
     flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
     load_format: str | None = None
-    bucket_sizes: list[int] | None = Field(
-        default=None,
-        description="DCS extension, dcs_fused_u8_v1 only: the tensors form consecutive broadcasts of these "
-        "many tensors each, so one request announces a whole update",
-    )
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
 
     @model_validator(mode="after")
-    def _check_buckets(self) -> UpdateWeightsFromDistributedRequest:
+    def _check_lengths(self) -> UpdateWeightsFromDistributedRequest:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have equal lengths")
-        if self.bucket_sizes is not None:
-            if self.load_format != DCS_FUSED_FORMAT:
-                raise ValueError("bucket_sizes needs load_format=dcs_fused_u8_v1")
-            if any(n < 1 for n in self.bucket_sizes) or sum(self.bucket_sizes) != len(self.names):
-                raise ValueError(f"bucket_sizes must be positive and sum to {len(self.names)}")
         return self
 
-    def buckets(self) -> list[tuple[list[str], list[str], list[list[int]]]]:
-        """(names, dtypes, shapes) of each broadcast this request announces, in order."""
-        sizes = self.bucket_sizes or [len(self.names)]
-        out, start = [], 0
-        for n in sizes:
-            end = start + n
-            out.append((self.names[start:end], self.dtypes[start:end], self.shapes[start:end]))
-            start = end
-        return out
+    def wire(self) -> dict[str, object]:
+        """The JSON body as sent: every field that differs from SGLang's default, plus the tensors."""
+        return self.model_dump(mode="json", exclude_defaults=True) | {
+            "names": self.names,
+            "dtypes": self.dtypes,
+            "shapes": self.shapes,
+        }
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):
@@ -81,7 +79,8 @@ class EngineResponse(BaseModel):
 
 
 class WeightsDigest(BaseModel):
-    """What a DCS receiver holds: its committed version and a sha256 of every tensor's bytes."""
+    """`dcs receiver`'s read-only debug route `/weights_digest` (not an SGLang route; the trainer never calls
+    it): what a DCS receiver holds: its committed version and a sha256 of every tensor's bytes."""
 
     weight_version: int
     tensors: dict[str, str]
@@ -100,17 +99,30 @@ class QuantizationConfig(BaseModel):
     source_dtypes: tuple[str, ...] = ("float32",)
 
 
+class EngineInfo(BaseModel):
+    """What an engine's `GET /server_info` said, and the protocol its SGLang version speaks
+    (`dcs_tasks.sync.engine_protocol.engine_info`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str
+    tp_size: int = Field(default=1, ge=1)
+    sessions: bool = Field(description="updates must run between /begin_weight_update and /end_weight_update")
+    flattened_bucket: bool = Field(description="update_weights_from_distributed takes load_format=flattened_bucket")
+    pause: bool = Field(description="serves /pause_generation and /continue_generation")
+
+
 class EngineEndpoint(BaseModel):
-    """A rollout engine as a group member: its node rank, HTTP address and number of GPUs (= group ranks)."""
+    """A rollout engine as a group member: its node rank, HTTP address, first group rank and (once probed) what
+    it said about itself; it spans `info.tp_size` group ranks from `rank_offset`."""
 
     model_config = ConfigDict(frozen=True)
 
     rank: int = Field(ge=0)
     ip: str
     port: int = Field(ge=1, le=65535)
-    num_gpus: int = Field(default=1, ge=1)
     rank_offset: int = Field(default=1, ge=1)
-    flattened: bool = Field(default=False, description="accepts load_format=dcs_fused_u8_v1 (DCS receivers)")
+    info: EngineInfo | None = None
 
     @property
     def url(self) -> str:
@@ -119,6 +131,10 @@ class EngineEndpoint(BaseModel):
     @property
     def node_id(self) -> str:
         return f"rollout_{self.rank}"
+
+    @property
+    def tp_size(self) -> int:
+        return self.info.tp_size if self.info is not None else 1
 
 
 class GroupPlan(BaseModel):
@@ -130,14 +146,14 @@ class GroupPlan(BaseModel):
     engines: tuple[EngineEndpoint, ...]
 
     @property
-    def signature(self) -> tuple[tuple[int, str, int, int], ...]:
-        """Equal signatures mean the group can be reused."""
-        return tuple((e.rank, e.ip, e.port, e.num_gpus) for e in self.engines)
+    def signature(self) -> tuple[tuple[int, str, int], ...]:
+        """Equal signatures (same engines at the same addresses) mean the group can be reused."""
+        return tuple((e.rank, e.ip, e.port) for e in self.engines)
 
     @property
     def flattened(self) -> bool:
-        """Flat buckets only if every engine accepts them; otherwise SGLang's one broadcast per tensor."""
-        return bool(self.engines) and all(e.flattened for e in self.engines)
+        """SGLang's flattened buckets only if every engine takes them; otherwise one broadcast per tensor."""
+        return bool(self.engines) and all(e.info is not None and e.info.flattened_bucket for e in self.engines)
 
 
 class BootstrapRequest(BaseModel):

@@ -1,32 +1,45 @@
-"""Pure rank maths of the rollout update group (DESIGN.md, "Reference semantics")."""
+"""Rank maths of the rollout update group, and the contract between rollout registrations and the trainer.
+
+Registration contract (what anything that registers a rollout engine must provide, e.g. `dcs receiver`
+or `dcs engine attach` for a real SGLang server):
+
+- role `rollout` (or the trainer's `rollout_role`), `rank` = the engine's rollout rank (it orders the
+  engines' rank offsets in the group), `ip` / `port` = the engine's SGLang HTTP API as the trainer's host
+  reaches it (the trainer and the `dcs worker` of its host call it directly).
+- The engine serves SGLang's weight-update API on that address and accepts `Authorization: Bearer
+  <DCS_AUTH_TOKEN>` (SGLang's `--api-key`), or no key when DCS has none: the trainer sends the DCS token
+  on every call.
+- `metadata` is NOT read by the planner. The rank span, version and capabilities come from the engine
+  itself: once per group formation the trainer reads `GET /server_info` (`version`, `tp_size`,
+  `dp_size`, `pp_size`), see `dcs_tasks.sync.engine_protocol`. Metadata keys such as `num_gpus` or
+  `load_formats` are ignored (they may stay for operators to read).
+
+Plan: engines sorted by rank; engine i joins with `rank_offset` = 1 + the tp_size of the engines before it
+(SGLang's TP rank r joins as `rank_offset + r`); world size = 1 + sum of tp sizes; the trainer is rank 0.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.sync.models import DCS_FUSED_FORMAT, EngineEndpoint, GroupPlan
+from dcs_tasks.sync.models import EngineEndpoint, EngineInfo, GroupPlan
 
 
-def engine_of(node: RoleInfo, rank_offset: int = 1) -> EngineEndpoint:
-    """A registered rollout node as a group member (`metadata["num_gpus"]`, default 1; flat buckets only if
-    `metadata["load_formats"]` lists `dcs_fused_u8_v1`, as `dcs receiver` registers)."""
+def endpoint_of(node: RoleInfo) -> EngineEndpoint:
+    """A registered rollout node's address (rank offset and engine facts are filled in by `plan_rollout_group`)."""
     if node.rank is None:
         raise ValueError(f"rollout node at {node.address} has no rank")
-    gpus = int(node.metadata.get("num_gpus", 1))
-    flat = DCS_FUSED_FORMAT in node.metadata.get("load_formats", ())
-    return EngineEndpoint(
-        rank=node.rank, ip=node.ip, port=node.port, num_gpus=gpus, rank_offset=rank_offset, flattened=flat
-    )
+    return EngineEndpoint(rank=node.rank, ip=node.ip, port=node.port)
 
 
-def plan_rollout_group(nodes: Iterable[RoleInfo]) -> GroupPlan:
-    """World size = 1 + sum of GPUs; rank offsets are cumulative in engine-rank order, starting at 1."""
-    ordered = sorted(nodes, key=lambda n: n.rank if n.rank is not None else -1)
-    engines: list[EngineEndpoint] = []
+def plan_rollout_group(engines: Iterable[EngineEndpoint], infos: Mapping[str, EngineInfo]) -> GroupPlan:
+    """World size = 1 + sum of tp sizes; rank offsets are cumulative in engine-rank order, starting at 1.
+    `infos` maps each engine's `node_id` to what its `/server_info` said."""
+    planned: list[EngineEndpoint] = []
     offset = 1
-    for node in ordered:
-        engine = engine_of(node, offset)
-        engines.append(engine)
-        offset += engine.num_gpus
-    return GroupPlan(world_size=offset, engines=tuple(engines))
+    for engine in sorted(engines, key=lambda e: e.rank):
+        info = infos[engine.node_id]
+        planned.append(engine.model_copy(update={"rank_offset": offset, "info": info}))
+        offset += info.tp_size
+    return GroupPlan(world_size=offset, engines=tuple(planned))

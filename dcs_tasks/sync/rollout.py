@@ -1,40 +1,106 @@
-"""Actor -> rollout weight updates over SGLang's weight-update HTTP API.
+"""Actor -> rollout weight updates over SGLang's weight-update HTTP API (no DCS extension on the wire).
 
-Per update: live rollout nodes from the coordinator -> plan (world size, rank offsets) -> reuse the group
-if the engine set (rank, ip, port, gpus) is unchanged, else form a new one -> per bucket, POST
-/update_weights_from_distributed to every engine while broadcasting the bucket; the last bucket carries
-`flush_cache=True` so receivers commit. When every engine takes flat buckets (DCS receivers), one request
-with `bucket_sizes` announces the whole update instead, so the meta costs one round trip per update.
-`weight_version` rises by one per successful update, starting above every engine's committed version
-when a group forms (so a restarted trainer never goes back). Any failure drops the group (the next update
-rebuilds it over the nodes then alive) and raises `WeightSyncError` naming the engine when one is to blame.
+Per update: live rollout nodes from the coordinator -> reuse the group if the engines (rank, ip, port) are
+unchanged, else read every engine's `/server_info` (version, tp_size; `engine_protocol`), plan rank spans and
+form a new group -> pause generation (`retract`) -> `/begin_weight_update` where the version needs a session
+-> per bucket, POST /update_weights_from_distributed to every engine while the bucket is broadcast (SGLang's
+`flattened_bucket` layout; the last bucket names the version and flushes the cache) -> `/end_weight_update`
+-> `/continue_generation`. `weight_version` rises by one per successful update, starting above every
+engine's published version when a group forms (so a restarted trainer never goes back).
+
+A failure drops the group (the next update rebuilds it over the nodes then alive), ends every session this
+update opened (no engine is left mid-session) and resumes generation on engines that were sent no bucket.
+SGLang loads each bucket into its live weights and has no rollback, so engines that were sent a bucket stay
+paused: they hold a partial update until the next update completes (or an operator resumes them). It
+raises `WeightSyncError` (or its subclass) naming the engine when one is to blame.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
-from dcs_tasks.errors import WeightSyncError
+from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
+from dcs_tasks.sync.engine_protocol import PAUSE_MODE, EngineAPI, all_or_first_error
 from dcs_tasks.sync.models import (
-    DCS_FUSED_FORMAT,
+    SGLANG_FLAT_FORMAT,
     EngineEndpoint,
-    GroupPlan,
+    EngineInfo,
     QuantizationConfig,
     UpdateWeightsFromDistributedRequest,
 )
-from dcs_tasks.sync.planning import plan_rollout_group
-from dcs_tasks.sync.sender import Announce, AnnounceAll, BucketSender
+from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
+from dcs_tasks.sync.sender import Announce, BucketSender
 
+log = logging.getLogger(__name__)
 BLAME_TIMEOUT_SECONDS = 3.0
+PROBE_TIMEOUT_SECONDS = 10.0  # per /server_info or /model_info read
+CLEANUP_TIMEOUT_SECONDS = 10.0  # per call, when ending sessions / resuming generation after a failure
+
+
+class EngineSessions:
+    """The engine-side frame of one update: pause, begin, (buckets), end, continue; `abandon` after a failure."""
+
+    def __init__(self, api: EngineAPI, engines: tuple[EngineEndpoint, ...]) -> None:
+        self.api = api
+        self.engines = engines
+        self.paused: list[EngineEndpoint] = []
+        self.begun: list[EngineEndpoint] = []
+        self.loaded: set[str] = set()  # engines that were sent a bucket (may hold part of this update)
+
+    async def open(self) -> None:
+        await all_or_first_error(*(self._pause(e) for e in self.engines if e.info and e.info.pause))
+        await all_or_first_error(*(self._begin(e) for e in self.engines if e.info and e.info.sessions))
+
+    async def _pause(self, engine: EngineEndpoint) -> None:
+        await self.api.post(engine, "/pause_generation", {"mode": PAUSE_MODE})
+        self.paused.append(engine)
+
+    async def _begin(self, engine: EngineEndpoint) -> None:
+        try:
+            await self.api.post(engine, "/begin_weight_update", {})
+        except WeightSyncError as exc:
+            if "already open" not in str(exc):
+                raise
+            # left open by an updater that died mid-update: close it (SGLang keeps what it loaded) and retry
+            log.warning("%s had a weight-update session open; ending it first", engine.node_id)
+            await self.api.post(engine, "/end_weight_update", {})
+            await self.api.post(engine, "/begin_weight_update", {})
+        self.begun.append(engine)
+
+    async def close(self) -> None:
+        await all_or_first_error(*(self.api.post(e, "/end_weight_update", {}) for e in self.begun))
+        self.begun = []
+        await all_or_first_error(*(self.api.post(e, "/continue_generation", {}) for e in self.paused))
+        self.paused = []
+
+    async def abandon(self) -> str:
+        """End every session still open, resume engines that were sent no bucket; a note on what is left."""
+        timeout = CLEANUP_TIMEOUT_SECONDS
+        ended = await asyncio.gather(
+            *(self.api.post(e, "/end_weight_update", {}, timeout) for e in self.begun), return_exceptions=True
+        )
+        unended = [e.node_id for e, r in zip(self.begun, ended, strict=True) if isinstance(r, BaseException)]
+        resume = [e for e in self.paused if e.node_id not in self.loaded]
+        await asyncio.gather(
+            *(self.api.post(e, "/continue_generation", {}, timeout) for e in resume), return_exceptions=True
+        )
+        kept = [e.node_id for e in self.paused if e.node_id in self.loaded]
+        self.begun, self.paused = [], []
+        note = ""
+        if kept:
+            note += f"; left paused with a partial update (SGLang has no rollback): {', '.join(kept)}"
+        if unended:
+            note += f"; could not end the weight-update session of {', '.join(unended)} (unreachable)"
+        return note
 
 
 class RolloutUpdater:
@@ -47,6 +113,7 @@ class RolloutUpdater:
         sender: BucketSender,
         timeout_seconds: float,
         rollout_role: str = "rollout",
+        token: str | None = None,
     ) -> None:
         self.api = api
         self.bootstrapper = bootstrapper
@@ -54,51 +121,51 @@ class RolloutUpdater:
         self.rollout_role = rollout_role
         self.weight_version = 0
         self.group: ActiveGroup | None = None
-        self._http = httpx.AsyncClient(timeout=timeout_seconds)
+        self.engines = EngineAPI(token, timeout_seconds)
 
     async def aclose(self) -> None:
-        if self.group is not None:
-            await self.bootstrapper.release(self.group)
-            self.group = None
-        await self._http.aclose()
+        await self._drop_group()
+        await self.engines.aclose()
 
-    async def plan(self) -> GroupPlan:
+    async def endpoints(self) -> list[EngineEndpoint]:
         topology = await self.api.topology(self.rollout_role)
-        return plan_rollout_group(topology.nodes.get(self.rollout_role, {}).values())
+        nodes = topology.nodes.get(self.rollout_role, {}).values()
+        return sorted((endpoint_of(node) for node in nodes), key=lambda e: e.rank)
 
     async def update(
         self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None
     ) -> dict[str, Any]:
         """One full update; returns its metrics (bytes, buckets, seconds per phase, GB/s, version)."""
         started = time.perf_counter()
-        plan = await self.plan()
-        if not plan.engines:
+        endpoints = await self.endpoints()
+        if not endpoints:
             await self._drop_group()
             return {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0}
-        rebuilt = await self._ensure_group(plan)
+        rebuilt = await self._ensure_group(endpoints)
         bootstrap_seconds = time.perf_counter() - started
         assert self.group is not None
         group, version = self.group, self.weight_version + 1
+        sessions = EngineSessions(self.engines, group.plan.engines)
         try:
-            if group.plan.flattened:  # DCS receivers: one request announces the whole update
-                stats = await self.sender.send(
-                    state, group.result.group_name, quant=quant, announce_all=self._announce_all(group, version)
-                )
-            else:  # SGLang: one request per bucket, one broadcast per tensor
-                stats = await self.sender.send(
-                    state, group.result.group_name, self._announcer(group, version), quant, flattened=False
-                )
+            await sessions.open()
+            announce = self._announcer(group, version, sessions)
+            stats = await self.sender.send(
+                state, group.result.group_name, announce, quant, flattened=group.plan.flattened
+            )
+            await sessions.close()
         except WeightSyncError as exc:
             await self._drop_group()
-            member = exc.member or await self._blame(group.plan)
-            raise WeightSyncError(f"update v{version} failed (member: {member or 'unknown'}): {exc}", member) from exc
+            note = await sessions.abandon()
+            member = exc.member or await self._blame(group.plan.engines)
+            raise type(exc)(f"update v{version} failed (member: {member or 'unknown'}): {exc}{note}", member) from exc
         except BaseException:
             await self._drop_group()
+            await sessions.abandon()
             raise
         self.weight_version = version
         metrics: dict[str, Any] = stats.as_dict()
         metrics.update(
-            engines=len(plan.engines),
+            engines=len(group.plan.engines),
             weight_version=version,
             group_name=group.result.group_name,
             group_rebuilt=rebuilt,
@@ -108,59 +175,53 @@ class RolloutUpdater:
         )
         return metrics
 
-    async def _ensure_group(self, plan: GroupPlan) -> bool:
+    async def _ensure_group(self, endpoints: list[EngineEndpoint]) -> bool:
         current = self.group
+        signature = tuple((e.rank, e.ip, e.port) for e in endpoints)
         if (
             current is not None
-            and current.plan.signature == plan.signature
+            and current.plan.signature == signature
             and self.sender.backend.has_group(current.result.group_name)
         ):
             return False
         await self._drop_group()
+        infos = await self._probe(endpoints)
+        plan = plan_rollout_group(endpoints, {e.node_id: info for e, info in zip(endpoints, infos, strict=True)})
         self.group = await self.bootstrapper.form_group(plan)
-        self.weight_version = max(self.weight_version, *await self._engine_versions(plan))
+        timeout = PROBE_TIMEOUT_SECONDS
+        versions = await asyncio.gather(*(self.engines.weight_version(e, timeout) for e in plan.engines))
+        self.weight_version = max(self.weight_version, *versions)
         return True
 
-    async def _engine_versions(self, plan: GroupPlan) -> list[int]:
-        """Engines' committed versions, so a restarted trainer keeps versions rising (0 where unknown): GET
-        /get_weight_version (DCS receivers, older SGLang), else /model_info (newer SGLang). SGLang's version is a
-        string ("default" before any update); anything but an integer counts as 0."""
-
-        async def one(engine: EngineEndpoint) -> int:
-            for path in ("/get_weight_version", "/model_info"):
-                try:
-                    response = await self._http.get(f"{engine.url}{path}", timeout=2.0)
-                    if response.is_success:
-                        return int(response.json()["weight_version"])
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    continue
-            return 0
-
-        return list(await asyncio.gather(*(one(e) for e in plan.engines)))
+    async def _probe(self, endpoints: list[EngineEndpoint]) -> list[EngineInfo]:
+        """Every engine's `/server_info`, read once per group formation. An engine that does not answer is
+        retried like a failed join (`max_retries`, backoff), then GroupInitError names it; an incompatible
+        engine or a refused API key raises at once."""
+        config = self.bootstrapper.config
+        last: WeightSyncError | None = None
+        for attempt in range(config.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(
+                    min(config.retry_delay_seconds * 2 ** (attempt - 1), config.retry_backoff_max_seconds)
+                )
+            try:
+                return await all_or_first_error(*(self.engines.probe(e, PROBE_TIMEOUT_SECONDS) for e in endpoints))
+            except (EngineIncompatible, EngineAuthRefused):
+                raise
+            except WeightSyncError as exc:
+                last = exc
+        assert last is not None
+        raise GroupInitError(f"group formation failed after {config.max_retries + 1} attempts: {last}", last.member)
 
     async def _drop_group(self) -> None:
         group, self.group = self.group, None
         if group is not None:
             await self.bootstrapper.release(group)
 
-    def _announce_all(self, group: ActiveGroup, version: int) -> AnnounceAll:
-        async def announce(layouts: list[FusionLayout]) -> None:
-            specs = [spec for layout in layouts for spec in layout.specs]
-            body = UpdateWeightsFromDistributedRequest(
-                names=[s.name for s in specs],
-                dtypes=[s.dtype for s in specs],
-                shapes=[list(s.shape) for s in specs],
-                group_name=group.result.group_name,
-                weight_version=str(version),
-                flush_cache=True,
-                load_format=DCS_FUSED_FORMAT,
-                bucket_sizes=[len(layout.specs) for layout in layouts],
-            )
-            await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
+    def _announcer(self, group: ActiveGroup, version: int, sessions: EngineSessions) -> Announce:
+        engines = group.plan.engines
+        load_format = SGLANG_FLAT_FORMAT if group.plan.flattened else None
 
-        return announce
-
-    def _announcer(self, group: ActiveGroup, version: int) -> Announce:
         async def announce(index: int, layout: FusionLayout, last: bool) -> None:
             body = UpdateWeightsFromDistributedRequest(
                 names=layout.names,
@@ -169,33 +230,16 @@ class RolloutUpdater:
                 group_name=group.result.group_name,
                 weight_version=str(version) if last else None,  # SGLang publishes a named version at once
                 flush_cache=last,
-                load_format=None,
-            )
-            await asyncio.gather(*(self._post(e, body) for e in group.plan.engines))
+                load_format=load_format,
+            ).wire()
+            sessions.loaded.update(e.node_id for e in engines)
+            await all_or_first_error(*(self.engines.post(e, "/update_weights_from_distributed", body) for e in engines))
 
         return announce
 
-    async def _blame(self, plan: GroupPlan) -> str | None:
-        """The first engine that does not answer GET /health within BLAME_TIMEOUT_SECONDS (None if all answer).
-        Any HTTP answer counts as alive: SGLang's /health runs a one-token generation, which can take a second
-        and may fail while an update is failing."""
-        for engine in plan.engines:
-            try:
-                await self._http.get(f"{engine.url}/health", timeout=BLAME_TIMEOUT_SECONDS)
-            except httpx.HTTPError:
+    async def _blame(self, engines: tuple[EngineEndpoint, ...]) -> str | None:
+        """The first engine whose GET /health does not answer within BLAME_TIMEOUT_SECONDS (None if all do)."""
+        for engine in engines:
+            if not await self.engines.alive(engine, BLAME_TIMEOUT_SECONDS):
                 return engine.node_id
         return None
-
-    async def _post(self, engine: EngineEndpoint, body: UpdateWeightsFromDistributedRequest) -> None:
-        url = f"{engine.url}/update_weights_from_distributed"
-        try:
-            response = await self._http.post(url, json=body.model_dump(mode="json"))
-        except httpx.HTTPError as exc:
-            raise WeightSyncError(
-                f"rollout engine {engine.node_id} at {engine.url} failed: {exc!r}", engine.node_id
-            ) from exc
-        if not response.is_success:
-            raise WeightSyncError(
-                f"rollout engine {engine.node_id} refused the update ({response.status_code}): {response.text[:500]}",
-                engine.node_id,
-            )

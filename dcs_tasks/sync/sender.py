@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from dcs_tasks.backends.base import CommBackend, CommHandle
-from dcs_tasks.backends.fusion import FusionLayout, TensorSpec, pack_into, plan_buckets
+from dcs_tasks.backends.fusion import (
+    ALIGNMENT,
+    SGLANG_ALIGNMENT,
+    FusionLayout,
+    TensorSpec,
+    pack_into,
+    plan_buckets,
+    sglang_layout,
+)
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire, wire_spec
 
@@ -31,7 +39,6 @@ ALONE_BYTES = 8 * 1024 * 1024
 MAX_QUEUED = 8
 
 Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
-AnnounceAll = Callable[[list[FusionLayout]], Awaitable[None]]
 
 
 @dataclass
@@ -73,20 +80,32 @@ class _Queued:
 
 
 class BucketSender:
-    """Sends state dicts over one group of a backend as rank `src`; keeps its two buffers between updates."""
+    """Sends state dicts over one group of a backend as rank `src`; keeps its two buffers between updates.
+
+    `sglang=True` lays fused buckets out as SGLang's `flattened_bucket` (no padding, largest itemsize first);
+    otherwise DCS's 64-byte-aligned layout (actor_fwd / reference receivers)."""
 
     def __init__(
-        self, backend: CommBackend, device: torch.device, bucket_size_bytes: int, alone_bytes: int | None = ALONE_BYTES
+        self,
+        backend: CommBackend,
+        device: torch.device,
+        bucket_size_bytes: int,
+        alone_bytes: int | None = ALONE_BYTES,
+        sglang: bool = False,
     ) -> None:
         self.backend = backend
         self.device = device
         self.bucket_size_bytes = bucket_size_bytes
         self.alone_bytes = alone_bytes
+        self.sglang = sglang
         self._slots: list[torch.Tensor] = []
 
     def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
         specs = [wire_spec(TensorSpec.of(name, t), quant) for name, t in state.items()]
-        layouts = plan_buckets(specs, self.bucket_size_bytes, alone_bytes=self.alone_bytes)
+        alignment = SGLANG_ALIGNMENT if self.sglang else ALIGNMENT
+        layouts = plan_buckets(specs, self.bucket_size_bytes, alignment, alone_bytes=self.alone_bytes)
+        if self.sglang:
+            layouts = [sglang_layout(layout.specs) for layout in layouts]
         # buckets sent from the tensors' own memory first: packing the fused ones then overlaps their transfer
         return sorted(layouts, key=lambda layout: not self._zero_copy(layout, state, quant))
 
@@ -127,11 +146,10 @@ class BucketSender:
         quant: QuantizationConfig | None = None,
         src: int = 0,
         flattened: bool = True,
-        announce_all: AnnounceAll | None = None,
     ) -> SendStats:
-        """Broadcast every tensor of `state`. Receivers learn what comes either per bucket (`announce(k, layout,
-        is_last)` runs alongside bucket k's broadcast) or once per update (`announce_all(layouts)` runs alongside
-        all of them). `flattened=False` sends one broadcast per tensor (SGLang's default wire format).
+        """Broadcast every tensor of `state`; receivers learn what comes per bucket (`announce(k, layout,
+        is_last)` runs alongside bucket k's broadcast, in bucket order). `flattened=False` sends one broadcast
+        per tensor (SGLang's default wire format).
         """
         if not flattened:
             assert announce is not None
@@ -140,7 +158,6 @@ class BucketSender:
         layouts = self.plan(state, quant)
         slots = self._buffers(layouts)
         stats = SendStats(buckets=len(layouts), tensors=len(state))
-        whole = asyncio.ensure_future(announce_all(layouts)) if announce_all is not None else None
         queued: collections.deque[_Queued] = collections.deque()
         try:
             fused = 0
@@ -149,7 +166,7 @@ class BucketSender:
                 if slot is not None:
                     fused += 1
                     while any(q.slot == slot for q in queued):  # its buffer is still on the wire
-                        await self._settle(queued.popleft(), whole, stats)
+                        await self._settle(queued.popleft(), stats)
                 t0 = time.perf_counter()
                 if slot is None:  # a view of the tensor itself: nothing to copy
                     view = self._pack(slots[0], layout, state, quant)
@@ -159,14 +176,12 @@ class BucketSender:
                 per = self._announce_in_order(announce, k, layout, len(layouts), queued[-1] if queued else None)
                 queued.append(_Queued(layout, self.backend.broadcast_async(view, src, group_name), per, slot))
                 while len(queued) > MAX_QUEUED:
-                    await self._settle(queued.popleft(), whole, stats)
+                    await self._settle(queued.popleft(), stats)
             while queued:
-                await self._settle(queued.popleft(), whole, stats)
-            if whole is not None:
-                await whole
+                await self._settle(queued.popleft(), stats)
         finally:  # on failure: stop announcing; broadcasts still queued end within the group timeout
-            for future in (*(q.announce for q in queued), whole):
-                await _cancel(future)
+            for q in queued:
+                await _cancel(q.announce)
         stats.total_seconds = time.perf_counter() - start
         return stats
 
@@ -191,9 +206,9 @@ class BucketSender:
         return asyncio.ensure_future(after_previous())
 
     @staticmethod
-    async def _settle(queued: _Queued, whole: asyncio.Future[None] | None, stats: SendStats) -> None:
+    async def _settle(queued: _Queued, stats: SendStats) -> None:
         t0 = time.perf_counter()
-        await _settle(queued.handle.wait_async(), queued.announce, whole)
+        await _settle(queued.handle.wait_async(), queued.announce)
         stats.wait_seconds += time.perf_counter() - t0
         stats.bytes += queued.layout.payload_bytes
 
@@ -226,16 +241,10 @@ class BucketSender:
         return stats
 
 
-async def _settle(
-    broadcast: Awaitable[Any], per: asyncio.Future[None] | None, whole: asyncio.Future[None] | None
-) -> None:
-    """Wait for a bucket's broadcast (and its announcement); fail as soon as any announcement fails."""
+async def _settle(broadcast: Awaitable[Any], per: asyncio.Future[None] | None) -> None:
+    """Wait for a bucket's broadcast and its announcement; fail as soon as either fails."""
     bucket = asyncio.ensure_future(asyncio.gather(broadcast, *([per] if per is not None else [])))
     try:
-        if whole is not None:
-            await asyncio.wait({bucket, whole}, return_when=asyncio.FIRST_COMPLETED)
-            if whole.done() and whole.exception() is not None:
-                raise whole.exception()  # type: ignore[misc]
         await bucket
     finally:
         await _cancel(bucket)

@@ -26,11 +26,9 @@ class ReceiverProcess(DcsProcess):
         rank: int,
         log_path: Path,
         role: str = "rollout",
-        per_tensor: bool = False,
     ) -> None:
         super().__init__(config, log_path)
         self.role = role
-        self.per_tensor = per_tensor
         self.coordinator_url = coordinator_url
         self.rank = rank
         self.port = free_port()
@@ -41,7 +39,7 @@ class ReceiverProcess(DcsProcess):
 
     def start(self, timeout: float = 30.0) -> ReceiverProcess:
         args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", str(self.rank)]
-        args += ["--port", str(self.port), "--role", self.role, *(["--per-tensor"] if self.per_tensor else [])]
+        args += ["--port", str(self.port), "--role", self.role]
         self.spawn(*args)
         try:
             wait_for_port(self.port, timeout)
@@ -86,9 +84,9 @@ class SyncStack:
     def url(self) -> str:
         return self.coordinator.url
 
-    def add_receiver(self, rank: int, role: str = "rollout", per_tensor: bool = False) -> ReceiverProcess:
+    def add_receiver(self, rank: int, role: str = "rollout") -> ReceiverProcess:
         log = self.tmp / f"receiver-{role}{rank}.log"
-        receiver = ReceiverProcess(self.config, self.url, rank, log, role, per_tensor).start()
+        receiver = ReceiverProcess(self.config, self.url, rank, log, role).start()
         self.receivers.append(receiver)
         return receiver
 

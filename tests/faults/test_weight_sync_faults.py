@@ -92,7 +92,7 @@ async def test_engine_that_cannot_join_raises_group_init_error_naming_it(dcs_con
         }
     )
     with sync_stack(config, tmp_path, receivers=1) as stack:
-        ghost = {"role_name": "rollout", "rank": 1, "ip": "127.0.0.1", "port": 9, "metadata": {"num_gpus": 1}}
+        ghost = {"role_name": "rollout", "rank": 1, "ip": "127.0.0.1", "port": 9}
         httpx.post(f"{stack.url}/register", json=ghost, timeout=10).raise_for_status()
         client = CheckpointEngineClient(
             coordinator_url=stack.url,

@@ -215,28 +215,39 @@ async def test_quantized_update_sends_bf16_of_fp32_masters(dcs_config: DCSConfig
             await client.stop()
 
 
-async def test_an_engine_without_flat_buckets_gets_sglang_per_tensor_broadcasts(
-    dcs_config: DCSConfig, tmp_path: Path
-) -> None:
+async def test_dcs_receiver_answers_like_sglang_0_5_23_on_the_wire(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Same routes, bodies, status codes and messages as SGLang 0.5.23 (sglang/srt/entrypoints/http_server.py and
+    its scheduler's weight updater), and nothing DCS-private: no /get_weight_version, no store keys."""
     config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path) as stack:
-        stack.add_receiver(0)
-        stack.add_receiver(1, per_tensor=True)  # registers like a real SGLang engine
-        model = Tiny()
-        client = CheckpointEngineClient(
-            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
-        )
-        await client.start()
-        try:
-            for update in (1, 2):
-                train_step(model)
-                metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
-                assert metrics["flattened"] is False and metrics["buckets"] > 1
-                for receiver in stack.receivers:
-                    digest = receiver.digest()
-                    assert digest.weight_version == update and digest.tensors == expected_digest(model)
-        finally:
-            await client.stop()
+    with sync_stack(config, tmp_path, receivers=1) as stack, httpx.Client(base_url=stack.receivers[0].url) as http:
+        info = http.get("/server_info").json()
+        assert (info["version"], info["tp_size"], info["dp_size"], info["pp_size"]) == ("0.5.23", 1, 1, 1)
+        assert http.get("/get_server_info").json()["version"] == "0.5.23"
+        assert http.get("/model_info").json()["weight_version"] == "default"
+        assert http.get("/get_weight_version").status_code == 404
+        health = http.get("/health")
+        assert health.status_code == 200 and health.content == b""
+        bucket = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "g"}
+        outside = http.post("/update_weights_from_distributed", json=bucket)
+        assert outside.status_code == 400 and outside.json() == {
+            "success": False,
+            "message": "update_weights_from_distributed must run between begin_weight_update() and "
+            "end_weight_update()",
+        }
+        assert http.post("/end_weight_update", json={}).json() == {
+            "success": False,
+            "message": "no weight-update session is open; call begin_weight_update() first",
+        }
+        assert http.post("/begin_weight_update", json={}).json() == {"success": True, "message": "Success"}
+        again = http.post("/begin_weight_update", json={})
+        assert again.status_code == 400 and "already open" in again.json()["message"]
+        assert http.post("/end_weight_update", json={}).status_code == 200
+        paused = http.post("/pause_generation", json={"mode": "retract"})
+        assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        assert http.post("/continue_generation", json={}).json()["status"] == "ok"
+        gone = http.post("/destroy_weights_update_group", json={"group_name": "nope"})
+        assert gone.status_code == 400 and gone.json()["message"] == "The group to be destroyed does not exist."
+        assert http.post("/init_weights_update_group", json={"master_address": "127.0.0.1"}).status_code == 422
 
 
 async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSConfig, tmp_path: Path) -> None:

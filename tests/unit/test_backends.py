@@ -13,12 +13,20 @@ import torch
 
 from dcs_tasks.backends.base import CommHandle, GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
-from dcs_tasks.backends.fusion import TensorFusion, TensorSpec, dtype_name
+from dcs_tasks.backends.fusion import (
+    SGLANG_ALIGNMENT,
+    FusionLayout,
+    TensorFusion,
+    TensorSpec,
+    dtype_name,
+    sglang_layout,
+)
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.errors import WeightSyncError
+from dcs_tasks.errors import EngineIncompatible, WeightSyncError
 from dcs_tasks.receiver.weights import WeightReceiver, tensor_sha256
-from dcs_tasks.sync.models import QuantizationConfig
-from dcs_tasks.sync.planning import plan_rollout_group
+from dcs_tasks.sync.engine_protocol import engine_info
+from dcs_tasks.sync.models import EngineEndpoint, QuantizationConfig
+from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
 from dcs_tasks.sync.quantize import relative_error_bound, to_wire, wire_spec
 from tests.helpers.ports import free_port
 
@@ -46,17 +54,43 @@ def test_comm_handle_returns_result_once_and_reraises_errors() -> None:
     assert isinstance(failing.error, WeightSyncError) and failing.error.member == "rollout_1"
 
 
-def test_rollout_group_offsets_follow_engine_rank_and_gpu_count() -> None:
+def test_rollout_group_offsets_follow_engine_rank_and_reported_tp_size() -> None:
     nodes = [
-        RoleInfo(role_name="rollout", rank=2, ip="10.0.0.3", port=3, metadata={"num_gpus": 4}),
-        RoleInfo(role_name="rollout", rank=0, ip="10.0.0.1", port=1, metadata={"num_gpus": 2}),
+        RoleInfo(role_name="rollout", rank=2, ip="10.0.0.3", port=3, metadata={"num_gpus": 1}),  # ignored
+        RoleInfo(role_name="rollout", rank=0, ip="10.0.0.1", port=1),
         RoleInfo(role_name="rollout", rank=1, ip="10.0.0.2", port=2),
     ]
-    plan = plan_rollout_group(nodes)
+    endpoints = [endpoint_of(n) for n in nodes]
+    infos = {f"rollout_{r}": engine_info(endpoint_of(nodes[0]), server_info(tp)) for r, tp in ((0, 2), (1, 1), (2, 4))}
+    plan = plan_rollout_group(endpoints, infos)
     assert plan.world_size == 1 + 2 + 1 + 4
-    assert [(e.rank, e.rank_offset) for e in plan.engines] == [(0, 1), (1, 3), (2, 4)]
-    moved = plan_rollout_group([*nodes[:2], nodes[2].model_copy(update={"port": 9})])
+    assert [(e.rank, e.rank_offset, e.tp_size) for e in plan.engines] == [(0, 1, 2), (1, 3, 1), (2, 4, 4)]
+    moved = plan_rollout_group([*endpoints[:2], endpoints[2].model_copy(update={"port": 9})], infos)
     assert moved.signature != plan.signature  # a changed member forces a rebuild
+
+
+def server_info(tp_size: int = 1, version: str = "0.5.23", **extra: object) -> dict[str, object]:
+    return {"version": version, "tp_size": tp_size, "dp_size": 1, "pp_size": 1, "api_key": "secret", **extra}
+
+
+def test_engine_protocol_follows_the_sglang_version_and_refuses_what_it_cannot_push_to() -> None:
+    engine = EngineEndpoint(rank=3, ip="10.0.0.1", port=1)
+    assert engine_info(engine, server_info(version="0.5.20")).sessions is False
+    assert all(engine_info(engine, server_info(version=v)).sessions for v in ("0.5.21", "0.5.22", "0.5.23"))
+    for bad in (server_info(version="0.5.19"), server_info(version="0.6.0"), server_info(dp_size=2), {"tp_size": 1}):
+        with pytest.raises(EngineIncompatible) as refused:
+            engine_info(engine, bad)
+        assert refused.value.member == "rollout_3" and "secret" not in str(refused.value)
+
+
+def test_sglang_flat_layout_orders_by_itemsize_so_every_offset_is_aligned() -> None:
+    specs = [TensorSpec("a", "int8", (3,)), TensorSpec("b", "float32", (5,)), TensorSpec("c", "bfloat16", (1,))]
+    layout = sglang_layout(specs)
+    assert layout.names == ["b", "c", "a"] and layout.offsets == (0, 20, 22) and layout.wire_bytes == 25
+    wire = FusionLayout.from_wire(layout.names, ["float32", "bfloat16", "int8"], [[5], [1], [3]], SGLANG_ALIGNMENT)
+    assert wire.offsets == layout.offsets
+    with pytest.raises(ValueError, match="Unaligned received tensor b"):
+        FusionLayout.from_wire(["a", "b"], ["int8", "float32"], [[3], [5]], SGLANG_ALIGNMENT)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,0 +1,177 @@
+"""The trainer's side of SGLang's weight-update HTTP API, by SGLang version.
+
+Supported: SGLang 0.5.20, 0.5.21, 0.5.22 and 0.5.23 (their http_server.py, io_struct.py and weight updaters
+were read against what DCS sends); any other version is refused with `EngineIncompatible` before a group
+forms. Per version:
+
+| what                                   | 0.5.20 | 0.5.21 - 0.5.23 |
+| -------------------------------------- | ------ | --------------- |
+| `/server_info` (version, tp/dp/pp)     | yes    | yes             |
+| `/begin_weight_update`, `/end_weight_update` required around `update_weights_from_distributed` | no | yes |
+| `/pause_generation`, `/continue_generation` (mode `retract`) | yes | yes     |
+| `/model_info` -> `weight_version` (string, `"default"` before any update) | yes | yes |
+| `/get_weight_version`                  | 404    | absent          |
+| `load_format="flattened_bucket"` for distributed updates | yes | yes      |
+
+Every call carries `Authorization: Bearer <DCS_AUTH_TOKEN>` when DCS has a token (SGLang's `--api-key`,
+sglang/srt/utils/auth.py); 401/403 raise `EngineAuthRefused`. Data parallelism (SGLang asserts dp_size == 1
+for these calls) and pipeline stages (every stage would join with the same ranks) are refused up front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from packaging.version import InvalidVersion, Version
+
+from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
+from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
+
+SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SESSIONS_SINCE = Version("0.5.21")
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed with the new weights
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """SGLang's API-key header (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
+    """The protocol of the engine whose `/server_info` answered `payload`; EngineIncompatible if DCS cannot
+    push to it. Only version, tp_size, dp_size and pp_size are read (the answer also holds secrets)."""
+    node = engine.node_id
+    if not isinstance(payload, dict) or not isinstance(payload.get("version"), str):
+        raise EngineIncompatible(f"{node} at {engine.url}: /server_info has no SGLang `version`", node)
+    try:
+        version = Version(payload["version"])
+    except InvalidVersion:
+        raise EngineIncompatible(f"{node}: {payload['version']!r} is not an SGLang version", node) from None
+    if str(version) not in SUPPORTED_VERSIONS:
+        raise EngineIncompatible(
+            f"{node} at {engine.url} runs SGLang {version}; DCS supports {', '.join(SUPPORTED_VERSIONS)}", node
+        )
+    sizes = {key: _size(payload, key, node) for key in ("tp_size", "dp_size", "pp_size")}
+    if sizes["dp_size"] > 1:
+        raise EngineIncompatible(
+            f"{node} runs with dp_size={sizes['dp_size']}: SGLang refuses distributed weight updates with data "
+            "parallelism; run one engine per replica (dp_size 1), each registered at its own rank",
+            node,
+        )
+    if sizes["pp_size"] > 1:
+        raise EngineIncompatible(f"{node} runs with pp_size={sizes['pp_size']}: DCS supports pp_size 1", node)
+    return EngineInfo(
+        version=str(version),
+        tp_size=sizes["tp_size"],
+        sessions=version >= SESSIONS_SINCE,
+        flattened_bucket=True,
+        pause=True,
+    )
+
+
+def _size(payload: dict[str, Any], key: str, node: str) -> int:
+    value = payload.get(key, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineIncompatible(f"{node}: /server_info {key}={value!r} is not a positive integer", node)
+    return value
+
+
+class EngineAPI:
+    """HTTP calls to rollout engines, authenticated; failures raise WeightSyncError naming the engine."""
+
+    def __init__(self, token: str | None, timeout_seconds: float) -> None:
+        self._http = httpx.AsyncClient(timeout=timeout_seconds, headers=auth_headers(token))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def probe(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
+        """`GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo."""
+        for path in SERVER_INFO_PATHS:
+            response = await self._request(engine, "GET", path, None, timeout)
+            if response.status_code == 404:
+                continue
+            _raise_for(engine, path, response)
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = None
+            return engine_info(engine, payload)
+        raise EngineIncompatible(f"{engine.node_id} at {engine.url} serves no /server_info: not SGLang", engine.node_id)
+
+    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any], timeout: float | None = None) -> str:
+        """POST `body`; returns SGLang's `message`. Any non-2xx answer or `success: false` raises."""
+        response = await self._request(engine, "POST", path, body, timeout)
+        _raise_for(engine, path, response)
+        answer = _json(response)
+        if answer.get("success") is False:
+            raise WeightSyncError(f"{engine.node_id} refused {path}: {answer.get('message', '')}", engine.node_id)
+        return str(answer.get("message", ""))
+
+    async def weight_version(self, engine: EngineEndpoint, timeout: float) -> int:
+        """The engine's published version from `/model_info`; 0 where it is not an integer (SGLang's initial
+        `"default"`, or a name an operator set)."""
+        try:
+            response = await self._request(engine, "GET", "/model_info", None, timeout)
+            return int(_json(response).get("weight_version"))  # type: ignore[arg-type]
+        except (WeightSyncError, TypeError, ValueError):
+            return 0
+
+    async def alive(self, engine: EngineEndpoint, timeout: float) -> bool:
+        """Whether GET /health answers at all (any status: SGLang's may run a generation and fail meanwhile)."""
+        try:
+            await self._http.get(f"{engine.url}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return True
+
+    async def _request(
+        self, engine: EngineEndpoint, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
+    ) -> httpx.Response:
+        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            return await self._http.request(method, f"{engine.url}{path}", **kwargs)
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(
+                f"rollout engine {engine.node_id} at {engine.url} failed {method} {path}: {exc!r}", engine.node_id
+            ) from exc
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _raise_for(engine: EngineEndpoint, path: str, response: httpx.Response) -> None:
+    node = engine.node_id
+    if response.status_code in (401, 403):
+        raise EngineAuthRefused(
+            f"{node} at {engine.url} refused DCS's API key on {path} ({response.status_code}): start the engine "
+            "with --api-key equal to DCS_AUTH_TOKEN (or set DCS_AUTH_TOKEN to its key)",
+            node,
+        )
+    if response.is_success:
+        return
+    body = _json(response)
+    reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
+    raise WeightSyncError(f"rollout engine {node} refused {path} ({response.status_code}): {reason}", node)
+
+
+async def all_or_first_error(*calls: Any) -> list[Any]:
+    """Run per-engine calls concurrently; the first failure cancels the others and is raised at once (an
+    engine refusing a bucket must not leave the trainer waiting on a broadcast nobody receives)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
