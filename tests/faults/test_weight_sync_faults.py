@@ -71,8 +71,12 @@ async def test_receiver_killed_mid_update_fails_fast_then_survivors_update(
                 await asyncio.wait_for(update, timeout=30)
             assert time.monotonic() - started < config.comm_timeout_seconds
             assert failure.value.member == "rollout_1"
+            assert "left paused with a partial update" in str(failure.value)
             kept = survivor.digest()  # no partial update: still v1, bit-exact
             assert kept.weight_version == 1 and kept.tensors == v1
+            async with httpx.AsyncClient(base_url=survivor.url, timeout=10) as http:  # not left mid-session
+                assert (await http.post("/begin_weight_update", json={})).status_code == 200
+                assert (await http.post("/end_weight_update", json={})).status_code == 200
 
             await asyncio.to_thread(wait_registered, stack.url, "rollout", 1, 15.0, False)
             metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
@@ -110,5 +114,31 @@ async def test_engine_that_cannot_join_raises_group_init_error_naming_it(dcs_con
             assert failure.value.member == "rollout_1"
             assert "2 attempts" in str(failure.value)
             assert time.monotonic() - started < 4 * (config.group_init_timeout_seconds + 2)
+        finally:
+            await client.stop()
+
+
+async def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next_update(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = dcs_config.model_copy(update={"comm_timeout_seconds": 20.0, "group_init_timeout_seconds": 20.0})
+    with sync_stack(config, tmp_path, receivers=1) as stack:
+        (receiver,) = stack.receivers
+        async with httpx.AsyncClient(base_url=receiver.url, timeout=10) as http:  # a trainer died mid-update
+            assert (await http.post("/pause_generation", json={"mode": "retract"})).status_code == 200
+            assert (await http.post("/begin_weight_update", json={})).status_code == 200
+        model = torch.nn.Linear(4, 4)
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="orphan", config=stack.config
+        )
+        await client.start()
+        try:
+            metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+            assert metrics["weight_version"] == 1
+            assert receiver.digest().tensors == digest_of(model)
+            async with httpx.AsyncClient(base_url=receiver.url, timeout=10) as http:
+                assert (await http.get("/model_info")).json()["weight_version"] == "1"
+                again = await http.post("/end_weight_update", json={})  # the update closed its own session
+                assert again.status_code == 400 and "no weight-update session is open" in again.json()["message"]
         finally:
             await client.stop()
