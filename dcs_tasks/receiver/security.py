@@ -4,29 +4,18 @@ any connection opened, and a refusal is a `RequestRejected` naming what was wron
 Update bodies: every dtype from `fusion`'s table, every shape non-negative with at most `MAX_DIMS` dims, names
 unique, 1..`MAX_NAME_LENGTH` characters and at most `MAX_TENSORS` of them, the total bytes within the update
 limit. Init bodies: a plausible host name or IP literal, a bounded world size with the rank inside it, a
-group name of safe characters. `secure_receiver_app` adds the bearer-token check (SGLang's `--api-key`
-rules: all but /health*, /ready*, /metrics* and OPTIONS need it), JSON answers for every error, and documents
-400/401/422 in the OpenAPI schema.
+group name of safe characters. (`dcs_tasks.receiver.guard` wraps the HTTP app: token, JSON errors.)
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
-
-from dcs_tasks.auth import SGLANG_UNAUTHORIZED, BearerAuthASGI, sglang_public
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.fusion import parse_dtype
-from dcs_tasks.errors import DCSError, RequestRejected
-
-log = logging.getLogger(__name__)
+from dcs_tasks.errors import RequestRejected
 
 MAX_TENSORS = 1_000_000  # per request
 MAX_NAME_LENGTH = 1024
@@ -100,79 +89,3 @@ def check_group_spec(spec: GroupSpec) -> None:
         raise RequestRejected(f"world_size {spec.world_size} must be 1..{MAX_WORLD_SIZE}")
     if not 0 <= spec.rank < spec.world_size:
         raise RequestRejected(f"rank {spec.rank} must be below world_size {spec.world_size}")
-
-
-def _json_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=status)
-
-
-async def _rejected(request: Request, exc: Exception) -> JSONResponse:
-    return _json_error(400, str(exc))
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error serving %s %s", request.method, request.url.path)
-    return _json_error(500, f"internal error: {type(exc).__name__}")
-
-
-def _document_errors(app: FastAPI, authenticated: bool) -> Callable[[], dict[str, Any]]:
-    """`app.openapi` with the answers every route may give: 400 (SGLang's failure shape), 401 when a token is
-    required (SGLang's `{"error": "Unauthorized"}`), 422 for a body or query that does not parse."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {})
-        schemas = components.setdefault("schemas", {})
-        schemas["ReceiverError"] = _ERROR_SCHEMA
-        schemas["Unauthorized"] = _UNAUTHORIZED_SCHEMA
-        if authenticated:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        for path, operations in schema.get("paths", {}).items():
-            for method, operation in operations.items():
-                responses = operation.setdefault("responses", {})
-                responses.setdefault("400", _answer("Refused", "ReceiverError"))
-                responses.setdefault("422", _answer("Body does not parse", "HTTPValidationError"))
-                if authenticated and not sglang_public(method.upper(), path):
-                    operation["security"] = [{"bearer": []}]
-                    responses["401"] = _answer("Missing or wrong bearer token", "Unauthorized")
-        schemas.setdefault("HTTPValidationError", _VALIDATION_SCHEMA)
-        app.openapi_schema = schema
-        return schema
-
-    return openapi
-
-
-def _answer(description: str, schema: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
-    }
-
-
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}},
-    "required": ["success", "message"],
-}
-_UNAUTHORIZED_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"error": {"type": "string"}},
-    "required": ["error"],
-}
-_VALIDATION_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"detail": {"type": "array", "items": {"type": "object"}}},
-}
-
-
-def secure_receiver_app(app: FastAPI, token: str | None) -> FastAPI:
-    """Refuse every route but SGLang's public ones without `token` (when set), answer RequestRejected and any
-    other DCSError as 400 and anything unexpected as a JSON 500, and document those answers in the schema."""
-    app.add_exception_handler(DCSError, _rejected)
-    app.add_exception_handler(Exception, _unexpected)
-    if token:
-        app.add_middleware(BearerAuthASGI, token=token, is_public=sglang_public, body=SGLANG_UNAUTHORIZED)
-    app.openapi = _document_errors(app, authenticated=bool(token))  # type: ignore[method-assign]
-    return app
