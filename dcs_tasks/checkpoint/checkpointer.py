@@ -325,17 +325,23 @@ class Checkpointer:
         raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
 
     def _restore_sharded(self, step: int | None, into: Any, verify: bool) -> RestoredCheckpoint:
-        complete = sharded.complete_steps(self.run_root)
+        complete, broken = sharded.scan_steps(self.run_root)
+
+        def load(s: int) -> RestoredCheckpoint:
+            if s in broken:  # a rank's manifest of this step is corrupt: the caller falls back past it
+                raise broken[s]
+            return self._load_sharded(complete[s], into, verify)
+
         if step is not None:
+            if step in broken:
+                raise broken[step]
             if step not in complete:
                 partial = sharded.incomplete_steps(self.run_root).get(step)
                 detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
                 raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
             return self._load_sharded(complete[step], into, verify)
         return self._newest_that_verifies(
-            list(complete),
-            lambda s: self._load_sharded(complete[s], into, verify),
-            f"step every rank committed in {self.run_root}",
+            sorted(set(complete) | set(broken)), load, f"step every rank committed in {self.run_root}"
         )
 
     def _load_sharded(self, shards: sharded.StepShards, into: Any, verify: bool) -> RestoredCheckpoint:

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ HUGE_PAGE = 2 * 1024 * 1024
 HUGE_FROM = 8 * 1024 * 1024  # smaller files get plain pages (a 2 MiB page for a few KiB is waste)
 DIRECT_ALIGN = 4096
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 CACHED_ENOUGH = 0.5  # files at least this much in the page cache are read buffered (a copy beats the disk)
 
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, file size)
@@ -81,13 +83,19 @@ def cached_fraction(fd: int, size: int, probes: int = 64) -> float:
 
 
 def checked_size(path: Path, entry: FileEntry) -> int:
+    """The file's size, which must be `entry.size`; a symlink or anything but a regular file is refused
+    (lstat: never followed)."""
     try:
-        size = path.stat().st_size
+        info = path.lstat()
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(f"checkpoint file {path} is missing", str(path)) from exc
-    if size != entry.size:
-        raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {entry.size}", str(path))
-    return size
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptCheckpoint(f"checkpoint file {path} is not a regular file", str(path))
+    if info.st_size != entry.size:
+        raise CorruptCheckpoint(
+            f"checkpoint file {path} has {info.st_size} bytes, manifest says {entry.size}", str(path)
+        )
+    return info.st_size
 
 
 def anonymous(nbytes: int) -> mmap.mmap:
@@ -137,10 +145,18 @@ class _File:
 
     def open(self, verify: bool) -> None:
         self.hasher = new_hasher() if verify else None
-        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise CorruptCheckpoint(
+                f"checkpoint file {self.path} cannot be opened: {exc.strerror}", str(self.path)
+            ) from exc
+        info = os.fstat(self.fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != self.size:
+            raise CorruptCheckpoint(f"checkpoint file {self.path} changed while being opened", str(self.path))
         if O_DIRECT and cached_fraction(self.fd, self.size) < CACHED_ENOUGH:
             try:
-                self.direct_fd = os.open(self.path, os.O_RDONLY | O_DIRECT)
+                self.direct_fd = os.open(self.path, os.O_RDONLY | O_DIRECT | O_NOFOLLOW)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise

@@ -8,7 +8,8 @@ bytes.
 
 from __future__ import annotations
 
-import contextlib
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +22,38 @@ from dcs_tasks.checkpoint.format import (
     MANIFEST_NAME,
     Manifest,
     TensorEntry,
-    read_manifest,
     step_dir_name,
 )
+from dcs_tasks.checkpoint.validate import check_files, read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
+
+STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)
 
 
 def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every step directory holding a manifest, oldest first."""
+    """(step, directory) of every step directory holding a manifest, oldest first. Only real directories
+    named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`)."""
     if not run_dir.is_dir():
         return []
     found = []
-    for entry in run_dir.iterdir():
-        if entry.name.startswith("step-") and (entry / MANIFEST_NAME).is_file():
-            with contextlib.suppress(ValueError):
-                found.append((int(entry.name[5:]), entry))
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            match = STEP_DIR.match(entry.name)
+            if match and entry.name == step_dir_name(int(match.group(1))) and entry.is_dir(follow_symlinks=False):
+                if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
+                    found.append((int(match.group(1)), Path(entry.path)))
     return sorted(found)
 
 
 def load_manifest(step_dir: Path) -> Manifest:
-    try:
-        return read_manifest(step_dir / MANIFEST_NAME)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpoint(f"{step_dir / MANIFEST_NAME} is unreadable: {exc}", str(step_dir)) from exc
+    """The step's manifest, checked as untrusted input (`validate`: names, sizes, offsets, shapes, dtypes,
+    structure); CorruptCheckpoint names the manifest and the reason."""
+    manifest = read_manifest(step_dir)
+    match = STEP_DIR.match(step_dir.name)
+    if match and int(match.group(1)) != manifest.step:
+        path = step_dir / MANIFEST_NAME
+        raise CorruptCheckpoint(f"{path}: records step {manifest.step}, not {int(match.group(1))}", str(path))
+    return manifest
 
 
 def read_latest(run_dir: Path) -> int | None:
@@ -55,7 +65,9 @@ def read_latest(run_dir: Path) -> int | None:
 
 
 def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = None) -> None:
-    """Check every file of a committed step against its size and checksum (memory: 6 chunks of scratch)."""
+    """Check every file of a committed step against its size, safetensors header and checksum (memory: 6
+    chunks of scratch)."""
+    check_files(step_dir, manifest)
     read_scatter([(step_dir / f.name, f, []) for f in manifest.files], True, progress)
 
 
@@ -68,7 +80,10 @@ def load_tensors(
 
     `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are read into
     directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
-    checksum the caller's tensors hold partial data and CorruptCheckpoint is raised."""
+    checksum the caller's tensors hold partial data and CorruptCheckpoint is raised. `manifest` comes from
+    `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
+    allocated or read."""
+    check_files(step_dir, manifest)
     if into is None:
         return _load_whole_files(step_dir, manifest, verify)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}

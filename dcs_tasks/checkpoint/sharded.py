@@ -18,6 +18,7 @@ r of W':
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,14 +43,15 @@ def shard_run_name(run: str, rank: int) -> str:
 
 
 def rank_dirs(run_root: Path) -> dict[int, Path]:
-    """rank -> its directory, for a multi-rank run (empty for a plain single-rank run)."""
+    """rank -> its directory, for a multi-rank run (empty for a plain single-rank run). Symlinks do not count."""
     if not run_root.is_dir():
         return {}
     found = {}
-    for child in run_root.iterdir():
-        match = RANK_DIR.match(child.name)
-        if match and child.is_dir():
-            found[int(match.group(1))] = child
+    with os.scandir(run_root) as entries:
+        for child in entries:
+            match = RANK_DIR.match(child.name)
+            if match and child.is_dir(follow_symlinks=False):
+                found[int(match.group(1))] = Path(child.path)
     return found
 
 
@@ -66,21 +68,28 @@ class StepShards:
 def complete_steps(run_root: Path) -> dict[int, StepShards]:
     """step -> its shards, for every step that all ranks of its world size committed (plain runs: every
     committed step, as world size 1). Unreadable manifests count as not committed."""
+    return scan_steps(run_root)[0]
+
+
+def scan_steps(run_root: Path) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
+    """(complete steps, steps some rank's manifest of which is corrupt: the first such error)."""
     ranks = rank_dirs(run_root)
     if not ranks:
         ranks = {0: run_root}
     found: dict[int, dict[int, tuple[Path, Manifest]]] = {}
-    for rank, directory in ranks.items():
+    broken: dict[int, CorruptCheckpoint] = {}
+    for rank, directory in sorted(ranks.items()):
         for step, step_dir in step_dirs(directory):
             try:
                 manifest = load_manifest(step_dir)
-            except CorruptCheckpoint:
+            except CorruptCheckpoint as exc:
+                broken.setdefault(step, exc)
                 continue
             found.setdefault(step, {})[rank] = (step_dir, manifest)
     out = {}
     for step, shards in sorted(found.items()):
         sizes = {m.world_size for _, m in shards.values()}
-        if len(sizes) != 1:
+        if step in broken or len(sizes) != 1:
             continue
         world = sizes.pop()
         if set(shards) != set(range(world)) or any(m.rank != r for r, (_, m) in shards.items()):
@@ -88,7 +97,7 @@ def complete_steps(run_root: Path) -> dict[int, StepShards]:
         out[step] = StepShards(
             step, world, {r: d for r, (d, _) in shards.items()}, {r: m for r, (_, m) in shards.items()}
         )
-    return out
+    return out, broken
 
 
 def incomplete_steps(run_root: Path) -> dict[int, list[int]]:
@@ -145,7 +154,13 @@ def plan_reshard(shards: StepShards, rank: int, world_size: int) -> ReshardPlan:
                 raise CorruptCheckpoint(
                     f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim} like rank {local}"
                 )
-            ref_shape = list(reference.tensors[name].shape)
+            ref_entry = reference.tensors[name]
+            ref_shape = list(ref_entry.shape)
+            if entry.dtype != ref_entry.dtype:
+                raise CorruptCheckpoint(
+                    f"step {shards.step}: shard of {name!r} on rank {src} is {entry.dtype}, on rank {local} "
+                    f"{ref_entry.dtype}"
+                )
             if entry.shape[:dim] + entry.shape[dim + 1 :] != ref_shape[:dim] + ref_shape[dim + 1 :]:
                 raise CorruptCheckpoint(
                     f"step {shards.step}: shard of {name!r} on rank {src} has shape {entry.shape}, which does not "

@@ -15,13 +15,14 @@ attribute `nn.Module.state_dict()` attaches (per-module versions that `load_stat
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dcs_tasks.errors import StagingError
+from dcs_tasks.checkpoint.stageable import check_stageable
+from dcs_tasks.errors import CorruptCheckpoint, StagingError
 
 Node = dict[str, Any]
 
@@ -66,8 +67,7 @@ class _Flattener:
         return _scalar(value, path)
 
     def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> Node:
-        if tensor.is_sparse or tensor.is_quantized or tensor.device.type == "meta":
-            raise StagingError(f"cannot checkpoint tensor at {'/'.join(path)!r}: sparse/quantized/meta tensors")
+        check_stageable(tensor, "/".join(path) or "<root>")  # before anything reads its memory
         identity = _view_identity(tensor)
         if identity is not None and identity in self._seen:
             return {"k": "tensor", "name": self._seen[identity]}  # tied: stored once
@@ -125,38 +125,135 @@ def flatten_state(state: Any) -> FlatState:
     return FlatState(tensors=flattener.tensors, structure=structure)
 
 
-def unflatten_state(structure: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuild the state described by `structure`, taking tensors by name from `tensors`."""
-    kind = structure["k"]
-    if kind == "tensor":
-        return tensors[structure["name"]]
-    if kind in ("dict", "odict"):
-        keys = [unflatten_state(k, tensors) for k in structure["keys"]]
-        values = [unflatten_state(v, tensors) for v in structure["values"]]
-        pairs = zip(keys, values, strict=True)
+# --- decoding: the structure comes from a manifest on disk, so it is untrusted input ---------------------
+
+MAX_DEPTH = 200  # nesting levels accepted (a training state has a handful)
+_DTYPES: dict[str, torch.dtype] = {
+    str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)
+}
+_FIELDS: dict[str, frozenset[str]] = {
+    "tensor": frozenset({"k", "name"}),
+    "dict": frozenset({"k", "keys", "values"}),
+    "odict": frozenset({"k", "keys", "values"}),
+    "list": frozenset({"k", "items"}),
+    "tuple": frozenset({"k", "items"}),
+    "size": frozenset({"k", "v"}),
+}
+_SCALAR_KINDS = frozenset({"v", "float", "dtype", "device"})
+
+
+def unflatten_state(structure: Any, tensors: Mapping[str, Any]) -> Any:
+    """Rebuild the state described by `structure`, taking tensors by name from `tensors`. Only what
+    `flatten_state` writes is accepted (node kinds, their fields, plain JSON values, real torch dtypes and
+    device strings); anything else raises CorruptCheckpoint naming where in the structure it is."""
+    return _Decoder(tensors).node(structure, 0, "<root>")
+
+
+def check_structure(structure: Any, names: Collection[str]) -> None:
+    """Decode `structure` without tensors (names only): CorruptCheckpoint if `unflatten_state` would refuse it."""
+    _Decoder(dict.fromkeys(names)).node(structure, 0, "<root>")
+
+
+def _bad(where: str, reason: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"structure at {where}: {reason}")
+
+
+class _Decoder:
+    def __init__(self, tensors: Mapping[str, Any]) -> None:
+        self.tensors = tensors
+
+    def node(self, raw: Any, depth: int, where: str) -> Any:
+        if depth > MAX_DEPTH:
+            raise _bad(where, f"nested deeper than {MAX_DEPTH} levels")
+        kind = _kind(raw, where)
+        if kind in _SCALAR_KINDS:
+            return _scalar_value(raw, where)
+        fields = _FIELDS.get(kind)
+        if fields is None:
+            raise _bad(where, f"unknown node kind {kind!r}")
+        if kind in ("dict", "odict"):
+            return self._mapping(raw, kind, depth, where)
+        _expect_fields(raw, fields, where)
+        if kind == "tensor":
+            name = raw["name"]
+            if not isinstance(name, str) or name not in self.tensors:
+                raise _bad(where, f"names tensor {name!r}, which the manifest does not hold")
+            return self.tensors[name]
+        if kind == "size":
+            return torch.Size(_sizes(raw["v"], where))
+        items = [self.node(item, depth + 1, f"{where}/{i}") for i, item in enumerate(_list(raw["items"], where))]
+        return items if kind == "list" else tuple(items)
+
+    def _mapping(self, raw: Node, kind: str, depth: int, where: str) -> Any:
+        _expect_fields(raw, _FIELDS[kind] | ({"meta"} if "meta" in raw else set()), where)
+        keys = [_scalar_value(k, f"{where}/<key {i}>") for i, k in enumerate(_list(raw["keys"], where))]
+        values = _list(raw["values"], where)
+        if len(keys) != len(values):
+            raise _bad(where, f"{len(keys)} keys but {len(values)} values")
+        pairs = [(k, self.node(v, depth + 1, f"{where}/{k}")) for k, v in zip(keys, values, strict=True)]
+        meta = _module_meta(raw["meta"], where) if "meta" in raw else None
         if kind == "dict":
             return dict(pairs)
         rebuilt: OrderedDict[Any, Any] = OrderedDict(pairs)
-        if "meta" in structure:
-            rebuilt._metadata = OrderedDict(  # type: ignore[attr-defined]
-                (prefix, dict(entry)) for prefix, entry in structure["meta"].items()
-            )
+        if meta is not None:
+            rebuilt._metadata = meta  # type: ignore[attr-defined]
         return rebuilt
-    if kind in ("list", "tuple"):
-        items = [unflatten_state(i, tensors) for i in structure["items"]]
-        return items if kind == "list" else tuple(items)
-    return _scalar_value(kind, structure["v"])
 
 
-def _scalar_value(kind: str, raw: Any) -> Any:
+def _kind(raw: Any, where: str) -> str:
+    if not isinstance(raw, dict):
+        raise _bad(where, f"a node must be a JSON object, not {type(raw).__name__}")
+    kind = raw.get("k")
+    if not isinstance(kind, str):
+        raise _bad(where, "node has no kind")
+    return kind
+
+
+def _expect_fields(raw: Node, fields: Collection[str], where: str) -> None:
+    if set(raw) != set(fields):
+        raise _bad(where, f"{raw['k']!r} node has fields {sorted(raw)}, expected {sorted(fields)}")
+
+
+def _list(raw: Any, where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise _bad(where, f"expected a JSON list, not {type(raw).__name__}")
+    return raw
+
+
+def _sizes(raw: Any, where: str) -> list[int]:
+    dims = _list(raw, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in dims):
+        raise _bad(where, "a size must be a list of non-negative integers")
+    return dims
+
+
+def _module_meta(raw: Any, where: str) -> OrderedDict[str, dict[str, Any]]:
+    """`state_dict()._metadata`: {module prefix: {str: None/bool/int/str}}."""
+    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
+        raise _bad(where, "module metadata must map prefixes to JSON objects")
+    for entry in raw.values():
+        if not all(v is None or isinstance(v, bool | int | str) for v in entry.values()):
+            raise _bad(where, "module metadata values must be null, booleans, integers or strings")
+    return OrderedDict((prefix, dict(entry)) for prefix, entry in raw.items())
+
+
+def _scalar_value(raw: Any, where: str) -> Any:
+    kind = _kind(raw, where)
+    if kind not in _SCALAR_KINDS:
+        raise _bad(where, f"{kind!r} is not a plain value")
+    _expect_fields(raw, ("k", "v"), where)
+    value = raw["v"]
     if kind == "v":
-        return raw
-    if kind == "float":
-        return float.fromhex(raw)
-    if kind == "size":
-        return torch.Size(raw)
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        raise _bad(where, f"a plain value must be null, a boolean, an integer or a string, not {type(value).__name__}")
+    if not isinstance(value, str):
+        raise _bad(where, f"a {kind} is written as a string, not {type(value).__name__}")
     if kind == "dtype":
-        return getattr(torch, raw)
-    if kind == "device":
-        return torch.device(raw)
-    raise ValueError(f"unknown structure node kind {kind!r}")
+        if value not in _DTYPES:
+            raise _bad(where, f"{value[:64]!r} is not a torch dtype")
+        return _DTYPES[value]
+    try:
+        return float.fromhex(value) if kind == "float" else torch.device(value)
+    except (ValueError, RuntimeError, OverflowError) as exc:
+        raise _bad(where, f"{value[:64]!r} is not a valid {kind}") from exc

@@ -1,7 +1,10 @@
 """`dcs ckpt list|verify|inspect|gc --run R [--dir D]`: look after the checkpoints of a run on disk.
 
-`verify` re-reads every file against its manifest checksum, prints progress on large files, and exits 1
-on the first bad file (naming it). `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
+`verify` checks every step's manifest, files and safetensors headers and re-reads every file against its
+checksum, prints progress on large files, one line per step, and exits 1 if any step is bad (naming the
+file and the reason). `list` and `inspect` report a step whose manifest does not check as BAD, never with a
+traceback (manifests are untrusted input: `dcs_tasks.checkpoint.validate`).
+`gc` applies the retention policy (`--keep-last`, `--keep-every`, or
 DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
 """
 
@@ -55,13 +58,18 @@ def _run_dir(args: argparse.Namespace) -> Path:
 def _list(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
     from dcs_tasks.checkpoint.sharded import rank_dirs
+    from dcs_tasks.errors import CorruptCheckpoint
 
     if args.rank is None and rank_dirs(_run_root(args)):
         return _list_ranks(args)
     run_dir = _run_dir(args)
     latest = read_latest(run_dir)
     for step, step_dir in step_dirs(run_dir):
-        m = load_manifest(step_dir)
+        try:
+            m = load_manifest(step_dir)
+        except CorruptCheckpoint as exc:
+            print(f"{step:>10}  BAD (not restorable): {exc}")
+            continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
         print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{mark}")
@@ -69,20 +77,26 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _list_ranks(args: argparse.Namespace) -> int:
-    """A multi-rank run: steps every rank committed (restorable), then steps some rank is missing."""
-    from dcs_tasks.checkpoint.sharded import complete_steps, incomplete_steps
+    """A multi-rank run: steps every rank committed (restorable), then corrupt steps, then steps some rank is
+    missing."""
+    from dcs_tasks.checkpoint.sharded import incomplete_steps, scan_steps
 
     root = _run_root(args)
-    for step, shards in complete_steps(root).items():
+    complete, broken = scan_steps(root)
+    for step, shards in complete.items():
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(shards.manifests[0].created_at))
         size = sum(m.total_bytes for m in shards.manifests.values()) / 2**20
         print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks")
+    for step, exc in sorted(broken.items()):
+        print(f"{step:>10}  BAD (not restorable): {exc}")
     for step, ranks in sorted(incomplete_steps(root).items()):
-        print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
+        if step not in broken:
+            print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """Every step (or `--step`): manifest, files, headers and checksums; one line per step, 1 if any is bad."""
     from dcs_tasks.checkpoint.reader import load_manifest, step_dirs, verify_step
     from dcs_tasks.errors import CorruptCheckpoint
 
@@ -90,14 +104,16 @@ def _verify(args: argparse.Namespace) -> int:
     if not dirs:
         print(f"no committed checkpoint found in {_run_dir(args)}", file=sys.stderr)
         return 1
+    bad = 0
     for step, step_dir in dirs:
         try:
             verify_step(step_dir, load_manifest(step_dir), progress=_progress)
         except CorruptCheckpoint as exc:
             print(f"step {step}: BAD: {exc}", file=sys.stderr)
-            return 1
+            bad += 1
+            continue
         print(f"step {step}: ok")
-    return 0
+    return 1 if bad else 0
 
 
 def _progress(name: str, done: int, size: int) -> None:
@@ -108,13 +124,19 @@ def _progress(name: str, done: int, size: int) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.reader import describe, load_manifest, step_dirs
+    from dcs_tasks.errors import CorruptCheckpoint
 
     dirs = dict(step_dirs(_run_dir(args)))
     step = args.step if args.step is not None else max(dirs, default=None)
     if step is None or step not in dirs:
         print(f"no committed step {args.step if args.step is not None else ''} in {_run_dir(args)}", file=sys.stderr)
         return 1
-    print(json.dumps(describe(load_manifest(dirs[step])), indent=2))
+    try:
+        manifest = load_manifest(dirs[step])
+    except CorruptCheckpoint as exc:
+        print(f"step {step}: BAD: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(describe(manifest), indent=2))
     return 0
 
 

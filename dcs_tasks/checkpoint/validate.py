@@ -1,0 +1,269 @@
+"""Checks of committed steps read back from disk: manifests and safetensors files are untrusted input.
+
+Anyone who can write into the checkpoint directory can hand restore a crafted step, so nothing in it is
+believed before it is checked, and everything is checked before memory is allocated or a data file is read:
+- `read_manifest`: `manifest.json` is a regular file (not a symlink) of bounded size that parses as a
+  `Manifest`, and `check_manifest` holds.
+- `check_manifest` (no file I/O): the format version is known; file names are plain basenames of
+  safetensors files (no separator, no `.`/`..`, no leading dot), unique, with an xxh3_128 hex checksum;
+  every tensor lies in a listed file, has a safetensors dtype, a shape of at most `MAX_NDIM` non-negative
+  dimensions whose byte count equals its byte range, an aligned range inside its file's size and not
+  overlapping another tensor; sharded dimensions name tensors and their dimensions; rank < world size; the
+  structure decodes (`structure.check_structure`: only what DCS writes).
+- `check_files`: each listed file is a regular file in the step directory (lstat, opened with O_NOFOLLOW:
+  a symlink is refused, never followed) of exactly its recorded size, and its safetensors header (length
+  bounded by the file and `MAX_HEADER_BYTES`, valid JSON, every entry's dtype, shape and byte range
+  consistent and inside the file) lists exactly the manifest's tensors of that file at the same places.
+  Costs one open and one small header read per file: no data bytes are read.
+Every failure is `CorruptCheckpoint` naming the file and the reason. Since names are checked before any
+path is built, nothing outside the step directory is ever opened or stat'ed, so messages cannot reveal
+anything about files elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import stat
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dcs_tasks.checkpoint.format import (
+    CHECKSUM_ALGORITHM,
+    CODE_DTYPES,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    TensorEntry,
+)
+from dcs_tasks.checkpoint.structure import check_structure
+from dcs_tasks.errors import CorruptCheckpoint
+
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+MAX_NDIM = 64
+FILE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,200}\.safetensors$", re.ASCII)
+CHECKSUM = re.compile(r"^[0-9a-f]{32}$", re.ASCII)
+ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in CODE_DTYPES.items()}
+O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+
+
+def read_manifest(step_dir: Path) -> Manifest:
+    """`step_dir`'s manifest, parsed and checked (`check_manifest`); CorruptCheckpoint names what is wrong."""
+    path = step_dir / MANIFEST_NAME
+    raw = _read_small(path, MAX_MANIFEST_BYTES)
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{path} is unreadable: {exc}", str(path)) from exc
+    check_manifest(manifest, path)
+    return manifest
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} a manifest may have", str(path))
+        chunks, left = [], size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file and not a symlink (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} is missing", str(path)) from exc
+    except OSError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} cannot be opened: {exc.strerror}", str(path)) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"checkpoint file {path} is not a regular file", str(path))
+    return fd
+
+
+def check_manifest(manifest: Manifest, path: Path) -> None:
+    """Everything the manifest says about itself, checked before any of its files is touched."""
+    try:
+        _check_header_fields(manifest)
+        sizes = _check_files(manifest)
+        by_file: dict[str, list[tuple[int, int, str]]] = {name: [] for name in sizes}
+        for name, entry in manifest.tensors.items():
+            begin, end = check_entry(name, entry, sizes.get(entry.file))
+            if end > begin:
+                by_file[entry.file].append((begin, end, name))
+        for ranges in by_file.values():
+            _check_disjoint(ranges)
+        _check_sharded_dims(manifest)
+        check_structure(manifest.structure, manifest.tensors.keys())
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"{path}: {exc}", str(path)) from exc
+
+
+def _check_header_fields(manifest: Manifest) -> None:
+    if manifest.format_version != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"format version {manifest.format_version} is not {FORMAT_VERSION}")
+    if manifest.rank >= manifest.world_size:
+        raise CorruptCheckpoint(f"rank {manifest.rank} is not a rank of world size {manifest.world_size}")
+
+
+def _check_files(manifest: Manifest) -> dict[str, int]:
+    """File name -> recorded size, every entry checked."""
+    sizes: dict[str, int] = {}
+    for entry in manifest.files:
+        if not FILE_NAME.match(entry.name) or ".." in entry.name:
+            raise CorruptCheckpoint(f"file name {entry.name[:80]!r} is not a plain safetensors file name")
+        if entry.name in sizes:
+            raise CorruptCheckpoint(f"file {entry.name!r} is listed twice")
+        if entry.algorithm != CHECKSUM_ALGORITHM or not CHECKSUM.match(entry.checksum):
+            raise CorruptCheckpoint(f"file {entry.name!r} has no {CHECKSUM_ALGORITHM} checksum")
+        sizes[entry.name] = entry.size
+    return sizes
+
+
+def check_entry(name: str, entry: TensorEntry, file_size: int | None) -> tuple[int, int]:
+    """A tensor's (begin, end), checked: known file and dtype, shape whose bytes fill the range exactly,
+    range aligned to the dtype and inside the file."""
+    if file_size is None:
+        raise CorruptCheckpoint(f"tensor {name!r} lies in {entry.file[:80]!r}, which the manifest does not list")
+    itemsize = ITEMSIZE.get(entry.dtype)
+    if itemsize is None:
+        raise CorruptCheckpoint(f"tensor {name!r} has dtype {entry.dtype[:32]!r}, which is not a safetensors dtype")
+    nbytes = shape_bytes(entry.shape, itemsize)
+    if nbytes is None:
+        raise CorruptCheckpoint(f"tensor {name!r} has shape {_short(entry.shape)}, which is not a tensor shape")
+    begin, end = entry.offsets
+    if not 0 <= begin <= end <= file_size:
+        raise CorruptCheckpoint(
+            f"tensor {name!r} spans bytes {begin}..{end}, outside its file {entry.file!r} ({file_size} bytes)"
+        )
+    if end - begin != nbytes:
+        raise CorruptCheckpoint(
+            f"tensor {name!r} of shape {entry.shape} and dtype {entry.dtype} has {nbytes} bytes, "
+            f"but spans {end - begin}"
+        )
+    if begin % itemsize:
+        raise CorruptCheckpoint(f"tensor {name!r} starts at byte {begin}, not aligned to its {entry.dtype}")
+    return begin, end
+
+
+def shape_bytes(shape: Any, itemsize: int) -> int | None:
+    """Bytes of a tensor of `shape` (None when `shape` is not a list of at most MAX_NDIM non-negative ints)."""
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
+        return None
+    return math.prod(shape) * itemsize
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_disjoint(ranges: list[tuple[int, int, str]]) -> None:
+    ranges.sort()
+    for (_, end, name), (begin, _, other) in itertools.pairwise(ranges):
+        if begin < end:
+            raise CorruptCheckpoint(f"tensors {name!r} and {other!r} overlap in their file")
+
+
+def _check_sharded_dims(manifest: Manifest) -> None:
+    for name, dim in manifest.sharded_dims.items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpoint(f"sharded tensor {name[:80]!r} is not a tensor of the manifest")
+        if not 0 <= dim < len(entry.shape):
+            raise CorruptCheckpoint(f"sharded tensor {name!r} has no dimension {dim} (shape {entry.shape})")
+
+
+def check_files(step_dir: Path, manifest: Manifest) -> None:
+    """Each file of `manifest` (already checked) against the disk: a regular file of its recorded size whose
+    safetensors header agrees with the manifest. Reads only the headers."""
+    by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
+    for name, entry in manifest.tensors.items():
+        by_file[entry.file][name] = entry
+    for f in manifest.files:
+        path = step_dir / f.name
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != f.size:
+                raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {f.size}", str(path))
+            _check_header(fd, path, size, by_file[f.name])
+        finally:
+            os.close(fd)
+
+
+def _check_header(fd: int, path: Path, size: int, expected: Mapping[str, TensorEntry]) -> None:
+    header, start = read_header(fd, path, size)
+    names = set(header) - {"__metadata__"}
+    if names != set(expected):
+        odd = sorted(names ^ set(expected))[0]
+        raise CorruptCheckpoint(f"safetensors header of {path} and the manifest disagree on tensor {odd[:80]!r}")
+    for name, entry in expected.items():
+        got = header[name]
+        if (
+            not isinstance(got, dict)
+            or got.get("dtype") != entry.dtype
+            or got.get("shape") != entry.shape
+            or got.get("data_offsets") != [entry.offsets[0] - start, entry.offsets[1] - start]
+        ):
+            raise CorruptCheckpoint(f"safetensors header of {path} and the manifest disagree on tensor {name!r}")
+
+
+def read_header(fd: int, path: Path, size: int) -> tuple[dict[str, Any], int]:
+    """The parsed safetensors header of an open file of `size` bytes and where its data starts; every
+    entry's dtype, shape and byte range checked against each other and the file."""
+    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+    if len(prefix) != 8:
+        raise CorruptCheckpoint(f"{path} is too short for a safetensors header", str(path))
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CorruptCheckpoint(f"{path}: safetensors header length {length} exceeds the file", str(path))
+    raw = os.pread(fd, length, 8)
+    try:
+        header = json.loads(raw) if len(raw) == length else None
+    except (ValueError, RecursionError):
+        header = None  # UnicodeDecodeError, JSONDecodeError, absurd nesting
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{path}: safetensors header is not a JSON object", str(path))
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_header_entry(path, name, entry, data)
+    return header, 8 + length
+
+
+def _check_header_entry(path: Path, name: str, entry: Any, data: int) -> None:
+    ok = isinstance(entry, dict) and entry.get("dtype") in ITEMSIZE
+    nbytes = shape_bytes(entry.get("shape"), ITEMSIZE[entry["dtype"]]) if ok else None
+    offsets = entry.get("data_offsets") if ok else None
+    if (
+        nbytes is None
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data
+        or offsets[1] - offsets[0] != nbytes
+    ):
+        raise CorruptCheckpoint(
+            f"{path}: safetensors header entry {name[:80]!r} has no consistent dtype, shape and byte range "
+            f"inside the file",
+            str(path),
+        )
