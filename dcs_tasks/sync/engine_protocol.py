@@ -8,7 +8,7 @@ forms. Per version:
 | -------------------------------------- | ------ | --------------- |
 | `/server_info` (version, tp/dp/pp)     | yes    | yes             |
 | `/begin_weight_update`, `/end_weight_update` required around `update_weights_from_distributed` | no | yes |
-| `/pause_generation`, `/continue_generation` (mode `retract`) | yes | yes     |
+| `/pause_generation` mode DCS uses, then `/continue_generation` | `abort` | `retract` |
 | `/model_info` -> `weight_version` (string, `"default"` before any update) | yes | yes |
 | `/get_weight_version`                  | 404    | absent          |
 | `load_format="flattened_bucket"` for distributed updates | yes | yes      |
@@ -32,7 +32,10 @@ from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 SESSIONS_SINCE = Version("0.5.21")
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
-PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed with the new weights
+# Pause mode per version. `retract` sends running requests back to the queue (recomputed with the new weights)
+# and, from 0.5.21, the post-update cache flush ignores that queue while paused. 0.5.20's flush needs an empty
+# queue and asserts it succeeded (a failed assert kills the server), so there DCS pauses with `abort`.
+RETRACT_SINCE = Version("0.5.21")
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -69,6 +72,7 @@ def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
         sessions=version >= SESSIONS_SINCE,
         flattened_bucket=True,
         pause=True,
+        pause_mode="retract" if version >= RETRACT_SINCE else "abort",
     )
 
 

@@ -110,6 +110,9 @@ class EngineInfo(BaseModel):
     sessions: bool = Field(description="updates must run between /begin_weight_update and /end_weight_update")
     flattened_bucket: bool = Field(description="update_weights_from_distributed takes load_format=flattened_bucket")
     pause: bool = Field(description="serves /pause_generation and /continue_generation")
+    pause_mode: Literal["abort", "retract"] = Field(
+        default="retract", description="the /pause_generation mode whose queued requests let the cache flush"
+    )
 
 
 class EngineEndpoint(BaseModel):

@@ -2,11 +2,12 @@
 
 Per update: live rollout nodes from the coordinator -> reuse the group if the engines (rank, ip, port) are
 unchanged, else read every engine's `/server_info` (version, tp_size; `engine_protocol`), plan rank spans and
-form a new group -> pause generation (`retract`) -> `/begin_weight_update` where the version needs a session
--> per bucket, POST /update_weights_from_distributed to every engine while the bucket is broadcast (SGLang's
-`flattened_bucket` layout; the last bucket names the version and flushes the cache) -> `/end_weight_update`
--> `/continue_generation`. `weight_version` rises by one per successful update, starting above every
-engine's published version when a group forms (so a restarted trainer never goes back).
+form a new group -> pause generation (`retract`; `abort` on 0.5.20) -> `/begin_weight_update` where the
+version needs a session -> per bucket, POST /update_weights_from_distributed to every engine while the
+bucket is broadcast (SGLang's `flattened_bucket` layout; the last bucket names the version and flushes the
+cache) -> `/end_weight_update` -> `/continue_generation`. `weight_version` rises by one per successful
+update, starting above every engine's published version when a group forms (so a restarted trainer never
+goes back).
 
 A failure drops the group (the next update rebuilds it over the nodes then alive), ends every session this
 update opened (no engine is left mid-session) and resumes generation on engines that were sent no bucket.
@@ -29,7 +30,7 @@ from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
-from dcs_tasks.sync.engine_protocol import PAUSE_MODE, EngineAPI, all_or_first_error
+from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error
 from dcs_tasks.sync.models import (
     SGLANG_FLAT_FORMAT,
     EngineEndpoint,
@@ -61,7 +62,8 @@ class EngineSessions:
         await all_or_first_error(*(self._begin(e) for e in self.engines if e.info and e.info.sessions))
 
     async def _pause(self, engine: EngineEndpoint) -> None:
-        await self.api.post(engine, "/pause_generation", {"mode": PAUSE_MODE})
+        assert engine.info is not None
+        await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
         self.paused.append(engine)
 
     async def _begin(self, engine: EngineEndpoint) -> None:

@@ -75,7 +75,9 @@ def server_info(tp_size: int = 1, version: str = "0.5.23", **extra: object) -> d
 
 def test_engine_protocol_follows_the_sglang_version_and_refuses_what_it_cannot_push_to() -> None:
     engine = EngineEndpoint(rank=3, ip="10.0.0.1", port=1)
-    assert engine_info(engine, server_info(version="0.5.20")).sessions is False
+    old = engine_info(engine, server_info(version="0.5.20"))
+    assert old.sessions is False and old.pause_mode == "abort"  # 0.5.20's flush asserts an empty queue
+    assert engine_info(engine, server_info(version="0.5.21")).pause_mode == "retract"
     assert all(engine_info(engine, server_info(version=v)).sessions for v in ("0.5.21", "0.5.22", "0.5.23"))
     for bad in (server_info(version="0.5.19"), server_info(version="0.6.0"), server_info(dp_size=2), {"tp_size": 1}):
         with pytest.raises(EngineIncompatible) as refused:
