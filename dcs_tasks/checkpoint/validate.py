@@ -47,6 +47,7 @@ from dcs_tasks.errors import CorruptCheckpoint
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 MAX_NDIM = 64
+MAX_REASON = 1000  # characters of a parser's complaint kept in the message
 FILE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,200}\.safetensors$", re.ASCII)
 CHECKSUM = re.compile(r"^[0-9a-f]{32}$", re.ASCII)
 ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in CODE_DTYPES.items()}
@@ -60,7 +61,9 @@ def read_manifest(step_dir: Path) -> Manifest:
     try:
         manifest = Manifest.model_validate_json(raw)
     except ValueError as exc:
-        raise CorruptCheckpoint(f"{path} is unreadable: {exc}", str(path)) from exc
+        reason = str(exc)
+        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
+        raise CorruptCheckpoint(f"{path} is unreadable: {reason}", str(path)) from exc
     check_manifest(manifest, path)
     return manifest
 
