@@ -5,7 +5,8 @@
   the task fails with `RedeliveryLimitExceeded` instead of looping.
 - Retries: OSError, ConnectionError, TimeoutError (and redis connection/timeout errors) are retried with
   exponential backoff and jitter (`retry_delay_seconds` doubling, capped at `retry_backoff_max_seconds`,
-  at most `max_retries` times); validation and other errors fail at once.
+  at most `max_retries` times); validation and other errors fail at once. `NEVER_RETRY` errors (a payload
+  that is malformed or names an untrusted path) fail at once even where they are also one of those types.
 - `give_up(payload, reason)`: subclasses record a final failure (called once the task fails for good,
   whatever the cause), e.g. mark the checkpoint FAILED so a waiting trainer gets the reason.
 """
@@ -19,7 +20,7 @@ from typing import Any
 import redis
 from celery import Task
 
-from dcs_tasks.errors import DCSError
+from dcs_tasks.errors import DCSError, InvalidTaskPayload
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
 )
+
+NEVER_RETRY: tuple[type[BaseException], ...] = (InvalidTaskPayload,)
 
 
 class RedeliveryLimitExceeded(DCSError):
@@ -54,6 +57,8 @@ class DCSTask(Task):
         try:
             self._count_delivery()
             return super().__call__(*args, **kwargs)
+        except NEVER_RETRY:
+            raise
         except RETRYABLE as exc:
             config = runtime().config
             if self.request.called_directly or self.request.retries >= config.max_retries:

@@ -3,27 +3,49 @@
 
 Flow: the trainer sends one persist per file to its host's node queue; the persist that records the last
 file sends the commit to the same queue; the commit sends retention when the run has a policy.
+
+Payloads are untrusted: a malformed one fails with `InvalidTaskPayload`, and one naming a path outside this
+worker's roots with `UntrustedPath` (`workers.trust`), at once and never retried. A failed persist or commit
+still fails its step in the ledger when the payload names one (run, step, token), so the waiting trainer
+gets the reason; a partial step directory is removed only when it is the trusted one.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import shared_task
+from pydantic import BaseModel, ValidationError
 
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
-from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest, RetentionRequest
+from dcs_tasks.checkpoint.models import CommitRequest, FailedTask, PersistRequest, RetentionRequest
 from dcs_tasks.checkpoint.telemetry import record_error
+from dcs_tasks.errors import InvalidTaskPayload
 from workers.base import DCSTask
 from workers.commit import commit
-from workers.persist import finish, ledger, persist, remove_partial_step
+from workers.persist import ledger, persist, remove_partial_step_at
 from workers.retention import retain
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], payload: Any, task: str) -> M:
+    """`payload` as `model`, or InvalidTaskPayload naming each bad field (never the raw input)."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
+        raise InvalidTaskPayload(f"{task} payload refused: {problems[:2000]}") from None
+
+
+def _step_dir_of(payload: Any) -> object:
+    ref = payload.get("ref") if isinstance(payload, dict) else None
+    return ref.get("step_dir") if isinstance(ref, dict) else None
 
 
 def _local_queue() -> str:
@@ -33,22 +55,33 @@ def _local_queue() -> str:
 class PersistTask(DCSTask):
     def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
         record_error("checkpoint_persist")
-        req = PersistRequest.model_validate(args[0])
-        finish(req, FileOutcome.FAILED, f"persisting {req.file_name} failed: {reason}")
+        failed = FailedTask.read(args[0] if args else None)
+        if failed is None or failed.file_name is None:
+            log.error("persist payload names no step and file: nothing to fail in the ledger")
+            return
+        ref = failed.ref
+        value = f"persisting {failed.file_name} failed: {reason}"
+        result = ledger().finish_file(ref.run, ref.step, ref.token, failed.file_name, FileOutcome.FAILED, value)
+        if result.all_finished and result.status is StepStatus.FAILED:
+            remove_partial_step_at(_step_dir_of(args[0]), ref.run, ref.step)
 
 
 class CommitTask(DCSTask):
     def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
         record_error("checkpoint_commit")
-        ref = CommitRequest.model_validate(args[0]).ref
+        failed = FailedTask.read(args[0] if args else None)
+        if failed is None:
+            log.error("commit payload names no step: nothing to fail in the ledger")
+            return
+        ref = failed.ref
         ledger().finish_commit(ref.run, ref.step, ref.token, StepStatus.FAILED, f"commit failed: {reason}")
-        remove_partial_step(Path(ref.step_dir))
+        remove_partial_step_at(_step_dir_of(args[0]), ref.run, ref.step)
 
 
 @shared_task(name=TaskName.PERSIST.value, base=PersistTask, bind=True)
 def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
     """Persist one staged file; the call that completes the step's files enqueues the commit."""
-    req = PersistRequest.model_validate(payload)
+    req = parse(PersistRequest, payload, self.name)
     verdict = persist(req, str(self.request.id))
     if verdict is Verdict.COMMIT:
         body = CommitRequest(ref=req.ref, retention=req.retention)
@@ -59,7 +92,7 @@ def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
 @shared_task(name=TaskName.COMMIT.value, base=CommitTask, bind=True)
 def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
-    req = CommitRequest.model_validate(payload)
+    req = parse(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
     if verdict is Verdict.WRITE and req.retention.active:
         body = RetentionRequest(run=req.ref.run, run_dir=str(Path(req.ref.step_dir).parent), policy=req.retention)
@@ -70,4 +103,4 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
 @shared_task(name=TaskName.RETENTION.value, base=DCSTask, bind=True)
 def apply_retention(self: DCSTask, payload: dict[str, Any]) -> list[int]:
     """Delete the steps the run's retention policy lets go; returns them."""
-    return retain(RetentionRequest.model_validate(payload))
+    return retain(parse(RetentionRequest, payload, self.name))

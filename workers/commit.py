@@ -1,6 +1,8 @@
 """Commit one step: write `manifest.json` durably, move `latest`, mark the step COMMITTED.
 
-Fenced by the ledger: only the task id that claimed the commit writes, a COMMITTED step is never
+The step directory is checked against this worker's checkpoint root first (`workers.trust`): an untrusted
+one fails the task with `UntrustedPath` before the ledger is touched or anything is written. Fenced by the
+ledger: only the task id that claimed the commit writes, a COMMITTED step is never
 rewritten, and a redelivered commit that finds its manifest already on disk keeps it (the manifest is a
 pure function of the ledger, so its bytes would not change anyway).
 """
@@ -20,6 +22,8 @@ from dcs_tasks.checkpoint.reader import read_latest
 from dcs_tasks.checkpoint.telemetry import record_commit
 from dcs_tasks.errors import CheckpointFailed
 from workers.persist import ledger
+from workers.runtime import runtime
+from workers.trust import trusted_step_dir
 
 log = logging.getLogger(__name__)
 LATEST_LOCK_NAME = ".latest.lock"
@@ -28,6 +32,7 @@ LATEST_LOCK_NAME = ".latest.lock"
 def commit(req: CommitRequest, task_id: str) -> Verdict:
     """Returns WRITE when this call committed the step, otherwise why it did nothing."""
     ref = req.ref
+    step_dir = trusted_step_dir(ref.step_dir, ref.run, ref.step, runtime().config)
     book = ledger()
     verdict = book.claim_commit(ref.run, ref.step, ref.token, task_id)
     if verdict is not Verdict.WRITE:
@@ -36,7 +41,6 @@ def commit(req: CommitRequest, task_id: str) -> Verdict:
     started = time.monotonic()
     state = book.read(ref.run, ref.step)
     manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
-    step_dir = Path(ref.step_dir)
     check_files(step_dir, manifest)
     remove_stray_temps(step_dir)
     final = step_dir / MANIFEST_NAME

@@ -1,6 +1,8 @@
 """Persist one staged file: claim it in the ledger, stream it durably with its checksum, record it.
 
-Called by the `dcs.ckpt.persist` task; runs in a prefork child. Idempotent: a file already recorded, a
+Called by the `dcs.ckpt.persist` task; runs in a prefork child. The staging file and the step directory are
+checked against this worker's configured roots first (`workers.trust`): an untrusted path fails the task
+with `UntrustedPath` before anything is read, written or claimed. Idempotent: a file already recorded, a
 file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
 duplicate delivery changes no bytes). The task that records the last file starts the commit.
 """
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
@@ -18,8 +22,9 @@ from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_persist
-from dcs_tasks.errors import CheckpointFailed
+from dcs_tasks.errors import CheckpointFailed, UntrustedPath
 from workers.runtime import runtime
+from workers.trust import open_staging, trusted_staging_path, trusted_step_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +34,27 @@ def ledger() -> StepLedger:
     return StepLedger(rt.redis, rt.keys)
 
 
+@dataclass(frozen=True)
+class PersistPaths:
+    """The paths of a persist request, checked against this worker's roots (resolved)."""
+
+    staging: Path
+    step_dir: Path
+
+
+def trusted_paths(req: PersistRequest) -> PersistPaths:
+    """Raises UntrustedPath unless both paths of `req` lie where this worker's config puts them."""
+    config = runtime().config
+    ref = req.ref
+    return PersistPaths(
+        staging=trusted_staging_path(req.staging_path, ref.run, config),
+        step_dir=trusted_step_dir(ref.step_dir, ref.run, ref.step, config),
+    )
+
+
 def persist(req: PersistRequest, task_id: str) -> Verdict:
     """Write `req`'s file if this task may; returns COMMIT when this call completed the step's files."""
+    paths = trusted_paths(req)
     ref = req.ref
     book = ledger()
     verdict = book.claim_file(ref.run, ref.step, ref.token, req.file_name, task_id)
@@ -43,24 +67,29 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
         return verdict
     started = time.monotonic()
-    entry = write_file(req, task_id)
+    entry = write_file(req, task_id, paths)
     record_persist(time.monotonic() - started)
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
 
 
-def write_file(req: PersistRequest, task_id: str) -> FileEntry:
-    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it."""
-    staging = Path(req.staging_path)
+def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
+    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it. The
+    staging file is opened once without following symlinks and read through that descriptor."""
+    staging = paths.staging
     try:
-        staged_size = staging.stat().st_size
+        fd = open_staging(staging)
     except FileNotFoundError as exc:
         raise CheckpointFailed(f"staging file {staging} is gone (trainer closed or crashed)") from exc
-    if staged_size < req.offset + req.length:
-        raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
-    step_dir = Path(req.ref.step_dir)
-    make_dirs_durable(step_dir)
-    throttle = runtime().config.persist_throttle_bytes_per_second
-    checksum = stream_region(staging, req.offset, req.length, step_dir / req.file_name, task_id, throttle)
+    try:
+        staged_size = os.fstat(fd).st_size
+        if staged_size < req.offset + req.length:
+            raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
+        make_dirs_durable(paths.step_dir)
+        throttle = runtime().config.persist_throttle_bytes_per_second
+        source = Path(f"/proc/self/fd/{fd}")  # the file just checked, whatever happens to its name meanwhile
+        checksum = stream_region(source, req.offset, req.length, paths.step_dir / req.file_name, task_id, throttle)
+    finally:
+        os.close(fd)
     return FileEntry(name=req.file_name, size=req.length, checksum=checksum)
 
 
@@ -69,8 +98,20 @@ def finish(req: PersistRequest, outcome: FileOutcome, value: str) -> FileFinish:
     ref = req.ref
     result = ledger().finish_file(ref.run, ref.step, ref.token, req.file_name, outcome, value)
     if result.all_finished and result.status is StepStatus.FAILED:
-        remove_partial_step(Path(ref.step_dir))
+        remove_partial_step_at(ref.step_dir, ref.run, ref.step)
     return result
+
+
+def remove_partial_step_at(step_dir: object, run: str, step: int) -> None:
+    """`remove_partial_step` of a payload's step directory, only when it is trusted (else nothing is touched)."""
+    try:
+        if not isinstance(step_dir, str):
+            raise UntrustedPath(f"step directory {str(step_dir)[:256]!r} is not a path")
+        trusted = trusted_step_dir(step_dir, run, step, runtime().config)
+    except UntrustedPath as exc:
+        log.warning("not removing the partial directory of %s step %d: %s", run, step, exc)
+        return
+    remove_partial_step(trusted)
 
 
 def remove_partial_step(step_dir: Path) -> None:

@@ -103,13 +103,22 @@ def _prefault(mapping: mmap.mmap, size: int) -> None:
         del view
 
 
+def staging_prefix(namespace: str, run: str) -> str:
+    """The name prefix of the staging files of `run` (a shard run name in a multi-rank run)."""
+    return f"dcs-{namespace}-{run}"
+
+
+def staging_name_pattern(prefix: str) -> re.Pattern[str]:
+    """Exactly <prefix>-<pid>-<8 hex>-<index>.stage (group 1: the pid): run "exp" never matches "exp-2"'s files."""
+    return re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]{{8}}-\d+\.stage")
+
+
 def remove_orphans(directory: Path, prefix: str) -> list[Path]:
     """Delete staging files of `prefix` left by trainer processes that no longer exist (crashed)."""
     removed = []
-    # exactly <prefix>-<pid>-<8 hex>-<index>.stage: run "exp"'s cleanup must not read run "exp-2"'s files
-    ours = re.compile(rf"^{re.escape(prefix)}-(\d+)-[0-9a-f]{{8}}-\d+\.stage$")
+    ours = staging_name_pattern(prefix)
     for path in directory.glob(f"{prefix}-*.stage"):
-        match = ours.match(path.name)
+        match = ours.fullmatch(path.name)
         if match and not pid_alive(int(match.group(1))):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -181,6 +190,12 @@ class StagingPool:
                     buf.close()
 
 
+def _raw_bytes_are_values(src: torch.Tensor) -> bool:
+    """True when `src`'s memory holds exactly its values in order: a contiguous CPU tensor without a lazy
+    negation or conjugation bit (`c.conj().imag` is contiguous but its bytes are the un-negated values)."""
+    return src.device.type == "cpu" and src.is_contiguous() and not src.is_neg() and not src.is_conj()
+
+
 @torch.no_grad()
 def copy_into(
     buf: StagingBuffer,
@@ -202,7 +217,7 @@ def copy_into(
             if slot.end == slot.begin:
                 continue
             src = tensors[slot.spec.name]
-            if copier is not None and src.device.type == "cpu" and src.is_contiguous():
+            if copier is not None and _raw_bytes_are_values(src):
                 jobs.append((base_ptr + base + slot.begin, src.data_ptr(), slot.end - slot.begin))
                 continue
             dst = view[base + slot.begin : base + slot.end].view(src.dtype).view(src.shape)

@@ -74,9 +74,8 @@ def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tm
             for tok in (token, "0" * 32):  # a duplicate of this save, and a stale task of another attempt
                 ref = StepRef(run="dup", step=3, token=tok, step_dir=str(info.path))
                 for f in manifest.files:
-                    req = PersistRequest(
-                        ref=ref, file_name=f.name, staging_path="/nonexistent", offset=0, length=f.size
-                    )
+                    gone = str(Path(config.staging_dir) / f"dcs-{config.namespace}-dup-1-0123abcd-0.stage")
+                    req = PersistRequest(ref=ref, file_name=f.name, staging_path=gone, offset=0, length=f.size)
                     answer = app.send_task(TaskName.PERSIST.value, args=[req.model_dump(mode="json")], queue=queue)
                     assert answer.get(timeout=30) in ("done", "stale")
                 commit = CommitRequest(ref=ref).model_dump(mode="json")

@@ -1,0 +1,171 @@
+"""Hostile checkpoint tasks pushed through the real broker to a real `dcs worker`: a payload naming a path
+outside the worker's configured roots is refused with a named error, once (never retried), fails its
+ledger step when it names one, and reads or writes nothing outside the roots; the worker keeps serving."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
+from dcs_tasks.checkpoint.format import FileEntry, ManifestDraft
+from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, file_entry_json
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
+from tests.helpers.procs import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+FILE = "model-00001-of-00001.safetensors"
+TOKEN = "f" * 32
+
+
+class Scene:
+    """A worker on private roots, a directory outside them holding a sentinel file, and the ledger."""
+
+    def __init__(self, config: DCSConfig, tmp_path: Path, worker: WorkerProcess) -> None:
+        self.config, self.worker = config, worker
+        self.root = Path(config.checkpoint_dir).resolve()
+        self.staging = Path(config.staging_dir)
+        self.outside = tmp_path / "outside"
+        self.outside.mkdir()
+        self.sentinel = self.outside / "secret.txt"
+        self.sentinel.write_text("do not copy me\n")
+        self.sentinel_stat = (self.sentinel.read_bytes(), self.sentinel.stat().st_mtime_ns)
+        self.client = redis.Redis.from_url(config.redis_url, decode_responses=True)
+        self.keys = Keys(config.namespace)
+        self.book = StepLedger(self.client, self.keys)
+        self.app: Celery = make_celery(config)
+        self.queue = node_queue(config.host_name)
+
+    def begin(self, run: str, step: int, nfiles: int = 1) -> None:
+        draft = ManifestDraft(run=run, step=step, tensors={}, structure={"k": "v", "v": None}, created_at=time.time())
+        assert self.book.begin(run, step, TOKEN, nfiles, draft, 3600.0).value == "write"
+
+    def send(self, task: TaskName, payload: dict[str, Any]) -> AsyncResult:
+        return self.app.send_task(task.value, args=[payload], queue=self.queue)
+
+    def refused(self, result: AsyncResult, error: str, match: str) -> None:
+        """The task failed with `error` (class name) whose message contains `match`, and ran exactly once."""
+        with pytest.raises(Exception) as info:
+            result.get(timeout=30)
+        assert type(info.value).__name__ == error, f"{type(info.value).__name__}: {info.value}"
+        assert match in str(info.value), str(info.value)
+        assert self.client.get(self.keys.task_deliveries(f"{result.id}:0")) == "1"
+        assert not self.client.exists(self.keys.task_deliveries(f"{result.id}:1")), "the task was retried"
+        assert f"[{result.id}] retry" not in self.worker.log_tail(10**6)
+
+    def assert_outside_untouched(self, expected: set[str]) -> None:
+        found = {str(p.relative_to(self.outside)) for p in self.outside.rglob("*")}
+        assert found == expected
+        assert (self.sentinel.read_bytes(), self.sentinel.stat().st_mtime_ns) == self.sentinel_stat
+
+    def failed_with(self, run: str, step: int, error: str) -> None:
+        """The ledger step is FAILED with a reason naming `error` (the worker records it just after the result)."""
+        ended = (StepStatus.FAILED, StepStatus.COMMITTED)
+        wait_until(lambda: self.book.progress(run, step)[0] in ended, 10, f"step {step} of {run!r} to end")
+        status, _, _, reason = self.book.progress(run, step)
+        assert status is StepStatus.FAILED and error in reason, (status, reason)
+
+
+def persist_payload(run: str, step: int, step_dir: str, staging: str, length: int = 16) -> dict[str, Any]:
+    ref = {"run": run, "step": step, "token": TOKEN, "step_dir": step_dir}
+    return {"ref": ref, "file_name": FILE, "staging_path": staging, "offset": 0, "length": length}
+
+
+@pytest.fixture
+def scene(dcs_config: DCSConfig, tmp_path: Path) -> Any:
+    config = ckpt_config(dcs_config, tmp_path)
+    Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
+    worker = start_worker(config, tmp_path)
+    try:
+        yield Scene(config, tmp_path, worker)
+    finally:
+        worker.terminate()
+
+
+def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Scene) -> None:
+    root, outside, staging = scene.root, scene.outside, scene.staging
+    (root / "evil").parent.mkdir(parents=True, exist_ok=True)
+    (root / "evil").symlink_to(outside, target_is_directory=True)  # a run directory that leads out
+    buffer_name = f"dcs-{scene.config.namespace}-victim-{os.getpid()}-0123abcd-0.stage"
+    (staging / buffer_name).symlink_to(scene.sentinel)  # a "staging buffer" that leads out
+    victim = str(root / "victim")
+
+    def buf(run: str) -> str:  # a staging path that looks right (whether or not the file exists)
+        return str(staging / f"dcs-{scene.config.namespace}-{run}-1-0123abcd-0.stage")
+
+    untrusted = "UntrustedPath"
+    cases = [  # (run, step, step_dir, staging_path, error, what the message says)
+        ("victim", 1, str(outside / "step-000000001"), "/etc/passwd", untrusted, "not in the staging directory"),
+        ("victim", 2, str(outside / "step-000000002"), buf("victim"), untrusted, "outside the checkpoint root"),
+        ("victim", 3, f"{victim}/step-000000003", str(scene.sentinel), untrusted, "not in the staging directory"),
+        ("victim", 4, f"{victim}/step-000000004", str(staging / buffer_name), untrusted, "is a symlink"),
+        ("victim", 5, f"{victim}/../../outside/step-000000005", buf("victim"), "InvalidTaskPayload", "'..'"),
+        ("evil", 6, str(root / "evil" / "step-000000006"), buf("evil"), untrusted, "outside the checkpoint root"),
+        ("victim", 7, str(root / "other" / "step-000000007"), buf("victim"), untrusted, "is not where step 7"),
+        ("victim", 8, f"{victim}/step-000000008", buf("other"), untrusted, "not a staging buffer of run 'victim'"),
+    ]
+    for run, step, step_dir, staging_path, error, match in cases:
+        scene.begin(run, step)
+        result = scene.send(TaskName.PERSIST, persist_payload(run, step, step_dir, staging_path))
+        scene.refused(result, error, match)
+        scene.failed_with(run, step, error)  # the waiting trainer would get the reason
+    dotdot = persist_payload("..", 1, f"{root}/../step-000000001", "/etc/passwd")
+    scene.refused(scene.send(TaskName.PERSIST, dotdot), "InvalidTaskPayload", "run name")
+
+    scene.assert_outside_untouched({"secret.txt"})
+    assert not (root / "victim").exists() and not (root.parent / "step-000000001").exists()
+    assert not list(root.parent.glob("latest")) and not list(root.glob("latest"))
+    with Checkpointer("legit", scene.config) as ckpt:  # the worker still serves a real save
+        state = training_state()
+        ckpt.save(state, step=1).wait(60)
+        assert_same_state(state, ckpt.restore().state)
+
+
+def test_commit_and_retention_tasks_outside_the_root_change_nothing(scene: Scene) -> None:
+    root, outside = scene.root, scene.outside
+    decoy = outside / "step-000000003"  # what a commit would accept: the file it expects, at its size
+    decoy.mkdir()
+    (decoy / FILE).write_bytes(b"x" * 16)
+    scene.begin("victim", 3)
+    assert scene.book.claim_file("victim", 3, TOKEN, FILE, "tid").value == "write"
+    entry = file_entry_json(FileEntry(name=FILE, size=16, checksum="0" * 32))
+    assert scene.book.finish_file("victim", 3, TOKEN, FILE, FileOutcome.OK, entry).status is StepStatus.COMMITTING
+    commit = {"ref": {"run": "victim", "step": 3, "token": TOKEN, "step_dir": str(decoy)}}
+    scene.refused(scene.send(TaskName.COMMIT, commit), "UntrustedPath", "outside the checkpoint root")
+    scene.failed_with("victim", 3, "UntrustedPath")
+
+    with Checkpointer("keep", scene.config) as ckpt:  # three committed steps, copied outside the root
+        for step in (1, 2, 3):
+            ckpt.save(training_state(seed=step), step=step).wait(60)
+    shutil.copytree(root / "keep", outside / "keep")
+    before = sorted(p.name for p in (outside / "keep").iterdir())
+    policy = {"keep_last": 1, "keep_every": None}
+    for run, run_dir, match in (
+        ("keep", str(outside / "keep"), "outside the checkpoint root"),
+        ("other", str(root / "keep"), "is not where run 'other' lives"),
+        ("keep", str(root), "outside the checkpoint root"),
+    ):
+        retention = {"run": run, "run_dir": run_dir, "policy": policy}
+        scene.refused(scene.send(TaskName.RETENTION, retention), "UntrustedPath", match)
+    assert sorted(p.name for p in (outside / "keep").iterdir()) == before
+    assert len(list((root / "keep").glob("step-*"))) == 3
+
+    scene.assert_outside_untouched({"secret.txt", "step-000000003", f"step-000000003/{FILE}", *_tree(outside, "keep")})
+    legit = {"run": "keep", "run_dir": str(root / "keep"), "policy": policy}  # the worker still serves
+    assert scene.send(TaskName.RETENTION, legit).get(timeout=30) == [1, 2]
+
+
+def _tree(base: Path, name: str) -> set[str]:
+    return {str(p.relative_to(base)) for p in [base / name, *(base / name).rglob("*")]}
