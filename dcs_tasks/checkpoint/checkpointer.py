@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 import uuid
 import warnings
@@ -41,9 +40,9 @@ from dcs_tasks.checkpoint.format import (
     tensor_index,
 )
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
-from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef
+from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into
+from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into, staging_prefix
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
@@ -58,7 +57,6 @@ from dcs_tasks.errors import (
 from dcs_tasks.keys import Keys
 
 log = logging.getLogger(__name__)
-RUN_PATTERN = r"^[A-Za-z0-9_.\-]+$"
 
 
 class Checkpointer:
@@ -75,9 +73,9 @@ class Checkpointer:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if not re.match(RUN_PATTERN, run):
-            raise CheckpointError(f"run name {run!r} must match {RUN_PATTERN}")
-        if world_size < 1 or not 0 <= rank < world_size:
+        validate_run_name(run)
+        validate_step(rank, "rank")
+        if validate_step(world_size, "world_size") < 1 or not rank < world_size:
             raise CheckpointError(f"rank {rank} is not a rank of world size {world_size}")
         self.run = run
         self.rank = rank
@@ -86,7 +84,7 @@ class Checkpointer:
         self.run_root = (Path(self.config.checkpoint_dir) / run).resolve()
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
-        self._shard_run = sharded.shard_run_name(run, rank) if multi else run
+        self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
         self.run_dir = self.run_root / sharded.rank_dir_name(rank) if multi else self.run_root
         self._keys = Keys(self.config.namespace)
         self._redis = redis.Redis.from_url(
@@ -100,7 +98,7 @@ class Checkpointer:
         self._pool = StagingPool(
             Path(self.config.staging_dir),
             self.config.staging_buffers,
-            prefix=f"dcs-{self.config.namespace}-{self._shard_run}",
+            prefix=staging_prefix(self.config.namespace, self._shard_run),
         )
         self._copier = HostCopier(copy_threads)
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
@@ -125,8 +123,11 @@ class Checkpointer:
         the dimension this rank's part splits along (a restore at another world size reshards them; every
         other tensor is rank-local). Raises NoWorkerError when no worker serves this host, StagingError when
         no buffer frees up within `timeout` (policy block), CheckpointError when `step` is already committed
-        or in flight or `sharding` does not fit the state."""
+        or in flight, `step` is not an integer >= 0 or `sharding` does not fit the state; StagingError naming
+        the state path when a value cannot be staged (DTensor and other wrapper subclasses, nested, sparse,
+        quantized or meta tensors, dtypes safetensors lacks), before any tensor memory is read."""
         started = time.perf_counter()
+        step = validate_step(step)
         self._require_worker()
         flat = flatten_state(state)
         dims = sharded.check_sharding(sharding or {}, flat.tensors)

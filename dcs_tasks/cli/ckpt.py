@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
         ("gc", _gc, "delete checkpoints the retention policy lets go"),
     ):
         p = actions.add_parser(name, help=text)
-        p.add_argument("--run", required=True)
+        p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
         p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
         p.add_argument("--rank", type=int, default=None, help="one rank's part of a multi-rank run")
         p.set_defaults(func=func)
@@ -41,6 +41,16 @@ def register(sub: Any) -> None:
         if name == "gc":
             p.add_argument("--keep-last", type=int, default=None)
             p.add_argument("--keep-every", type=int, default=None)
+
+
+def _run_name(value: str) -> str:
+    """argparse type of `--run`: the run-name rule every entry point uses (no `..`, `/etc`, hidden names)."""
+    from dcs_tasks.checkpoint.models import run_name_problem
+
+    problem = run_name_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def _run_root(args: argparse.Namespace) -> Path:
