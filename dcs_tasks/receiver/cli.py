@@ -7,6 +7,8 @@ import asyncio
 import gc
 import logging
 import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -14,10 +16,17 @@ import uvicorn
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.errors import ConfigError
+from dcs_tasks.httpguard import guarded_server_options
+from dcs_tasks.receiver.guard import secure_receiver_app
 from dcs_tasks.receiver.server import create_receiver_app
 from dcs_tasks.receiver.weights import WeightReceiver
 
 log = logging.getLogger(__name__)
+
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+INIT_WAIT_SECONDS = 2.0  # an init arriving while another forms waits this long, then is refused
+EXECUTOR_THREADS = 32
 
 
 def register(sub: Any) -> None:
@@ -25,14 +34,34 @@ def register(sub: Any) -> None:
     parser.add_argument("--coordinator-url", required=True)
     parser.add_argument("--rank", type=int, required=True, help="rollout rank to register as")
     parser.add_argument("--role", default="rollout", help="role to register as (default rollout)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address trainers reach this receiver at, registered with the coordinator (default: --host; "
+        "required when --host is a wildcard such as 0.0.0.0)",
+    )
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     parser.set_defaults(func=run)
+
+
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The address registered for trainers to call: `advertise_host`, else the bind address unless a wildcard."""
+    if advertise_host:
+        return advertise_host
+    if host in WILDCARDS:
+        raise ConfigError(f"--host {host} binds every interface; name the address trainers use with --advertise-host")
+    return host
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = DCSConfig(coordinator_url=args.coordinator_url)
+    try:
+        advertise = advertised_host(args.host, args.advertise_host)
+    except ConfigError as exc:
+        print(f"dcs receiver: {exc}", file=sys.stderr)
+        return 2
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on such sockets; without it every response pays a
     # 40 ms delayed-ACK stall (uvicorn writes headers and body separately), i.e. 40 ms per bucket.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -43,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     info = RoleInfo(
         role_name=args.role,
         rank=args.rank,
-        ip=args.host,
+        ip=advertise,
         port=sock.getsockname()[1],
         metadata={},  # the trainer reads tp_size and version from GET /server_info, as for a real SGLang engine
     )
@@ -60,8 +89,14 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
         group_init_timeout_seconds=config.group_init_timeout_seconds,
         fusion_threshold_bytes=config.tensor_fusion_threshold,
     )
-    app = create_receiver_app(WeightReceiver(backend), pause_gc=config.sync_pause_gc)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    receiver = WeightReceiver(
+        backend, max_update_bytes=config.receiver_max_update_bytes, init_wait_seconds=INIT_WAIT_SECONDS
+    )
+    app = secure_receiver_app(create_receiver_app(receiver, pause_gc=config.sync_pause_gc), config.token())
+    options = guarded_server_options(config.receiver_request_read_timeout_seconds, config.receiver_keep_alive_seconds)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
+    # every blocking call runs in the default executor: size it so waiting inits never starve digests
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(EXECUTOR_THREADS, "dcs-receiver"))
     api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
     answer = await api.register(info)
     info = info.model_copy(update={"rank": answer.rank})

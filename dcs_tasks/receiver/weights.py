@@ -5,6 +5,10 @@ staged update arrived intact; a failed or abandoned update leaves the previous w
 untouched (no partial update). Buckets arrive either flattened (one uint8 broadcast laid out by
 `FusionLayout.from_wire`) or one broadcast per tensor (SGLang's default wire format).
 
+Groups change only through `init_group`, which forms the new group first, outside the lock guarding the
+current one, and swaps it in only once formed: a failed init leaves the current group, staging, weights and
+version as they were. One init runs at a time; another is refused (`RequestRejected`) after a bounded wait.
+
 Flat receive buffers are recycled: version v's buffers receive version v+2, so steady-state updates
 touch no fresh memory. Tensors of `weights` therefore stay valid until the second commit after theirs;
 copy what must outlive that (ActorFwdReceiver copies into its model at commit).
@@ -22,7 +26,8 @@ import torch
 
 from dcs_tasks.backends.base import CommBackend, GroupSpec
 from dcs_tasks.backends.fusion import ALIGNMENT, FusionLayout, parse_dtype, unpack_views
-from dcs_tasks.errors import WeightSyncError
+from dcs_tasks.errors import RequestRejected, WeightSyncError
+from dcs_tasks.receiver.security import check_group_spec, check_tensors
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,16 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 class WeightReceiver:
     """Holds named tensors received from rank 0 of an update group. Thread-safe; one update at a time."""
 
-    def __init__(self, backend: CommBackend, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        backend: CommBackend,
+        device: torch.device | None = None,
+        max_update_bytes: int | None = None,
+        init_wait_seconds: float = 0.0,
+    ) -> None:
         self.backend = backend
+        self.max_update_bytes = max_update_bytes  # tensor bytes one staged update may hold (None: unbounded)
+        self.init_wait_seconds = init_wait_seconds  # how long an init waits for the one in flight
         self.device = device or torch.device("cpu")
         self.weights: dict[str, torch.Tensor] = {}
         self.weight_version = 0
@@ -59,19 +72,38 @@ class WeightReceiver:
         self._staging_version: int | None = None
         self._staging_named = False  # whether a bucket of the staged update named its version
         self._staging_failed = False
+        self._staged_bytes = 0  # tensor bytes announced by the buckets of the staged update
         self._epoch = 0  # bumped whenever staging is dropped; a bucket received across a bump is discarded
         self._lock = threading.RLock()  # guards groups and staging; never held while a collective waits
         self._state_lock = threading.Lock()  # guards the committed (weights, version) pair
+        self._init_lock = threading.Lock()  # one group init at a time
+        self._init_pending: str | None = None  # the group an init in flight is forming
 
     def init_group(self, spec: GroupSpec) -> None:
-        """Join a new group (dropping the previous one and any staged update)."""
-        with self._lock:
-            if self.group_name is not None:
-                self.backend.destroy_group(self.group_name)
-                self.group_name = None
-            self.abort()
+        """Form `spec`'s group, then swap it in for the current one (dropping any staged update). The group
+        forms outside `_lock`, so digests and updates on the current group go on meanwhile; a failed init
+        (GroupInitError) leaves everything as it was. RequestRejected for an implausible `spec`, when another
+        init is still in flight after `init_wait_seconds`, or when `spec` names the group already held."""
+        check_group_spec(spec)
+        wait = self.init_wait_seconds
+        if not (self._init_lock.acquire(timeout=wait) if wait > 0 else self._init_lock.acquire(blocking=False)):
+            raise RequestRejected(
+                f"another init_weights_update_group (group {self._init_pending!r}) is still in flight; retry later"
+            )
+        try:
+            with self._lock:
+                if spec.group_name == self.group_name:
+                    raise RequestRejected(f"already a member of group {spec.group_name!r}; destroy it first")
+            self._init_pending = spec.group_name
             self.backend.create_group(spec)
-            self.group_name = spec.group_name
+            with self._lock:
+                previous, self.group_name = self.group_name, spec.group_name
+                self.abort()
+            if previous is not None:
+                self.backend.destroy_group(previous)
+        finally:
+            self._init_pending = None
+            self._init_lock.release()
 
     def destroy_group(self, group_name: str) -> None:
         with self._lock:
@@ -110,8 +142,12 @@ class WeightReceiver:
         The lock is not held while the collectives wait, so a replacement group (`init_group`) can form
         while a bucket of an abandoned update is still stuck waiting for its sender.
         """
+        nbytes = sum(check_tensors(*bucket, self.max_update_bytes) for bucket in buckets)
+        if not self.backend.has_group(group_name):
+            raise RequestRejected(f"not a member of group {group_name!r} (init_weights_update_group first)")
         with self._lock:
             weight_version = self._start_staging(weight_version)
+            self._reserve(nbytes, weight_version)
             epoch = self._epoch
             targets = [self._targets(bucket, flattened, alignment) for bucket in buckets]
         try:
@@ -128,6 +164,16 @@ class WeightReceiver:
                 )
             self._staging.update(received)
         return weight_version
+
+    def _reserve(self, nbytes: int, weight_version: int) -> None:
+        """Count `nbytes` more into the staged update; RequestRejected (nothing allocated) past the limit."""
+        limit = self.max_update_bytes
+        if limit is not None and self._staged_bytes + nbytes > limit:
+            raise RequestRejected(
+                f"update v{weight_version} would hold {self._staged_bytes + nbytes} bytes, over the limit of "
+                f"{limit} (receiver_max_update_bytes); refused before allocating"
+            )
+        self._staged_bytes += nbytes
 
     def _take_buffer(self, nbytes: int) -> torch.Tensor:
         """A flat receive buffer: the next spare one if big enough (no page faults), else a new one."""
@@ -194,6 +240,7 @@ class WeightReceiver:
             self._staged_buffers = []
             self._staging = {}
             self._staging_version = None
+            self._staged_bytes = 0
 
     def abort(self) -> None:
         """Drop whatever is staged."""
@@ -203,6 +250,7 @@ class WeightReceiver:
             self._staged_buffers = []  # not recycled: an abandoned collective may still write into them
             self._staging_version = None
             self._staging_failed = False
+            self._staged_bytes = 0
 
     def digest(self) -> tuple[int, dict[str, str]]:
         """(committed version, sha256 hex per tensor); never waits for an update in flight."""
