@@ -20,9 +20,10 @@ from pydantic import SecretStr
 
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.receiver.weights import tensor_sha256
-from tests.distributed.sync_stack import ReceiverProcess, auth_headers
+from tests.distributed.sync_stack import ReceiverProcess, auth_headers, sync_stack
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
 
@@ -286,3 +287,32 @@ def test_slow_and_silent_clients_are_disconnected(dcs_config: DCSConfig, tmp_pat
             body.sendall(b"POST /init_weights_update_group HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
             assert closed_within(body, 5.0, trickle=b" "), "a body trickle held the connection"
         assert trainer.get("health").status_code == 200  # prompt clients are served as before
+
+
+async def test_trainer_pushes_through_the_whole_stack_with_a_token(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Coordinator, worker and two receivers all require DCS_AUTH_TOKEN; the trainer's client, the worker's
+    join task and the engine calls carry it, so updates land bit-exact, and a caller without it is refused."""
+    update = {"auth_token": SecretStr(TOKEN), "bucket_size_bytes": 4096, "group_init_timeout_seconds": 20.0}
+    config = dcs_config.model_copy(update=update | {"comm_timeout_seconds": 20.0, "max_retries": 1})
+    with sync_stack(config, tmp_path, receivers=2) as stack:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            for version in (1, 2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p))
+                metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+                assert metrics["weight_version"] == version and metrics["engines"] == 2
+                for receiver in stack.receivers:
+                    assert receiver.digest().model_dump() == {
+                        "weight_version": version,
+                        "tensors": digest_of(model.state_dict()),
+                    }
+        finally:
+            await client.stop()
+        for receiver in stack.receivers:
+            assert httpx.get(f"{receiver.url}/weights_digest", timeout=10).status_code == 401
