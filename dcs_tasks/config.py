@@ -107,7 +107,8 @@ class DCSConfig(BaseSettings):
     coordinator_url: str | None = None
     """URL clients use to reach the coordinator (default: built from host and port)."""
     auth_token: SecretStr | None = None
-    """Bearer token required on every coordinator endpoint but /healthz and /metrics when set."""
+    """Bearer token required on every coordinator endpoint but /healthz and /metrics when set; `dcs receiver`
+    requires it too (all but /health*, /metrics*: SGLang's --api-key rules) and DCS sends it to every engine."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     """Largest request body the coordinator accepts (413 beyond)."""
     request_timeout_seconds: float = Field(default=30.0, gt=0)

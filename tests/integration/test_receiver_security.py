@@ -5,6 +5,8 @@ group with the receiver and broadcasts real updates (SGLang's per-tensor wire fo
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.receiver.weights import tensor_sha256
 from tests.distributed.sync_stack import ReceiverProcess, auth_headers, sync_stack
 from tests.helpers.ports import free_port
-from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.procs import REPO, CoordinatorProcess, child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -316,3 +318,17 @@ async def test_trainer_pushes_through_the_whole_stack_with_a_token(dcs_config: D
             await client.stop()
         for receiver in stack.receivers:
             assert httpx.get(f"{receiver.url}/weights_digest", timeout=10).status_code == 401
+
+
+def test_a_wildcard_bind_needs_an_advertised_address(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    args = ("--coordinator-url", "http://127.0.0.1:9", "--rank", "0", "--host", "0.0.0.0")
+    done = subprocess.run(
+        [sys.executable, "-m", "dcs_tasks.cli.main", "receiver", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=child_env(dcs_config),
+        cwd=REPO,
+    )
+    assert done.returncode == 2 and "--advertise-host" in done.stderr
