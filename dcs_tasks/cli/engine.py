@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     try:
         config = DCSConfig(coordinator_url=args.coordinator_url)
+        if httpx.URL(args.engine_url).scheme != "http":
+            raise ConfigError(f"--engine-url must be http://host:port, got {args.engine_url!r}")
         ip, port = advertised_address(args.engine_url, args.advertise_url)
         settings = AttachSettings(
             rank=args.rank,
@@ -101,7 +103,7 @@ async def _attach(config: DCSConfig, engine_url: str, api_key: str | None, setti
     loop = asyncio.get_running_loop()
     async with (
         CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
-        EngineClient(engine_url, api_key, timeout=config.request_timeout_seconds) as engine,
+        EngineClient(engine_url, settings.rank, api_key, timeout=config.request_timeout_seconds) as engine,
     ):
         task = asyncio.create_task(EngineAttachment(api, engine, settings).run())
         for sig in (signal.SIGTERM, signal.SIGINT):

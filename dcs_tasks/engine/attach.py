@@ -13,15 +13,30 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.engine.client import EngineClient
-from dcs_tasks.engine.server_info import NEWEST_CHECKED_SGLANG_VERSION, check_engine, engine_metadata
-from dcs_tasks.errors import CoordinatorError, CoordinatorUnavailable, DCSTimeoutError, RankConflict
+from dcs_tasks.errors import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    DCSTimeoutError,
+    EngineAuthRefused,
+    EngineIncompatible,
+    RankConflict,
+    WeightSyncError,
+)
 from dcs_tasks.models import RegisterResponse
+from dcs_tasks.sync.models import EngineInfo
 
 log = logging.getLogger(__name__)
+
+
+def engine_metadata(info: EngineInfo) -> dict[str, Any]:
+    """Topology metadata of an attached engine, for operators: the trainer reads none of it (it asks the
+    engine's `/server_info` itself, dcs_tasks/sync/planning.py); `num_gpus` is the engine's rank span."""
+    return {"engine": "sglang", "engine_version": info.version, "tp_size": info.tp_size, "num_gpus": info.tp_size}
 
 
 @dataclass(frozen=True)
@@ -59,19 +74,13 @@ class EngineAttachment:
                 await self.attach_once()
                 await self.beat_while_healthy()
                 await self.unregister()
-                log.info("waiting up to %gs for the engine to answer /health again", self.settings.wait_timeout)
         finally:
             await self.unregister()
 
     async def attach_once(self) -> RoleInfo:
         """Wait for the engine, read and check its server info, register it; returns the registered node."""
         s = self.settings
-        log.info("waiting up to %gs for engine %s to answer GET /health", s.wait_timeout, self.engine.base_url)
-        await self.engine.wait_healthy(s.wait_timeout, poll=min(s.interval, 1.0), health_timeout=s.health_timeout)
-        info = await self.engine.server_info()
-        version = check_engine(info)
-        if version > NEWEST_CHECKED_SGLANG_VERSION:
-            log.warning("SGLang %s is newer than the newest checked (%s)", version, NEWEST_CHECKED_SGLANG_VERSION)
+        info = await self._read_engine()
         node = RoleInfo(
             role_name=s.role, rank=s.rank, ip=s.advertise_ip, port=s.advertise_port, metadata=engine_metadata(info)
         )
@@ -79,15 +88,33 @@ class EngineAttachment:
         self.registered = node.model_copy(update={"rank": answer.rank})
         self.registrations += 1
         log.info(
-            "registered SGLang %s engine (tp %d, model %s) as %s at %s (span %d ranks)",
+            "registered SGLang %s engine %s as %s at %s (tp_size %d: %d ranks of the update group)",
             info.version,
-            info.tp_size,
-            info.model_path,
+            self.engine.base_url,
             answer.node_id,
             node.address,
             info.tp_size,
+            info.tp_size,
         )
         return self.registered
+
+    async def _read_engine(self) -> EngineInfo:
+        """Wait (bounded) for `/health`, then read the server info; a refused engine raises at once."""
+        s = self.settings
+        deadline = time.monotonic() + s.wait_timeout
+        log.info("waiting up to %gs for engine %s to answer GET /health", s.wait_timeout, self.engine.base_url)
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            await self.engine.wait_healthy(left, poll=min(s.interval, 1.0), health_timeout=s.health_timeout)
+            try:
+                return await self.engine.server_info()
+            except (EngineIncompatible, EngineAuthRefused):
+                raise
+            except WeightSyncError as exc:  # gone again, or busy: wait for /health once more
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("reading the engine's server info failed (will retry): %s", exc)
+                await asyncio.sleep(s.interval)
 
     async def _register(self, node: RoleInfo) -> RegisterResponse:
         """Register, retrying while the coordinator is unavailable (bounded by `wait_timeout`)."""

@@ -1,25 +1,14 @@
-"""Errors of `dcs engine attach`: each names the engine and what to do about it."""
+"""Errors of `dcs engine attach` beyond the trainer's own engine errors.
+
+The engine's answers are judged by the trainer's rules (`dcs_tasks.sync.engine_protocol.engine_info`), so a
+refused engine raises the same `EngineIncompatible` (unsupported SGLang version, dp_size > 1, pp_size > 1)
+or `EngineAuthRefused` (wrong API key) the trainer would.
+"""
 
 from __future__ import annotations
 
-from dcs_tasks.errors import ConfigError, DCSError, DCSTimeoutError
+from dcs_tasks.errors import DCSTimeoutError
 
 
-class EngineError(DCSError):
-    """The rollout engine (an SGLang server) cannot be attached."""
-
-
-class EngineUnavailable(EngineError, DCSTimeoutError):
-    """The engine's `/health` did not answer 200 within the bounded wait."""
-
-
-class EngineAuthError(EngineError):
-    """The engine refused the API key (401/403): start it with `--api-key` equal to the key DCS sends."""
-
-
-class UnsupportedEngine(EngineError, ConfigError):
-    """The server is not an SGLang version DCS supports, or its layout cannot take distributed weight updates."""
-
-
-class EngineDataParallelUnsupported(UnsupportedEngine):
-    """The engine runs with dp_size > 1: SGLang refuses `update_weights_from_distributed` with data parallelism."""
+class EngineUnavailable(DCSTimeoutError):
+    """The engine's `GET /health` did not answer 200 within the bounded wait."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 
 from dcs_tasks.config import DCSConfig, RoleInfo
+from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import DcsProcess
 
 
@@ -54,3 +55,25 @@ def wait_for(predicate_desc: str, predicate: Callable[[], object], timeout: floa
             pass
         time.sleep(poll)
     raise TimeoutError(f"{predicate_desc} not reached after {timeout}s")
+
+
+class ReceiverEngine(DcsProcess):
+    """`dcs receiver` as the engine: it answers SGLang 0.5.23's `/health` and `/server_info` (tp_size 1) and
+    takes the token as SGLang's `--api-key`. It registers itself under `self_role`, not `rollout`, so that
+    only the sidecar puts it into the rollout role."""
+
+    def __init__(self, config: DCSConfig, log_path: Path, coordinator_url: str, self_role: str = "engine-self") -> None:
+        super().__init__(config, log_path)
+        self.coordinator_url = coordinator_url
+        self.self_role = self_role
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ReceiverEngine:
+        args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", "0", "--role", self.self_role]
+        self.spawn(*args, "--port", str(self.port))
+        wait_for_port(self.port, timeout)
+        return self

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from pydantic import SecretStr
 from dcs_tasks.config import DCSConfig
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
-from tests.integration.engine_attach_support import AttachProcess, rollout_nodes
+from tests.integration.engine_attach_support import AttachProcess, ReceiverEngine, rollout_nodes, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "attach-test-token-5f1c"
@@ -40,3 +42,79 @@ def test_an_engine_that_never_answers_health_is_a_named_error(
     assert "EngineUnavailable" in log and engine_url in log
     assert rollout_nodes(coordinator.url, TOKEN) == {}
     assert TOKEN not in log
+
+
+@pytest.fixture
+def receiver(config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path) -> Iterator[ReceiverEngine]:
+    proc = ReceiverEngine(config, tmp_path / "receiver.log", coordinator.url).start()
+    yield proc
+    proc.stop()
+
+
+def _attached(coordinator: CoordinatorProcess, rank: int, port: int) -> Callable[[], bool]:
+    return lambda: (node := rollout_nodes(coordinator.url, TOKEN).get(rank)) is not None and node.port == port
+
+
+def test_attach_registers_heartbeats_and_unregisters_on_sigterm(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=3).start()
+    try:
+        wait_for("rollout_3 registered", _attached(coordinator, 3, receiver.port), timeout=30)
+        node = rollout_nodes(coordinator.url, TOKEN)[3]
+        assert (node.ip, node.port) == ("127.0.0.1", receiver.port)
+        assert node.metadata["tp_size"] == 1 and node.metadata["engine_version"] == "0.5.23"
+        time.sleep(2 * config.heartbeat_timeout_seconds)  # alive only if the sidecar keeps beating
+        assert 3 in rollout_nodes(coordinator.url, TOKEN)
+        attach.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        assert attach.wait_exit(timeout=15) == 0
+        # unregistered at once, not left to expire: read before one heartbeat timeout could pass
+        assert 3 not in rollout_nodes(coordinator.url, TOKEN)
+    finally:
+        attach.kill()
+    log = attach.log_tail(100_000)
+    assert "registered SGLang 0.5.23 engine" in log and "unregistered rollout_3" in log
+    assert TOKEN not in log
+
+
+def test_a_dead_engine_leaves_the_topology_and_is_registered_again_when_back(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0).start()
+    try:
+        wait_for("rollout_0 registered", _attached(coordinator, 0, receiver.port), timeout=30)
+        receiver.kill()
+        gone_after = wait_for("rollout_0 gone", lambda: 0 not in rollout_nodes(coordinator.url, TOKEN), 30, 0.05)
+        bound = config.heartbeat_timeout_seconds + config.heartbeat_interval_seconds
+        assert gone_after <= bound + 0.5, f"gone after {gone_after:.2f}s, bound {bound}s (+0.5 s polling slack)"
+        receiver.start()  # same port
+        wait_for("rollout_0 registered again", _attached(coordinator, 0, receiver.port), timeout=30)
+        assert attach.running()
+    finally:
+        attach.stop()
+    assert attach.log_tail(100_000).count("registered SGLang 0.5.23 engine") == 2
+
+
+def test_a_wrong_engine_api_key_is_a_named_error(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
+    code = attach.start(env={"DCS_ENGINE_API_KEY": "not-the-engine-key"}).wait_exit(timeout=30)
+    log = attach.log_tail()
+    assert code == 1, log
+    assert "EngineAuthRefused" in log and "401" in log
+    assert rollout_nodes(coordinator.url, TOKEN) == {}
+    assert "not-the-engine-key" not in log and TOKEN not in log
+
+
+def test_a_wrong_coordinator_token_is_a_named_error(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    wrong = config.model_copy(update={"auth_token": SecretStr("not-the-coordinator-token")})
+    attach = AttachProcess(wrong, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
+    code = attach.start(env={"DCS_ENGINE_API_KEY": TOKEN}).wait_exit(timeout=30)
+    log = attach.log_tail()
+    assert code == 1, log
+    assert "AuthError" in log and "401" in log
+    assert rollout_nodes(coordinator.url, TOKEN) == {}
+    assert "not-the-coordinator-token" not in log and TOKEN not in log

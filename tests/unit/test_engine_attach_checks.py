@@ -1,60 +1,34 @@
-"""What `dcs engine attach` accepts from an engine's server info, and which address it advertises."""
+"""Which address `dcs engine attach` advertises for an engine, and what it registers about it."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
 from dcs_tasks.cli.engine import advertised_address
-from dcs_tasks.engine.errors import EngineDataParallelUnsupported, UnsupportedEngine
-from dcs_tasks.engine.server_info import check_engine, engine_metadata, parse_server_info
+from dcs_tasks.engine.attach import engine_metadata
 from dcs_tasks.errors import ConfigError
+from dcs_tasks.sync.models import EngineInfo
 
 
-def info(**fields: Any) -> dict[str, Any]:
-    """A `/server_info` answer's fields that matter here, plus the clear-text `api_key` SGLang includes."""
-    return {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "pp_size": 1, "api_key": "s3cret", **fields}
-
-
-def test_tp_size_is_the_rank_span_and_the_api_key_is_dropped() -> None:
-    parsed = parse_server_info(info(), "test")
-    assert str(check_engine(parsed)) == "0.5.23"
-    assert engine_metadata(parsed)["num_gpus"] == 2
-    assert "s3cret" not in repr(parsed) and "s3cret" not in str(engine_metadata(parsed))
-
-
-def test_data_parallel_engine_is_refused_by_name() -> None:
-    with pytest.raises(EngineDataParallelUnsupported, match="dp_size=2"):
-        check_engine(parse_server_info(info(dp_size=2), "test"))
+def test_advertised_address_is_the_engine_url_unless_overridden() -> None:
+    assert advertised_address("http://10.0.0.5:30000", None) == ("10.0.0.5", 30000)
+    assert advertised_address("http://127.0.0.1:30000", "http://10.0.0.5:31000") == ("10.0.0.5", 31000)
+    assert advertised_address("http://engine-3.cluster:30000", None) == ("engine-3.cluster", 30000)
 
 
 @pytest.mark.parametrize(
-    ("fields", "match"),
+    ("engine_url", "advertise_url", "match"),
     [
-        ({"version": "0.4.6.post1"}, "older than the oldest supported"),
-        ({"version": "not-a-version"}, "not an SGLang version"),
-        ({"pp_size": 2}, "pp_size=2"),
+        ("http://0.0.0.0:30000", None, r"--engine-url host 0\.0\.0\.0 is not an address trainers can reach"),
+        ("http://127.0.0.1:30000", "http://[::]:30000", "--advertise-url host :: is not an address"),
+        ("http://127.0.0.1:30000", "https://10.0.0.5:30000", "--advertise-url must be http"),
     ],
 )
-def test_unsupported_engines_are_refused(fields: dict[str, Any], match: str) -> None:
-    with pytest.raises(UnsupportedEngine, match=match):
-        check_engine(parse_server_info(info(**fields), "test"))
+def test_unusable_advertised_addresses_are_refused(engine_url: str, advertise_url: str | None, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        advertised_address(engine_url, advertise_url)
 
 
-def test_a_server_info_without_tp_size_is_not_sglang() -> None:
-    payload = info()
-    del payload["tp_size"]
-    with pytest.raises(UnsupportedEngine, match="tp_size"):
-        parse_server_info(payload, "GET /server_info")
-    with pytest.raises(UnsupportedEngine, match="not a JSON object"):
-        parse_server_info([payload], "GET /server_info")
-
-
-def test_advertised_address() -> None:
-    assert advertised_address("http://10.0.0.5:30000", None) == ("10.0.0.5", 30000)
-    assert advertised_address("http://127.0.0.1:30000", "http://10.0.0.5:31000") == ("10.0.0.5", 31000)
-    with pytest.raises(ConfigError, match=r"--engine-url host 0\.0\.0\.0"):
-        advertised_address("http://0.0.0.0:30000", None)
-    with pytest.raises(ConfigError, match="--advertise-url must be http"):
-        advertised_address("http://127.0.0.1:30000", "https://10.0.0.5:30000")
+def test_metadata_names_the_rank_span() -> None:
+    info = EngineInfo(version="0.5.23", tp_size=2, sessions=True, flattened_bucket=True, pause=True)
+    assert engine_metadata(info) == {"engine": "sglang", "engine_version": "0.5.23", "tp_size": 2, "num_gpus": 2}
