@@ -187,6 +187,8 @@ class DCSConfig(BaseSettings):
     receiver_max_update_bytes: int = Field(default=256 * 1024**3, ge=1)
     """Most tensor bytes a receiver accepts in one weight update (all its requests together); a request
     announcing more is refused (400) before anything is allocated."""
+    receiver_max_body_bytes: int = Field(default=64 * MiB, ge=1024)
+    """Largest request body `dcs receiver` reads (413 beyond)."""
     receiver_request_read_timeout_seconds: float = Field(default=10.0, gt=0)
     """Slow-client guard of `dcs receiver`: a connection whose request (head and body) has not fully arrived
     this long after it opened, or after the request's first byte, is closed."""

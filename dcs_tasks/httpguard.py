@@ -6,7 +6,8 @@ left silent, or one trickling its headers a byte at a time, is held forever. `gu
 protocol plus one timer per request: it starts when the connection opens (or the next request's first byte
 arrives) and the connection is closed if the request's head and body have not fully arrived when it fires.
 
-Use: `uvicorn.Config(app, **guarded_server_options(read_timeout, keep_alive))`.
+Use: `uvicorn.Config(app, **guarded_server_options(read_timeout, keep_alive))`. `BodyLimitASGI` bounds what a
+fast client can make the app buffer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import logging
 from typing import Any
 
 import h11
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
@@ -74,3 +78,34 @@ def guarded_server_options(read_timeout_seconds: float, keep_alive_seconds: floa
         "timeout_keep_alive": keep_alive_seconds,
         "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
     }
+
+
+class BodyLimitASGI:
+    """413 `{"detail": ...}` (FastAPI's error shape) for a request body over `max_bytes`: by Content-Length
+    before reading any of it, and by counting a body sent without one (chunked)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.message = f"request body exceeds {max_bytes} bytes"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await JSONResponse({"detail": self.message}, status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(status_code=413, detail=self.message)
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -92,7 +92,8 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
     receiver = WeightReceiver(
         backend, max_update_bytes=config.receiver_max_update_bytes, init_wait_seconds=INIT_WAIT_SECONDS
     )
-    app = secure_receiver_app(create_receiver_app(receiver, pause_gc=config.sync_pause_gc), config.token())
+    app = create_receiver_app(receiver, pause_gc=config.sync_pause_gc)
+    secure_receiver_app(app, config.token(), config.receiver_max_body_bytes)
     options = guarded_server_options(config.receiver_request_read_timeout_seconds, config.receiver_keep_alive_seconds)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
     # every blocking call runs in the default executor: size it so waiting inits never starve digests

@@ -1,11 +1,12 @@
 """Hardening of the receiver's HTTP app (`secure_receiver_app`): the bearer token, JSON answers for every
 error, and an OpenAPI schema that documents them.
 
-Token: SGLang's `--api-key` rules (sglang/srt/utils/auth.py): every route but /health*, /ready*, /metrics*
-and OPTIONS needs `Authorization: Bearer <DCS_AUTH_TOKEN>`; a refusal is 401 `{"error": "Unauthorized"}`.
-Errors: a `DCSError` escaping a route is 400 `{"success": false, "message"}` (SGLang's failure shape), anything
-unexpected a JSON 500 naming only the exception type; FastAPI's 422 (body does not validate) and its 400
-`{"detail"}` (body is not JSON) stay as they are.
+Token: SGLang's `--api-key` rules (its api-key middleware, 0.5.23): every route but /health*, /ready*,
+/metrics* and OPTIONS needs `Authorization: Bearer <DCS_AUTH_TOKEN>`; a refusal is 401 `{"error":
+"Unauthorized"}`. Bodies over `receiver_max_body_bytes` are refused 413 `{"detail"}` before they are read.
+Errors: a `DCSError` escaping a route is 400 `{"success": false, "message"}` (SGLang's failure shape),
+anything unexpected a JSON 500 naming only the exception type; FastAPI's 422 (body does not validate) and
+its 400 `{"detail"}` (body is not JSON) stay as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from dcs_tasks.auth import SGLANG_UNAUTHORIZED, BearerAuthASGI, sglang_public
 from dcs_tasks.errors import DCSError
+from dcs_tasks.httpguard import BodyLimitASGI
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ def _document_errors(app: FastAPI, authenticated: bool) -> Callable[[], dict[str
                     responses["200"] = _non_json(NON_JSON_ANSWERS[path])
                 responses.setdefault("400", _answer("Refused", "ReceiverError", "HTTPError"))
                 responses.setdefault("422", _answer("Body does not parse", "HTTPValidationError"))
+                if method in ("post", "put", "patch"):
+                    responses.setdefault("413", _answer("Body too large", "HTTPError"))
                 if authenticated and not sglang_public(method.upper(), path):
                     operation["security"] = [{"bearer": []}]
                     responses["401"] = _answer("Missing or wrong bearer token", "Unauthorized")
@@ -107,12 +111,14 @@ _VALIDATION_SCHEMA: dict[str, Any] = {
 }
 
 
-def secure_receiver_app(app: FastAPI, token: str | None) -> FastAPI:
-    """Refuse every route but SGLang's public ones without `token` (when set), answer RequestRejected and any
-    other DCSError as 400 and anything unexpected as a JSON 500, and document those answers in the schema."""
+def secure_receiver_app(app: FastAPI, token: str | None, max_body_bytes: int) -> FastAPI:
+    """Refuse every route but SGLang's public ones without `token` (when set) and bodies over `max_body_bytes`,
+    answer RequestRejected and any other DCSError as 400 and anything unexpected as a JSON 500, and document
+    those answers in the schema."""
     app.add_exception_handler(DCSError, _rejected)
     app.add_exception_handler(Exception, _unexpected)
-    if token:
+    app.add_middleware(BodyLimitASGI, max_bytes=max_body_bytes)
+    if token:  # added last: outermost, so a caller without the token is refused before its body is read
         app.add_middleware(BearerAuthASGI, token=token, is_public=sglang_public, body=SGLANG_UNAUTHORIZED)
     app.openapi = _document_errors(app, authenticated=bool(token))  # type: ignore[method-assign]
     return app

@@ -332,3 +332,23 @@ def test_a_wildcard_bind_needs_an_advertised_address(dcs_config: DCSConfig, tmp_
         cwd=REPO,
     )
     assert done.returncode == 2 and "--advertise-host" in done.stderr
+
+
+def test_oversized_bodies_are_refused_unread(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    with receiver_stack(dcs_config, tmp_path, receiver_max_body_bytes=64 * 1024) as trainer:
+        names = [f"layer.{i}.weight" for i in range(8000)]  # ~150 KiB of JSON
+        body = {"names": names, "dtypes": ["float32"] * 8000, "shapes": [[1]] * 8000, "group_name": "g1"}
+        refused = trainer.post("update_weights_from_distributed", body)
+        assert refused.status_code == 413 and "65536 bytes" in refused.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:
+            for _ in range(100):
+                yield b" " * 1024
+
+        streamed = httpx.post(
+            f"{trainer.receiver.url}/init_weights_update_group", content=chunks(), headers=AUTH, timeout=30
+        )
+        assert streamed.status_code == 413 and "65536 bytes" in streamed.json()["detail"]
+        unauthenticated = trainer.post("update_weights_from_distributed", body, headers={})
+        assert unauthenticated.status_code == 401
+        assert trainer.get("health").status_code == 200
