@@ -56,10 +56,13 @@ class PersistTask(DCSTask):
     def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
         record_error("checkpoint_persist")
         failed = FailedTask.read(args[0] if args else None)
-        if failed is None or failed.file_name is None:
-            log.error("persist payload names no step and file: nothing to fail in the ledger")
+        if failed is None:
+            log.error("persist payload names no step: nothing to fail in the ledger")
             return
         ref = failed.ref
+        if failed.file_name is None:  # no file to count: fail the whole attempt
+            ledger().abandon(ref.run, ref.step, ref.token, f"persist task refused: {reason}")
+            return
         value = f"persisting {failed.file_name} failed: {reason}"
         result = ledger().finish_file(ref.run, ref.step, ref.token, failed.file_name, FileOutcome.FAILED, value)
         if result.all_finished and result.status is StepStatus.FAILED:

@@ -158,7 +158,13 @@ class FailedTask(BaseModel):
 
     @classmethod
     def read(cls, payload: Any) -> FailedTask | None:
+        """The step (and file) `payload` names; `file_name` None when it is missing or malformed; None when
+        not even the step can be read."""
         try:
             return cls.model_validate(payload)
         except ValueError:
+            pass
+        try:
+            return cls(ref=StepIdentity.model_validate(payload["ref"]))
+        except (ValueError, TypeError, KeyError):
             return None

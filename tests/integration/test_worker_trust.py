@@ -121,6 +121,10 @@ def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Sc
         result = scene.send(TaskName.PERSIST, persist_payload(run, step, step_dir, staging_path))
         scene.refused(result, error, match)
         scene.failed_with(run, step, error)  # the waiting trainer would get the reason
+    scene.begin("victim", 9)  # a file name that would climb out: refused, and the step fails without it
+    climb = {**persist_payload("victim", 9, f"{victim}/step-000000009", buf("victim")), "file_name": "../x.safetensors"}
+    scene.refused(scene.send(TaskName.PERSIST, climb), "InvalidTaskPayload", "file_name")
+    scene.failed_with("victim", 9, "InvalidTaskPayload")
     dotdot = persist_payload("..", 1, f"{root}/../step-000000001", "/etc/passwd")
     scene.refused(scene.send(TaskName.PERSIST, dotdot), "InvalidTaskPayload", "run name")
 
