@@ -24,7 +24,7 @@ from dcs_tasks.checkpoint.format import (
     TensorEntry,
     step_dir_name,
 )
-from dcs_tasks.checkpoint.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.validate import check_files, read_manifest, read_small
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 
 STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)
@@ -57,11 +57,12 @@ def load_manifest(step_dir: Path) -> Manifest:
 
 
 def read_latest(run_dir: Path) -> int | None:
-    """The step named by the `latest` pointer, or None."""
+    """The step named by the `latest` pointer, or None (also when it is a symlink or not a short file)."""
     try:
-        return int((run_dir / LATEST_NAME).read_text().strip().removeprefix("step-"))
-    except (OSError, ValueError):
+        text = read_small(run_dir / LATEST_NAME, 64).decode("ascii").strip().removeprefix("step-")
+    except (CorruptCheckpoint, OSError, ValueError):
         return None
+    return int(text) if text.isdigit() else None
 
 
 def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = None) -> None:

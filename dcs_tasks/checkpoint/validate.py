@@ -57,7 +57,7 @@ O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 def read_manifest(step_dir: Path) -> Manifest:
     """`step_dir`'s manifest, parsed and checked (`check_manifest`); CorruptCheckpoint names what is wrong."""
     path = step_dir / MANIFEST_NAME
-    raw = _read_small(path, MAX_MANIFEST_BYTES)
+    raw = read_small(path, MAX_MANIFEST_BYTES)
     try:
         manifest = Manifest.model_validate_json(raw)
     except ValueError as exc:
@@ -68,12 +68,13 @@ def read_manifest(step_dir: Path) -> Manifest:
     return manifest
 
 
-def _read_small(path: Path, limit: int) -> bytes:
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file (not a symlink) of at most `limit` bytes; CorruptCheckpoint otherwise."""
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} a manifest may have", str(path))
+            raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} it may have", str(path))
         chunks, left = [], size
         while left > 0:
             chunk = os.read(fd, left)

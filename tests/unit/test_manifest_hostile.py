@@ -212,3 +212,21 @@ def test_random_json_headers_raise_only_corrupt_checkpoint(tmp_path: Path, entri
             begin, end = entry["data_offsets"]
             assert 0 <= begin <= end <= data
             assert end - begin == validate.shape_bytes(entry["shape"], validate.ITEMSIZE[entry["dtype"]])
+
+
+def test_latest_pointer_is_read_only_from_a_short_regular_file(tmp_path: Path) -> None:
+    from dcs_tasks.checkpoint.reader import read_latest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "latest").write_text("step-000000007\n")
+    assert read_latest(run) == 7
+    outside = tmp_path / "elsewhere"
+    outside.write_text("step-000000002")
+    (run / "latest").unlink()
+    (run / "latest").symlink_to(outside)  # never followed
+    assert read_latest(run) is None
+    (run / "latest").unlink()
+    with (run / "latest").open("wb") as f:  # a huge (sparse) file is not read into memory
+        f.truncate(1 << 40)
+    assert read_latest(run) is None
