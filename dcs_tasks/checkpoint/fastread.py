@@ -156,7 +156,7 @@ class _File:
             raise CorruptCheckpoint(f"checkpoint file {self.path} changed while being opened", str(self.path))
         if O_DIRECT and cached_fraction(self.fd, self.size) < CACHED_ENOUGH:
             try:
-                self.direct_fd = os.open(self.path, os.O_RDONLY | O_DIRECT | O_NOFOLLOW)
+                self.direct_fd = os.open(self.path, os.O_RDONLY | O_DIRECT | O_NOFOLLOW | os.O_NONBLOCK)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise

@@ -22,6 +22,7 @@ anything about files elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -29,7 +30,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,25 @@ def read_small(path: Path, limit: int) -> bytes:
         if size > limit:
             raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} it may have", str(path))
         chunks, left = [], size
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        with _reading(path):
+            while left > 0:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """An I/O error while reading a checkpoint file makes the step unusable, like a bad checksum."""
+    try:
+        yield
+    except OSError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} cannot be read: {exc.strerror}", str(path)) from exc
 
 
 def open_regular(path: Path) -> int:
@@ -209,7 +220,8 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
             size = os.fstat(fd).st_size
             if size != f.size:
                 raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {f.size}", str(path))
-            _check_header(fd, path, size, by_file[f.name])
+            with _reading(path):
+                _check_header(fd, path, size, by_file[f.name])
         finally:
             os.close(fd)
 
