@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import shutil
 import time
@@ -22,7 +23,7 @@ from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_persist
-from dcs_tasks.errors import CheckpointFailed, UntrustedPath
+from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from workers.runtime import runtime
 from workers.trust import open_staging, trusted_staging_path, trusted_step_dir
 
@@ -43,8 +44,11 @@ class PersistPaths:
 
 
 def trusted_paths(req: PersistRequest) -> PersistPaths:
-    """Raises UntrustedPath unless both paths of `req` lie where this worker's config puts them."""
+    """Raises UntrustedPath unless both paths of `req` lie where this worker's config puts them
+    (InvalidTaskPayload for an offset no staging region has)."""
     config = runtime().config
+    if req.offset % mmap.ALLOCATIONGRANULARITY:  # staging regions are page-aligned; mmap refuses others
+        raise InvalidTaskPayload(f"offset {req.offset} of {req.file_name} is not a multiple of the page size")
     ref = req.ref
     return PersistPaths(
         staging=trusted_staging_path(req.staging_path, ref.run, config),

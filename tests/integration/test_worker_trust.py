@@ -126,6 +126,10 @@ def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Sc
     climb = {**persist_payload("victim", 9, f"{victim}/step-000000009", buf("victim")), "file_name": "../x.safetensors"}
     scene.refused(scene.send(TaskName.PERSIST, climb), "InvalidTaskPayload", "file_name")
     scene.failed_with("victim", 9, "InvalidTaskPayload")
+    scene.begin("victim", 10)  # an offset no staging region has (mmap would refuse it: an OSError, retried)
+    unaligned = {**persist_payload("victim", 10, f"{victim}/step-000000010", buf("victim")), "offset": 100}
+    scene.refused(scene.send(TaskName.PERSIST, unaligned), "InvalidTaskPayload", "offset 100")
+    scene.failed_with("victim", 10, "InvalidTaskPayload")
     dotdot = persist_payload("..", 1, f"{root}/../step-000000001", "/etc/passwd")
     scene.refused(scene.send(TaskName.PERSIST, dotdot), "InvalidTaskPayload", "run name")
 
