@@ -47,7 +47,15 @@ def register(sub: Any) -> None:
     attach.add_argument("--wait-timeout", type=float, default=1800.0, help="longest wait for /health (s)")
     attach.add_argument("--health-timeout", type=float, default=25.0, help="timeout of one /health probe (s)")
     attach.add_argument(
-        "--down-after", type=float, help="unregister after /health fails this long (default: heartbeat timeout)"
+        "--down-after",
+        type=float,
+        help="unregister after /health has not answered for this long (default: heartbeat timeout)",
+    )
+    attach.add_argument(
+        "--unhealthy-after",
+        type=float,
+        default=600.0,
+        help="unregister after /health has answered non-200 this long (SGLang answers 503 while busy >20 s)",
     )
     attach.set_defaults(func=run)
 
@@ -89,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             down_after=args.down_after if args.down_after is not None else config.heartbeat_timeout_seconds,
             wait_timeout=args.wait_timeout,
             health_timeout=args.health_timeout,
+            unhealthy_after=args.unhealthy_after,
         )
         api_key = args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or config.token()
         asyncio.run(_attach(config, args.engine_url, api_key, settings))

@@ -2,8 +2,9 @@
 
 Cycle: wait (bounded) for the engine's `/health` -> read its server info once and refuse what DCS cannot
 push weights to -> register it as `rollout` rank N with its advertised address and tp span -> every
-heartbeat interval probe `/health` and beat only while it answers -> once it has not answered for
-`down_after` seconds, unregister and start over (a restarted engine is read again and re-registered).
+heartbeat interval probe `/health` and beat while it answers (see `AttachSettings` for how long a failing
+`/health` is tolerated) -> once the engine is down, unregister and start over (a restarted engine is read
+again and re-registered).
 Cancelling `run` (SIGTERM/SIGINT in the CLI) unregisters the engine. No key is ever logged.
 """
 
@@ -50,7 +51,12 @@ class AttachSettings:
     interval: float = 5.0
     """Probe-and-beat period (the coordinator's heartbeat interval)."""
     down_after: float = 30.0
-    """An engine that has not answered `/health` for this long is unregistered."""
+    """An engine whose `/health` does not answer at all (refused, reset, timed out) gets no heartbeats, and is
+    unregistered once that has lasted this long."""
+    unhealthy_after: float = 600.0
+    """An engine whose `/health` answers, but not 200, keeps its heartbeats for this long, then is unregistered:
+    SGLang's `/health` runs a one-token generation and answers 503 when the scheduler gave no output for 20 s,
+    which a weight update longer than that causes."""
     wait_timeout: float = 1800.0
     """Longest wait for the engine to (re)start answering `/health`, and for the coordinator to register it."""
     health_timeout: float = 25.0
@@ -131,26 +137,29 @@ class EngineAttachment:
                 await asyncio.sleep(self.settings.interval)
 
     async def beat_while_healthy(self) -> None:
-        """Beat every interval while `/health` answers; return once it has not answered for `down_after`."""
+        """Beat every interval while the engine is up; return once it is down (see `AttachSettings`)."""
         assert self.registered is not None
         s = self.settings
         beats = HeartbeatLoop(self.api, self.registered, s.interval)
-        down_since: float | None = None
+        failing_since: float | None = None  # first probe of the current run without a 200
         while True:
             started = time.monotonic()
-            reason = await self.engine.health(s.health_timeout)
-            if reason is None:
-                if down_since is not None:
-                    log.info("engine answers /health again; heartbeats resume")
-                down_since = None
-                await self._beat(beats)
-            else:
-                if down_since is None:
-                    down_since = started
-                    log.warning("engine stopped answering /health (%s): heartbeats paused", reason)
-                if time.monotonic() - down_since >= s.down_after:
-                    log.warning("engine has not answered /health for %gs: unregistering", s.down_after)
+            probe = await self.engine.health(s.health_timeout)
+            if probe.ok:
+                if failing_since is not None:
+                    log.info("engine answers /health with 200 again")
+                failing_since = None
+            elif failing_since is None:
+                failing_since = started
+                effect = "heartbeats go on" if probe.answered else "heartbeats paused"
+                log.warning("engine's /health failed (%s): %s", probe.reason, effect)
+            if failing_since is not None:
+                limit = s.unhealthy_after if probe.answered else s.down_after
+                if time.monotonic() - failing_since >= limit:
+                    log.warning("engine's /health has failed for %gs (last: %s): unregistering", limit, probe.reason)
                     return
+            if probe.answered:
+                await self._beat(beats)
             await asyncio.sleep(max(0.0, s.interval - (time.monotonic() - started)))
 
     async def _beat(self, beats: HeartbeatLoop) -> None:

@@ -10,12 +10,28 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
+from typing import NamedTuple
 
 import httpx
 
 from dcs_tasks.engine.errors import EngineUnavailable
 from dcs_tasks.sync.engine_protocol import EngineAPI
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
+
+
+class Health(NamedTuple):
+    """One `/health` probe: the status it answered (None: no answer at all) and a reason for the log."""
+
+    status: int | None
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def answered(self) -> bool:
+        return self.status is not None
 
 
 class EngineClient:
@@ -40,26 +56,26 @@ class EngineClient:
         await self._http.aclose()
         await self._api.aclose()
 
-    async def health(self, timeout: float) -> str | None:
-        """None when `GET /health` answers 200 within `timeout`, else why not (for the log)."""
+    async def health(self, timeout: float) -> Health:
+        """One `GET /health` bounded by `timeout`."""
         try:
             response = await self._http.get("/health", timeout=timeout)
         except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return None if response.status_code == 200 else f"/health answered {response.status_code}"
+            return Health(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        return Health(response.status_code, f"answered {response.status_code}")
 
     async def wait_healthy(self, timeout: float, poll: float, health_timeout: float) -> None:
         """Poll `/health` until it answers 200; EngineUnavailable after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            reason = await self.health(health_timeout)
-            if reason is None:
+            probe = await self.health(health_timeout)
+            if probe.ok:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineUnavailable(
                     f"engine at {self.base_url} did not answer GET /health with 200 within {timeout:g}s "
-                    f"(last: {reason}); is the SGLang server started, and is --engine-url right?"
+                    f"(last: {probe.reason}); is the SGLang server started, and is --engine-url right?"
                 )
             await asyncio.sleep(min(poll, left))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import uvicorn
+from fastapi import FastAPI, Response
 
 from dcs_tasks.config import DCSConfig, RoleInfo
 from tests.helpers.ports import free_port, wait_for_port
@@ -77,3 +80,39 @@ class ReceiverEngine(DcsProcess):
         self.spawn(*args, "--port", str(self.port))
         wait_for_port(self.port, timeout)
         return self
+
+
+class HealthSwitchEngine:
+    """A stand-in engine in a thread of the test (uvicorn), for what SGLang's code cannot be made to do on
+    demand: `/health` answers `health_status` (SGLang answers 503 while its scheduler is busy for > 20 s);
+    `/server_info` answers `server_info`. Only used next to tests against real engines."""
+
+    def __init__(self, server_info: dict[str, object]) -> None:
+        self.health_status = 200
+        self.server_info = server_info
+        self.port = free_port()
+        app = FastAPI()
+        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/server_info", self._server_info, methods=["GET"])
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="health-switch-engine", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _health(self) -> Response:
+        return Response(status_code=self.health_status)
+
+    async def _server_info(self) -> dict[str, object]:
+        return self.server_info
+
+    def __enter__(self) -> HealthSwitchEngine:
+        self._thread.start()
+        wait_for_port(self.port, 10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)

@@ -13,7 +13,13 @@ from pydantic import SecretStr
 from dcs_tasks.config import DCSConfig
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
-from tests.integration.engine_attach_support import AttachProcess, ReceiverEngine, rollout_nodes, wait_for
+from tests.integration.engine_attach_support import (
+    AttachProcess,
+    HealthSwitchEngine,
+    ReceiverEngine,
+    rollout_nodes,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "attach-test-token-5f1c"
@@ -118,3 +124,23 @@ def test_a_wrong_coordinator_token_is_a_named_error(
     assert "AuthError" in log and "401" in log
     assert rollout_nodes(coordinator.url, TOKEN) == {}
     assert "not-the-coordinator-token" not in log and TOKEN not in log
+
+
+def test_an_engine_answering_503_keeps_its_heartbeats_until_unhealthy_after(
+    config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    server_info = {"version": "0.5.23", "tp_size": 1, "dp_size": 1, "pp_size": 1}
+    with HealthSwitchEngine(server_info) as engine:
+        attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, engine.url, rank=0)
+        attach.start("--unhealthy-after", "5")
+        try:
+            wait_for("rollout_0 registered", _attached(coordinator, 0, engine.port), timeout=30)
+            engine.health_status = 503
+            time.sleep(config.heartbeat_timeout_seconds + 2 * config.heartbeat_interval_seconds)
+            assert 0 in rollout_nodes(coordinator.url, TOKEN)  # still beating: the engine answers
+            wait_for("rollout_0 unregistered", lambda: 0 not in rollout_nodes(coordinator.url, TOKEN), timeout=5)
+            engine.health_status = 200
+            wait_for("rollout_0 registered again", _attached(coordinator, 0, engine.port), timeout=30)
+        finally:
+            attach.stop()
+    assert "answered 503" in attach.log_tail(100_000)
