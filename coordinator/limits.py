@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# No stored metadata may nest deeper than this (the upper bound of DCS_METADATA_MAX_DEPTH): answers nest it a
+# few levels further and JSON parsers (pydantic's, the clients') refuse documents nested a little over 200.
+METADATA_DEPTH_CEILING = 64
+
 
 def json_depth(value: Any) -> int:
     """Nesting depth of a JSON-like value (a scalar is 0, `{}` and `[]` are 1), computed without recursion."""

@@ -8,7 +8,6 @@ role order and every read of the topology would grow with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from redis.exceptions import RedisError
@@ -26,20 +25,27 @@ class DeadNodeSweeper:
         self.retention_s = retention_s
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="dcs-dead-node-sweeper")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        """Ends the loop within `timeout_s` even if redis-py swallows the cancellation of a pending call."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return
+        self._stopping = True
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            log.warning("dead-node sweeper did not stop in time; abandoning it")
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning("dead-node sweeper ended with %r", task.exception())
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
                 removed = await self.topology.sweep_dead_nodes(self.retention_s)

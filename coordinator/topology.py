@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from coordinator import groups, scripts
+from coordinator.limits import METADATA_DEPTH_CEILING, json_depth
 from dcs_tasks.config import RoleInfo, TopologyConfig
 from dcs_tasks.errors import RankConflict
 from dcs_tasks.keys import Keys
@@ -253,6 +254,8 @@ class TopologyManager:
             info = RoleInfo.model_validate_json(raw)
             if info.role_name != role or str(info.rank) != rank:
                 raise ValueError(f"it says it is {info.role_name}_{info.rank}")
+            if json_depth(info.metadata) > METADATA_DEPTH_CEILING:  # no answer holding it would parse
+                raise ValueError(f"its metadata is nested deeper than {METADATA_DEPTH_CEILING}")
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
             log.warning("skipping the unreadable topology record %s_%s: %s", role, rank[:64], str(exc)[:300])
             return None

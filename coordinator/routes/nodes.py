@@ -38,7 +38,7 @@ NODE_HEADER_DOC = {
             "name": "X-DCS-Node",
             "in": "header",
             "required": False,
-            "schema": {"type": "string"},
+            "schema": {"type": "string", "pattern": r"^(anon:[0-9a-f]{16}|.{1,255}:[0-9]{1,5})$"},
             "description": "the `identity` /register returned (ip:port, or anon:<hex> for a node without a "
             "port): fences the call (409 when another node now holds the rank); without it, it is unfenced",
         }
