@@ -43,6 +43,13 @@ async def test_deep_metadata_is_422_naming_the_limit_and_nothing_is_stored(coord
     assert ok.status_code == 200  # the limit itself is allowed
 
 
+async def test_a_body_nested_past_any_parser_is_a_json_400(coord: InProcessCoordinator) -> None:
+    body = b'{"role_name": "a", "metadata": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001
+    response = await coord.http.post("/register", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and isinstance(response.json()["detail"], str)
+    assert (await coord.api.topology()).world_size == 0
+
+
 async def test_large_metadata_is_422_naming_the_limit(dcs_config: DCSConfig) -> None:
     config = dcs_config.model_copy(update={"metadata_max_bytes": 1000})
     async with in_process_coordinator(config) as coord:
