@@ -29,7 +29,7 @@ from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, send_teardown
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.rollout import RolloutUpdater
-from dcs_tasks.sync.sender import BucketSender
+from dcs_tasks.sync.sender import ALONE_BYTES, BucketSender
 
 log = logging.getLogger(__name__)
 RECEIVING_ROLES = ("actor_fwd", "reference")
@@ -188,7 +188,10 @@ class CheckpointEngineClient:
         backend = self._backend
 
         def sender(sglang: bool) -> BucketSender:
-            return BucketSender(backend, backend.device, cfg.bucket_size_bytes, sglang=sglang)
+            # SGLang takes one bucket per request, each answered before the next is sent: fewer, fuller buckets
+            # beat sending big tensors alone from their own memory (512 MiB, 2 receivers: 0.59 s against 1.20 s)
+            alone = None if sglang else ALONE_BYTES
+            return BucketSender(backend, backend.device, cfg.bucket_size_bytes, alone_bytes=alone, sglang=sglang)
 
         self._rollout = RolloutUpdater(
             self._api, self._bootstrapper, sender(True), cfg.comm_timeout_seconds, self.rollout_role, cfg.token()
