@@ -23,6 +23,7 @@ anything about files elsewhere.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import math
@@ -105,7 +106,8 @@ def open_regular(path: Path) -> int:
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(f"checkpoint file {path} is missing", str(path)) from exc
     except OSError as exc:
-        raise CorruptCheckpoint(f"checkpoint file {path} cannot be opened: {exc.strerror}", str(path)) from exc
+        why = "is a symlink (never followed)" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+        raise CorruptCheckpoint(f"checkpoint file {path} {why}", str(path)) from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptCheckpoint(f"checkpoint file {path} is not a regular file", str(path))
@@ -267,7 +269,7 @@ def read_header(fd: int, path: Path, size: int) -> tuple[dict[str, Any], int]:
 
 
 def _check_header_entry(path: Path, name: str, entry: Any, data: int) -> None:
-    ok = isinstance(entry, dict) and entry.get("dtype") in ITEMSIZE
+    ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and entry["dtype"] in ITEMSIZE
     nbytes = shape_bytes(entry.get("shape"), ITEMSIZE[entry["dtype"]]) if ok else None
     offsets = entry.get("data_offsets") if ok else None
     if (

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dcs_tasks import Checkpointer
@@ -188,6 +188,8 @@ def test_manifest_cannot_reach_files_outside_the_step(config: DCSConfig, tmp_pat
     restored, text = restore_falls_back(config)
     assert_same_state(plain_state(1), restored.state)
     assert str(SECRET_BYTES) not in text, text  # the manifest's own claims may be echoed, never facts on disk
+    reason = "is a symlink (never followed)" if "symlink" in how else "is not a plain safetensors file name"
+    assert reason in text, text
     done = dcs_ckpt(config, "verify", "--run", RUN)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "step 1: ok" in done.stdout and "step 2: BAD" in done.stderr, done.stdout + done.stderr
@@ -379,8 +381,9 @@ def mutate(step2: Path, secret: Path, edits: list[tuple[Any, ...]]) -> None:
                 data_file.symlink_to(secret)
             elif data_file.is_file() and not data_file.is_symlink():
                 data_file.write_bytes(mutate_bytes(data_file.read_bytes(), edit))
-    if edits[-1][1]:  # re-signed: the checksum and size no longer give the tampering away
-        for f in manifest.get("files", []) if isinstance(manifest, dict) else []:
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if edits[-1][1] and isinstance(files, list):  # re-signed: checksum and size no longer give the tampering away
+        for f in files:
             with contextlib.suppress(TypeError, KeyError, OSError):
                 if f["name"] == data_file.name:
                     f["size"], f["checksum"] = data_file.stat().st_size, digest(data_file)
@@ -393,7 +396,8 @@ def mutate_bytes(raw: bytes, edit: tuple[Any, ...]) -> bytes:
     if kind == "length":
         data[:8] = edit[1].to_bytes(8, "little")
     elif kind == "byte":
-        data[edit[1] % len(data)] ^= edit[2]
+        if data:
+            data[edit[1] % len(data)] ^= edit[2]
     elif kind == "truncate":
         del data[edit[1] :]
     else:  # a header edit, the file rewritten with the new header (and its length)
@@ -417,7 +421,10 @@ class Spy:
 
     def path(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def spy(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(path, str | bytes | os.PathLike):
+            # warnings.warn primes linecache with the warning's source file, looked up along sys.path: not
+            # checkpoint data, so calls from linecache are not counted
+            caller = sys._getframe(1).f_globals.get("__name__")
+            if isinstance(path, str | bytes | os.PathLike) and caller != "linecache":
                 self.seen["paths"] += 1
                 where = os.path.abspath(os.fsdecode(path))
                 if where != self.run_dir and not where.startswith(self.run_dir + os.sep):
@@ -474,8 +481,12 @@ def test_random_mutations_only_ever_fall_back(golden: Golden, tmp_path: Path, ru
     seen: dict[str, int] = {"fell back": 0, "restored 2": 0}
 
     with Checkpointer(run, config) as ckpt:  # world size 1: a multi-rank run is read from both ranks
+        # no explain phase: its tracer resolves source paths while the spy is on (hypothesis's own reads)
+        phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
 
-        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None, phases=phases
+        )
         @given(edits=mutations(manifest, header))
         def check(edits: list[tuple[Any, ...]]) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)

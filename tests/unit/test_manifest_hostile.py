@@ -150,6 +150,11 @@ def test_everything_flatten_writes_still_decodes() -> None:
         (None, b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 128]}}', "no consistent"),
         (None, b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}', "no consistent"),
         (None, b'{"w": {"dtype": "X", "shape": [2], "data_offsets": [0, 8]}}', "no consistent"),
+        (None, b'{"w": {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]}}', "no consistent"),
+        (None, b'{"w": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', "no consistent"),
+        (None, b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}', "no consistent"),
+        (None, b'{"w": {"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}}', "no consistent"),
+        (None, b'{"w": [1, 2]}', "no consistent"),
     ],
 )
 def test_safetensors_header_is_bounded_and_checked(
@@ -181,7 +186,15 @@ def test_random_headers_raise_only_corrupt_checkpoint(tmp_path: Path, length: in
         os.close(fd)
 
 
-JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=4), st.floats())
+JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.text(max_size=4),
+    st.floats(),
+    st.lists(st.integers(-2, 64), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)
 HEADER_ENTRY = st.fixed_dictionaries(
     {
         "dtype": st.one_of(st.sampled_from(sorted(validate.ITEMSIZE)), JSON_LEAF),
