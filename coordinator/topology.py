@@ -133,6 +133,8 @@ class TopologyManager:
         self._unregister = redis.register_script(scripts.UNREGISTER)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
         self._sweep = redis.register_script(scripts.SWEEP_DEAD_NODES)
+        self._prune_roles = redis.register_script(scripts.PRUNE_EMPTY_ROLES)
+        self._prune_from = 0  # where the next role prune continues (a hint: any value is correct)
 
     # --- writes ---------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> Registration:
@@ -216,7 +218,16 @@ class TopologyManager:
             done = int(await self._sweep(keys=keys, args=[repr(cutoff), _SWEEP_BATCH, *prefixes]))
             total += done
             if done < _SWEEP_BATCH:
-                return total
+                break
+        await self.prune_empty_roles()
+        return total
+
+    async def prune_empty_roles(self) -> int:
+        """Drop up to one batch of roles that have no node record from the role order; returns how many."""
+        args = [self._prune_from, _SWEEP_BATCH, self.keys.role_nodes_prefix()]
+        nxt, removed = await self._prune_roles(keys=[self.keys.roles()], args=args)
+        self._prune_from = int(nxt)
+        return int(removed)
 
     # --- reads ----------------------------------------------------------------------------------
     async def registered_roles(self) -> list[str]:

@@ -188,6 +188,18 @@ async def test_a_role_is_removed_when_its_last_node_unregisters(coord: InProcess
     assert (await coord.api.debug_topology()).roles == ["keep", "r3"]
 
 
+async def test_roles_left_without_nodes_by_older_data_are_pruned(
+    coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
+) -> None:
+    keys = Keys(dcs_config.namespace)
+    await coord.api.register(RoleInfo(role_name="live", rank=0, port=1))
+    redis_server.client().zadd(keys.roles(), {f"gone{i}": 100 + i for i in range(1200)})  # no node records
+    topology = coord.app.state.services.topology
+    for _ in range(4):  # one bounded slice per call
+        await topology.prune_empty_roles()
+    assert (await coord.api.debug_topology()).roles == ["live"]
+
+
 async def test_long_dead_nodes_and_their_roles_are_swept(dcs_config: DCSConfig) -> None:
     config = dcs_config.model_copy(
         update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 0.5, "dead_node_retention_seconds": 0.5}
