@@ -224,7 +224,7 @@ class TopologyManager:
 
     async def prune_empty_roles(self) -> int:
         """Drop up to one batch of roles that have no node record from the role order; returns how many."""
-        args = [self._prune_from, _SWEEP_BATCH, self.keys.role_nodes_prefix()]
+        args: list[str | int] = [self._prune_from, _SWEEP_BATCH, self.keys.role_nodes_prefix()]
         nxt, removed = await self._prune_roles(keys=[self.keys.roles()], args=args)
         self._prune_from = int(nxt)
         return int(removed)
