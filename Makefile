@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install redis-bin lint typecheck test test-fast demo bench clean format
+.PHONY: install redis-bin sglang-engines lint typecheck test test-fast demo bench clean format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ redis-bin:
 		echo "redis-server missing: installing it with apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
+# Real SGLang versions (no GPU deps) under .sglang/ for tests/sglang_engine (see tests/sglang_engine/README.md).
+sglang-engines: install
+	$(BIN)/python -m tests.sglang_engine.install
+
 format: install
 	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples
 	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples
@@ -34,7 +38,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install redis-bin lint typecheck
+test: install redis-bin sglang-engines lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -1,0 +1,123 @@
+"""Test helpers: a real SGLang server process on CPU (`SGLangEngine`) and the paths of installed versions.
+
+    engine = SGLangEngine("0.5.23", tmp_path / "engine.log", tp=2, api_key="k").start()
+    engine.post("/init_weights_update_group", {...})
+    engine.weights("model.embed_tokens.weight")  # bit-exact, through SGLang's /get_weights_by_name
+    engine.stop()
+
+The versions are installed by `make sglang-engines` (tests.sglang_engine.install) under .sglang/.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from tests.helpers.ports import free_port
+from tests.sglang_engine.install import VERSIONS
+from tests.sglang_engine.tiny_model import SHAPES
+
+REPO = Path(__file__).resolve().parents[2]
+SGLANG_ROOT = REPO / ".sglang"
+NEW, OLD = VERSIONS[-1], VERSIONS[0]
+"""NEW has weight-update sessions (/begin_weight_update, /end_weight_update); OLD does not."""
+HAS_SESSIONS = {"0.5.20": False, "0.5.23": True}
+
+
+def sglang_dir(version: str) -> Path:
+    return SGLANG_ROOT / version
+
+
+def installed(version: str) -> bool:
+    return (sglang_dir(version) / ".installed").exists() and (SGLANG_ROOT / "deps" / ".installed").exists()
+
+
+class SGLangEngine:
+    """`python -m tests.sglang_engine.serve` in its own session on a free port, logging to `log_path`."""
+
+    def __init__(
+        self, version: str, log_path: Path, *, tp: int = 1, api_key: str | None = None, port: int | None = None
+    ) -> None:
+        self.version, self.log_path, self.tp, self.api_key = version, log_path, tp, api_key
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240.0) -> SGLangEngine:
+        if not installed(self.version):
+            raise RuntimeError(f"SGLang {self.version} is not installed under {SGLANG_ROOT}: run `make sglang-engines`")
+        cmd = [sys.executable, "-m", "tests.sglang_engine.serve", "--sglang-dir", str(sglang_dir(self.version))]
+        cmd += ["--port", str(self.port), "--tp", str(self.tp)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "SGLANG_"))}
+        env["PYTHONPATH"] = str(REPO)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+            )
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang {self.version} exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"SGLang {self.version} not healthy after {timeout}s: {self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """kill -9 the whole session (server, scheduler and detokenizer processes)."""
+        self.http.close()
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.proc = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
+        return self.http.post(path, json=body, timeout=timeout)
+
+    def get(self, path: str, timeout: float = 60.0) -> httpx.Response:
+        return self.http.get(path, timeout=timeout)
+
+    def weights(self, name: str) -> torch.Tensor:
+        """The engine's whole tensor `name` through SGLang's own POST /get_weights_by_name, in its dtype.
+
+        SGLang answers `tensor.float().tolist()`; float32 round-trips exactly through JSON, and every
+        bfloat16/float16 value is a float32, so casting back gives the stored bits."""
+        shape, dtype = SHAPES[name]
+        response = self.post("/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
+        response.raise_for_status()
+        return torch.tensor(response.json(), dtype=torch.float32).reshape(shape).to(dtype)

@@ -1,0 +1,100 @@
+"""Run a real SGLang HTTP server on CPU (test harness; never product code).
+
+    python -m tests.sglang_engine.serve --sglang-dir .sglang/0.5.23 --port 30000 --tp 2 --api-key KEY
+
+SGLang's own `launch_server` runs: its ServerArgs (parsed by `prepare_server_args` from SGLang CLI flags),
+its FastAPI app and API-key middleware (sglang/srt/entrypoints/http_server.py), its TokenizerManager and
+the ZMQ channels to one scheduler process per TP rank. Only the scheduler processes' insides differ: the
+harness scheduler (tests.sglang_engine.scheduler) runs SGLang's weight-update stack around a tiny CPU
+model instead of the GPU model and batcher. Flags after `--` go to SGLang unchanged.
+
+The SGLang package is imported from `--sglang-dir` (a `pip install --no-deps --target` tree, see the
+Makefile's `sglang-engines`), with `.sglang/deps` (its pure-Python and CPU dependencies) after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STUBBED = ("torchvision",)
+"""Imported by SGLang's multimodal configs at import time; PyPI's wheels need a CUDA build of torch."""
+
+
+def sglang_path(sglang_dir: str | os.PathLike[str]) -> list[str]:
+    """The sys.path entries that make `import sglang` load the version in `sglang_dir`."""
+    root = Path(sglang_dir).resolve()
+    return [str(root), str(root.parent / "deps")]
+
+
+def _setup_imports() -> None:
+    """Before anything imports sglang (also in spawned scheduler processes, which re-import this module)."""
+    entries = os.environ.get("SGLANG_HARNESS_PATH", "")
+    for entry in reversed([e for e in entries.split(os.pathsep) if e]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    from tests.sglang_engine.stubs import install_stubs
+
+    install_stubs(STUBBED)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sglang-dir", required=True, help="e.g. .sglang/0.5.23")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--tp", type=int, default=1, help="TP ranks (scheduler processes)")
+    parser.add_argument("--api-key", default=None)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return parser.parse_args(argv[:cut]), argv[cut + 1 :]
+
+
+def model_dir() -> str:
+    """A checkpoint directory holding only config.json (SGLang's ModelConfig reads it; no weights)."""
+    from tests.sglang_engine.tiny_model import hf_config
+
+    path = Path(tempfile.mkdtemp(prefix="sglang-tiny-"))
+    (path / "config.json").write_text(json.dumps(hf_config()))
+    return str(path)
+
+
+def sglang_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    argv = [
+        "--model-path", model_dir(),
+        "--device", "cpu",
+        "--host", args.host,
+        "--port", str(args.port),
+        "--tp-size", str(args.tp),
+        "--skip-tokenizer-init",
+        "--skip-server-warmup",
+        "--disable-cuda-graph",
+    ]  # fmt: skip
+    if args.api_key:
+        argv += ["--api-key", args.api_key]
+    return argv + extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = parse(sys.argv[1:] if argv is None else argv)
+    os.environ["SGLANG_HARNESS_PATH"] = os.pathsep.join(sglang_path(args.sglang_dir))
+    # SGLang's knob: /health answers 200 without running a generation (the harness cannot generate).
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+    _setup_imports()
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.server_args import prepare_server_args
+
+    from tests.sglang_engine.scheduler import run_detokenizer, run_scheduler
+
+    server_args = prepare_server_args(sglang_argv(args, extra))
+    launch_server(server_args, run_scheduler_process_func=run_scheduler, run_detokenizer_process_func=run_detokenizer)
+
+
+_setup_imports()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""A reference trainer written the way SGLang's own clients push weights (no DCS code), as a subprocess.
+
+    python -m tests.sglang_engine.trainer SPEC.json
+
+SPEC: {"sglang_dir", "engines": [{"url", "tp"}], "api_key", "group_name", "tensors": safetensors path,
+"flattened": bool, "sessions": bool, "weight_version": str | null, "destroy": bool}. It is rank 0 of the
+update group through SGLang's `init_custom_process_group` (so it hosts the TCPStore), POSTs
+/init_weights_update_group to every engine (rank_offset 1, then 1 + tp of the engines before), opens a
+session where asked, POSTs one /update_weights_from_distributed per engine while broadcasting the tensors
+(one broadcast per tensor in order, or SGLang's `FlattenedTensorBucket` as one uint8 broadcast), closes the
+session, and prints one JSON object: every HTTP answer as [status, body].
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from tests.sglang_engine.serve import STUBBED, sglang_path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post_all(engines: list[dict[str, Any]], http: httpx.Client, path: str, bodies: list[dict[str, Any]]) -> list[Any]:
+    """POST to every engine concurrently (the calls block until the collective they start completes)."""
+    answers: list[Any] = [None] * len(engines)
+
+    def call(i: int) -> None:
+        try:
+            response = http.post(f"{engines[i]['url']}{path}", json=bodies[i], timeout=120)
+            answers[i] = [response.status_code, response.json()]
+        except Exception as exc:
+            answers[i] = [0, repr(exc)]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(engines))]
+    for thread in threads:
+        thread.start()
+    answers.append(threads)
+    return answers
+
+
+def _join(answers: list[Any]) -> list[Any]:
+    for thread in answers.pop():
+        thread.join(180)
+    return answers
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    sys.path[:0] = sglang_path(spec["sglang_dir"])
+    from tests.sglang_engine.stubs import install_stubs
+
+    install_stubs(STUBBED)
+    from sglang.srt.utils import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    engines, group = spec["engines"], spec["group_name"]
+    headers = {"Authorization": f"Bearer {spec['api_key']}"} if spec.get("api_key") else {}
+    http = httpx.Client(headers=headers)
+    out: dict[str, Any] = {}
+    port, world = _free_port(), 1 + sum(e["tp"] for e in engines)
+    offsets = [1 + sum(e["tp"] for e in engines[:i]) for i in range(len(engines))]
+    init = [
+        dict(master_address="127.0.0.1", master_port=port, rank_offset=o, world_size=world, group_name=group,
+             backend="gloo")
+        for o in offsets
+    ]  # fmt: skip
+    pending = _post_all(engines, http, "/init_weights_update_group", init)
+    pg = init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0, group_name=group
+    )
+    out["init"] = _join(pending)
+    if spec.get("sessions"):
+        out["begin"] = _join(_post_all(engines, http, "/begin_weight_update", [{}] * len(engines)))
+    tensors = load_file(spec["tensors"])
+    names = list(tensors)
+    body: dict[str, Any] = {
+        "names": names,
+        "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+        "shapes": [list(tensors[n].shape) for n in names],
+        "group_name": group,
+        "weight_version": spec.get("weight_version"),
+    }
+    if spec.get("flattened"):
+        body["load_format"] = "flattened_bucket"
+    pending = _post_all(engines, http, "/update_weights_from_distributed", [body] * len(engines))
+    if spec.get("flattened"):
+        bucket = FlattenedTensorBucket(named_tensors=[(n, tensors[n]) for n in names])
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+    else:
+        for name in names:
+            torch.distributed.broadcast(tensors[name], src=0, group=pg)
+    out["update"] = _join(pending)
+    if spec.get("sessions"):
+        out["end"] = _join(_post_all(engines, http, "/end_weight_update", [{}] * len(engines)))
+    if spec.get("destroy", True):
+        out["destroy"] = _join(
+            _post_all(engines, http, "/destroy_weights_update_group", [{"group_name": group}] * len(engines))
+        )
+        torch.distributed.destroy_process_group(pg)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(Path(sys.argv[1]).read_text()))))
