@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             unhealthy_after=args.unhealthy_after,
         )
         api_key = args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or config.token()
+        if api_key != config.token():
+            log.warning("the engine API key differs from DCS_AUTH_TOKEN: trainers send DCS_AUTH_TOKEN to engines")
         asyncio.run(_attach(config, args.engine_url, api_key, settings))
     except DCSError as exc:
         log.error("dcs engine attach failed: %s: %s", type(exc).__name__, exc)
