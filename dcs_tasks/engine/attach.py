@@ -167,6 +167,7 @@ class EngineAttachment:
         try:
             await beats.beat_once()
         except RankConflict:
+            self.registered = None  # the rank is another node's now: nothing of ours to unregister
             raise
         except CoordinatorError as exc:
             log.warning("heartbeat failed (will retry): %s", exc)

@@ -144,3 +144,23 @@ def test_an_engine_answering_503_keeps_its_heartbeats_until_unhealthy_after(
         finally:
             attach.stop()
     assert "answered 503" in attach.log_tail(100_000)
+
+
+def test_a_sidecar_whose_rank_is_taken_by_another_engine_stops_with_rank_conflict(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    other = ReceiverEngine(config, tmp_path / "other.log", coordinator.url, self_role="engine-other").start()
+    first = AttachProcess(config, tmp_path / "first.log", coordinator.url, receiver.url, rank=0).start()
+    second = AttachProcess(config, tmp_path / "second.log", coordinator.url, other.url, rank=0)
+    try:
+        wait_for("rollout_0 is the first engine", _attached(coordinator, 0, receiver.port), timeout=30)
+        second.start()
+        wait_for("rollout_0 is the second engine", _attached(coordinator, 0, other.port), timeout=30)
+        assert first.wait_exit(timeout=15) == 1
+        assert "RankConflict" in first.log_tail()
+        time.sleep(2 * config.heartbeat_timeout_seconds)  # the first sidecar removed nothing on its way out
+        assert rollout_nodes(coordinator.url, TOKEN)[0].port == other.port
+    finally:
+        first.kill()
+        second.stop()
+        other.stop()
