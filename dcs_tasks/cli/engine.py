@@ -4,7 +4,7 @@
 
 The coordinator token comes from DCS_AUTH_TOKEN; the engine's API key from --engine-api-key, else
 DCS_ENGINE_API_KEY, else the same token. Exit status: 0 after SIGTERM/SIGINT (engine unregistered), 1 on a
-named error (logged as `ErrorName: message`), 2 on bad arguments.
+named error (logged as `ErrorName: message`), 2 on bad arguments or settings.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import signal
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import DCSConfig
@@ -29,13 +30,27 @@ log = logging.getLogger("dcs_tasks.engine")
 ENGINE_API_KEY_ENV = "DCS_ENGINE_API_KEY"
 
 
+def _rank(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a rank is >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a duration is > 0 seconds, got {text}")
+    return value
+
+
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser("engine", help="attach real rollout engines (SGLang)")
     engine_sub = parser.add_subparsers(dest="engine_command", metavar="{attach}", required=True)
     attach = engine_sub.add_parser("attach", help="register a running SGLang server as a rollout engine")
     attach.add_argument("--coordinator-url", required=True)
     attach.add_argument("--engine-url", required=True, help="the SGLang server as this host reaches it")
-    attach.add_argument("--rank", type=int, required=True, help="rollout rank to register the engine as")
+    attach.add_argument("--rank", type=_rank, required=True, help="rollout rank to register the engine as")
     attach.add_argument("--role", default="rollout", help="role to register as (default rollout)")
     attach.add_argument(
         "--advertise-url", help="http://ip:port trainers use to reach the engine (default: --engine-url)"
@@ -44,16 +59,16 @@ def register(sub: Any) -> None:
         "--engine-api-key",
         help=f"the engine's --api-key (default: ${ENGINE_API_KEY_ENV}, else DCS_AUTH_TOKEN); prefer the variable",
     )
-    attach.add_argument("--wait-timeout", type=float, default=1800.0, help="longest wait for /health (s)")
-    attach.add_argument("--health-timeout", type=float, default=25.0, help="timeout of one /health probe (s)")
+    attach.add_argument("--wait-timeout", type=_seconds, default=1800.0, help="longest wait for /health (s)")
+    attach.add_argument("--health-timeout", type=_seconds, default=25.0, help="timeout of one /health probe (s)")
     attach.add_argument(
         "--down-after",
-        type=float,
+        type=_seconds,
         help="unregister after /health has not answered for this long (default: heartbeat timeout)",
     )
     attach.add_argument(
         "--unhealthy-after",
-        type=float,
+        type=_seconds,
         default=600.0,
         help="unregister after /health has answered non-200 this long (SGLang answers 503 while busy >20 s)",
     )
@@ -103,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         if api_key != config.token():
             log.warning("the engine API key differs from DCS_AUTH_TOKEN: trainers send DCS_AUTH_TOKEN to engines")
         asyncio.run(_attach(config, args.engine_url, api_key, settings))
+    except ValidationError as exc:  # a DCS_* setting or the coordinator URL
+        log.error("dcs engine attach: invalid setting: %s", exc)
+        return 2
     except DCSError as exc:
         log.error("dcs engine attach failed: %s: %s", type(exc).__name__, exc)
         return 1

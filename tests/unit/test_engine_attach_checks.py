@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dcs_tasks.cli.engine import advertised_address
+from dcs_tasks.cli.main import main
 from dcs_tasks.engine.attach import engine_metadata
 from dcs_tasks.errors import ConfigError
 from dcs_tasks.sync.models import EngineInfo
@@ -32,3 +33,14 @@ def test_unusable_advertised_addresses_are_refused(engine_url: str, advertise_ur
 def test_metadata_names_the_rank_span() -> None:
     info = EngineInfo(version="0.5.23", tp_size=2, sessions=True, flattened_bucket=True, pause=True)
     assert engine_metadata(info) == {"engine": "sglang", "engine_version": "0.5.23", "tp_size": 2, "num_gpus": 2}
+
+
+def test_bad_arguments_and_settings_exit_2_before_anything_runs() -> None:
+    base = ["engine", "attach", "--engine-url", "http://127.0.0.1:1"]
+    with pytest.raises(SystemExit) as exited:
+        main([*base, "--coordinator-url", "http://127.0.0.1:2", "--rank", "-1"])
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit) as exited:
+        main([*base, "--coordinator-url", "http://127.0.0.1:2", "--rank", "0", "--down-after", "0"])
+    assert exited.value.code == 2
+    assert main([*base, "--coordinator-url", "coordinator:8000", "--rank", "0"]) == 2
