@@ -57,8 +57,12 @@ def receiver(config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path)
     proc.stop()
 
 
+def _attached_at(url: str, rank: int, port: int) -> Callable[[], bool]:
+    return lambda: (node := rollout_nodes(url, TOKEN).get(rank)) is not None and node.port == port
+
+
 def _attached(coordinator: CoordinatorProcess, rank: int, port: int) -> Callable[[], bool]:
-    return lambda: (node := rollout_nodes(coordinator.url, TOKEN).get(rank)) is not None and node.port == port
+    return _attached_at(coordinator.url, rank, port)
 
 
 def test_attach_registers_heartbeats_and_unregisters_on_sigterm(
@@ -164,3 +168,19 @@ def test_a_sidecar_whose_rank_is_taken_by_another_engine_stops_with_rank_conflic
         first.kill()
         second.stop()
         other.stop()
+
+
+def test_the_sidecar_waits_for_a_coordinator_that_is_not_up_yet(config: DCSConfig, tmp_path: Path) -> None:
+    server_info = {"version": "0.5.23", "tp_size": 1, "dp_size": 1, "pp_size": 1}
+    late = CoordinatorProcess(config, tmp_path / "coordinator.log")  # port chosen, nothing listens yet
+    with HealthSwitchEngine(server_info) as engine:
+        attach = AttachProcess(config, tmp_path / "attach.log", late.url, engine.url, rank=2).start()
+        try:
+            time.sleep(2.0)
+            assert attach.running()
+            late.start()
+            wait_for("rollout_2 registered", _attached_at(late.url, 2, engine.port), timeout=30)
+        finally:
+            attach.stop()
+            late.stop()
+    assert "coordinator unavailable (will retry)" in attach.log_tail(100_000)
