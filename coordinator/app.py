@@ -34,17 +34,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coordinator.deps import Services
 from coordinator.middleware import (
-    BearerAuthMiddleware,
-    BodySizeLimitMiddleware,
+    UNAUTHORIZED,
     BrowserGuardMiddleware,
     RequestMetrics,
     RequestMetricsMiddleware,
+    coordinator_public,
 )
 from coordinator.routes import ROUTERS
 from coordinator.sweeper import DeadNodeSweeper, sweep_interval
 from coordinator.topology import TopologyManager
 from coordinator.weight_meta import AppendNotifier, ReadLimits, WeightMetaStore
+from dcs_tasks.auth import BearerAuthASGI
 from dcs_tasks.config import DCSConfig, TopologyConfig
+from dcs_tasks.httpguard import BodyLimitASGI
 from dcs_tasks.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -149,10 +151,10 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
     # added last = outermost: metrics see every answer, auth runs before the body is read
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitASGI, max_bytes=config.max_body_bytes, setting="DCS_MAX_BODY_BYTES")
     app.add_middleware(BrowserGuardMiddleware)
     token = config.token()
     if token:
-        app.add_middleware(BearerAuthMiddleware, token=token)
+        app.add_middleware(BearerAuthASGI, token=token, is_public=coordinator_public, body=UNAUTHORIZED)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app

@@ -1,51 +1,30 @@
-"""Cross-cutting HTTP behaviour as pure ASGI middleware: bearer auth, the cross-site browser guard, body-size
-limit, request metrics.
+"""Cross-cutting HTTP behaviour as pure ASGI middleware: bearer auth (`dcs_tasks.auth`'s check with the
+coordinator's public paths and error shape), the cross-site browser guard, request metrics. The body-size
+limit and the slow-client guard are `dcs_tasks.httpguard`'s, shared with `dcs receiver`.
 
 Pure ASGI (not BaseHTTPMiddleware) keeps the heartbeat path cheap: each layer is a dict lookup or two.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import time
 from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dcs_tasks.httpguard import send_json
 
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 # label values are bounded: any other method (clients may send any token) is counted as "OTHER"
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+UNAUTHORIZED = {"detail": "missing or wrong bearer token: send 'Authorization: Bearer <DCS_AUTH_TOKEN>'"}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-async def _send_error(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    base = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": base + (headers or [])})
-    await send({"type": "http.response.body", "body": body})
-
-
-class BearerAuthMiddleware:
-    """401 unless `Authorization: Bearer <token>` matches (constant-time), except for `public_paths`."""
-
-    def __init__(self, app: ASGIApp, token: str, public_paths: Collection[str] = PUBLIC_PATHS) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-        self.public_paths = frozenset(public_paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.public_paths:
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not hmac.compare_digest(given, self.expected):
-            detail = "missing or wrong bearer token: send 'Authorization: Bearer <DCS_AUTH_TOKEN>'"
-            await _send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])
-            return
-        await self.app(scope, receive, send)
+def coordinator_public(method: str, path: str) -> bool:
+    """What the coordinator serves without the token: its liveness probe and Prometheus scrape."""
+    return path in PUBLIC_PATHS
 
 
 class BrowserGuardMiddleware:
@@ -78,41 +57,9 @@ class BrowserGuardMiddleware:
             why = self.refusal(scope["headers"])
             if why is not None:
                 detail = f"cross-site browser requests are refused ({why}); call the coordinator from a program"
-                await _send_error(send, 403, detail)
+                await send_json(send, 403, {"detail": detail})
                 return
         await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`: by Content-Length up front, and by counting a streamed body."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _too_large(self) -> str:
-        return f"request body exceeds the limit of {self.max_bytes} bytes (DCS_MAX_BODY_BYTES)"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, 413, self._too_large())
-            return
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise HTTPException(status_code=413, detail=self._too_large())
-            return message
-
-        await self.app(scope, counting_receive, send)
 
 
 class RequestMetrics:

@@ -1,67 +1,19 @@
 """Serving the coordinator with uvicorn, bounded against slow clients, with secrets scrubbed from its logs.
 
-uvicorn closes an idle keep-alive connection (`timeout_keep_alive`) and bounds the size of a request head
-(h11's `max_incomplete_event_size`), but it has no bound on how long a client may take to send a request:
-a client that sends its headers one byte every few seconds holds a connection (and a file descriptor)
-forever, and enough of them exhaust the server. `request_timeout_protocol` adds that bound: a client must
-send a whole request, head and body, within `request_read_timeout` of the connection opening or of the
-previous answer, or the connection is closed. A request already being answered (a long-poll) is not
-affected: the bound is on reading the request, not on answering it.
+The slow-client bounds are `dcs_tasks.httpguard`'s (shared with `dcs receiver`): a client must send a whole
+request, head and body, within DCS_COORDINATOR_REQUEST_READ_TIMEOUT_SECONDS of the connection opening or of
+its first byte, or the connection is closed; a request already being answered (a long-poll) is not
+affected. Idle kept-alive connections close after DCS_COORDINATOR_KEEP_ALIVE_SECONDS, and a request head is
+at most DCS_COORDINATOR_MAX_HEADER_BYTES.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from dcs_tasks.config import DCSConfig
-
-log = logging.getLogger(__name__)
-
-
-class RequestReadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline on receiving each request (head and body)."""
-
-    request_read_timeout: float = 15.0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._read_deadline: asyncio.TimerHandle | None = None
-        self._arm_read_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_read_deadline()  # the next request on this connection gets the same bound
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm_read_deadline(self) -> None:
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-        if not self.transport.is_closing():
-            self._read_deadline = self.loop.call_later(self.request_read_timeout, self._on_read_deadline)
-
-    def _on_read_deadline(self) -> None:
-        """Close the connection when the current request has not fully arrived (its head or its body)."""
-        self._read_deadline = None
-        if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
-            return
-        if self.conn.their_state is h11.SEND_BODY or self.conn.trailing_data[0]:
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            log.info("closing %s: no whole request within %gs", client, self.request_read_timeout)
-        self.transport.close()
-
-
-def request_timeout_protocol(seconds: float) -> type[RequestReadTimeoutProtocol]:
-    """A `RequestReadTimeoutProtocol` class with the given deadline (uvicorn takes a class for `http=`)."""
-    return type("BoundedH11Protocol", (RequestReadTimeoutProtocol,), {"request_read_timeout": seconds})
+from dcs_tasks.httpguard import guarded_server_options
 
 
 class ScrubbingFormatter(logging.Formatter):
@@ -92,7 +44,9 @@ def uvicorn_options(config: DCSConfig, log_level: str) -> dict[str, Any]:
         "log_config": None,  # keep the root handler set up by `configure_logging` (it scrubs secrets)
         "access_log": False,
         "timeout_graceful_shutdown": 5,
-        "http": request_timeout_protocol(config.coordinator_request_read_timeout_seconds),
-        "timeout_keep_alive": config.coordinator_keep_alive_seconds,
-        "h11_max_incomplete_event_size": config.coordinator_max_header_bytes,
+        **guarded_server_options(
+            config.coordinator_request_read_timeout_seconds,
+            config.coordinator_keep_alive_seconds,
+            config.coordinator_max_header_bytes,
+        ),
     }

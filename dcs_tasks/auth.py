@@ -3,17 +3,22 @@
 One shared secret (`DCSConfig.auth_token`, `DCS_AUTH_TOKEN`) authenticates every call: clients send
 `Authorization: Bearer <token>`. `bearer_token_matches` is the one comparison (constant time, scheme
 case-insensitive as RFC 6750 and SGLang's `--api-key` check have it); `BearerAuthASGI` is a pure ASGI
-middleware around it whose public paths and 401 body are the server's choice.
+middleware around it whose public paths and 401 body are the server's choice: the coordinator's are
+/healthz and /metrics and `{"detail": ...}` (`coordinator.middleware`), the receiver's SGLang's
+(`sglang_public`, `{"error": "Unauthorized"}`).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dcs_tasks.httpguard import header, send_json
+
+__all__ = ["SGLANG_UNAUTHORIZED", "BearerAuthASGI", "bearer_token_matches", "header", "sglang_public"]
 
 # SGLang's api-key middleware lets these through without a key (probes and Prometheus scrapes), by prefix
 # (so /health_generate too), and every OPTIONS request; everything else needs the key.
@@ -30,11 +35,6 @@ def bearer_token_matches(authorization: bytes | str | None, token: str) -> bool:
     if scheme.lower() != b"bearer":
         return False
     return hmac.compare_digest(given, token.encode())
-
-
-def header(scope: Scope, name: bytes) -> bytes | None:
-    """The first value of header `name` (lower-case) of an ASGI HTTP scope."""
-    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 def sglang_public(method: str, path: str) -> bool:
@@ -58,22 +58,13 @@ class BearerAuthASGI:
         self.app = app
         self.token = token
         self.is_public = is_public
-        self.body = json.dumps(SGLANG_UNAUTHORIZED if body is None else body).encode()
+        self.body = SGLANG_UNAUTHORIZED if body is None else body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.is_public(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         if not bearer_token_matches(header(scope, b"authorization"), self.token):
-            await self._refuse(send)
+            await send_json(send, 401, self.body, [(b"www-authenticate", b"Bearer")])
             return
         await self.app(scope, receive, send)
-
-    async def _refuse(self, send: Send) -> None:
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(self.body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body})

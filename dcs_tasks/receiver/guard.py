@@ -117,7 +117,7 @@ def secure_receiver_app(app: FastAPI, token: str | None, max_body_bytes: int) ->
     those answers in the schema."""
     app.add_exception_handler(DCSError, _rejected)
     app.add_exception_handler(Exception, _unexpected)
-    app.add_middleware(BodyLimitASGI, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitASGI, max_bytes=max_body_bytes, setting="DCS_RECEIVER_MAX_BODY_BYTES")
     if token:  # added last: outermost, so a caller without the token is refused before its body is read
         app.add_middleware(BearerAuthASGI, token=token, is_public=sglang_public, body=SGLANG_UNAUTHORIZED)
     app.openapi = _document_errors(app, authenticated=bool(token))  # type: ignore[method-assign]

@@ -37,10 +37,12 @@ def test_schemathesis_finds_no_nonconformance(dcs_config: DCSConfig, tmp_path: P
     try:
         schema_path = tmp_path / "openapi.json"
         schema_path.write_text(json.dumps(_schema_for_fuzzing(coordinator.url)))
+        # one worker: with two threads, hypothesis's concurrent ast.parse hits CPython 3.11's AST
+        # recursion-depth bug (gh-106905: "SystemError: AST constructor recursion depth mismatch")
         cmd = [
             *(sys.executable, "-m", "schemathesis.cli", "run", str(schema_path)),
             *("--url", coordinator.url, "--header", f"Authorization: Bearer {TOKEN}"),
-            *("--checks", CHECKS, "--max-examples", "8", "--seed", "7", "--workers", "2"),
+            *("--checks", CHECKS, "--max-examples", "8", "--seed", "7", "--workers", "1"),
             *("--phases", "coverage,fuzzing", "--no-shrink", "--request-timeout", "10"),
             *("--report", "junit", "--report-dir", str(tmp_path / "report"), "--warnings", "off"),
         ]
