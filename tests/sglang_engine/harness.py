@@ -10,6 +10,7 @@ The versions are installed by `make sglang-engines` (tests.sglang_engine.install
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 import torch
+from safetensors.torch import save_file
 
 from tests.helpers.ports import free_port
 from tests.sglang_engine.install import VERSIONS
@@ -121,3 +123,33 @@ class SGLangEngine:
         response = self.post("/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
         response.raise_for_status()
         return torch.tensor(response.json(), dtype=torch.float32).reshape(shape).to(dtype)
+
+
+def run_trainer(
+    engines: list[SGLangEngine], workdir: Path, updates: list[dict[str, Any]], **spec: Any
+) -> dict[str, Any]:
+    """Run tests.sglang_engine.trainer (SGLang's client protocol, rank 0) against `engines`; its HTTP answers.
+
+    Each update: {"tensors": {name: tensor} (sent in this order), "flattened": bool, "broadcast": bool,
+    "body": {overrides}, "weight_version": str}; `spec` adds "sessions", "group_name", "destroy". Answers per step:
+    {"init": [[status, body] per engine], "begin": ..., "updates": [[[status, body] per engine] per update],
+    "end": ..., "destroy": ...}."""
+    wire = []
+    for i, update in enumerate(updates):
+        path = workdir / f"update-{i}.safetensors"
+        save_file(update["tensors"], str(path))
+        wire.append({**update, "tensors": str(path), "order": list(update["tensors"])})
+    full = {
+        "sglang_dir": str(sglang_dir(engines[0].version)),
+        "engines": [{"url": e.url, "tp": e.tp} for e in engines],
+        "api_key": engines[0].api_key,
+        "group_name": "harness_group",
+        "updates": wire,
+        **spec,
+    }
+    (workdir / "spec.json").write_text(json.dumps(full))
+    cmd = [sys.executable, "-m", "tests.sglang_engine.trainer", str(workdir / "spec.json")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"trainer failed: {done.stderr[-3000:]}\nengine: {engines[0].log_tail()}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

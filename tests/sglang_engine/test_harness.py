@@ -5,18 +5,14 @@ are bit-exact. Also pins the per-version protocol facts DCS relies on (notes: te
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tests.sglang_engine.harness import NEW, OLD, REPO, SGLangEngine, installed, sglang_dir
+from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, run_trainer
 from tests.sglang_engine.tiny_model import SHAPES, SHARDED, initial_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
@@ -55,21 +51,11 @@ def _update(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _push(engine: SGLangEngine, tensors: dict[str, torch.Tensor], tmp_path: Path, **spec: Any) -> dict[str, Any]:
-    """Run tests.sglang_engine.trainer against `engine`; its HTTP answers per step."""
-    save_file(tensors, str(tmp_path / "update.safetensors"))
-    spec = {
-        "sglang_dir": str(sglang_dir(engine.version)),
-        "engines": [{"url": engine.url, "tp": engine.tp}],
-        "api_key": KEY,
-        "group_name": "harness_group",
-        "tensors": str(tmp_path / "update.safetensors"),
-        **spec,
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "tests.sglang_engine.trainer", str(tmp_path / "spec.json")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"trainer failed: {done.stderr[-3000:]}\nengine: {engine.log_tail()}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """One update of `tensors` by the reference trainer; its answers with the update's under "update"."""
+    update = {"tensors": tensors, **{k: spec.pop(k) for k in ("flattened", "weight_version") if k in spec}}
+    answers = run_trainer([engine], tmp_path, [update], **spec)
+    answers["update"] = answers["updates"][0]
+    return answers
 
 
 def _ok(answers: list[Any]) -> None:

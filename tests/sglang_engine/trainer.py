@@ -17,6 +17,7 @@ import json
 import socket
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +58,20 @@ def _join(answers: list[Any]) -> list[Any]:
     return answers
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    sys.path[:0] = sglang_path(spec["sglang_dir"])
+def _import_sglang(sglang_dir: str) -> tuple[Any, Any]:
+    sys.path[:0] = sglang_path(sglang_dir)
     from tests.sglang_engine.stubs import install_stubs
 
     install_stubs(STUBBED)
     from sglang.srt.utils import init_custom_process_group
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+    return init_custom_process_group, FlattenedTensorBucket
+
+
+def _join_group(spec: dict[str, Any], http: httpx.Client, init_group: Any) -> tuple[Any, list[Any]]:
+    """Rank 0 through SGLang's init_custom_process_group while every engine's init call runs."""
     engines, group = spec["engines"], spec["group_name"]
-    headers = {"Authorization": f"Bearer {spec['api_key']}"} if spec.get("api_key") else {}
-    http = httpx.Client(headers=headers)
-    out: dict[str, Any] = {}
     port, world = _free_port(), 1 + sum(e["tp"] for e in engines)
     offsets = [1 + sum(e["tp"] for e in engines[:i]) for i in range(len(engines))]
     init = [
@@ -77,31 +80,58 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for o in offsets
     ]  # fmt: skip
     pending = _post_all(engines, http, "/init_weights_update_group", init)
-    pg = init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0, group_name=group
+    pg = init_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        world_size=world,
+        rank=0,
+        group_name=group,
+        timeout=timedelta(seconds=120),  # a broadcast nobody receives fails instead of waiting 30 min
     )
-    out["init"] = _join(pending)
-    if spec.get("sessions"):
-        out["begin"] = _join(_post_all(engines, http, "/begin_weight_update", [{}] * len(engines)))
-    tensors = load_file(spec["tensors"])
-    names = list(tensors)
+    return pg, _join(pending)
+
+
+def _send(spec: dict[str, Any], update: dict[str, Any], http: httpx.Client, pg: Any, bucket_cls: Any) -> list[Any]:
+    """One /update_weights_from_distributed per engine while the tensors are broadcast (unless `broadcast` is
+    false: for an engine expected to refuse before receiving). `body` entries override the request body."""
+    tensors = load_file(update["tensors"])
+    names = update.get("order") or list(tensors)  # safetensors files do not keep insertion order
     body: dict[str, Any] = {
         "names": names,
         "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
         "shapes": [list(tensors[n].shape) for n in names],
-        "group_name": group,
-        "weight_version": spec.get("weight_version"),
+        "group_name": spec["group_name"],
+        "weight_version": update.get("weight_version"),
     }
-    if spec.get("flattened"):
+    if update.get("flattened"):
         body["load_format"] = "flattened_bucket"
-    pending = _post_all(engines, http, "/update_weights_from_distributed", [body] * len(engines))
-    if spec.get("flattened"):
-        bucket = FlattenedTensorBucket(named_tensors=[(n, tensors[n]) for n in names])
-        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
-    else:
-        for name in names:
-            torch.distributed.broadcast(tensors[name], src=0, group=pg)
-    out["update"] = _join(pending)
+    body.update(update.get("body", {}))
+    pending = _post_all(spec["engines"], http, "/update_weights_from_distributed", [body] * len(spec["engines"]))
+    if update.get("broadcast", True):
+        if update.get("flattened"):
+            bucket = bucket_cls(named_tensors=[(n, tensors[n]) for n in names])
+            torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+        else:
+            for name in names:
+                torch.distributed.broadcast(tensors[name], src=0, group=pg)
+    return _join(pending)
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """SPEC as in the module doc; `updates` (a list of {tensors, flattened, broadcast, body, weight_version})
+    may replace the single `tensors` update; their answers are under `updates`."""
+    init_group, bucket_cls = _import_sglang(spec["sglang_dir"])
+    engines, group = spec["engines"], spec["group_name"]
+    headers = {"Authorization": f"Bearer {spec['api_key']}"} if spec.get("api_key") else {}
+    http = httpx.Client(headers=headers)
+    out: dict[str, Any] = {}
+    pg, out["init"] = _join_group(spec, http, init_group)
+    if spec.get("sessions"):
+        out["begin"] = _join(_post_all(engines, http, "/begin_weight_update", [{}] * len(engines)))
+    if "tensors" in spec:
+        single = {k: spec[k] for k in ("tensors", "flattened", "weight_version") if k in spec}
+        out["update"] = _send(spec, single, http, pg, bucket_cls)
+    out["updates"] = [_send(spec, update, http, pg, bucket_cls) for update in spec.get("updates", [])]
     if spec.get("sessions"):
         out["end"] = _join(_post_all(engines, http, "/end_weight_update", [{}] * len(engines)))
     if spec.get("destroy", True):
