@@ -1,8 +1,9 @@
 """Retention policy: which committed steps to delete, and deleting them safely.
 
 Kept: the `keep_last` newest committed steps, every step divisible by `keep_every`, steps still in
-flight, the newest step whose files are all present with their manifest sizes (the newest *good*
-checkpoint survives even if newer ones are damaged), and, in one rank's directory of a multi-rank run,
+flight, the newest step whose files are all present as regular files (not symlinks) of their manifest
+sizes (the newest *good* checkpoint survives even if newer ones are damaged), and, in one rank's
+directory of a multi-rank run,
 the newest step every rank committed (a rank that runs ahead never deletes the only restorable step).
 A step is deleted manifest-first, so a reader never sees a half-deleted step as committed.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import stat
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME
@@ -42,12 +44,19 @@ def newest_intact(run_dir: Path) -> int | None:
             manifest = load_manifest(step_dir)
         except CorruptCheckpoint:
             continue
-        sizes_ok = all(
-            (step_dir / f.name).is_file() and (step_dir / f.name).stat().st_size == f.size for f in manifest.files
-        )
-        if sizes_ok:
+        if all(_regular_of_size(step_dir / f.name, f.size) for f in manifest.files):
             return step
     return None
+
+
+def _regular_of_size(path: Path, size: int) -> bool:
+    """`path` is a regular file of `size` bytes, not a symlink (restore refuses those, so a step holding one
+    is not intact whatever it points at)."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_size == size
 
 
 def delete_step(step_dir: Path) -> None:

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint import fastread
 from dcs_tasks.checkpoint.format import new_hasher
+from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
@@ -296,6 +298,29 @@ def test_cli_reports_bad_steps_without_a_traceback(config: DCSConfig) -> None:
     assert len(lines) == 2, ranks.stdout
     rank1 = dcs_ckpt(config, "inspect", "--run", MULTI, "--rank", "1")
     assert rank1.returncode == 1 and "step 2: BAD" in rank1.stderr
+
+
+def test_retention_spares_the_last_restorable_step_past_a_symlinked_file(config: DCSConfig, tmp_path: Path) -> None:
+    """A step whose data file is a symlink (to a copy of the same size outside, so sizes match) is not intact:
+    restore refuses it, so retention keeps the last step restore can use instead of deleting it."""
+    directory = step_dir(config, 2)
+    name = next(p.name for p in directory.glob("*.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(directory / name, outside)
+    (directory / name).unlink()
+    (directory / name).symlink_to(outside)
+    assert newest_intact(directory.parent) == 1
+    assert apply_retention(directory.parent, RetentionPolicy(keep_last=1), set()) == []
+    restore_falls_back(config)
+
+
+def test_cli_turns_an_os_error_into_one_line(config: DCSConfig) -> None:
+    old = step_dir(config, 1)
+    shutil.rmtree(old)
+    (old / "manifest.json").mkdir(parents=True)  # a "manifest" gc cannot unlink
+    done = dcs_ckpt(config, "gc", "--run", RUN, "--keep-last", "1")  # asserts no traceback
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"dcs ckpt: IsADirectoryError: [Errno 21] Is a directory: '{old / 'manifest.json'}'" in done.stderr
 
 
 # --- property: random mutations never escape as anything but CorruptCheckpoint ---------------------------
