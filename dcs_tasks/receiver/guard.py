@@ -55,6 +55,7 @@ def _document_errors(app: FastAPI, authenticated: bool) -> Callable[[], dict[str
         schemas = components.setdefault("schemas", {})
         schemas["ReceiverError"] = _ERROR_SCHEMA
         schemas["HTTPError"] = _HTTP_ERROR_SCHEMA
+        schemas["InvalidBody"] = _INVALID_BODY_SCHEMA  # SGLang's 400 for a body that does not validate
         schemas["Unauthorized"] = _UNAUTHORIZED_SCHEMA
         if authenticated:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -63,7 +64,7 @@ def _document_errors(app: FastAPI, authenticated: bool) -> Callable[[], dict[str
                 responses = operation.setdefault("responses", {})
                 if path in NON_JSON_ANSWERS:
                     responses["200"] = _non_json(NON_JSON_ANSWERS[path])
-                responses.setdefault("400", _answer("Refused", "ReceiverError", "HTTPError"))
+                responses.setdefault("400", _answer("Refused", "ReceiverError", "HTTPError", "InvalidBody"))
                 responses.setdefault("422", _answer("Body does not parse", "HTTPValidationError"))
                 if method in ("post", "put", "patch"):
                     responses.setdefault("413", _answer("Body too large", "HTTPError"))
@@ -99,6 +100,17 @@ _HTTP_ERROR_SCHEMA: dict[str, Any] = {  # FastAPI's answer to a body that is not
     "type": "object",
     "properties": {"detail": {"type": "string"}},
     "required": ["detail"],
+}
+_INVALID_BODY_SCHEMA: dict[str, Any] = {  # SGLang's ErrorResponse (receiver.server._invalid)
+    "type": "object",
+    "properties": {
+        "object": {"type": "string"},
+        "message": {"type": "string"},
+        "type": {"type": "string"},
+        "param": {"type": ["string", "null"]},
+        "code": {"type": "integer"},
+    },
+    "required": ["object", "message", "type", "code"],
 }
 _UNAUTHORIZED_SCHEMA: dict[str, Any] = {
     "type": "object",

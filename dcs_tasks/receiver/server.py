@@ -5,8 +5,10 @@ SGLang's routes, bodies, status codes and error shapes (sglang/srt/entrypoints/h
 /update_weights_from_distributed (only inside a begin/end session, else 400), /pause_generation,
 /continue_generation; GET /server_info (and the deprecated /get_server_info), /model_info (`weight_version`,
 `"default"` before any update), /health (empty 200). A failed call answers 400 with `{"success": false,
-"message": ...}`. Read-only debug routes SGLang lacks, which the trainer never calls: GET /weights_digest ->
-`WeightsDigest`, GET /metrics (dcs_recv_latency_seconds, dcs_bytes_received_total per bucket).
+"message": ...}`; a body that does not validate, 400 with SGLang's `{"object": "error", "message", "type":
+"Bad Request", "param": null, "code": 400}` (not FastAPI's 422). Read-only debug routes SGLang lacks, which
+the trainer never calls: GET /weights_digest -> `WeightsDigest`, GET /metrics (dcs_recv_latency_seconds,
+dcs_bytes_received_total per bucket).
 
 Where it differs from SGLang, by design: SGLang loads each bucket into its live weights; this receiver
 stages buckets and swaps them in only when the bucket with `flush_cache=true` arrives (the trainer's last),
@@ -22,6 +24,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -52,6 +55,16 @@ OUTSIDE_SESSION = "update_weights_from_distributed must run between begin_weight
 def _answer(success: bool, message: str) -> JSONResponse:
     """SGLang's answer to weight-update calls: 200 on success, 400 with the same shape on failure."""
     return JSONResponse(EngineResponse(success=success, message=message).model_dump(), 200 if success else 400)
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    """SGLang's answer to a body that does not validate: 400 with its OpenAI-style `ErrorResponse` (its
+    `validation_exception_handler` overrides FastAPI's 422), message built the same way."""
+    assert isinstance(exc, RequestValidationError)
+    exc_str, errors_str = str(exc), str(exc.errors())
+    message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return JSONResponse(body, status_code=400)
 
 
 def _version(body: UpdateWeightsFromDistributedRequest) -> int | None:
@@ -90,6 +103,7 @@ def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> Fast
     """The app serving one `WeightReceiver` (this process is group rank `rank_offset`, tp_size 1); `pause_gc`
     holds off the cyclic garbage collector while an update is received (see `dcs_tasks.sync.gcpause`)."""
     app = FastAPI(title="DCS reference rollout receiver")
+    app.add_exception_handler(RequestValidationError, _invalid)
     state = EngineState()
     _group_routes(app, receiver)
     _session_routes(app, receiver, state)
