@@ -1,0 +1,211 @@
+"""A DCS cluster on simulated hosts: Redis on the bridge, `dcs worker`s and trainer ranks inside hosts.
+
+    cluster = Cluster(network, tmp_path)            # Redis listens on the bridge address
+    a = cluster.add_host("ha")                       # hostname ha, own /dev/shm, 10.213.N.11
+    cluster.start_worker(a)                          # `dcs worker` inside ha: queue dcs.node.ha
+    rank0 = cluster.start_trainer(a, "run", rank=0, world=4)
+    rank0.ask({"op": "save", "step": 10, "wait": 60})
+    cluster.close()                                  # every process, every host, Redis
+
+Every process gets the cluster's `DCS_*` environment and no node name, so each finds its host's queue from
+its hostname, as it would on a real host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from dcs_tasks.celery_app import make_celery, node_queue
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+from tests.helpers.ports import free_port
+from tests.helpers.procs import REPO, child_env
+from tests.multihost.hosts import HostNetwork, HostProcess, SimulatedHost
+
+
+class BridgeRedis:
+    """redis-server in the root namespace, listening only on the bridge address."""
+
+    def __init__(self, workdir: Path, address: str) -> None:
+        self.workdir = workdir
+        self.address = address
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.address}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> BridgeRedis:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; `make test` installs it with apt")
+        args = [binary, "--port", str(self.port), "--bind", self.address, "--dir", str(self.workdir)]
+        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", "redis.log"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"redis-server on {self.url} did not answer within {timeout}s") from None
+                time.sleep(0.05)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=self.address, port=self.port, socket_timeout=5, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+
+class TaskEvents:
+    """The Celery task events (`dcs worker` runs with -E) every worker sends, captured in the test process:
+    which worker (`dcs@<host>`) received which task with which arguments."""
+
+    def __init__(self, config: DCSConfig) -> None:
+        self.app = make_celery(config)
+        self.received: list[dict[str, Any]] = []
+        self._ready = threading.Event()
+        self._receiver: Any = None
+        self._thread = threading.Thread(target=self._capture, name="task-events", daemon=True)
+
+    def start(self, timeout: float = 10.0) -> TaskEvents:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the task event receiver did not connect")
+        return self
+
+    def _capture(self) -> None:
+        with self.app.connection_for_read() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={"task-received": self.received.append})
+            declared = receiver.on_consume_ready
+
+            def on_ready(*args: Any, **kwargs: Any) -> None:
+                declared(*args, **kwargs)
+                self._ready.set()
+
+            receiver.on_consume_ready = on_ready
+            self._receiver = receiver
+            for _ in receiver.consume(limit=None, wakeup=False):
+                pass
+
+    def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(5)
+
+    def hosts_by_run(self, task: str) -> dict[str, set[str]]:
+        """run name in the payload -> hostnames of the workers that received `task` for it."""
+        seen: dict[str, set[str]] = {}
+        for event in self.received:
+            if event.get("name") == task:
+                run = re.search(r"'run': '([^']+)'", event.get("args", ""))
+                host = str(event.get("hostname", "")).removeprefix("dcs@")
+                seen.setdefault(run[1] if run else "?", set()).add(host)
+        return seen
+
+
+class TrainerRank:
+    """A trainer rank (`tests/multihost/trainer.py`) inside a host, driven by JSON lines."""
+
+    def __init__(self, process: HostProcess, rank: int) -> None:
+        self.process = process
+        self.rank = rank
+
+    def ask(self, cmd: dict[str, Any], timeout: float = 90.0) -> dict[str, Any]:
+        """Send one command; its answer (raises when the rank dies or does not answer in time)."""
+        proc = self.process.proc
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        proc.stdin.flush()
+        return self.answer(timeout)
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        proc = self.process.proc
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            raise TimeoutError(f"rank {self.rank} on {self.process.host.name}: no answer; log: {self.log_tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.process.log_text()[-n:]
+
+
+class Cluster:
+    """Hosts of one test, the Redis they share and the DCS processes on them; `close()` removes all."""
+
+    def __init__(self, network: HostNetwork, workdir: Path, **config: Any) -> None:
+        self.network = network
+        self.workdir = workdir
+        self.redis = BridgeRedis(workdir / "redis", network.gateway).start()
+        self.config = DCSConfig(
+            redis_url=self.redis.url,
+            checkpoint_dir=workdir / "shared-ckpt",  # the same path on every host
+            enable_metrics=False,
+            redis_socket_timeout_seconds=2.0,
+            retry_delay_seconds=0.05,
+            retry_backoff_max_seconds=0.2,
+            max_retries=2,
+            **config,
+        )
+        self.keys = Keys(self.config.namespace)
+        self.hosts: list[SimulatedHost] = []
+
+    def add_host(self, name: str) -> SimulatedHost:
+        host = self.network.add_host(name)
+        self.hosts.append(host)
+        return host
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return child_env(self.config, **extra)
+
+    def start_worker(self, host: SimulatedHost, timeout: float = 60.0, **env: str) -> HostProcess:
+        """`dcs worker` inside `host`; returns once its node queue's presence key is in Redis."""
+        dcs = Path(sys.executable).with_name("dcs")
+        argv = [str(dcs), "worker", "--concurrency=2", "--loglevel=INFO"]
+        worker = host.spawn(argv, self.env(**env), self.workdir / f"worker-{host.name}.log", REPO)
+        key = self.keys.worker_presence(node_queue(host.name))
+        client = self.redis.client()
+        deadline = time.monotonic() + timeout
+        while not client.exists(key):
+            if not worker.alive() or time.monotonic() > deadline:
+                worker.kill()
+                raise RuntimeError(f"worker on {host.name} not ready; log: {worker.log_text()[-3000:]}")
+            time.sleep(0.1)
+        return worker
+
+    def start_trainer(self, host: SimulatedHost, run: str, rank: int, world: int, **env: str) -> TrainerRank:
+        argv = [sys.executable, "-m", "tests.multihost.trainer", run, str(rank), str(world)]
+        log = self.workdir / f"trainer-{host.name}-{rank}-of-{world}.log"
+        trainer = TrainerRank(host.spawn(argv, self.env(**env), log, REPO, pipes=True), rank)
+        first = trainer.answer(60)
+        if not first.get("ready"):
+            raise RuntimeError(f"trainer rank {rank} on {host.name} did not start: {first}")
+        return trainer
+
+    def close(self) -> None:
+        for host in self.hosts:
+            self.network.remove_host(host.name)
+        self.hosts.clear()
+        self.redis.stop()

@@ -1,0 +1,151 @@
+"""Checkpoints across simulated hosts: a W=4 run on two trainer hosts, each with its own `dcs worker` and its
+own /dev/shm, one shared checkpoint directory; restores on a third host; a cut cable mid-persist.
+
+Every process is started inside its host as an operator would start it there, configured only by `DCS_*`
+variables without a node name: each trainer rank finds its host's queue `dcs.node.<hostname>` by itself.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multihost.cluster import Cluster, TaskEvents, TrainerRank
+from tests.multihost.hosts import SimulatedHost
+from tests.multihost.trainer import digests, global_state, rank_state
+
+pytestmark = [pytest.mark.multihost, pytest.mark.integration]
+
+WORLD = 4
+KiB = 1024
+PERSIST = "dcs.ckpt.persist"
+COMMIT = "dcs.ckpt.commit"
+
+
+def expected(step: int, rank: int, world: int) -> dict[str, Any]:
+    """Digests of rank `rank` of `world`'s part of `step` as the W=4 run saved it: the dim-split tensors
+    resliced, the rank-local values of saving rank `rank` (rank 0 beyond the saved world)."""
+    full = global_state(step, WORLD)
+    model = {"w": torch.tensor_split(full["w"], world, 0)[rank], "col": torch.tensor_split(full["col"], world, 1)[rank]}
+    rng = rank_state(step, rank if rank < WORLD else 0, WORLD)["rng"]
+    return digests({"model": model, "rng": rng, "step": step})
+
+
+def ask_all(ranks: list[TrainerRank], cmd: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
+    return [rank.ask(cmd, timeout) for rank in ranks]
+
+
+def save_all(ranks: list[TrainerRank], step: int) -> None:
+    """Every rank stages `step` (in parallel across hosts), then every rank waits for its commit."""
+    for answer in ask_all(ranks, {"op": "save", "step": step, "wait": None}):
+        assert answer["ok"], answer
+    for rank, answer in zip(ranks, ask_all(ranks, {"op": "wait", "step": step, "timeout": 60}), strict=True):
+        assert answer == {"ok": True, "status": "committed", "path": answer["path"]}, (answer, rank.log_tail())
+
+
+def restore_at_w2(cluster: Cluster, host: SimulatedHost, run: str) -> list[dict[str, Any]]:
+    """Restore as both ranks of a W=2 job on `host`; their answers."""
+    ranks = [cluster.start_trainer(host, run, rank, 2) for rank in range(2)]
+    try:
+        return ask_all(ranks, {"op": "restore"})
+    finally:
+        ask_all_exit(ranks)
+
+
+def ask_all_exit(ranks: list[TrainerRank]) -> None:
+    for rank in ranks:
+        rank.process.stop(timeout=30)
+
+
+def assert_restores(cluster: Cluster, host: SimulatedHost, run: str, step: int) -> None:
+    for rank, answer in enumerate(restore_at_w2(cluster, host, run)):
+        assert answer == {"ok": True, "step": step, "digests": expected(step, rank, 2)}, answer
+
+
+def staged_runs(host: SimulatedHost) -> set[str]:
+    """Runs (`<run>.rank-0000r`) with a staging buffer in this host's /dev/shm."""
+    found = (re.fullmatch(r"dcs-dcs-(.+)-\d+-[0-9a-f]+-\d+\.stage", name) for name in host.shm_files())
+    return {match[1] for match in found if match}
+
+
+@pytest.fixture
+def events(cluster: Cluster) -> Iterator[TaskEvents]:
+    events = TaskEvents(cluster.config).start()
+    yield events
+    events.stop()
+
+
+def test_w4_step_on_two_hosts_commits_once_every_rank_is_durable_and_restores_at_w2_on_a_third(
+    cluster: Cluster, events: TaskEvents
+) -> None:
+    a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
+    cluster.start_worker(a)
+    cluster.start_worker(b)
+    ranks_a = [cluster.start_trainer(a, "xh", rank, WORLD) for rank in (0, 1)]
+    ranks_b = [cluster.start_trainer(b, "xh", rank, WORLD) for rank in (2, 3)]
+    names = ask_all(ranks_a + ranks_b, {"op": "whoami"})
+    assert [n["node"] for n in names] == ["ha", "ha", "hb", "hb"] == [n["hostname"] for n in names]
+
+    save_all(ranks_a, 10)  # host a's ranks are durable, host b's have not saved yet: no step 10
+    for answer in restore_at_w2(cluster, c, "xh"):
+        assert not answer["ok"] and answer["error"].startswith("CheckpointNotFound"), answer
+    save_all(ranks_b, 10)
+    assert_restores(cluster, c, "xh", 10)
+    save_all(ranks_a + ranks_b, 20)
+    assert_restores(cluster, c, "xh", 20)
+
+    # each rank staged in its own host's /dev/shm, and each worker got only its own host's ranks' tasks
+    assert staged_runs(a) == {"xh.rank-00000", "xh.rank-00001"}
+    assert staged_runs(b) == {"xh.rank-00002", "xh.rank-00003"}
+    assert staged_runs(c) == set()
+    time.sleep(0.5)  # the last commit's event
+    owners = {f"xh.rank-0000{r}": {"ha" if r < 2 else "hb"} for r in range(WORLD)}
+    assert events.hosts_by_run(PERSIST) == owners
+    assert events.hosts_by_run(COMMIT) == owners
+
+
+def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_step(cluster: Cluster) -> None:
+    a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
+    # host a's worker writes 128 KiB/s: each rank's ~256 KiB file takes ~2 s, so the cut lands mid-write
+    cluster.start_worker(a, DCS_PERSIST_THROTTLE_BYTES_PER_SECOND=str(128 * KiB))
+    cluster.start_worker(b)
+    ranks_a = [cluster.start_trainer(a, "cut", rank, WORLD) for rank in (0, 1)]
+    ranks_b = [cluster.start_trainer(b, "cut", rank, WORLD) for rank in (2, 3)]
+    save_all(ranks_a + ranks_b, 10)
+
+    save_all(ranks_b, 20)
+    for answer in ask_all(ranks_a, {"op": "save", "step": 20, "wait": None}):
+        assert answer["ok"], answer
+    step_dirs = [Path(cluster.config.checkpoint_dir) / "cut" / f"rank-0000{r}" / "step-000000020" for r in (0, 1)]
+    wait_for(lambda: all(list(d.glob(".*.tmp")) for d in step_dirs if d.exists()) and all(map(Path.exists, step_dirs)))
+    a.link_down()
+    try:
+        for answer in ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 8}, timeout=60):
+            assert not answer["ok"] and answer["error"].startswith("DCSTimeoutError"), answer
+        # host a's files are long written (shared storage), but its worker cannot record them: no step 20
+        assert all((d / "model-00001-of-00001.safetensors").exists() for d in step_dirs)
+        assert_restores(cluster, c, "cut", 10)
+        rank0 = cluster.start_trainer(c, "cut", 0, 2)
+        assert "only ranks [2, 3] committed it" in rank0.ask({"op": "restore", "step": 20})["error"]
+        rank0.process.stop()
+    finally:
+        a.link_up()
+    cluster.network.wait_link(a)
+    outcome = ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 60}, timeout=90)
+    print("step 20 after the link returned:", outcome)
+    save_all(ranks_a + ranks_b, 30)
+    assert_restores(cluster, c, "cut", 30)
+
+
+def wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s")
+        time.sleep(0.01)
