@@ -19,10 +19,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# redis-sentinel: the Sentinel failover tests (tests/helpers/sentinel.py) start three sentinels
 redis-bin:
-	@command -v redis-server >/dev/null 2>&1 || { \
-		echo "redis-server missing: installing it with apt"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@{ command -v redis-server && command -v redis-sentinel; } >/dev/null 2>&1 || { \
+		echo "redis-server or redis-sentinel missing: installing them with apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel >/dev/null; }
 
 # Real SGLang versions (no GPU deps) under .sglang/ for tests/sglang_engine (see tests/sglang_engine/README.md).
 sglang-engines: install

@@ -19,15 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -48,31 +45,16 @@ from dcs_tasks.auth import BearerAuthASGI
 from dcs_tasks.config import DCSConfig, TopologyConfig
 from dcs_tasks.httpguard import BodyLimitASGI
 from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import async_client, redis_location
 
 log = logging.getLogger(__name__)
-
-
-def redis_location(url: str) -> str:
-    """host:port/db of a Redis URL, without credentials (safe for error messages)."""
-    parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port or 6379}{parts.path}" if parts.hostname else url.split("@")[-1]
 
 
 def make_redis(config: DCSConfig) -> aioredis.Redis:
     """An asyncio Redis client whose every call is bounded by the configured socket timeout, on a blocking pool
     of DCS_REDIS_MAX_CONNECTIONS: when all are busy a call waits up to DCS_REDIS_POOL_TIMEOUT_SECONDS for one
-    (then a ConnectionError, i.e. 503) instead of failing at once."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        config.redis_url,
-        max_connections=config.redis_max_connections,
-        timeout=config.redis_pool_timeout_seconds,
-        decode_responses=True,
-        socket_timeout=config.redis_socket_timeout_seconds,
-        socket_connect_timeout=config.redis_socket_timeout_seconds,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
-        health_check_interval=30,
-    )
-    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+    (then a ConnectionError, i.e. 503) instead of failing at once. A Sentinel URL follows the current master."""
+    return async_client(config)
 
 
 def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics: RequestMetrics) -> Services:

@@ -16,6 +16,7 @@ from kombu import Exchange, Queue
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import ConfigError
+from dcs_tasks.redisconn import celery_urls
 
 CONTROL_QUEUE = "dcs.control"
 NODE_QUEUE_PREFIX = "dcs.node."
@@ -45,9 +46,12 @@ def celery_settings(config: DCSConfig) -> dict[str, Any]:
     # kombu scans for unacked messages of dead workers every interval * throttle seconds (default 10 * 10):
     # scan every 10 s, so a task of a worker killed with -9 returns ~visibility_timeout after it was taken
     broker_transport = {**transport, "unacked_restore_throttle": 1}
+    urls = celery_urls(config)  # a Sentinel URL becomes kombu's `sentinel://h1;sentinel://h2` + master_name
+    transport.update(urls["transport_options"])
+    broker_transport.update(urls["transport_options"])
     return {
-        "broker_url": config.redis_url,
-        "result_backend": config.redis_url,
+        "broker_url": urls["broker_url"],
+        "result_backend": urls["result_backend"],
         "task_serializer": "json",
         "result_serializer": "json",
         "event_serializer": "json",

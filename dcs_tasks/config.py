@@ -23,7 +23,7 @@ MiB = 1024 * 1024
 MASK = "***"
 # scheme://user:password@  or  scheme://user@  (a lone user may be a secret too); ?password=... query values
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^@/\s?#]*)@")
-_URL_PASSWORD_PARAM = re.compile(r"(?P<key>[?&](?:password|pass|pwd|token)=)[^&#\s]*", re.IGNORECASE)
+_URL_PASSWORD_PARAM = re.compile(r"(?P<key>[?&](?:\w*password|pass|pwd|token)=)[^&#\s]*", re.IGNORECASE)
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:
@@ -152,7 +152,8 @@ class DCSConfig(BaseSettings):
 
     # redis
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis for the coordinator state, the Celery broker and results."""
+    """Redis for the coordinator state, the Celery broker and results: `redis://[:password@]host:6379/0`, or
+    Redis Sentinel `sentinel://[:password@]host1:26379,host2:26379,.../<master_name>[/<db>]` (docs/operations.md)."""
     namespace: str = Field(default="dcs", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Prefix of every Redis key DCS writes."""
     redis_socket_timeout_seconds: float = Field(default=5.0, gt=0)
@@ -262,6 +263,10 @@ class DCSConfig(BaseSettings):
     def _check_redis_url(cls, value: str) -> str:
         if not value.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
             raise ValueError(f"redis_url must be a redis://, rediss://, unix:// or sentinel:// URL, got {value!r}")
+        if value.startswith("sentinel://"):
+            from dcs_tasks.redisconn import parse_sentinel_url  # ConfigError (a ValueError) when malformed
+
+            parse_sentinel_url(value)
         return value
 
     @model_validator(mode="after")

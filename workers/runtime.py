@@ -12,6 +12,7 @@ import redis
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
 
 
 @dataclass
@@ -22,13 +23,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.config.namespace)
-        self.redis = redis.Redis.from_url(
-            self.config.redis_url,
-            decode_responses=True,
-            socket_timeout=self.config.redis_socket_timeout_seconds,
-            socket_connect_timeout=self.config.redis_socket_timeout_seconds,
-            health_check_interval=10,
-        )
+        self.redis = sync_client(self.config, health_check_interval=10)  # Sentinel URLs follow the master
 
 
 _RUNTIME: Runtime | None = None

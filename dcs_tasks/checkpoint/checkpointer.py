@@ -55,6 +55,7 @@ from dcs_tasks.errors import (
     StagingError,
 )
 from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,7 @@ class Checkpointer:
         self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
         self.run_dir = self.run_root / sharded.rank_dir_name(rank) if multi else self.run_root
         self._keys = Keys(self.config.namespace)
-        self._redis = redis.Redis.from_url(
-            self.config.redis_url,
-            decode_responses=True,
-            socket_timeout=self.config.redis_socket_timeout_seconds,
-            socket_connect_timeout=self.config.redis_socket_timeout_seconds,
-        )
+        self._redis = sync_client(self.config)  # a Sentinel URL follows the current master
         self._ledger = StepLedger(self._redis, self._keys)
         self._app = celery_app or make_celery(self.config)
         self._pool = StagingPool(

@@ -171,8 +171,9 @@ def _in_flight(config: DCSConfig, run: str) -> set[int]:
 
     from dcs_tasks.checkpoint.ledger import StepLedger
     from dcs_tasks.keys import Keys
+    from dcs_tasks.redisconn import sync_client
 
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = sync_client(config, socket_timeout=2, decode_responses=False)
     try:
         return StepLedger(client, Keys(config.namespace)).in_flight_steps(run)
     except redis.RedisError as exc:

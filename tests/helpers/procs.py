@@ -14,6 +14,7 @@ import redis
 from dcs_tasks.celery_app import node_queue
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
 from tests.helpers.ports import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ class WorkerProcess(DcsProcess):
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        client = redis.Redis.from_url(self.config.redis_url)
+        client = sync_client(self.config)  # a plain or a Sentinel URL
         key = Keys(self.config.namespace).worker_presence(node_queue(self.config.host_name))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,0 +1,183 @@
+"""The one place DCS turns `DCSConfig.redis_url` into Redis clients and Celery broker/backend settings.
+
+Two URL forms are accepted:
+
+- a plain Redis: `redis://[[user]:password@]host[:6379][/db]`, `rediss://...`, `unix:///path?db=0`;
+- Redis Sentinel: `sentinel://[[user]:password@]host1[:26379][,host2[:26379]...]/<master_name>[/<db>]`
+  with an optional `?sentinel_password=...` when the sentinels themselves require a password. The
+  password in the user part is the one of the master and its replicas. Every client asks the sentinels for
+  the current master on each new connection, so a failover is followed without restarting any process.
+
+`sync_client` (trainers, workers, CLI), `async_client` (the coordinator) and `celery_urls` (broker and
+result backend, in kombu's `sentinel://h1:p1;sentinel://h2:p2` form plus `master_name` transport options)
+all read the same setting. Redis Cluster is not supported (Celery's Redis broker cannot use it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.backoff import ExponentialBackoff
+from redis.sentinel import Sentinel
+
+from dcs_tasks.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dcs_tasks.config import DCSConfig
+
+SENTINEL_SCHEME = "sentinel://"
+SENTINEL_PORT = 26379
+_FORM = "sentinel://[[user]:password@]host1[:26379][,host2[:26379]...]/<master_name>[/<db>]"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A parsed Sentinel URL: where the sentinels are and which master (and db) to use."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME)
+
+
+def _host_port(item: str, url_hint: str) -> tuple[str, int]:
+    host, sep, port = item.rpartition(":")
+    if not sep:
+        host, port = item, str(SENTINEL_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"Sentinel URL {url_hint}: {item!r} is not host[:port]; expected {_FORM}")
+    return host, int(port)
+
+
+def _split_userinfo(netloc: str) -> tuple[str | None, str | None, str]:
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return None, None, netloc
+    user, sep, password = userinfo.partition(":")
+    return (unquote(user) or None), (unquote(password) if sep else None), hosts
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """`url` as a `SentinelTarget`; ConfigError naming the problem (never the password) when malformed."""
+    parts = urlsplit(url)
+    user, password, hosts = _split_userinfo(parts.netloc)
+    hint = f"sentinel://...{parts.path}"
+    if not hosts:
+        raise ConfigError(f"Sentinel URL {hint} names no sentinel host; expected {_FORM}")
+    sentinels = tuple(_host_port(item, hint) for item in hosts.split(",") if item)
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not path or len(path) > 2:
+        raise ConfigError(f"Sentinel URL {hint} must name the master (and optionally a db): expected {_FORM}")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ConfigError(f"Sentinel URL {hint}: db {path[1]!r} is not a number; expected {_FORM}")
+    query = parse_qs(parts.query)
+    unknown = set(query) - {"sentinel_password"}
+    if unknown:
+        raise ConfigError(f"Sentinel URL {hint}: unknown parameter(s) {sorted(unknown)}; only sentinel_password")
+    return SentinelTarget(
+        sentinels=sentinels,
+        master_name=unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=user,
+        password=password,
+        sentinel_password=query.get("sentinel_password", [None])[0],
+    )
+
+
+def redis_location(url: str) -> str:
+    """Where a Redis URL points, without credentials (safe for error messages)."""
+    if is_sentinel(url):
+        target = parse_sentinel_url(url)
+        hosts = ",".join(f"{host}:{port}" for host, port in target.sentinels)
+        return f"sentinel {hosts} master {target.master_name!r} db {target.db}"
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 6379}{parts.path}" if parts.hostname else url.split("@")[-1]
+
+
+def _sentinel_kwargs(target: SentinelTarget, timeout: float) -> dict[str, Any]:
+    """Options of the connections to the sentinels themselves."""
+    kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if target.sentinel_password:
+        kwargs["password"] = target.sentinel_password
+    return kwargs
+
+
+def _auth(target: SentinelTarget) -> dict[str, Any]:
+    return {"username": target.username, "password": target.password, "db": target.db}
+
+
+def sync_client(config: DCSConfig, *, socket_timeout: float | None = None, **options: Any) -> redis.Redis:
+    """A blocking client with decoded responses, every call bounded by the socket timeout. With a Sentinel
+    URL it always talks to the current master (a failover is followed on the next connection)."""
+    timeout = socket_timeout or config.redis_socket_timeout_seconds
+    kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **options}
+    kwargs.setdefault("decode_responses", True)
+    if not is_sentinel(config.redis_url):
+        return redis.Redis.from_url(config.redis_url, **kwargs)
+    target = parse_sentinel_url(config.redis_url)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
+    client: redis.Redis = sentinel.master_for(target.master_name, **_auth(target), **kwargs)
+    return client
+
+
+class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
+    """A Sentinel-managed pool that waits for a free connection like `BlockingConnectionPool`."""
+
+
+def async_client(config: DCSConfig) -> aioredis.Redis:
+    """The coordinator's asyncio client: decoded responses, every call bounded by the socket timeout, a
+    blocking pool of DCS_REDIS_MAX_CONNECTIONS (a call waits up to DCS_REDIS_POOL_TIMEOUT_SECONDS for a free
+    connection, then ConnectionError), two quick retries. Sentinel URLs follow the current master."""
+    timeout = config.redis_socket_timeout_seconds
+    kwargs: dict[str, Any] = {
+        "max_connections": config.redis_max_connections,
+        "timeout": config.redis_pool_timeout_seconds,
+        "decode_responses": True,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+        "health_check_interval": 30,
+    }
+    if not is_sentinel(config.redis_url):
+        pool = aioredis.BlockingConnectionPool.from_url(config.redis_url, **kwargs)
+        return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+    target = parse_sentinel_url(config.redis_url)
+    sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
+    client: aioredis.Redis = sentinel.master_for(  # the client owns (and closes) its pool
+        target.master_name, connection_pool_class=_BlockingSentinelPool, **_auth(target), **kwargs
+    )
+    return client
+
+
+def celery_urls(config: DCSConfig) -> dict[str, Any]:
+    """`broker_url`, `result_backend` and the transport options they need (merged into Celery's settings)."""
+    url = config.redis_url
+    if not is_sentinel(url):
+        return {"broker_url": url, "result_backend": url, "transport_options": {}}
+    target = parse_sentinel_url(url)
+    auth = ""
+    if target.password is not None:
+        auth = f"{quote(target.username or '', safe='')}:{quote(target.password, safe='')}@"
+    chunks = [
+        f"sentinel://{auth if i == 0 else ''}{host}:{port}/{target.db}"
+        for i, (host, port) in enumerate(target.sentinels)
+    ]
+    options = {
+        "master_name": target.master_name,
+        "sentinel_kwargs": _sentinel_kwargs(target, config.redis_socket_timeout_seconds),
+    }
+    joined = ";".join(chunks)
+    return {"broker_url": joined, "result_backend": joined, "transport_options": options}

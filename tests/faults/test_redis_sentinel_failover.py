@@ -1,0 +1,190 @@
+"""Redis high availability: a real `dcs coordinator`, a real `dcs worker` and a trainer (this process) all on a
+Sentinel URL; the Redis master is killed with -9 while a save is in flight (docs/operations.md, "Redis high
+availability (Sentinel)"). Nothing DCS runs is restarted: the clients follow the promoted replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcs_tasks.checkpoint import Checkpointer
+from dcs_tasks.checkpoint.format import step_dir_name
+from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
+from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.errors import CheckpointFailed, CoordinatorError, DCSTimeoutError
+from dcs_tasks.keys import Keys
+from dcs_tasks.models import TopologyResponse
+from dcs_tasks.redisconn import sync_client
+from tests.checkpoint_support import ckpt_config, training_state
+from tests.helpers.procs import CoordinatorProcess, WorkerProcess
+from tests.helpers.sentinel import SentinelCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+IN_FLIGHT_TIMEOUT = 25.0  # > visibility timeout + kombu's restore scan: a task cancelled by the failover returns
+
+
+@pytest.fixture
+def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
+    cluster = SentinelCluster(tmp_path / "sentinel").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def ha_config(sentinel_cluster: SentinelCluster, tmp_path: Path) -> DCSConfig:
+    base = DCSConfig(
+        redis_url=sentinel_cluster.url,
+        checkpoint_dir=tmp_path / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=3.0,
+        node_name="testhost",
+        enable_metrics=False,
+        redis_socket_timeout_seconds=2.0,
+    )
+    # short limits so a persist task cancelled by the connection loss comes back within the test
+    limits = {"task_soft_time_limit_seconds": 5.0, "task_time_limit_seconds": 6.0, "visibility_timeout_seconds": 8.0}
+    return ckpt_config(base, tmp_path, **limits)
+
+
+@pytest.fixture
+async def stack(ha_config: DCSConfig, tmp_path: Path) -> AsyncIterator[tuple[CoordinatorProcess, WorkerProcess]]:
+    coordinator = CoordinatorProcess(ha_config, tmp_path / "coordinator.log").start()
+    worker = await asyncio.to_thread(WorkerProcess(ha_config, tmp_path / "worker.log").start)
+    yield coordinator, worker
+    await asyncio.to_thread(worker.terminate)
+    coordinator.stop()
+
+
+async def _all_alive(api: CoordinatorAPI, want: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            health = await api.health()
+            if health.world_size == want and not health.dead_nodes:
+                return
+        except Exception:  # 503 while Redis fails over
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{want} nodes not all alive within {timeout}s")
+
+
+async def _topology(api: CoordinatorAPI, timeout: float) -> TopologyResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await api.topology()
+        except CoordinatorError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _commits_written(config: DCSConfig, worker: WorkerProcess) -> list[int]:
+    """The step of every commit task that wrote ('write': this call committed the step), from Celery's result
+    backend (results are extended: they keep the task's arguments); cross-checked with the worker's log."""
+    client = sync_client(config)
+    steps = []
+    for key in client.scan_iter("celery-task-meta-*"):
+        meta = json.loads(client.get(key) or "{}")
+        if meta.get("name") == "dcs.ckpt.commit" and meta.get("result") == "write":
+            steps.append(int(meta["args"][0]["ref"]["step"]))
+    logged = re.findall(r"dcs\.ckpt\.commit\[[^]]*\] succeeded in [^:]*: 'write'", worker.log_tail(1_000_000))
+    assert len(logged) == len(steps), (logged, steps)
+    return sorted(steps)
+
+
+def _kill_when(cluster: SentinelCluster, worker: WorkerProcess, moment: str) -> int:
+    """kill -9 the master at once ('dispatch': the persist tasks are being sent) or once the worker took the
+    save's persist task ('persisting': the task is running when Redis goes)."""
+    if moment == "persisting":
+        deadline = time.monotonic() + 20
+        while worker.log_tail(1_000_000).count("dcs.ckpt.persist[") < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)  # step 1's task was received and succeeded (2 lines); wait for step 2's
+    return cluster.kill_master()
+
+
+def _wait_in_flight(pending: object) -> tuple[str, float]:
+    """The in-flight save's outcome: committed, or one of the named errors, within its timeout."""
+    started = time.monotonic()
+    try:
+        pending.wait(IN_FLIGHT_TIMEOUT)  # type: ignore[attr-defined]
+        outcome = "committed"
+    except (CheckpointFailed, DCSTimeoutError) as exc:
+        outcome = type(exc).__name__
+    return outcome, time.monotonic() - started
+
+
+@pytest.mark.parametrize("moment", ["dispatch", "persisting"])
+async def test_master_killed_mid_save_failover_keeps_state_and_everything_resumes(
+    sentinel_cluster: SentinelCluster,
+    ha_config: DCSConfig,
+    stack: tuple[CoordinatorProcess, WorkerProcess],
+    moment: str,
+) -> None:
+    coordinator, worker = stack
+    state = training_state()
+    big = {"weights": torch.randn(48 * 1024 * 1024 // 4), "step": 2}  # 48 MiB: its persist takes a while
+    ckpt = Checkpointer("ha", ha_config)
+    async with CoordinatorAPI(coordinator.url, timeout=5) as api:
+        nodes = [await api.register(RoleInfo(role_name="actor", port=4000 + i)) for i in range(2)]
+        loops = [
+            HeartbeatLoop(api, RoleInfo(role_name="actor", port=4000 + n.rank, rank=n.rank), 0.5).start() for n in nodes
+        ]
+        first = await asyncio.to_thread(lambda: ckpt.save(state, step=1).wait(30))
+        assert first.step == 1
+        assert sentinel_cluster.wait_replicated() == 1  # everything acknowledged so far is on the replica
+
+        in_flight = await asyncio.to_thread(ckpt.save, big if moment == "persisting" else state, 2)
+        old = await asyncio.to_thread(_kill_when, sentinel_cluster, worker, moment)
+        killed_at = time.monotonic()
+        new = await asyncio.to_thread(sentinel_cluster.wait_promoted, old)
+        failover_s = time.monotonic() - killed_at
+        assert new != old
+
+        outcome, waited = await asyncio.to_thread(_wait_in_flight, in_flight)
+        assert waited < IN_FLIGHT_TIMEOUT + 5
+
+        # topology and the committed ledger survived on the promoted replica
+        topo = await _topology(api, timeout=15)
+        assert sorted(topo.nodes["actor"]) == [0, 1]
+        book = StepLedger(sync_client(ha_config), Keys(ha_config.namespace))
+        assert book.read("ha", 1).status is StepStatus.COMMITTED
+
+        # heartbeats resume through the same coordinator process and the same client
+        beats_before = [loop.beats for loop in loops]
+        await _all_alive(api, 2, timeout=15)
+        await asyncio.sleep(1.5)
+        assert all(loop.beats > before for loop, before in zip(loops, beats_before, strict=True))
+        assert all(loop.lost is None for loop in loops)
+
+        # a new save after the failover commits, through the same worker process
+        third = await asyncio.to_thread(lambda: ckpt.save(state, step=3).wait(45))
+        assert third.step == 3
+        for loop in loops:
+            await loop.stop()
+    ckpt.close(10)
+
+    committed = sorted(info.step for info in ckpt.list())
+    assert {1, 3} <= set(committed)
+    if outcome != "DCSTimeoutError":  # a timed-out save may still commit later, once
+        assert (2 in committed) == (outcome == "committed"), (outcome, committed)
+    for step in committed:  # each committed step has its manifest, written by exactly one commit task
+        assert (Path(ha_config.checkpoint_dir) / "ha" / step_dir_name(step) / "manifest.json").is_file()
+    assert _commits_written(ha_config, worker) == committed, worker.log_tail()
+    # nothing was restarted from outside: the coordinator and the worker are the processes started above.
+    # Known limit (docs/operations.md): when a task is unacked at the kill, kombu 5.7's consumer crashes while
+    # restoring it on the dead connection and `dcs worker` re-executes itself in place (same pid, workers/cli.py)
+    assert coordinator.proc is not None and coordinator.proc.poll() is None
+    assert worker.proc is not None and worker.proc.poll() is None
+    reexecs = worker.log_tail(1_000_000).count("worker stopped without a shutdown signal")
+    assert reexecs <= 1, worker.log_tail()
+    print(f"{moment}: failover {failover_s:.1f}s; in-flight save {outcome} after {waited:.1f}s; committed {committed}")
+    print(f"{moment}: worker re-executed itself {reexecs} time(s)")
