@@ -83,7 +83,11 @@ def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEn
     try:
         fd = open_staging(staging)
     except FileNotFoundError as exc:
-        raise CheckpointFailed(f"staging file {staging} is gone (trainer closed or crashed)") from exc
+        host = runtime().config.host_name
+        raise CheckpointFailed(
+            f"staging file {staging} is not on host {host!r}: the trainer closed or crashed, or it staged it on "
+            "another host (a trainer's node name must be the host it runs on)"
+        ) from exc
     try:
         staged_size = os.fstat(fd).st_size
         if staged_size < req.offset + req.length:

@@ -137,10 +137,50 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
     finally:
         a.link_up()
     cluster.network.wait_link(a)
-    outcome = ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 60}, timeout=90)
-    print("step 20 after the link returned:", outcome)
-    save_all(ranks_a + ranks_b, 30)
+    # host a's worker delivers its unacknowledged persists again once it reconnects: step 20 then completes
+    # on both of its ranks (all four parts durable, so it restores bit-exact) or on neither; never half
+    outcome = ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 30}, timeout=90)
+    committed = [answer["ok"] for answer in outcome]
+    rank0 = cluster.start_trainer(c, "cut", 0, 2)
+    if all(committed):
+        assert rank0.ask({"op": "restore", "step": 20})["digests"] == expected(20, 0, 2)
+    else:
+        assert not any(committed), outcome
+        assert "only ranks [2, 3] committed it" in rank0.ask({"op": "restore", "step": 20})["error"]
+    rank0.process.stop()
+    save_all(ranks_a + ranks_b, 30)  # the next save completes on every rank
     assert_restores(cluster, c, "cut", 30)
+
+
+def test_a_trainer_whose_host_has_no_worker_fails_at_once(cluster: Cluster) -> None:
+    a, c = cluster.add_host("ha"), cluster.add_host("hc")
+    cluster.start_worker(a)  # a worker in the cluster, none on host c
+    trainer = cluster.start_trainer(c, "nowk", 0, 1)
+    started = time.monotonic()
+    answer = trainer.ask({"op": "save", "step": 1, "wait": None})
+    assert time.monotonic() - started < 5
+    assert not answer["ok"]
+    assert answer["error"].startswith("NoWorkerError: no live `dcs worker` serves queue 'dcs.node.hc'"), answer
+    assert "start one on host 'hc'" in answer["error"]
+    assert staged_runs(c) == set()  # refused before anything was staged
+
+
+def test_a_worker_on_the_wrong_host_never_reads_another_hosts_staging(cluster: Cluster, events: TaskEvents) -> None:
+    a, c = cluster.add_host("ha"), cluster.add_host("hc")
+    cluster.start_worker(a)
+    # a misconfigured trainer on host c that names host a's queue: it stages in c's /dev/shm
+    trainer = cluster.start_trainer(c, "wrong", 0, 1, DCS_NODE_NAME="ha")
+    started = time.monotonic()
+    staged = trainer.ask({"op": "save", "step": 1, "wait": None})
+    assert staged["ok"], staged
+    answer = trainer.ask({"op": "wait", "step": 1, "timeout": 30})
+    assert time.monotonic() - started < 10  # failed at once, not retried
+    assert not answer["ok"] and answer["error"].startswith("CheckpointFailed"), answer
+    assert "is not on host 'ha'" in answer["error"] and "staged it on another host" in answer["error"], answer
+    assert staged_runs(c) == {"wrong"} and staged_runs(a) == set()
+    assert events.hosts_by_run(PERSIST) == {"wrong": {"ha"}}
+    wait_for(lambda: not Path(staged["step_dir"]).exists())  # the failed step's directory is removed
+    assert not list(Path(cluster.config.checkpoint_dir).rglob("*.safetensors"))
 
 
 def wait_for(predicate: Any, timeout: float = 30.0) -> None:
