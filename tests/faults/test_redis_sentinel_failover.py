@@ -21,13 +21,14 @@ from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.errors import CheckpointFailed, CoordinatorError, DCSTimeoutError
 from dcs_tasks.keys import Keys
-from dcs_tasks.models import TopologyResponse
+from dcs_tasks.models import TopologyResponse, WeightMeta
 from dcs_tasks.redisconn import sync_client
 from tests.checkpoint_support import ckpt_config, training_state
 from tests.helpers.procs import CoordinatorProcess, WorkerProcess
 from tests.helpers.sentinel import SentinelCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+META = WeightMeta(names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g")
 IN_FLIGHT_TIMEOUT = 25.0  # > visibility timeout + kombu's restore scan: a task cancelled by the failover returns
 
 
@@ -140,6 +141,7 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         ]
         first = await asyncio.to_thread(lambda: ckpt.save(state, step=1).wait(30))
         assert first.step == 1
+        await api.send_weight_meta(META)
         assert sentinel_cluster.wait_replicated() == 1  # everything acknowledged so far is on the replica
 
         in_flight = await asyncio.to_thread(ckpt.save, big if moment == "persisting" else state, 2)
@@ -157,6 +159,7 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         assert sorted(topo.nodes["actor"]) == [0, 1]
         book = StepLedger(sync_client(ha_config), Keys(ha_config.namespace))
         assert book.read("ha", 1).status is StepStatus.COMMITTED
+        step2_after_failover = book.read("ha", 2).status  # None: the save's begin was lost with the old master
 
         # heartbeats resume through the same coordinator process and the same client
         beats_before = [loop.beats for loop in loops]
@@ -164,6 +167,13 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         await asyncio.sleep(1.5)
         assert all(loop.beats > before for loop, before in zip(loops, beats_before, strict=True))
         assert all(loop.lost is None for loop in loops)
+
+        # weight meta survived, and a long-poll is woken through the resubscribed notifier on the new master
+        assert (await api.recv_weight_meta(0)).entries == [META]
+        poll = asyncio.create_task(api.recv_weight_meta(1, wait_timeout_s=10))
+        await asyncio.sleep(0.5)
+        await api.send_weight_meta(WeightMeta.end())
+        assert (await asyncio.wait_for(poll, 5)).entries == [WeightMeta.end()]
 
         # a new save after the failover commits, through the same worker process
         third = await asyncio.to_thread(lambda: ckpt.save(state, step=3).wait(45))
@@ -187,4 +197,5 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
     reexecs = worker.log_tail(1_000_000).count("worker stopped without a shutdown signal")
     assert reexecs <= 1, worker.log_tail()
     print(f"{moment}: failover {failover_s:.1f}s; in-flight save {outcome} after {waited:.1f}s; committed {committed}")
+    print(f"{moment}: step 2 in the ledger right after the failover: {step2_after_failover}")
     print(f"{moment}: worker re-executed itself {reexecs} time(s)")
