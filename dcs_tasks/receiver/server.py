@@ -4,11 +4,11 @@ SGLang's routes, bodies, status codes and error shapes (sglang/srt/entrypoints/h
 /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update, /end_weight_update,
 /update_weights_from_distributed (only inside a begin/end session, else 400), /pause_generation,
 /continue_generation; GET /server_info (and the deprecated /get_server_info), /model_info (`weight_version`,
-`"default"` before any update), /health (empty 200). A failed call answers 400 with `{"success": false,
-"message": ...}`; a body that does not validate, 400 with SGLang's `{"object": "error", "message", "type":
-"Bad Request", "param": null, "code": 400}` (not FastAPI's 422). Read-only debug routes SGLang lacks, which
-the trainer never calls: GET /weights_digest -> `WeightsDigest`, GET /metrics (dcs_recv_latency_seconds,
-dcs_bytes_received_total per bucket).
+`"default"` before any update), /get_weights_by_name (GET or POST), /health (empty 200). A failed call
+answers 400 with `{"success": false, "message": ...}`; a body that does not validate, 400 with SGLang's
+`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}` (not FastAPI's 422).
+Read-only debug routes SGLang lacks, which the trainer never calls: GET /weights_digest -> `WeightsDigest`,
+GET /metrics (dcs_recv_latency_seconds, dcs_bytes_received_total per bucket).
 
 Where it differs from SGLang, by design: SGLang loads each bucket into its live weights; this receiver
 stages buckets and swaps them in only when the bucket with `flush_cache=true` arrives (the trainer's last),
@@ -39,6 +39,7 @@ from dcs_tasks.sync.models import (
     SGLANG_FLAT_FORMAT,
     DestroyWeightsUpdateGroupRequest,
     EngineResponse,
+    GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     WeightsDigest,
@@ -89,6 +90,31 @@ def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest
     nbytes = FusionLayout.from_wire(*bucket, ALIGNMENT).payload_bytes
     get_metrics().record_recv(nbytes, time.perf_counter() - started)
     return version
+
+
+_INVALID_BODY: dict[str, Any] = {  # `_invalid`'s answer (SGLang's ErrorResponse)
+    "type": "object",
+    "properties": {"object": {"type": "string"}, "message": {"type": "string"}, "code": {"type": "integer"}},
+    "required": ["object", "message", "code"],
+}
+_UNKNOWN_WEIGHT: dict[str, Any] = {  # 400s of /get_weights_by_name: no such weight (SGLang's), bad body, not JSON
+    "description": "No weight of that name, or a body that does not validate",
+    "content": {
+        "application/json": {
+            "schema": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"error": {"type": "object", "properties": {"message": {"type": "string"}}}},
+                        "required": ["error"],
+                    },
+                    _INVALID_BODY,
+                    {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]},
+                ]
+            }
+        }
+    },
+}
 
 
 class EngineState:
@@ -221,6 +247,13 @@ def _info_routes(app: FastAPI, receiver: WeightReceiver, state: EngineState) -> 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"], responses={400: _UNKNOWN_WEIGHT})
+    async def get_weights_by_name(body: GetWeightsByNameRequest) -> JSONResponse:
+        tensor = receiver.weights.get(body.name)
+        if tensor is None:
+            return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+        return JSONResponse(tensor.float().tolist()[: body.truncate_size])
 
     @app.get("/weights_digest", response_model=WeightsDigest)
     async def weights_digest() -> WeightsDigest:

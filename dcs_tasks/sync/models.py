@@ -71,6 +71,13 @@ class DestroyWeightsUpdateGroupRequest(BaseModel):
     group_name: str = Field(min_length=1, max_length=256)
 
 
+class GetWeightsByNameRequest(BaseModel):
+    """SGLang's body of `/get_weights_by_name`: the first `truncate_size` rows of a weight."""
+
+    name: str
+    truncate_size: int = 100
+
+
 class EngineResponse(BaseModel):
     """SGLang's answer shape for weight-update calls."""
 

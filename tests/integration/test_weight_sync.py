@@ -82,6 +82,8 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
                     digest = receiver.digest()
                     assert digest.weight_version == update
                     assert digest.tensors == expected_digest(model)
+                    read = httpx.post(f"{receiver.url}/get_weights_by_name", json={"name": "head.weight"}).json()
+                    assert read == model.head.weight.tolist()[:100]  # SGLang's read-back route
             assert counter(get_metrics().export_prometheus(), "dcs_bytes_sent_total") - sent_before == sent
             for receiver in stack.receivers:
                 assert counter(httpx.get(f"{receiver.url}/metrics").content, "dcs_bytes_received_total") == sent
@@ -244,6 +246,8 @@ async def test_dcs_receiver_answers_like_sglang_0_5_23_on_the_wire(dcs_config: D
         paused = http.post("/pause_generation", json={"mode": "retract"})
         assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
         assert http.post("/continue_generation", json={}).json()["status"] == "ok"
+        unknown = http.post("/get_weights_by_name", json={"name": "nope"})
+        assert unknown.status_code == 400 and unknown.json() == {"error": {"message": "Get parameter by name failed"}}
         gone = http.post("/destroy_weights_update_group", json={"group_name": "nope"})
         assert gone.status_code == 400 and gone.json()["message"] == "The group to be destroyed does not exist."
         invalid = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1"})
