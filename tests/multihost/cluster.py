@@ -1,7 +1,7 @@
-"""A DCS cluster on simulated hosts: Redis on the bridge, `dcs worker`s and trainer ranks inside hosts.
+"""A DCS cluster on simulated hosts: Redis on a host of its own, `dcs worker`s and trainer ranks inside hosts.
 
-    cluster = Cluster(network, tmp_path)            # Redis listens on the bridge address
-    a = cluster.add_host("ha")                       # hostname ha, own /dev/shm, 10.213.N.11
+    cluster = Cluster(network, tmp_path)            # host "redis": redis-server on 10.213.N.11:6379
+    a = cluster.add_host("ha")                       # hostname ha, own /dev/shm, 10.213.N.12
     cluster.start_worker(a)                          # `dcs worker` inside ha: queue dcs.node.ha
     rank0 = cluster.start_trainer(a, "run", rank=0, world=4)
     rank0.ask({"op": "save", "step": 10, "wait": 60})
@@ -14,10 +14,10 @@ its hostname, as it would on a real host.
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -29,32 +29,32 @@ import redis
 from dcs_tasks.celery_app import make_celery, node_queue
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
-from tests.helpers.ports import free_port
 from tests.helpers.procs import REPO, child_env
 from tests.multihost.hosts import HostNetwork, HostProcess, SimulatedHost
 
 
-class BridgeRedis:
-    """redis-server in the root namespace, listening only on the bridge address."""
+class HostRedis:
+    """redis-server on a host of its own (so a sweep after a killed session ends it too), on that host's
+    bridge address: every host, and the test process in the root namespace, reach it over the bridge."""
 
-    def __init__(self, workdir: Path, address: str) -> None:
+    PORT = 6379
+
+    def __init__(self, host: SimulatedHost, workdir: Path) -> None:
+        self.host = host
         self.workdir = workdir
-        self.address = address
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://{self.address}:{self.port}/0"
+        return f"redis://{self.host.address}:{self.PORT}/0"
 
-    def start(self, timeout: float = 10.0) -> BridgeRedis:
+    def start(self, timeout: float = 10.0) -> HostRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; `make test` installs it with apt")
-        args = [binary, "--port", str(self.port), "--bind", self.address, "--dir", str(self.workdir)]
-        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", "redis.log"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = [binary, "--port", str(self.PORT), "--bind", self.host.address, "--dir", str(self.workdir)]
+        argv += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        process = self.host.spawn(argv, dict(os.environ), self.workdir / "redis.log", self.workdir)
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
@@ -62,18 +62,13 @@ class BridgeRedis:
                 client.ping()
                 return self
             except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis-server on {self.url} did not answer within {timeout}s") from None
+                if not process.alive() or time.monotonic() > deadline:
+                    log = process.log_text()[-2000:]
+                    raise RuntimeError(f"redis-server on {self.url} did not start: {log}") from None
                 time.sleep(0.05)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host=self.address, port=self.port, socket_timeout=5, decode_responses=True)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
+        return redis.Redis(host=self.host.address, port=self.PORT, socket_timeout=5, decode_responses=True)
 
 
 class TaskEvents:
@@ -158,7 +153,8 @@ class Cluster:
     def __init__(self, network: HostNetwork, workdir: Path, **config: Any) -> None:
         self.network = network
         self.workdir = workdir
-        self.redis = BridgeRedis(workdir / "redis", network.gateway).start()
+        self.hosts: list[SimulatedHost] = []
+        self.redis = HostRedis(self.add_host("redis"), workdir / "redis").start()
         self.config = DCSConfig(
             redis_url=self.redis.url,
             checkpoint_dir=workdir / "shared-ckpt",  # the same path on every host
@@ -170,7 +166,6 @@ class Cluster:
             **config,
         )
         self.keys = Keys(self.config.namespace)
-        self.hosts: list[SimulatedHost] = []
 
     def add_host(self, name: str) -> SimulatedHost:
         host = self.network.add_host(name)
@@ -208,4 +203,3 @@ class Cluster:
         for host in self.hosts:
             self.network.remove_host(host.name)
         self.hosts.clear()
-        self.redis.stop()
