@@ -199,3 +199,33 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
     print(f"{moment}: failover {failover_s:.1f}s; in-flight save {outcome} after {waited:.1f}s; committed {committed}")
     print(f"{moment}: step 2 in the ledger right after the failover: {step2_after_failover}")
     print(f"{moment}: worker re-executed itself {reexecs} time(s)")
+
+
+async def test_password_protected_sentinel_deployment_serves_every_dcs_client(tmp_path: Path) -> None:
+    """Master and replica with requirepass, sentinels with a password of their own: the coordinator, the
+    worker (Celery broker and result backend through kombu's Sentinel transport) and a trainer all work with
+    `sentinel://:pw@.../master/0?sentinel_password=...`, and neither password reaches a log."""
+    cluster = SentinelCluster(tmp_path / "sentinel", password="data-pw-7", sentinel_password="sent-pw-9").start()
+    try:
+        base = DCSConfig(
+            redis_url=cluster.url, checkpoint_dir=tmp_path / "ckpt", node_name="testhost", enable_metrics=False
+        )
+        config = ckpt_config(base, tmp_path)
+        coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
+        worker = await asyncio.to_thread(WorkerProcess(config, tmp_path / "worker.log").start)
+        try:
+            async with CoordinatorAPI(coordinator.url, timeout=5) as api:
+                assert (await api.register(RoleInfo(role_name="actor", port=4000))).rank == 0
+                assert (await api.health()).world_size == 1
+            with Checkpointer("pw", config) as ckpt:
+                info = await asyncio.to_thread(lambda: ckpt.save(training_state(), step=1).wait(30))
+            assert info.step == 1
+            assert cluster.master().exists(Keys(config.namespace).worker_presence("dcs.node.testhost"))
+        finally:
+            await asyncio.to_thread(worker.terminate)
+            coordinator.stop()
+        logs = worker.log_tail(1_000_000) + coordinator.log_tail(1_000_000)
+        assert "data-pw-7" not in logs and "sent-pw-9" not in logs
+        assert "sentinel://:**@127.0.0.1" in worker.log_tail(1_000_000)  # Celery's banner, masked
+    finally:
+        cluster.stop()

@@ -47,8 +47,18 @@ def _wait(predicate: object, timeout: float, what: str) -> None:
 class SentinelCluster:
     """Start with `start()`, stop with `stop()`; `kill_master()` is a kill -9 of the current master."""
 
-    def __init__(self, workdir: Path, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
         self.workdir = workdir
+        self.password = password  # requirepass of master and replica
+        self.sentinel_password = sentinel_password  # requirepass of the sentinels
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         self.data_ports = [free_port(), free_port()]  # [initial master, initial replica]
@@ -59,7 +69,9 @@ class SentinelCluster:
     def url(self) -> str:
         """The DCS setting: `sentinel://host1:port1,host2:port2,host3:port3/<master>/0`."""
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
-        return f"sentinel://{hosts}/{MASTER_NAME}/0"
+        auth = f":{self.password}@" if self.password else ""
+        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"sentinel://{auth}{hosts}/{MASTER_NAME}/0{query}"
 
     def _spawn(self, port: int, args: list[str]) -> None:
         log = (self.workdir / f"{port}.log").open("ab")
@@ -70,6 +82,8 @@ class SentinelCluster:
         folder.mkdir(parents=True, exist_ok=True)
         args = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)]
         args += ["--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"]
+        if self.password:  # masterauth: a replica promoted later must still reach the other node
+            args += ["--requirepass", self.password, "--masterauth", self.password]
         if replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(replica_of)]
         self._spawn(port, args)
@@ -83,6 +97,12 @@ class SentinelCluster:
             f"sentinel down-after-milliseconds {MASTER_NAME} {self.down_after_ms}\n"
             f"sentinel failover-timeout {MASTER_NAME} {self.failover_timeout_ms}\n"
             f"sentinel parallel-syncs {MASTER_NAME} 1\n"
+            + (f"sentinel auth-pass {MASTER_NAME} {self.password}\n" if self.password else "")
+            + (
+                f"requirepass {self.sentinel_password}\nsentinel sentinel-pass {self.sentinel_password}\n"
+                if self.sentinel_password
+                else ""
+            )
         )
         sentinel = shutil.which("redis-sentinel")
         args = [sentinel, str(conf)] if sentinel else [_binary("redis-server"), str(conf), "--sentinel"]
@@ -107,7 +127,10 @@ class SentinelCluster:
         return True
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True)
+        password = self.sentinel_password if port in self.sentinel_ports else self.password
+        return redis.Redis(
+            port=port, password=password, socket_timeout=1, socket_connect_timeout=1, decode_responses=True
+        )
 
     def master_port(self) -> int:
         """The master's port as the sentinels report it now."""
