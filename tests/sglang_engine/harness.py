@@ -46,9 +46,21 @@ class SGLangEngine:
     """`python -m tests.sglang_engine.serve` in its own session on a free port, logging to `log_path`."""
 
     def __init__(
-        self, version: str, log_path: Path, *, tp: int = 1, api_key: str | None = None, port: int | None = None
+        self,
+        version: str,
+        log_path: Path,
+        *,
+        tp: int = 1,
+        api_key: str | None = None,
+        port: int | None = None,
+        sglang_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`sglang_args` go to SGLang's CLI unchanged (e.g. "--dp-size", "2", "--admin-api-key", "A"); `env`
+        is added to the server's environment (e.g. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="true" for
+        SGLang's default /health, which runs a generation)."""
         self.version, self.log_path, self.tp, self.api_key = version, log_path, tp, api_key
+        self.sglang_args, self.env = sglang_args, env or {}
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -65,8 +77,10 @@ class SGLangEngine:
         cmd += ["--port", str(self.port), "--tp", str(self.tp)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.sglang_args:
+            cmd += ["--", *self.sglang_args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "SGLANG_"))}
-        env["PYTHONPATH"] = str(REPO)
+        env.update(self.env, PYTHONPATH=str(REPO))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
@@ -75,12 +89,15 @@ class SGLangEngine:
         return self
 
     def wait_healthy(self, timeout: float) -> None:
+        """Until /health answers 200 (/model_info where /health runs a generation, which the harness cannot)."""
+        generating = self.env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false").lower() in ("true", "1")
+        path = "/model_info" if generating else "/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang {self.version} exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if self.http.get(path, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -107,6 +124,16 @@ class SGLangEngine:
             return self.log_path.read_text(errors="replace")[-n:]
         except FileNotFoundError:
             return ""
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> bool:
+        """Whether `text` shows up in the server's log within `timeout` (tracebacks are written after the
+        answer)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log_tail(200_000):
+                return True
+            time.sleep(0.2)
+        return False
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
         return self.http.post(path, json=body, timeout=timeout)

@@ -14,9 +14,10 @@ What runs is SGLang's own code:
 - `Scheduler.handle_update_weight_version` / `record_weight_version_change`.
 
 Replaced (GPU or batching only): the model (tests.sglang_engine.tiny_model), the KV cache (`flush_cache`
-always succeeds: no request ever runs), and generation (generate requests are dropped: `/health_generate`
-answers 503). A handler that raises ends the process and signals the parent like SGLang's scheduler does
-(its `run_scheduler_process` sends SIGQUIT to the parent, which kills the server).
+always succeeds: no request ever runs), and generation (generate requests are dropped; health probes get
+SGLang's `HealthCheckOutput`, as a busy SGLang scheduler sends, so `/health_generate` answers 200).
+A handler that raises ends the process and signals the parent like SGLang's scheduler does (its
+`run_scheduler_process` sends SIGQUIT to the parent, which kills the server).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def run_detokenizer(*args: Any, **kwargs: Any) -> None:
 
 
 def run_scheduler(server_args: Any, port_args: Any, gpu_id: int, tp_rank: int, *rest: Any, **kwargs: Any) -> None:
-    """SGLang's `run_scheduler_process` signature differs per version; the pipe writer is the last positional."""
-    pipe_writer = rest[-1]
+    """SGLang's `run_scheduler_process` signature differs per version and launcher (the DP controller appends
+    display ranks); the pipe writer is the last positional argument that can `send`."""
+    pipe_writer = [arg for arg in rest if hasattr(arg, "send")][-1]
     parent = os.getppid()
     try:
         from sglang.srt.utils import kill_itself_when_parent_died
@@ -258,13 +260,21 @@ class HarnessScheduler:
             reqs = broadcast_pyobj(reqs, self.tp_rank, self.tp_group, src=0)
         return reqs
 
+    def _health_check(self, req: Any) -> Any:
+        """A /health or /health_generate probe: SGLang's scheduler answers `HealthCheckOutput` for a probe it
+        cannot run at once (`maybe_send_health_check_signal`); the harness never runs one."""
+        from sglang.srt.managers.io_struct import HealthCheckOutput
+        from sglang.srt.managers.utils import is_health_check_generate_req
+
+        if is_health_check_generate_req(req):
+            return HealthCheckOutput(http_worker_ipc=getattr(req, "http_worker_ipc", None))
+        log.info("harness scheduler drops %s (no generation here)", type(req).__name__)
+        return None
+
     def event_loop(self) -> None:
         while True:
             for req in self._recv():
-                handler = self.dispatch.get(type(req))
-                if handler is None:
-                    log.info("harness scheduler drops %s", type(req).__name__)
-                    continue
+                handler = self.dispatch.get(type(req), self._health_check)
                 output = handler(req)
                 if output is not None:
                     self.ipc.send_to_tokenizer.send_output(output, req)
