@@ -127,11 +127,14 @@ class TrainerRank:
 
     def ask(self, cmd: dict[str, Any], timeout: float = 90.0) -> dict[str, Any]:
         """Send one command; its answer (raises when the rank dies or does not answer in time)."""
+        self.send(cmd)
+        return self.answer(timeout)
+
+    def send(self, cmd: dict[str, Any]) -> None:
         proc = self.process.proc
         assert proc.stdin is not None
         proc.stdin.write((json.dumps(cmd) + "\n").encode())
         proc.stdin.flush()
-        return self.answer(timeout)
 
     def answer(self, timeout: float) -> dict[str, Any]:
         proc = self.process.proc
@@ -190,11 +193,25 @@ class Cluster:
             time.sleep(0.1)
         return worker
 
+    def start_trainers(self, run: str, world: int, placement: list[tuple[SimulatedHost, int]]) -> list[TrainerRank]:
+        """Trainer ranks of one job, `(host, rank)` each, started together; returns once all are ready."""
+        trainers = []
+        for host, rank in placement:
+            argv = [sys.executable, "-m", "tests.multihost.trainer", run, str(rank), str(world)]
+            log = self.workdir / f"trainer-{run}-{host.name}-{rank}-of-{world}.log"
+            trainers.append(TrainerRank(host.spawn(argv, self.env(), log, REPO, pipes=True), rank))
+        for trainer in trainers:
+            first = trainer.answer(90)
+            if not first.get("ready"):
+                raise RuntimeError(f"trainer rank {trainer.rank} did not start: {first}")
+        return trainers
+
     def start_trainer(self, host: SimulatedHost, run: str, rank: int, world: int, **env: str) -> TrainerRank:
+        """One trainer rank in `host` (`env`: extra variables, e.g. a wrong DCS_NODE_NAME)."""
         argv = [sys.executable, "-m", "tests.multihost.trainer", run, str(rank), str(world)]
-        log = self.workdir / f"trainer-{host.name}-{rank}-of-{world}.log"
+        log = self.workdir / f"trainer-{run}-{host.name}-{rank}-of-{world}.log"
         trainer = TrainerRank(host.spawn(argv, self.env(**env), log, REPO, pipes=True), rank)
-        first = trainer.answer(60)
+        first = trainer.answer(90)
         if not first.get("ready"):
             raise RuntimeError(f"trainer rank {rank} on {host.name} did not start: {first}")
         return trainer

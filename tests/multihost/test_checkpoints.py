@@ -7,6 +7,7 @@ variables without a node name: each trainer rank finds its host's queue `dcs.nod
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -38,7 +39,10 @@ def expected(step: int, rank: int, world: int) -> dict[str, Any]:
 
 
 def ask_all(ranks: list[TrainerRank], cmd: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
-    return [rank.ask(cmd, timeout) for rank in ranks]
+    """`cmd` to every rank at once (they work in parallel, as the ranks of a job do); their answers."""
+    for rank in ranks:
+        rank.send(cmd)
+    return [rank.answer(timeout) for rank in ranks]
 
 
 def save_all(ranks: list[TrainerRank], step: int) -> None:
@@ -49,23 +53,20 @@ def save_all(ranks: list[TrainerRank], step: int) -> None:
         assert answer == {"ok": True, "status": "committed", "path": answer["path"]}, (answer, rank.log_tail())
 
 
-def restore_at_w2(cluster: Cluster, host: SimulatedHost, run: str) -> list[dict[str, Any]]:
-    """Restore as both ranks of a W=2 job on `host`; their answers."""
-    ranks = [cluster.start_trainer(host, run, rank, 2) for rank in range(2)]
-    try:
-        return ask_all(ranks, {"op": "restore"})
-    finally:
-        ask_all_exit(ranks)
-
-
-def ask_all_exit(ranks: list[TrainerRank]) -> None:
-    for rank in ranks:
-        rank.process.stop(timeout=30)
-
-
-def assert_restores(cluster: Cluster, host: SimulatedHost, run: str, step: int) -> None:
-    for rank, answer in enumerate(restore_at_w2(cluster, host, run)):
+def assert_restores(restorers: list[TrainerRank], step: int) -> None:
+    """Both ranks of a W=2 job restore their part of `step`, bit-exact."""
+    for rank, answer in enumerate(ask_all(restorers, {"op": "restore"})):
         assert answer == {"ok": True, "step": step, "digests": expected(step, rank, 2)}, answer
+
+
+def start_job(cluster: Cluster, run: str) -> tuple[list[TrainerRank], list[TrainerRank], list[TrainerRank]]:
+    """Hosts ha and hb with a `dcs worker` each and two W=4 ranks each; a W=2 job on hc (no worker) that
+    restores. Returns host a's ranks, host b's ranks, host c's ranks."""
+    a, b, c = (cluster.network.hosts[name] for name in ("ha", "hb", "hc"))
+    cluster.start_worker(b)
+    ranks = cluster.start_trainers(run, WORLD, [(a, 0), (a, 1), (b, 2), (b, 3)])
+    restorers = cluster.start_trainers(run, 2, [(c, 0), (c, 1)])
+    return ranks[:2], ranks[2:], restorers
 
 
 def staged_runs(host: SimulatedHost) -> set[str]:
@@ -86,37 +87,37 @@ def test_w4_step_on_two_hosts_commits_once_every_rank_is_durable_and_restores_at
 ) -> None:
     a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
     cluster.start_worker(a)
-    cluster.start_worker(b)
-    ranks_a = [cluster.start_trainer(a, "xh", rank, WORLD) for rank in (0, 1)]
-    ranks_b = [cluster.start_trainer(b, "xh", rank, WORLD) for rank in (2, 3)]
+    ranks_a, ranks_b, restorers = start_job(cluster, "xh")
     names = ask_all(ranks_a + ranks_b, {"op": "whoami"})
     assert [n["node"] for n in names] == ["ha", "ha", "hb", "hb"] == [n["hostname"] for n in names]
 
     save_all(ranks_a, 10)  # host a's ranks are durable, host b's have not saved yet: no step 10
-    for answer in restore_at_w2(cluster, c, "xh"):
-        assert not answer["ok"] and answer["error"].startswith("CheckpointNotFound"), answer
+    for answer in ask_all(restorers, {"op": "restore", "step": 10}):
+        assert answer == {"ok": False, "error": answer["error"]}, answer
+        assert answer["error"].startswith("CheckpointNotFound") and "only ranks [0, 1] committed it" in answer["error"]
     save_all(ranks_b, 10)
-    assert_restores(cluster, c, "xh", 10)
+    assert_restores(restorers, 10)
     save_all(ranks_a + ranks_b, 20)
-    assert_restores(cluster, c, "xh", 20)
+    assert_restores(restorers, 20)
 
     # each rank staged in its own host's /dev/shm, and each worker got only its own host's ranks' tasks
     assert staged_runs(a) == {"xh.rank-00000", "xh.rank-00001"}
     assert staged_runs(b) == {"xh.rank-00002", "xh.rank-00003"}
     assert staged_runs(c) == set()
-    time.sleep(0.5)  # the last commit's event
     owners = {f"xh.rank-0000{r}": {"ha" if r < 2 else "hb"} for r in range(WORLD)}
+    with contextlib.suppress(TimeoutError):  # events travel on their own: give the last ones a moment
+        wait_for(lambda: events.hosts_by_run(COMMIT) == owners, timeout=10)
     assert events.hosts_by_run(PERSIST) == owners
     assert events.hosts_by_run(COMMIT) == owners
 
 
 def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_step(cluster: Cluster) -> None:
-    a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
+    a = cluster.add_host("ha")
+    cluster.add_host("hb")
+    cluster.add_host("hc")
     # host a's worker writes 128 KiB/s: each rank's ~256 KiB file takes ~2 s, so the cut lands mid-write
     cluster.start_worker(a, DCS_PERSIST_THROTTLE_BYTES_PER_SECOND=str(128 * KiB))
-    cluster.start_worker(b)
-    ranks_a = [cluster.start_trainer(a, "cut", rank, WORLD) for rank in (0, 1)]
-    ranks_b = [cluster.start_trainer(b, "cut", rank, WORLD) for rank in (2, 3)]
+    ranks_a, ranks_b, restorers = start_job(cluster, "cut")
     save_all(ranks_a + ranks_b, 10)
 
     save_all(ranks_b, 20)
@@ -130,10 +131,8 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
             assert not answer["ok"] and answer["error"].startswith("DCSTimeoutError"), answer
         # host a's files are long written (shared storage), but its worker cannot record them: no step 20
         assert all((d / "model-00001-of-00001.safetensors").exists() for d in step_dirs)
-        assert_restores(cluster, c, "cut", 10)
-        rank0 = cluster.start_trainer(c, "cut", 0, 2)
-        assert "only ranks [2, 3] committed it" in rank0.ask({"op": "restore", "step": 20})["error"]
-        rank0.process.stop()
+        assert_restores(restorers, 10)
+        assert "only ranks [2, 3] committed it" in restorers[0].ask({"op": "restore", "step": 20})["error"]
     finally:
         a.link_up()
     cluster.network.wait_link(a)
@@ -141,15 +140,13 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
     # on both of its ranks (all four parts durable, so it restores bit-exact) or on neither; never half
     outcome = ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 30}, timeout=90)
     committed = [answer["ok"] for answer in outcome]
-    rank0 = cluster.start_trainer(c, "cut", 0, 2)
     if all(committed):
-        assert rank0.ask({"op": "restore", "step": 20})["digests"] == expected(20, 0, 2)
+        assert restorers[0].ask({"op": "restore", "step": 20})["digests"] == expected(20, 0, 2)
     else:
         assert not any(committed), outcome
-        assert "only ranks [2, 3] committed it" in rank0.ask({"op": "restore", "step": 20})["error"]
-    rank0.process.stop()
+        assert "only ranks [2, 3] committed it" in restorers[0].ask({"op": "restore", "step": 20})["error"]
     save_all(ranks_a + ranks_b, 30)  # the next save completes on every rank
-    assert_restores(cluster, c, "cut", 30)
+    assert_restores(restorers, 30)
 
 
 def test_a_trainer_whose_host_has_no_worker_fails_at_once(cluster: Cluster) -> None:
