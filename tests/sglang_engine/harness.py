@@ -16,10 +16,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -74,7 +76,7 @@ class SGLangEngine:
         if not installed(self.version):
             raise RuntimeError(f"SGLang {self.version} is not installed under {SGLANG_ROOT}: run `make sglang-engines`")
         cmd = [sys.executable, "-m", "tests.sglang_engine.serve", "--sglang-dir", str(sglang_dir(self.version))]
-        cmd += ["--port", str(self.port), "--tp", str(self.tp)]
+        cmd += ["--port", str(self.port), "--tp", str(self.tp), "--work-dir", str(self.log_path.parent)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.sglang_args:
@@ -180,3 +182,24 @@ def run_trainer(
     if done.returncode != 0:
         raise RuntimeError(f"trainer failed: {done.stderr[-3000:]}\nengine: {engines[0].log_tail()}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def sglang_engine(tmp_path: Path) -> Iterator[Callable[..., SGLangEngine]]:
+    """Factory fixture: `sglang_engine(version, tp=..., api_key=..., ...)` starts an engine (skips the test when
+    that version is not installed) and every engine it started is killed at teardown. Re-export it in a
+    conftest.py to use it: `from tests.sglang_engine.harness import sglang_engine as sglang_engine`."""
+    started: list[SGLangEngine] = []
+
+    def start(version: str = NEW, **kwargs: Any) -> SGLangEngine:
+        if not installed(version):
+            pytest.skip(f"SGLang {version} not installed: run `make sglang-engines`")
+        log_dir = tmp_path / f"sglang-{version}-{len(started)}"
+        log_dir.mkdir()
+        engine = SGLangEngine(version, log_dir / "engine.log", **kwargs)
+        started.append(engine)
+        return engine.start()
+
+    yield start
+    for engine in started:
+        engine.stop()

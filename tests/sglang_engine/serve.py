@@ -50,22 +50,23 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--tp", type=int, default=1, help="TP ranks (scheduler processes)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--work-dir", default=None, help="where the model's config.json goes (default: a temp dir)")
     cut = argv.index("--") if "--" in argv else len(argv)
     return parser.parse_args(argv[:cut]), argv[cut + 1 :]
 
 
-def model_dir() -> str:
+def model_dir(work_dir: str | None) -> str:
     """A checkpoint directory holding only config.json (SGLang's ModelConfig reads it; no weights)."""
     from tests.sglang_engine.tiny_model import hf_config
 
-    path = Path(tempfile.mkdtemp(prefix="sglang-tiny-"))
+    path = Path(tempfile.mkdtemp(prefix="sglang-tiny-", dir=work_dir))
     (path / "config.json").write_text(json.dumps(hf_config()))
     return str(path)
 
 
 def sglang_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     argv = [
-        "--model-path", model_dir(),
+        "--model-path", model_dir(args.work_dir),
         "--device", "cpu",
         "--host", args.host,
         "--port", str(args.port),

@@ -5,7 +5,7 @@ sglang_engine/README.md); PROTOCOL.md beside this file explains them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,33 +127,27 @@ def test_old_version_dies_on_an_unknown_group(old_engine: SGLangEngine) -> None:
     assert old_engine.wait_for_log("AssertionError: Group nope not in")
 
 
-def test_dp_admin_key_and_health_with_sglang_defaults(tmp_path: Path) -> None:
+def test_dp_admin_key_and_health_with_sglang_defaults(sglang_engine: Callable[..., SGLangEngine]) -> None:
     """0.5.23 with --dp-size 2, --api-key K --admin-api-key A and SGLang's default /health (a generation):
     weight routes take only A, other routes only K; data parallelism is an AssertionError (500); /health
     answers 200 once the scheduler answers its probe, but while paused the probe is never sent (the tokenizer
     holds generations until /continue_generation) and /health answers 503 after 20 s."""
-    if not installed(NEW):
-        pytest.skip(f"SGLang {NEW} not installed: run `make sglang-engines`")
-    engine = SGLangEngine(
+    engine = sglang_engine(
         NEW,
-        tmp_path / "engine.log",
         api_key=KEY,
         sglang_args=("--dp-size", "2", "--admin-api-key", "admin-key"),
         env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true"},
-    ).start()
-    try:
-        admin = {"Authorization": "Bearer admin-key"}
-        init = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, backend="gloo")
-        assert engine.post("/init_weights_update_group", init).status_code == 401  # the normal key
-        assert httpx.get(f"{engine.url}/model_info", headers=admin).status_code == 401  # the admin key
-        response = httpx.post(f"{engine.url}/init_weights_update_group", json=init, headers=admin, timeout=30)
-        assert (response.status_code, response.text) == (500, "Internal Server Error")
-        assert engine.wait_for_log("AssertionError: data-parallel replicas are not supported")
-        assert engine.get("/server_info").json()["dp_size"] == 2
-        assert httpx.get(f"{engine.url}/health", timeout=40).status_code == 200  # the probe is answered
-        paused = httpx.post(f"{engine.url}/pause_generation", json={"mode": "retract"}, headers=admin)
-        assert paused.status_code == 200
-        assert httpx.get(f"{engine.url}/health", timeout=40).status_code == 503
-        assert engine.get("/model_info").status_code == 200  # answered by the tokenizer, paused or not
-    finally:
-        engine.stop()
+    )
+    admin = {"Authorization": "Bearer admin-key"}
+    init = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, backend="gloo")
+    assert engine.post("/init_weights_update_group", init).status_code == 401  # the normal key
+    assert httpx.get(f"{engine.url}/model_info", headers=admin).status_code == 401  # the admin key
+    response = httpx.post(f"{engine.url}/init_weights_update_group", json=init, headers=admin, timeout=30)
+    assert (response.status_code, response.text) == (500, "Internal Server Error")
+    assert engine.wait_for_log("AssertionError: data-parallel replicas are not supported")
+    assert engine.get("/server_info").json()["dp_size"] == 2
+    assert httpx.get(f"{engine.url}/health", timeout=40).status_code == 200  # the probe is answered
+    paused = httpx.post(f"{engine.url}/pause_generation", json={"mode": "retract"}, headers=admin)
+    assert paused.status_code == 200
+    assert httpx.get(f"{engine.url}/health", timeout=40).status_code == 503
+    assert engine.get("/model_info").status_code == 200  # answered by the tokenizer, paused or not
