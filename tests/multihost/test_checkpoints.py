@@ -82,6 +82,7 @@ def events(cluster: Cluster) -> Iterator[TaskEvents]:
     events.stop()
 
 
+@pytest.mark.slow
 def test_w4_step_on_two_hosts_commits_once_every_rank_is_durable_and_restores_at_w2_on_a_third(
     cluster: Cluster, events: TaskEvents
 ) -> None:
@@ -111,6 +112,7 @@ def test_w4_step_on_two_hosts_commits_once_every_rank_is_durable_and_restores_at
     assert events.hosts_by_run(COMMIT) == owners
 
 
+@pytest.mark.slow
 def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_step(cluster: Cluster) -> None:
     a = cluster.add_host("ha")
     cluster.add_host("hb")
