@@ -3,6 +3,7 @@
     cluster = Cluster(network, tmp_path)            # host "redis": redis-server on 10.213.N.11:6379
     a = cluster.add_host("ha")                       # hostname ha, own /dev/shm, 10.213.N.12
     cluster.start_worker(a)                          # `dcs worker` inside ha: queue dcs.node.ha
+    url = cluster.start_coordinator(a)               # `dcs coordinator` bound to ha's address
     rank0 = cluster.start_trainer(a, "run", rank=0, world=4)
     rank0.ask({"op": "save", "step": 10, "wait": 60})
     cluster.close()                                  # every process, every host, Redis
@@ -18,6 +19,7 @@ import os
 import re
 import select
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -192,6 +194,22 @@ class Cluster:
                 raise RuntimeError(f"worker on {host.name} not ready; log: {worker.log_text()[-3000:]}")
             time.sleep(0.1)
         return worker
+
+    def start_coordinator(self, host: SimulatedHost, port: int = 8000, timeout: float = 60.0) -> str:
+        """`dcs coordinator` inside `host`, bound to the host's address; returns its URL once it listens."""
+        dcs = Path(sys.executable).with_name("dcs")
+        argv = [str(dcs), "coordinator", "--host", host.address, "--port", str(port)]
+        process = host.spawn(argv, self.env(), self.workdir / f"coordinator-{host.name}.log", REPO)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((host.address, port), timeout=0.5).close()
+                return f"http://{host.address}:{port}"
+            except OSError:
+                if not process.alive() or time.monotonic() > deadline:
+                    process.kill()
+                    raise RuntimeError(f"coordinator on {host.name} not up: {process.log_text()[-3000:]}") from None
+                time.sleep(0.1)
 
     def start_trainers(self, run: str, world: int, placement: list[tuple[SimulatedHost, int]]) -> list[TrainerRank]:
         """Trainer ranks of one job, `(host, rank)` each, started together; returns once all are ready."""

@@ -45,6 +45,14 @@ def test_each_host_has_its_own_hostname_shm_and_network_and_all_share_the_checkp
     assert ping_redis(cluster, a) and ping_redis(cluster, b)
 
 
+def test_a_coordinator_on_one_host_answers_clients_on_another(cluster: Cluster) -> None:
+    a, b = cluster.add_host("ha"), cluster.add_host("hb")
+    url = cluster.start_coordinator(a)
+    assert url == f"http://{a.address}:8000"
+    code = f"import httpx; print(httpx.get({url + '/healthz'!r}, timeout=5).status_code)"
+    assert b.run([sys.executable, "-c", code], cwd=REPO).stdout.strip() == "200"
+
+
 def test_a_cut_link_isolates_only_that_host_until_it_returns(cluster: Cluster) -> None:
     a, b = cluster.add_host("ha"), cluster.add_host("hb")
     a.link_down()
