@@ -179,6 +179,8 @@ def run_trainer(
     (workdir / "spec.json").write_text(json.dumps(full))
     cmd = [sys.executable, "-m", "tests.sglang_engine.trainer", str(workdir / "spec.json")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    if done.returncode == 3 and any("die_after" in u for u in updates):
+        return {"died": True}
     if done.returncode != 0:
         raise RuntimeError(f"trainer failed: {done.stderr[-3000:]}\nengine: {engines[0].log_tail()}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

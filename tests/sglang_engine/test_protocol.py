@@ -102,6 +102,24 @@ def test_new_version_refusals_and_partial_loads(new_engine: SGLangEngine, tmp_pa
     assert torch.equal(new_engine.weights(NORM), initial_value(NORM))
 
 
+def test_new_version_survives_a_trainer_dying_mid_update(new_engine: SGLangEngine, tmp_path: Path) -> None:
+    """The trainer exits after broadcasting 1 of 2 tensors: SGLang's receive fails at once (gloo: connection
+    closed by peer), nothing of the update is loaded (the load runs after every receive), the dead group can
+    be destroyed and a new one serves the next update."""
+    before = {name: new_engine.weights(name) for name in (EMBED, NORM)}
+    update = {"tensors": {NORM: torch.full((8,), 9.0, dtype=torch.bfloat16), EMBED: torch.zeros(16, 8)}}
+    assert run_trainer([new_engine], tmp_path, [{**update, "die_after": 1}], sessions=True) == {"died": True}
+    assert new_engine.wait_for_log("Failed to receive weights: [")
+    assert new_engine.wait_for_log("Connection closed by peer")
+    destroyed = new_engine.post("/destroy_weights_update_group", {"group_name": "harness_group"})
+    assert destroyed.json() == {"success": True, "message": "Succeeded to destroy custom process group."}
+    assert new_engine.post("/end_weight_update", {}).json() == {"success": True, "message": "Success"}
+    assert all(torch.equal(new_engine.weights(name), before[name]) for name in before)
+    answers = run_trainer([new_engine], tmp_path, [update], sessions=True)
+    assert answers["updates"] == [[[200, {"success": True, "message": "Succeeded to update parameter online."}]]]
+    assert torch.equal(new_engine.weights(NORM), update["tensors"][NORM])
+
+
 def test_old_version_refusals_and_partial_loads(old_engine: SGLangEngine, tmp_path: Path) -> None:
     answers = run_trainer([old_engine], tmp_path, _failures())  # 0.5.20 receives the misaligned bucket first
     (misaligned,), (bad_dtype,), (unknown,), (partial,) = answers["updates"]

@@ -7,6 +7,7 @@ SPEC: {"sglang_dir", "engines": [{"url", "tp"}], "api_key", "group_name", "tenso
 update group through SGLang's `init_custom_process_group` (so it hosts the TCPStore), POSTs
 /init_weights_update_group to every engine (rank_offset 1, then 1 + tp of the engines before), opens a
 session where asked, POSTs one /update_weights_from_distributed per engine while broadcasting the tensors
+(an update with "die_after": k exits the process with status 3 after k broadcasts: a trainer crash)
 (one broadcast per tensor in order, or SGLang's `FlattenedTensorBucket` as one uint8 broadcast), closes the
 session, and prints one JSON object: every HTTP answer as [status, body].
 """
@@ -14,9 +15,11 @@ session, and prints one JSON object: every HTTP answer as [status, body].
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -112,7 +115,10 @@ def _send(spec: dict[str, Any], update: dict[str, Any], http: httpx.Client, pg: 
             bucket = bucket_cls(named_tensors=[(n, tensors[n]) for n in names])
             torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
         else:
-            for name in names:
+            for i, name in enumerate(names):
+                if i == update.get("die_after"):  # a trainer crashing mid-update
+                    time.sleep(1.0)
+                    os._exit(3)
                 torch.distributed.broadcast(tensors[name], src=0, group=pg)
     return _join(pending)
 
