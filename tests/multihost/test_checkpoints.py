@@ -60,8 +60,8 @@ def assert_restores(restorers: list[TrainerRank], step: int) -> None:
 
 
 def start_job(cluster: Cluster, run: str) -> tuple[list[TrainerRank], list[TrainerRank], list[TrainerRank]]:
-    """Hosts ha and hb with a `dcs worker` each and two W=4 ranks each; a W=2 job on hc (no worker) that
-    restores. Returns host a's ranks, host b's ranks, host c's ranks."""
+    """Host hb's `dcs worker` (the caller starts ha's, as the test needs it), two W=4 ranks on each of ha and
+    hb, and a W=2 job on hc (no worker) that restores. Returns ha's ranks, hb's ranks, hc's ranks."""
     a, b, c = (cluster.network.hosts[name] for name in ("ha", "hb", "hc"))
     cluster.start_worker(b)
     ranks = cluster.start_trainers(run, WORLD, [(a, 0), (a, 1), (b, 2), (b, 3)])
