@@ -48,6 +48,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a path that cannot be read or written, a port that cannot be bound: one line
         print(f"dcs {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError; others are bugs and keep their traceback
+        lines = settings_errors(exc)
+        if lines is None:
+            raise
+        print(f"dcs {args.command}: invalid settings:", *lines, sep="\n  ", file=sys.stderr)
+        return 2
+
+
+def settings_errors(exc: ValueError) -> list[str] | None:
+    """One line per invalid setting of a pydantic ValidationError, without the rejected values (a URL or a
+    token may hold a secret) and with URL credentials masked in messages; None for any other ValueError."""
+    from pydantic import ValidationError
+
+    from dcs_tasks.config import mask_url_credentials
+
+    if not isinstance(exc, ValidationError):
+        return None
+    return [
+        f"{'.'.join(str(part) for part in error['loc']) or exc.title}: {mask_url_credentials(error['msg'])}"
+        for error in exc.errors(include_input=False, include_url=False)
+    ]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_effective_values_and_masked_secret() -> None:
 def test_bad_value_is_named_and_exit_code_is_2() -> None:
     done = dcs("config", DCS_HEARTBEAT_TIMEOUT_SECONDS="1")
     assert done.returncode == 2
-    assert "heartbeat_timeout_seconds must be larger than heartbeat_interval_seconds" in done.stdout
+    assert "heartbeat_timeout_seconds must be larger than heartbeat_interval_seconds" in done.stderr
 
 
 def test_markdown_reference_lists_every_setting() -> None:
