@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Header, HTTPException, Query
 
 from coordinator.deps import ServicesDep, WeightMetaDep
 from coordinator.responses import COMMON, errors
@@ -15,10 +15,23 @@ router = APIRouter(tags=["weight-meta"])
 MAX_WAIT_S = 300.0
 MAX_LIMIT = 100_000
 
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        pattern=r"^[A-Za-z0-9_-]{8,128}$",
+        description="one value for every attempt of one append (8-128 of A-Z a-z 0-9 _ -): a repeat within "
+        "60 s is not appended again",
+    ),
+]
+
 
 @router.post("/send_weight_meta", response_model=StatusResponse, responses=errors(*COMMON, 400, 413))
-async def send_weight_meta(body: WeightMeta, services: ServicesDep) -> StatusResponse:
-    """Append one entry; 413 when its JSON is over DCS_WEIGHT_META_ENTRY_MAX_BYTES."""
+async def send_weight_meta(
+    body: WeightMeta, services: ServicesDep, idempotency_key: IdempotencyKey = None
+) -> StatusResponse:
+    """Append one entry; 413 when its JSON is over DCS_WEIGHT_META_ENTRY_MAX_BYTES. With `Idempotency-Key`,
+    a retry of the same append (its first answer lost) answers the same index and appends nothing."""
     entry = body.model_dump_json()
     limit = services.config.weight_meta_entry_max_bytes
     if len(entry.encode()) > limit:
@@ -27,7 +40,7 @@ async def send_weight_meta(body: WeightMeta, services: ServicesDep) -> StatusRes
             "(DCS_WEIGHT_META_ENTRY_MAX_BYTES): split the bucket"
         )
         raise HTTPException(status_code=413, detail=detail)
-    length = await services.weight_meta.append(entry)
+    length = await services.weight_meta.append(entry, append_id=idempotency_key)
     return StatusResponse(message=f"appended entry {length - 1}")
 
 

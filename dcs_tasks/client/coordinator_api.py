@@ -1,30 +1,49 @@
 """Async HTTP client of the coordinator: one typed method per endpoint.
 
-Errors map onto the DCS tree: 404 -> `NodeNotFound`, 401 -> `AuthError`, 409 -> `RankConflict`, 503 and
-transport failures (refused, reset, timed out) -> `CoordinatorUnavailable`, any other non-2xx or an answer
-that does not parse as the endpoint's model -> `CoordinatorError`. Every call
+Errors map onto the DCS tree: 404 -> `NodeNotFound`, 401 -> `AuthError`, 409 -> `RankConflict`, 502, 503,
+504 and transport failures (refused, reset, timed out) -> `CoordinatorUnavailable`, any other non-2xx or an
+answer that does not parse as the endpoint's model -> `CoordinatorError`. Every call
 is bounded by `timeout` seconds; a long-poll adds its own `wait_timeout_s` on top.
+
+Retries (for coordinator replicas behind a load balancer, a Redis failover): a call that is safe to repeat
+is retried on `CoordinatorUnavailable` with a jittered exponential backoff for up to `retry_for_s` seconds
+(plus the one attempt in flight then): every GET (heartbeat, topology, node, peer, health, weight-meta reads;
+a long-poll is re-issued from the same index with the wait it has left), `register` when its answer cannot
+change on a repeat (an explicit rank, or a port: the same ip:port keeps its rank), and `send_weight_meta`,
+which sends one `Idempotency-Key` for all its attempts so the coordinator appends the entry once. Not
+retried: `register` without rank and port (each attempt would take a new rank), `unregister` and
+`clear_weight_meta` (a repeat would remove another node or entries appended meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
+from redis.backoff import EqualJitterBackoff
 
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound, RankConflict
 from dcs_tasks.models import (
+    MAX_BATCH_NODES,
+    BeatOutcome,
     ClearWeightMetaResponse,
     DebugTopologyResponse,
     GlobalRankResponse,
     GroupRanksResponse,
     HealthResponse,
+    HeartbeatBatchRequest,
+    HeartbeatBatchResponse,
     HeartbeatResponse,
+    NodeBeat,
+    RegisterBatchRequest,
+    RegisterBatchResponse,
     RegisterRequest,
     RegisterResponse,
     StatusResponse,
@@ -35,6 +54,10 @@ from dcs_tasks.models import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+KEEPALIVE_EXPIRY_S = 15.0
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a load balancer without a live coordinator, or no Redis
 
 
 def _raise_for_status(response: httpx.Response) -> None:
@@ -53,13 +76,14 @@ def _raise_for_status(response: httpx.Response) -> None:
         raise AuthError(message, code)
     if code == 409:
         raise RankConflict(message, code)
-    if code == 503:
+    if code in UNAVAILABLE_STATUSES:
         raise CoordinatorUnavailable(message, code)
     raise CoordinatorError(message, code)
 
 
 class CoordinatorAPI:
-    """Client of one coordinator at `base_url`. Use as `async with CoordinatorAPI(...) as api:` or call `aclose()`."""
+    """Client of one coordinator (or a load balancer in front of several) at `base_url`. Use as
+    `async with CoordinatorAPI(...) as api:` or call `aclose()`."""
 
     def __init__(
         self,
@@ -68,12 +92,23 @@ class CoordinatorAPI:
         timeout: float = 30.0,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry_for_s: float = 10.0,
     ) -> None:
-        """`transport` replaces the network (e.g. `httpx.ASGITransport(app)` to call an app in-process)."""
+        """`transport` replaces the network (e.g. `httpx.ASGITransport(app)` to call an app in-process).
+        `retry_for_s`: how long a repeatable call keeps retrying while the coordinator is unavailable (0: never).
+        """
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
+        self.retry_for_s = retry_for_s
+        self.retries = 0  # attempts repeated after CoordinatorUnavailable, over this client's life
+        self._backoff = EqualJitterBackoff(cap=1.0, base=0.05)
+        # idle connections are kept longer than the 5 s heartbeat interval (and shorter than the coordinator's
+        # DCS_COORDINATOR_KEEP_ALIVE_SECONDS): each beat reuses its connection instead of a new TCP handshake
+        limits = httpx.Limits(max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport, limits=limits
+        )
         self._identities: dict[tuple[str, int], str] = {}  # (role, rank) -> fencing identity from /register
 
     async def __aenter__(self) -> CoordinatorAPI:
@@ -97,6 +132,42 @@ class CoordinatorAPI:
         body: BaseModel | None = None,
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
+        retry: bool = False,
+    ) -> M:
+        """One request; with `retry`, repeated while the coordinator is unavailable (see `_retrying`)."""
+
+        def attempt() -> Awaitable[M]:
+            return self._call_once(method, path, model, params, body, timeout, headers)
+
+        return await (self._retrying(attempt, f"{method} {path}") if retry else attempt())
+
+    async def _retrying(self, attempt: Callable[[], Awaitable[M]], what: str) -> M:
+        """`attempt()` until it does not raise CoordinatorUnavailable, for up to `retry_for_s` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_for_s
+        failures = 0
+        while True:
+            try:
+                return await attempt()
+            except CoordinatorUnavailable as exc:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                failures += 1
+                self.retries += 1
+                delay = min(self._backoff.compute(failures), left)
+                log.info("%s at %s: %s; retry %d in %.2fs", what, self.base_url, exc, failures, delay)
+                await asyncio.sleep(delay)
+
+    async def _call_once(
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        params: dict[str, Any] | None,
+        body: BaseModel | None,
+        timeout: float | None,
+        headers: dict[str, str] | None,
     ) -> M:
         content = body.model_dump_json().encode() if body is not None else None
         if body is not None:
@@ -126,9 +197,12 @@ class CoordinatorAPI:
         """Register `info`; `rank=None` gets the smallest free rank; re-registering the same node keeps its rank.
 
         Remembers the answer's fencing `identity`, which `heartbeat` then sends for that (role, rank).
+        Retried while the coordinator is unavailable when a repeat gets the same rank: `info` has a rank or a
+        port (ip:port is the node's identity). Without either every attempt would take a new rank: not retried.
         """
         body = RegisterRequest.model_validate(info.model_dump())
-        answer = await self._call("POST", "/register", RegisterResponse, body=body)
+        repeatable = info.rank is not None or bool(info.port)
+        answer = await self._call("POST", "/register", RegisterResponse, body=body, retry=repeatable)
         if answer.identity:
             self._identities[(info.role_name, answer.rank)] = answer.identity
         return answer
@@ -156,44 +230,78 @@ class CoordinatorAPI:
         params = {"role": role, "rank": rank}
         identity = f"{ip}:{port}" if ip and port else self._identities.get((role, rank))
         headers = {"X-DCS-Node": identity} if identity else None
-        return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params, headers=headers)
+        return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params, headers=headers, retry=True)
+
+    async def heartbeat_many(self, nodes: list[tuple[str, int]]) -> list[BeatOutcome]:
+        """Beat many nodes with one `POST /heartbeats` per MAX_BATCH_NODES: for one process holding many nodes
+        (a host agent). Each beat is fenced with the identity this client's `register`/`register_many` got for
+        it. Returns one outcome per node, in order (`ok`, `not_found`, `conflict`); no exception for those."""
+        outcomes: list[BeatOutcome] = []
+        for start in range(0, len(nodes), MAX_BATCH_NODES):
+            beats = [
+                NodeBeat(role=role, rank=rank, identity=self._identities.get((role, rank), ""))
+                for role, rank in nodes[start : start + MAX_BATCH_NODES]
+            ]
+            body = HeartbeatBatchRequest(beats=beats)
+            outcomes += (await self._call("POST", "/heartbeats", HeartbeatBatchResponse, body=body)).results
+        return outcomes
+
+    async def register_many(self, infos: list[RoleInfo]) -> list[RegisterResponse]:
+        """`register` for each of `infos` with one `POST /register_batch` per MAX_BATCH_NODES (in order; each
+        registration is atomic on its own). Remembers each answer's identity for `heartbeat_many`."""
+        answers: list[RegisterResponse] = []
+        for start in range(0, len(infos), MAX_BATCH_NODES):
+            chunk = infos[start : start + MAX_BATCH_NODES]
+            body = RegisterBatchRequest(nodes=[RegisterRequest.model_validate(i.model_dump()) for i in chunk])
+            batch = await self._call("POST", "/register_batch", RegisterBatchResponse, body=body)
+            for info, answer in zip(chunk, batch.nodes, strict=True):
+                if answer.identity:
+                    self._identities[(info.role_name, answer.rank)] = answer.identity
+            answers += batch.nodes
+        return answers
 
     async def node(self, role: str, rank: int) -> RoleInfo:
-        return await self._call("GET", "/node", RoleInfo, params={"role": role, "rank": rank})
+        return await self._call("GET", "/node", RoleInfo, params={"role": role, "rank": rank}, retry=True)
 
     async def peer(self, role: str, rank: int, peer_role: str | None = None) -> RoleInfo:
         """The live node of the same rank in `peer_role` (default: the configured mapping of `role`)."""
         params: dict[str, Any] = {"role": role, "rank": rank}
         if peer_role is not None:
             params["peer_role"] = peer_role
-        return await self._call("GET", "/peer", RoleInfo, params=params)
+        return await self._call("GET", "/peer", RoleInfo, params=params, retry=True)
 
     # --- topology -------------------------------------------------------------------------------
     async def topology(self, role_filter: str | None = None) -> TopologyResponse:
         params = {"role_filter": role_filter} if role_filter is not None else None
-        return await self._call("GET", "/topology", TopologyResponse, params=params)
+        return await self._call("GET", "/topology", TopologyResponse, params=params, retry=True)
 
     async def global_rank(self, role: str, rank: int) -> int:
-        answer = await self._call("GET", "/global_rank", GlobalRankResponse, params={"role": role, "rank": rank})
+        params = {"role": role, "rank": rank}
+        answer = await self._call("GET", "/global_rank", GlobalRankResponse, params=params, retry=True)
         return answer.global_rank
 
     async def model_update_group_ranks(self, role: str, rank: int, need_update_ref: bool = False) -> GroupRanksResponse:
         params = {"role": role, "rank": rank, "need_update_ref": need_update_ref}
-        return await self._call("GET", "/get_model_update_group_ranks", GroupRanksResponse, params=params)
+        return await self._call("GET", "/get_model_update_group_ranks", GroupRanksResponse, params=params, retry=True)
 
     async def health(self) -> HealthResponse:
+        """The coordinator's and Redis's health as answered now (a probe: not retried)."""
         return await self._call("GET", "/health", HealthResponse)
 
     async def debug_topology(self) -> DebugTopologyResponse:
-        return await self._call("GET", "/debug/topology", DebugTopologyResponse)
+        return await self._call("GET", "/debug/topology", DebugTopologyResponse, retry=True)
 
     async def healthz(self) -> StatusResponse:
-        """Liveness of the coordinator process itself (no Redis round trip, no token needed)."""
+        """Liveness of the coordinator process itself (no Redis round trip, no token needed; not retried)."""
         return await self._call("GET", "/healthz", StatusResponse)
 
     # --- weight meta ----------------------------------------------------------------------------
     async def send_weight_meta(self, meta: WeightMeta) -> StatusResponse:
-        return await self._call("POST", "/send_weight_meta", StatusResponse, body=meta)
+        """Append `meta` to the log. All attempts carry one `Idempotency-Key`: the entry is appended once even
+        when an attempt's answer was lost (its coordinator died after appending) and another attempt repeats it.
+        """
+        headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex}
+        return await self._call("POST", "/send_weight_meta", StatusResponse, body=meta, headers=headers, retry=True)
 
     async def recv_weight_meta(
         self, index: int = 0, wait_timeout_s: float = 0.0, limit: int | None = None
@@ -202,13 +310,19 @@ class CoordinatorAPI:
 
         One answer is capped (entries, bytes; at most `limit` entries when given): when `batch.more`, more
         entries are already in the log, so continue from `batch.next_index` (`recv_weight_meta_all` does).
+        A wait cut by the coordinator's death is re-issued from the same `index` with the wait it has left.
         """
-        params: dict[str, Any] = {"index": index, "wait_timeout_s": wait_timeout_s}
-        if limit is not None:
-            params["limit"] = limit
-        return await self._call(
-            "GET", "/recv_weight_meta", WeightMetaBatch, params=params, timeout=self.timeout + wait_timeout_s
-        )
+        loop = asyncio.get_running_loop()
+        wait_until = loop.time() + wait_timeout_s
+
+        def attempt() -> Awaitable[WeightMetaBatch]:
+            wait = max(0.0, wait_until - loop.time())
+            params: dict[str, Any] = {"index": index, "wait_timeout_s": wait}
+            if limit is not None:
+                params["limit"] = limit
+            return self._call_once("GET", "/recv_weight_meta", WeightMetaBatch, params, None, self.timeout + wait, None)
+
+        return await self._retrying(attempt, "GET /recv_weight_meta")
 
     async def recv_weight_meta_all(self, index: int = 0, wait_timeout_s: float = 0.0) -> WeightMetaBatch:
         """Every entry from `index` to the log's end as one batch, following `next_index` across capped answers
@@ -290,4 +404,61 @@ class HeartbeatLoop:
             except CoordinatorError as exc:
                 self.failures += 1
                 log.warning("heartbeat of %s failed (will retry): %s", self.info.node_id, exc)
+            await asyncio.sleep(self.interval)
+
+
+class FleetHeartbeatLoop:
+    """Beats for many registered nodes every `interval` seconds from one background task, with one
+    `POST /heartbeats` per 2,048 nodes instead of one request per node (a host agent holding many nodes).
+
+    Like `HeartbeatLoop` per node: a node the coordinator no longer knows (`not_found`) is re-registered with
+    its rank (`register_many`); a node whose rank another node now holds (`conflict`) leaves the loop and is
+    listed in `lost` (it must re-register and rebuild what it built on its old rank); transient failures are
+    logged, counted in `failures` and retried at the next beat.
+    """
+
+    def __init__(self, api: CoordinatorAPI, infos: list[RoleInfo], interval: float) -> None:
+        if any(info.rank is None for info in infos):
+            raise ValueError("FleetHeartbeatLoop needs registered nodes with ranks")
+        self.api = api
+        self.nodes: dict[tuple[str, int], RoleInfo] = {(i.role_name, i.rank or 0): i for i in infos}
+        self.interval = interval
+        self.beats = 0  # node beats recorded
+        self.failures = 0
+        self.lost: list[str] = []  # node ids fenced out
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> FleetHeartbeatLoop:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="dcs-fleet-heartbeat")
+        return self
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def beat_once(self) -> None:
+        """One beat of every node; re-registers the unknown ones, drops the fenced-out ones."""
+        order = list(self.nodes)
+        outcomes = await self.api.heartbeat_many(order)
+        missing = [self.nodes[n] for n, o in zip(order, outcomes, strict=True) if o is BeatOutcome.NOT_FOUND]
+        for node, outcome in zip(order, outcomes, strict=True):
+            if outcome is BeatOutcome.CONFLICT:
+                info = self.nodes.pop(node)
+                self.lost.append(info.node_id)
+                log.error("%s lost its rank to another node, heartbeats stopped for it", info.node_id)
+        self.beats += sum(o is BeatOutcome.OK for o in outcomes)
+        if missing:
+            await self.api.register_many(missing)
+            self.beats += len(missing)
+
+    async def _run(self) -> None:
+        while self.nodes:
+            try:
+                await self.beat_once()
+            except CoordinatorError as exc:
+                self.failures += 1
+                log.warning("fleet heartbeat of %d nodes failed (will retry): %s", len(self.nodes), exc)
             await asyncio.sleep(self.interval)

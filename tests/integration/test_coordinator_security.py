@@ -108,6 +108,7 @@ async def test_redis_down_is_503_then_recovers(coord: InProcessCoordinator, redi
     response = await coord.http.get("/topology")
     assert response.status_code == 503
     assert f"127.0.0.1:{redis_server.port}" in response.json()["detail"]
+    coord.api.retry_for_s = 0  # the 503 itself, not the client's retries (test_coordinator_retries.py)
     with pytest.raises(CoordinatorUnavailable):
         await coord.api.heartbeat("actor", 0)
     assert (await coord.http.get("/healthz")).status_code == 200
