@@ -1,5 +1,5 @@
 # DCS developer commands. `make test` works on a fresh machine: it builds .venv, installs the
-# project (CPU torch pinned), installs redis-server with apt when it is missing, then lints and tests.
+# project (CPU torch pinned), installs redis-server, redis-sentinel and haproxy with apt when missing, then lints and tests.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -19,11 +19,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-# redis-sentinel: the Sentinel failover tests (tests/helpers/sentinel.py) start three sentinels
+# redis-sentinel: the Sentinel failover tests (tests/helpers/sentinel.py) start three sentinels;
+# haproxy: the coordinator-replica test (tests/helpers/haproxy.py) puts two coordinators behind it
 redis-bin:
-	@{ command -v redis-server && command -v redis-sentinel; } >/dev/null 2>&1 || { \
-		echo "redis-server or redis-sentinel missing: installing them with apt"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel >/dev/null; }
+	@{ command -v redis-server && command -v redis-sentinel && { command -v haproxy || test -x /usr/sbin/haproxy; }; } >/dev/null 2>&1 || { \
+		echo "redis-server, redis-sentinel or haproxy missing: installing them with apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel haproxy >/dev/null; }
 
 # Real SGLang versions (no GPU deps) under .sglang/ for tests/sglang_engine (see tests/sglang_engine/README.md).
 sglang-engines: install
