@@ -12,6 +12,7 @@ from __future__ import annotations
 # KEYS[3] roles             Z role -> first-registration order
 # KEYS[4] role_seq          K counter for that order
 # KEYS[5] node_beats        Z "role:rank" -> unix time of the last registration or beat (dead-node sweep)
+# KEYS[6] role_identities(role) H identity -> rank (role_owners inverted)
 # ARGV[1] role name
 # ARGV[2] requested rank, or "" for "assign one"
 # ARGV[3] identity: "ip:port", or an identity issued for this registration when the node has no port (it
@@ -25,24 +26,38 @@ from __future__ import annotations
 # rank gets it back; otherwise the smallest rank that is unregistered OR whose node is dead (no heartbeat
 # key) is taken, so a replacement node fills the hole a dead one left. An identity moving to another
 # explicit rank releases its old rank.
+# The identity's rank is found in KEYS[6] (O(1)); the owners hash is scanned only while KEYS[6] is shorter
+# than it (records written before KEYS[6] existed), so registering N nodes is O(N), not O(N^2).
 REGISTER = """
 local rank = tonumber(ARGV[2])
 local kind = 0
 local ident = ARGV[3]
+local function release(held)
+  redis.call("HDEL", KEYS[1], held)
+  redis.call("HDEL", KEYS[2], held)
+  redis.call("DEL", ARGV[6] .. held)
+  redis.call("ZREM", KEYS[5], ARGV[1] .. ":" .. held)
+end
 if ident ~= "" then
-  local owners = redis.call("HGETALL", KEYS[2])
-  for i = 1, #owners, 2 do
-    if owners[i + 1] == ident then
-      local held = tonumber(owners[i])
-      if rank == nil then
-        rank = held
-        kind = 1
-      elseif held ~= rank then
-        redis.call("HDEL", KEYS[1], held)
-        redis.call("HDEL", KEYS[2], held)
-        redis.call("DEL", ARGV[6] .. held)
-        redis.call("ZREM", KEYS[5], ARGV[1] .. ":" .. held)
+  local held = redis.call("HGET", KEYS[6], ident)
+  if held and redis.call("HGET", KEYS[2], held) ~= ident then
+    held = false
+  end
+  if not held and redis.call("HLEN", KEYS[6]) < redis.call("HLEN", KEYS[2]) then
+    local owners = redis.call("HGETALL", KEYS[2])
+    for i = 1, #owners, 2 do
+      if owners[i + 1] == ident then
+        held = owners[i]
       end
+    end
+  end
+  if held then
+    held = tonumber(held)
+    if rank == nil then
+      rank = held
+      kind = 1
+    elseif held ~= rank then
+      release(held)
     end
   end
 end
@@ -54,8 +69,13 @@ if rank == nil then
   end
 end
 redis.call("HSET", KEYS[1], rank, '{"rank":' .. rank .. ',' .. string.sub(ARGV[4], 2))
+local previous = redis.call("HGET", KEYS[2], rank)
+if previous and previous ~= ident and redis.call("HGET", KEYS[6], previous) == tostring(rank) then
+  redis.call("HDEL", KEYS[6], previous)
+end
 if ident ~= "" then
   redis.call("HSET", KEYS[2], rank, ident)
+  redis.call("HSET", KEYS[6], ident, rank)
 else
   redis.call("HDEL", KEYS[2], rank)
 end
@@ -86,9 +106,42 @@ redis.call("ZADD", KEYS[4], ARGV[3], ARGV[5])
 return 1
 """
 
+# Refresh many nodes' heartbeats in one call (POST /heartbeats): per node exactly what HEARTBEAT does.
+# KEYS[1] node_beats
+# ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
+# ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
+# ARGV[6..] triples: role, rank, identity ("" = unfenced)
+# Returns one code per triple, in order: 1 beat recorded, 0 not registered, -1 rank held by another identity.
+HEARTBEAT_MANY = """
+local out = {}
+local beats = {}
+for i = 6, #ARGV, 3 do
+  local role, rank, ident = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local code = 0
+  if redis.call("HEXISTS", ARGV[3] .. role, rank) == 1 then
+    code = -1
+    if ident == "" or redis.call("HGET", ARGV[4] .. role, rank) == ident then
+      code = 1
+      redis.call("SET", ARGV[5] .. role .. ":" .. rank, ARGV[2], "PX", ARGV[1])
+      beats[#beats + 1] = ARGV[2]
+      beats[#beats + 1] = role .. ":" .. rank
+      if #beats >= 1000 then
+        redis.call("ZADD", KEYS[1], unpack(beats))
+        beats = {}
+      end
+    end
+  end
+  out[#out + 1] = code
+end
+if #beats > 0 then
+  redis.call("ZADD", KEYS[1], unpack(beats))
+end
+return out
+"""
+
 # Remove a node.
 # KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
-# KEYS[5] node_beats
+# KEYS[5] node_beats  KEYS[6] role_identities(role)
 # ARGV[1] rank
 # ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
 # ARGV[3] role name
@@ -101,6 +154,10 @@ if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
 end
 if ARGV[2] ~= "" and redis.call("HGET", KEYS[2], ARGV[1]) ~= ARGV[2] then
   return -1
+end
+local owner = redis.call("HGET", KEYS[2], ARGV[1])
+if owner and redis.call("HGET", KEYS[6], owner) == ARGV[1] then
+  redis.call("HDEL", KEYS[6], owner)
 end
 redis.call("HDEL", KEYS[1], ARGV[1])
 redis.call("HDEL", KEYS[2], ARGV[1])
@@ -116,6 +173,7 @@ return 1
 # KEYS[1] node_beats  KEYS[2] roles
 # ARGV[1] cutoff: nodes whose last beat is older (unix time) go  ARGV[2] most nodes removed per call
 # ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix  ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
+# ARGV[6] role_identities prefix
 # Returns how many node_beats entries were processed (== ARGV[2]: call again). A node that beats again in
 # time (its heartbeat key exists) is kept; its next beat puts it back into node_beats.
 SWEEP_DEAD_NODES = """
@@ -126,6 +184,10 @@ for _, member in ipairs(stale) do
   if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 0 then
     local nodes = ARGV[3] .. role
     if redis.call("TYPE", nodes)["ok"] == "hash" then
+      local owner = redis.call("HGET", ARGV[4] .. role, rank)
+      if owner and redis.call("HGET", ARGV[6] .. role, owner) == rank then
+        redis.call("HDEL", ARGV[6] .. role, owner)
+      end
       redis.call("HDEL", nodes, rank)
       redis.call("HDEL", ARGV[4] .. role, rank)
       if redis.call("HLEN", nodes) == 0 then

@@ -1,9 +1,10 @@
 """The cluster topology, kept entirely in Redis (the coordinator holds no state of its own).
 
-Layout (keys from `dcs_tasks.keys`): per role a hash rank -> RoleInfo JSON and a hash rank -> "ip:port"
-identity; a sorted set of roles in first-registration order; per node a heartbeat key with a TTL of
-`heartbeat_timeout`. A node is alive iff its heartbeat key exists. Registration, heartbeat and
-unregistration are single Lua scripts (see `coordinator.scripts`), so concurrent coordinators agree.
+Layout (keys from `dcs_tasks.keys`): per role a hash rank -> RoleInfo JSON, a hash rank -> "ip:port"
+identity and its inverse identity -> rank; a sorted set of roles in first-registration order; per node a
+heartbeat key with a TTL of `heartbeat_timeout`. A node is alive iff its heartbeat key exists.
+Registration, heartbeat and unregistration are single Lua scripts (see `coordinator.scripts`),
+so concurrent coordinators agree.
 
 Every method raises `redis.RedisError` subclasses when Redis is unreachable; the app maps them to 503.
 A stored record that cannot be read (not JSON, not a RoleInfo, a key of the wrong type) is skipped and
@@ -130,6 +131,7 @@ class TopologyManager:
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
+        self._heartbeat_many = redis.register_script(scripts.HEARTBEAT_MANY)
         self._unregister = redis.register_script(scripts.UNREGISTER)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
         self._sweep = redis.register_script(scripts.SWEEP_DEAD_NODES)
@@ -139,6 +141,24 @@ class TopologyManager:
     # --- writes ---------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> Registration:
         """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
+        keys, argv, identity = self._register_call(info)
+        rank, kind = await self._register(keys=keys, args=argv)
+        return Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
+
+    async def register_many(self, infos: list[RoleInfo]) -> list[Registration]:
+        """`register` for each of `infos`, in order, in one pipelined round trip (each one atomic on its own)."""
+        calls = [self._register_call(info) for info in infos]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, argv, _ in calls:
+                await self._register(keys=keys, args=argv, client=pipe)
+            answers = await pipe.execute()
+        return [
+            Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
+            for (rank, kind), (_, _, identity) in zip(answers, calls, strict=True)
+        ]
+
+    def _register_call(self, info: RoleInfo) -> tuple[list[str], list[str], str]:
+        """KEYS, ARGV of `scripts.REGISTER` for `info`, and the node's fencing identity."""
         role = info.role_name
         identity = node_identity(info.ip, info.port) or issued_identity()
         keys = [
@@ -147,6 +167,7 @@ class TopologyManager:
             self.keys.roles(),
             self.keys.role_seq(),
             self.keys.node_beats(),
+            self.keys.role_identities(role),
         ]
         argv = [
             role,
@@ -157,8 +178,7 @@ class TopologyManager:
             self.keys.heartbeat_role_prefix(role),
             repr(time.time()),
         ]
-        rank, kind = await self._register(keys=keys, args=argv)
-        return Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
+        return keys, argv, identity
 
     async def heartbeat(self, role: str, rank: int, identity: str = "") -> float | None:
         """Refresh the node's TTL; returns the beat time, or None when (role, rank) is not registered.
@@ -172,6 +192,22 @@ class TopologyManager:
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} was presumed dead", 409)
         return now if found else None
+
+    async def heartbeat_many(self, beats: list[tuple[str, int, str]]) -> tuple[float, list[int]]:
+        """Beat every (role, rank, identity) in one Lua call; returns the beat time and one code per beat:
+        1 recorded, 0 not registered, -1 fenced out (another node holds the rank; identity "" = unfenced)."""
+        now = time.time()
+        argv: list[str] = [
+            self._ttl_arg,
+            repr(now),
+            self.keys.role_nodes_prefix(),
+            self.keys.role_owners_prefix(),
+            self.keys.heartbeat_prefix(),
+        ]
+        for role, rank, identity in beats:
+            argv += (role, str(rank), identity)
+        codes = await self._heartbeat_many(keys=[self.keys.node_beats()], args=argv)
+        return now, [int(c) for c in codes]
 
     def _heartbeat_keys(self, role: str, rank: int) -> tuple[list[str], str]:
         """The heartbeat script's KEYS and node_beats member, memoised: heartbeats are the hot path (bounded;
@@ -201,6 +237,7 @@ class TopologyManager:
             self.keys.heartbeat(role, rank),
             self.keys.roles(),
             self.keys.node_beats(),
+            self.keys.role_identities(role),
         ]
         found = int(await self._unregister(keys=keys, args=[str(rank), identity, role]))
         if found < 0:
@@ -212,7 +249,12 @@ class TopologyManager:
         and each role with its last node; returns how many stale entries were processed."""
         cutoff = (time.time() if now is None else now) - self.heartbeat_timeout_seconds - retention_seconds
         keys = [self.keys.node_beats(), self.keys.roles()]
-        prefixes = [self.keys.role_nodes_prefix(), self.keys.role_owners_prefix(), self.keys.heartbeat_prefix()]
+        prefixes = [
+            self.keys.role_nodes_prefix(),
+            self.keys.role_owners_prefix(),
+            self.keys.heartbeat_prefix(),
+            self.keys.role_identities_prefix(),
+        ]
         total = 0
         while True:
             done = int(await self._sweep(keys=keys, args=[repr(cutoff), _SWEEP_BATCH, *prefixes]))

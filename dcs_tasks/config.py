@@ -133,8 +133,9 @@ class DCSConfig(BaseSettings):
     """Redis connections one coordinator process opens at most; a request waits for a free one."""
     redis_pool_timeout_seconds: float = Field(default=5.0, gt=0)
     """How long a coordinator request waits for a free Redis connection before answering 503."""
-    coordinator_keep_alive_seconds: float = Field(default=5.0, gt=0)
-    """An idle keep-alive connection to the coordinator is closed after this."""
+    coordinator_keep_alive_seconds: float = Field(default=20.0, gt=0)
+    """An idle keep-alive connection to the coordinator is closed after this (longer than the 5 s heartbeat
+    interval, so a node's beats reuse one connection; CoordinatorAPI lets its idle ones go after 15 s)."""
     coordinator_request_read_timeout_seconds: float = Field(default=15.0, gt=0)
     """A client must send a whole request (headers and body) within this, else its connection is closed
     (slow clients cannot hold connections open)."""

@@ -41,6 +41,14 @@ class Keys:
         """H rank -> "ip:port" identity of the node holding that rank (re-registration keeps the rank)."""
         return self._k("topo", "owner", role)
 
+    def role_identities(self, role: str) -> str:
+        """H "ip:port" identity -> rank: role_owners inverted, so a re-registration finds its rank in O(1)."""
+        return self._k("topo", "ident", role)
+
+    def role_identities_prefix(self) -> str:
+        """Prefix P such that P + role == role_identities(role)."""
+        return self._k("topo", "ident") + ":"
+
     def role_nodes_prefix(self) -> str:
         """Prefix P such that P + role == role_nodes(role) (the dead-node sweep builds keys from stored roles)."""
         return self._k("topo", "role") + ":"

@@ -61,6 +61,47 @@ class HeartbeatResponse(BaseModel):
     timestamp: float = Field(description="coordinator wall-clock time of the beat (unix seconds)")
 
 
+MAX_BATCH_NODES = 2048  # nodes in one POST /heartbeats or /register_batch (one Redis call holds them all)
+IDENTITY_PATTERN = r"^(anon:[0-9a-f]{16}|.{1,255}:[0-9]{1,5})$"
+
+
+class NodeBeat(BaseModel):
+    """One node's beat inside a batch; `identity` fences it like the X-DCS-Node header ("" = unfenced)."""
+
+    role: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    rank: int = Field(ge=0, le=MAX_RANK)
+    identity: str = Field(default="", pattern=r"^$|" + IDENTITY_PATTERN, description="identity from /register")
+
+
+class HeartbeatBatchRequest(BaseModel):
+    """Beats of many nodes held by one process (a host agent), refreshed in one Redis call."""
+
+    beats: list[NodeBeat] = Field(min_length=1, max_length=MAX_BATCH_NODES)
+
+
+class BeatOutcome(str, enum.Enum):
+    OK = "ok"  # TTL refreshed (a node that had expired is alive again)
+    NOT_FOUND = "not_found"  # never registered (or unregistered, or swept): register it
+    CONFLICT = "conflict"  # the identity no longer holds the rank: another node took it over
+
+
+class HeartbeatBatchResponse(BaseModel):
+    status: ResponseStatus = ResponseStatus.OK
+    timestamp: float = Field(description="coordinator wall-clock time of the beats (unix seconds)")
+    results: list[BeatOutcome] = Field(description="one outcome per beat, in the request's order")
+
+
+class RegisterBatchRequest(BaseModel):
+    """Many registrations in one call, each applied as /register would (in order, each atomic)."""
+
+    nodes: list[RegisterRequest] = Field(min_length=1, max_length=MAX_BATCH_NODES)
+
+
+class RegisterBatchResponse(BaseModel):
+    status: ResponseStatus = ResponseStatus.OK
+    nodes: list[RegisterResponse] = Field(description="one answer per node, in the request's order")
+
+
 class TopologyResponse(BaseModel):
     """Live nodes by role and rank; `world_size` counts live nodes of the returned roles.
 

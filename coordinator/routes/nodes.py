@@ -9,10 +9,26 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
 from coordinator.limits import metadata_problem
 from coordinator.responses import COMMON, errors
-from coordinator.topology import RegistrationKind, TopologyManager, is_issued_identity, node_identity
+from coordinator.topology import (
+    Registration,
+    RegistrationKind,
+    TopologyManager,
+    is_issued_identity,
+    node_identity,
+)
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import RankConflict
-from dcs_tasks.models import HeartbeatResponse, RegisterRequest, RegisterResponse, StatusResponse
+from dcs_tasks.models import (
+    BeatOutcome,
+    HeartbeatBatchRequest,
+    HeartbeatBatchResponse,
+    HeartbeatResponse,
+    RegisterBatchRequest,
+    RegisterBatchResponse,
+    RegisterRequest,
+    RegisterResponse,
+    StatusResponse,
+)
 
 router = APIRouter(tags=["nodes"])
 
@@ -52,12 +68,17 @@ def caller_identity(request: Request) -> str:
     raw = next((v for k, v in request.scope["headers"] if k == NODE_HEADER), None)
     if raw is None:
         return ""
-    text = raw.decode("latin-1")
+    return checked_identity(raw.decode("latin-1"), "X-DCS-Node")
+
+
+def checked_identity(text: str, where: str) -> str:
+    """`text` as a fencing identity ('ip:port' with 0 < port < 65536, or an issued 'anon:<hex>'); 422 naming
+    `where` otherwise."""
     if is_issued_identity(text):
         return text
     ip, _, port = text.rpartition(":")
     if not ip or not port.isdigit() or not 0 < int(port) < 65536 or len(ip) > 255:
-        detail = f"X-DCS-Node must be the identity /register returned ('ip:port' or 'anon:<hex>'), got {raw[:300]!r}"
+        detail = f"{where} must be the identity /register returned ('ip:port' or 'anon:<hex>'), got {text[:300]!r}"
         raise HTTPException(status_code=422, detail=detail)
     return node_identity(ip, int(port))
 
@@ -84,6 +105,50 @@ async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Respo
     return Response(HeartbeatResponse(timestamp=beat).model_dump_json(), media_type="application/json")
 
 
+_OUTCOMES = {1: BeatOutcome.OK, 0: BeatOutcome.NOT_FOUND, -1: BeatOutcome.CONFLICT}
+
+
+@router.post("/heartbeats", response_model=HeartbeatBatchResponse, responses=errors(*COMMON, 400, 413))
+async def heartbeats(body: HeartbeatBatchRequest, request: Request) -> Response:
+    """Beat many nodes at once (up to 2,048), in one Redis call: for a process that holds many nodes (a host
+    agent). Each beat is what GET /heartbeat does for one node, its `identity` the X-DCS-Node header; the
+    answer is 200 with one outcome per beat, in order: `ok`, `not_found` (register it; GET /heartbeat's
+    404) or `conflict` (another node now holds the rank; GET /heartbeat's 409)."""
+    topology: TopologyManager = request.app.state.services.topology
+    beats = [
+        (b.role, b.rank, checked_identity(b.identity, f"beats.{i}.identity") if b.identity else "")
+        for i, b in enumerate(body.beats)
+    ]
+    now, codes = await topology.heartbeat_many(beats)
+    answer = HeartbeatBatchResponse(timestamp=now, results=[_OUTCOMES[c] for c in codes])
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
+@router.post("/register_batch", response_model=RegisterBatchResponse, responses=errors(*COMMON, 400, 413))
+async def register_batch(body: RegisterBatchRequest, services: ServicesDep) -> RegisterBatchResponse:
+    """Register many nodes (up to 2,048) in one call and one Redis round trip: each as /register would, in
+    order (a later node of the batch sees the earlier ones' ranks). Nothing is stored when any node's
+    metadata breaks a limit (422 naming the node's index)."""
+    config = services.config
+    for i, node in enumerate(body.nodes):
+        problem = metadata_problem(node.metadata, config.metadata_max_depth, config.metadata_max_bytes)
+        if problem is not None:
+            raise HTTPException(status_code=422, detail=f"invalid request: body.nodes.{i}.{problem}")
+    results = await services.topology.register_many(list(body.nodes))
+    return RegisterBatchResponse(
+        nodes=[_register_answer(node, result) for node, result in zip(body.nodes, results, strict=True)]
+    )
+
+
+def _register_answer(body: RegisterRequest, result: Registration) -> RegisterResponse:
+    return RegisterResponse(
+        rank=result.rank,
+        node_id=f"{body.role_name}_{result.rank}",
+        message=_MESSAGES[result.kind],
+        identity=result.identity,
+    )
+
+
 @router.post("/register", response_model=RegisterResponse, responses=errors(*COMMON, 400, 413))
 async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResponse:
     """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank.
@@ -95,13 +160,7 @@ async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResp
     problem = metadata_problem(body.metadata, config.metadata_max_depth, config.metadata_max_bytes)
     if problem is not None:
         raise HTTPException(status_code=422, detail=f"invalid request: body.{problem}")
-    result = await services.topology.register(body)
-    return RegisterResponse(
-        rank=result.rank,
-        node_id=f"{body.role_name}_{result.rank}",
-        message=_MESSAGES[result.kind],
-        identity=result.identity,
-    )
+    return _register_answer(body, await services.topology.register(body))
 
 
 @router.delete(

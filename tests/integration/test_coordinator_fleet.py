@@ -1,0 +1,187 @@
+"""Heartbeats and registrations of many nodes: POST /heartbeats, POST /register_batch, the O(1) identity
+look-up of /register, FleetHeartbeatLoop, and keep-alive across the heartbeat interval (real redis-server;
+the keep-alive test on a real `dcs coordinator` process)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from coordinator.app import make_redis
+from coordinator.topology import TopologyManager
+from dcs_tasks.client.coordinator_api import KEEPALIVE_EXPIRY_S, FleetHeartbeatLoop
+from dcs_tasks.config import DCSConfig, RoleInfo, TopologyConfig
+from dcs_tasks.keys import Keys
+from dcs_tasks.models import MAX_BATCH_NODES, BeatOutcome
+from tests.helpers.procs import CoordinatorProcess
+from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def coord(dcs_config: DCSConfig) -> AsyncIterator[InProcessCoordinator]:
+    async with in_process_coordinator(dcs_config) as c:
+        yield c
+
+
+def node(rank: int | None, port: int, role: str = "actor") -> RoleInfo:
+    return RoleInfo(role_name=role, rank=rank, ip="10.0.0.1", port=port)
+
+
+def raw_redis(config: DCSConfig) -> redis.Redis:
+    return redis.Redis.from_url(config.redis_url, decode_responses=True)
+
+
+async def test_batch_beats_answer_per_node_like_single_beats(
+    coord: InProcessCoordinator, dcs_config: DCSConfig
+) -> None:
+    api, keys, r = coord.api, Keys(dcs_config.namespace), raw_redis(dcs_config)
+    answers = await api.register_many([node(0, 7000), node(1, 7001), node(2, 7002)])
+    assert [a.rank for a in answers] == [0, 1, 2] and answers[1].identity == "10.0.0.1:7001"
+    r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
+    before = r.zscore(keys.node_beats(), "actor:1")
+    await asyncio.sleep(0.05)
+    other = await coord.api.register(node(2, 7999))  # another node took rank 2: our identity is fenced out
+    assert other.rank == 2
+    api._identities[("actor", 2)] = "10.0.0.1:7002"
+    outcomes = await api.heartbeat_many([("actor", 0), ("actor", 1), ("actor", 2), ("actor", 9), ("nobody", 0)])
+    ok, nf, conflict = BeatOutcome.OK, BeatOutcome.NOT_FOUND, BeatOutcome.CONFLICT
+    assert outcomes == [ok, ok, conflict, nf, nf]
+    ttl = r.pttl(keys.heartbeat("actor", 0))
+    assert 0.5 * dcs_config.heartbeat_timeout_seconds * 1000 < ttl <= dcs_config.heartbeat_timeout_seconds * 1000
+    assert (r.zscore(keys.node_beats(), "actor:1") or 0) > (before or 0)  # the dead-node sweep sees the beat
+    assert r.get(keys.heartbeat("actor", 9)) is None
+    r.close()
+
+
+async def test_batch_beats_refuse_bad_input_with_named_errors(coord: InProcessCoordinator) -> None:
+    http = coord.api._http  # with the token, if any
+    bad_identity = {"beats": [{"role": "actor", "rank": 0, "identity": "10.0.0.1:7000"}, {"role": "a", "rank": 1,
+                    "identity": "10.0.0.1:99999"}]}  # fmt: skip
+    answer = await http.post("/heartbeats", json=bad_identity)
+    assert answer.status_code == 422 and "beats.1.identity" in answer.json()["detail"]
+    too_many = {"beats": [{"role": "actor", "rank": i} for i in range(MAX_BATCH_NODES + 1)]}
+    answer = await http.post("/heartbeats", json=too_many)
+    assert answer.status_code == 422 and "beats" in answer.json()["detail"]
+    answer = await http.post("/heartbeats", json={"beats": [{"role": "bad role", "rank": 0}]})
+    assert answer.status_code == 422 and "beats.0.role" in answer.json()["detail"]
+
+
+async def test_register_batch_applies_each_registration_in_order(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    first = await api.register_many([node(None, 7100), node(None, 7101), node(5, 7105)])
+    assert [a.rank for a in first] == [0, 1, 5]
+    again = await api.register_many([node(None, 7101), node(None, 7102)])  # 7101 keeps its rank
+    assert [a.rank for a in again] == [1, 2] and again[0].message == "re-registered; rank kept"
+    deep: dict[str, object] = {}
+    for _ in range(40):
+        deep = {"d": deep}
+    body = {"nodes": [node(None, 7200).model_dump(), {**node(None, 7201).model_dump(), "metadata": deep}]}
+    answer = await api._http.post("/register_batch", json=body)
+    assert answer.status_code == 422 and "body.nodes.1.metadata" in answer.json()["detail"]
+    assert sorted((await api.topology("actor")).nodes["actor"]) == [0, 1, 2, 5]  # nothing of the refused batch
+
+
+async def test_registering_many_nodes_does_not_scan_the_role(dcs_config: DCSConfig) -> None:
+    """Each registration finds its identity's rank in O(1): no HGETALL of the owners hash (the old script
+    scanned every owner on each registration, so N registrations cost O(N^2) and 10,000 took ~30 s)."""
+    client = make_redis(dcs_config)
+    topology = TopologyManager(client, Keys(dcs_config.namespace), TopologyConfig(), 5.0)
+    r = raw_redis(dcs_config)
+    await topology.register_many([node(None, 8000 + i) for i in range(300)])
+    r.config_resetstat()
+    await topology.register_many([node(None, 8000 + i) for i in range(300, 400)])
+    regs = await topology.register_many([node(None, 8000 + i) for i in (5, 250)])
+    assert [g.rank for g in regs] == [5, 250]
+    stats = r.info("commandstats")
+    assert "cmdstat_hgetall" not in stats, stats.get("cmdstat_hgetall")
+    await client.aclose()
+    r.close()
+
+
+async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records(dcs_config: DCSConfig) -> None:
+    client = make_redis(dcs_config)
+    keys = Keys(dcs_config.namespace)
+    topology = TopologyManager(client, keys, TopologyConfig(), 0.2)
+    r = raw_redis(dcs_config)
+    await topology.register(node(None, 9000))  # rank 0
+    await topology.register(node(0, 9001))  # explicit rank 0 replaces 9000
+    assert r.hget(keys.role_identities("actor"), "10.0.0.1:9000") is None
+    assert (await topology.register(node(None, 9000))).rank == 1  # not rank 0: that is 9001's now
+    assert await topology.unregister("actor", 1)
+    assert r.hget(keys.role_identities("actor"), "10.0.0.1:9000") is None
+    await topology.register(node(3, 9003))
+    await asyncio.sleep(0.3)  # everyone's TTL ran out
+    await topology.sweep_dead_nodes(0.0)
+    assert r.hlen(keys.role_identities("actor")) == 0 and r.hlen(keys.role_owners("actor")) == 0
+    # records written before the identity index existed: the owners hash is scanned, the rank kept
+    await topology.register(node(4, 9004))
+    await topology.register(node(None, 9005))
+    r.delete(keys.role_identities("actor"))
+    assert (await topology.register(node(None, 9004))).rank == 4
+    await client.aclose()
+    r.close()
+
+
+async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(coord: InProcessCoordinator) -> None:
+    api = coord.api
+    infos = [node(i, 7300 + i) for i in range(3)]
+    await api.register_many(infos)
+    loop = FleetHeartbeatLoop(api, infos, interval=0.05)
+    await loop.beat_once()
+    assert loop.beats == 3 and loop.lost == []
+    await api.unregister("actor", 1)  # forgotten (an operator, a flushed Redis): re-registered with its rank
+    api._identities[("actor", 1)] = "10.0.0.1:7301"
+    await coord.http.post("/register", json=node(2, 7999).model_dump())  # rank 2 taken by another node
+    loop.start()
+    deadline = time.monotonic() + 10
+    while not (loop.lost and loop.beats >= 8) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await loop.stop()
+    assert loop.lost == ["actor_2"] and set(loop.nodes) == {("actor", 0), ("actor", 1)}
+    held = (await api.topology("actor")).nodes["actor"]
+    assert held[1].port == 7301 and held[2].port == 7999
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 answer (head and Content-Length body), or what came before the peer closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line[15:]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return data
+
+
+def test_beats_at_the_heartbeat_interval_reuse_one_connection(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """With the default settings the coordinator keeps an idle connection longer than the heartbeat interval
+    (the client lets it go in between), so a node's beats do not reconnect every time (before: both were 5 s,
+    the same as the interval, and every beat paid a new connection)."""
+    defaults = DCSConfig()
+    assert defaults.heartbeat_interval_seconds < KEEPALIVE_EXPIRY_S < defaults.coordinator_keep_alive_seconds
+    config = dcs_config.model_copy(update={"coordinator_keep_alive_seconds": defaults.coordinator_keep_alive_seconds})
+    coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
+    try:
+        with socket.create_connection(("127.0.0.1", coordinator.port), timeout=10) as sock:
+            request = b"GET /healthz HTTP/1.1\r\nHost: c\r\n\r\n"
+            for _ in range(2):
+                sock.sendall(request)
+                assert read_response(sock).startswith(b"HTTP/1.1 200"), "the connection was closed"
+                time.sleep(defaults.heartbeat_interval_seconds + 0.5)
+    finally:
+        coordinator.stop()
