@@ -243,7 +243,8 @@ class CoordinatorAPI:
                 for role, rank in nodes[start : start + MAX_BATCH_NODES]
             ]
             body = HeartbeatBatchRequest(beats=beats)
-            outcomes += (await self._call("POST", "/heartbeats", HeartbeatBatchResponse, body=body)).results
+            answer = await self._call("POST", "/heartbeats", HeartbeatBatchResponse, body=body, retry=True)
+            outcomes += answer.results
         return outcomes
 
     async def register_many(self, infos: list[RoleInfo]) -> list[RegisterResponse]:
@@ -253,7 +254,8 @@ class CoordinatorAPI:
         for start in range(0, len(infos), MAX_BATCH_NODES):
             chunk = infos[start : start + MAX_BATCH_NODES]
             body = RegisterBatchRequest(nodes=[RegisterRequest.model_validate(i.model_dump()) for i in chunk])
-            batch = await self._call("POST", "/register_batch", RegisterBatchResponse, body=body)
+            repeatable = all(info.rank is not None or info.port for info in chunk)  # as `register`
+            batch = await self._call("POST", "/register_batch", RegisterBatchResponse, body=body, retry=repeatable)
             for info, answer in zip(chunk, batch.nodes, strict=True):
                 if answer.identity:
                     self._identities[(info.role_name, answer.rank)] = answer.identity
