@@ -10,7 +10,8 @@ is retried on `CoordinatorUnavailable` with a jittered exponential backoff for u
 (plus the one attempt in flight then): every GET (heartbeat, topology, node, peer, health, weight-meta reads;
 a long-poll is re-issued from the same index with the wait it has left), `register` when its answer cannot
 change on a repeat (an explicit rank, or a port: the same ip:port keeps its rank), and `send_weight_meta`,
-which sends one `Idempotency-Key` for all its attempts so the coordinator appends the entry once. Not
+which sends one `Idempotency-Key` for all its attempts so the coordinator appends the entry once (retried
+for at most `IDEMPOTENCY_WINDOW_S`: the coordinator keeps the key 60 s). Not
 retried: `register` without rank and port (each attempt would take a new rank), `unregister` and
 `clear_weight_meta` (a repeat would remove another node or entries appended meanwhile).
 """
@@ -57,6 +58,9 @@ M = TypeVar("M", bound=BaseModel)
 KEEPALIVE_EXPIRY_S = 15.0
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+# The coordinator remembers an append's key for 60 s (coordinator/weight_meta.py APPEND_MARKER_TTL_MS): an
+# append is retried for at most this long, whatever `retry_for_s` says, so a repeat always finds its key.
+IDEMPOTENCY_WINDOW_S = 50.0
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a load balancer without a live coordinator, or no Redis
 
 
@@ -97,6 +101,8 @@ class CoordinatorAPI:
         """`transport` replaces the network (e.g. `httpx.ASGITransport(app)` to call an app in-process).
         `retry_for_s`: how long a repeatable call keeps retrying while the coordinator is unavailable (0: never).
         """
+        if retry_for_s < 0:
+            raise ValueError(f"retry_for_s must be >= 0 seconds, got {retry_for_s}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
@@ -133,18 +139,20 @@ class CoordinatorAPI:
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
         retry: bool = False,
+        retry_within: float | None = None,
     ) -> M:
         """One request; with `retry`, repeated while the coordinator is unavailable (see `_retrying`)."""
 
         def attempt() -> Awaitable[M]:
             return self._call_once(method, path, model, params, body, timeout, headers)
 
-        return await (self._retrying(attempt, f"{method} {path}") if retry else attempt())
+        return await (self._retrying(attempt, f"{method} {path}", retry_within) if retry else attempt())
 
-    async def _retrying(self, attempt: Callable[[], Awaitable[M]], what: str) -> M:
-        """`attempt()` until it does not raise CoordinatorUnavailable, for up to `retry_for_s` seconds."""
+    async def _retrying(self, attempt: Callable[[], Awaitable[M]], what: str, within: float | None = None) -> M:
+        """`attempt()` until it does not raise CoordinatorUnavailable, for up to `retry_for_s` seconds (and at
+        most `within`)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_for_s
+        deadline = loop.time() + (self.retry_for_s if within is None else min(self.retry_for_s, within))
         failures = 0
         while True:
             try:
@@ -303,7 +311,15 @@ class CoordinatorAPI:
         when an attempt's answer was lost (its coordinator died after appending) and another attempt repeats it.
         """
         headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex}
-        return await self._call("POST", "/send_weight_meta", StatusResponse, body=meta, headers=headers, retry=True)
+        return await self._call(
+            "POST",
+            "/send_weight_meta",
+            StatusResponse,
+            body=meta,
+            headers=headers,
+            retry=True,
+            retry_within=IDEMPOTENCY_WINDOW_S,
+        )
 
     async def recv_weight_meta(
         self, index: int = 0, wait_timeout_s: float = 0.0, limit: int | None = None
