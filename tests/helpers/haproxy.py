@@ -67,9 +67,11 @@ class HAProxyConfig:
     request_timeout_s: int = LONGEST_REQUEST_S + 30  # `timeout server` and `timeout client`
     retries: int = 3
     maxconn: int = 4096
+    log_requests: bool = True  # one line per request in the log (off for load tests)
 
     def render(self) -> str:
         servers = "\n".join(f"    server {b.name} {b.address}:{b.port} check" for b in self.backends)
+        httplog = "option httplog" if self.log_requests else "option dontlog-normal"
         return f"""global
     maxconn {self.maxconn}
     log stderr format raw local0 info
@@ -78,7 +80,7 @@ class HAProxyConfig:
 defaults
     mode http
     log global
-    option httplog
+    {httplog}
     timeout connect {self.connect_timeout_ms}ms
     timeout client {self.request_timeout_s}s
     timeout server {self.request_timeout_s}s
