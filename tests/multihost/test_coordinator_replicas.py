@@ -119,6 +119,7 @@ async def test_killing_a_coordinator_replica_costs_clients_only_a_bounded_retry(
         began = time.monotonic()
         nodes = [asyncio.create_task(run_node(proxy.url, i, stop, run)) for i, run in enumerate(runs)]
         await wait_until(lambda: sum(r.rank is not None for r in runs) >= NODES // 3, 20)
+        served_by_victim = int(proxy.stats()[victim]["stot"])
         replicas.coordinator(victim).kill()  # SIGKILL: in-flight requests and the long-poll are cut
         registered_at_kill = sum(r.rank is not None for r in runs)
         beats_at_kill = [r.beats for r in runs]
@@ -133,12 +134,15 @@ async def test_killing_a_coordinator_replica_costs_clients_only_a_bounded_retry(
         elapsed = time.monotonic() - began
         topology = await sender.topology("rollout")
         appended = await sender.recv_weight_meta(start)
+        after = proxy.stats()
 
     slowest = max(r.slowest_call_s for r in runs)
     print(
         f"killed {victim} with {registered_at_kill}/{NODES} registered; retries: long-poll {reader.retries}, "
-        f"nodes {sum(r.retries for r in runs)}; slowest node call {slowest:.2f}s; {elapsed:.1f}s in all"
+        f"nodes {sum(r.retries for r in runs)}; haproxy retries {after[victim]['wretr']}, redispatches "
+        f"{after[victim]['wredis']}; slowest node call {slowest:.2f}s; {elapsed:.1f}s in all"
     )
+    assert served_by_victim >= 10, "the killed replica was not serving the nodes' calls"
     assert registered_at_kill < NODES, "the kill came after every registration; it must hit them in flight"
     assert sorted(r.rank for r in runs if r.rank is not None) == list(range(NODES))
     assert batch.entries == [entry] and batch.first_index == start
