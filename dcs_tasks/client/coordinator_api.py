@@ -374,8 +374,9 @@ class HeartbeatLoop:
     Beats are fenced (see `CoordinatorAPI.heartbeat`: the identity from registering through the same `api`,
     else the node's ip:port): if the node was presumed dead and its rank given to a replacement, the beat
     fails with RankConflict; the loop then stops and keeps the error in `lost` (the node must re-register
-    and rebuild what it built on its old rank). Transient
-    failures (coordinator or Redis down) are logged and retried at the next beat. When the coordinator no
+    and rebuild what it built on its old rank). A beat
+    the coordinator cannot answer (it or Redis down) is retried by `api` for up to its `retry_for_s`, then
+    logged and beaten again at the next interval. When the coordinator no
     longer knows the node (404: unregistered by an operator, or a flushed Redis) the loop re-registers
     `info` with the rank it had.
     """
