@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,42 +25,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.harness import (  # noqa: E402
+    cpu_seconds,
+    percentile,
+    read_response,
+    serve_bare,
+    start_bare,
+    start_coordinator,
+    start_redis,
+    stop,
+)
 from dcs_tasks.config import DCSConfig, RoleInfo  # noqa: E402
-from dcs_tasks.keys import Keys  # noqa: E402
-from tests.helpers.ports import free_port, wait_for_port  # noqa: E402
-from tests.helpers.procs import CoordinatorProcess  # noqa: E402
 
 NODES = 64
-
-
-# --- the bare comparison app ---------------------------------------------------------------------
-def serve_bare(port: int, redis_url: str) -> None:
-    """FastAPI + redis.asyncio with the coordinator's client settings; one SET per request."""
-    from collections.abc import AsyncIterator as AI
-
-    import uvicorn
-    from fastapi import FastAPI
-
-    from coordinator.app import make_redis
-
-    config = DCSConfig(redis_url=redis_url)
-    keys = Keys("bare")
-    state: dict[str, object] = {}
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AI[None]:
-        state["redis"] = make_redis(config)
-        yield
-
-    app = FastAPI(lifespan=lifespan)
-
-    @app.get("/heartbeat")
-    async def heartbeat(role: str, rank: int) -> dict[str, object]:
-        now = time.time()
-        await state["redis"].set(keys.heartbeat(role, rank), repr(now), px=30_000)  # type: ignore[attr-defined]
-        return {"status": "ok", "timestamp": now}
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 # --- load generator ------------------------------------------------------------------------------
@@ -78,25 +53,6 @@ class RoundResult:
     server_cpu_us_per_req: float
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), immune to how busy the rest of the machine is."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _read_response(reader: asyncio.StreamReader) -> int:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line[:15].lower() == b"content-length:":
-            length = int(line[15:])
-    await reader.readexactly(length)
-    return status
-
-
 async def _connection(port: int, conn_id: int, deadline: float, latencies: list[float], errors: list[int]) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = conn_id
@@ -108,7 +64,7 @@ async def _connection(port: int, conn_id: int, deadline: float, latencies: list[
             request = f"GET /heartbeat?role=actor&rank={rank} HTTP/1.1\r\nHost: bench\r\n{node}\r\n\r\n".encode()
             start = time.perf_counter()
             writer.write(request)
-            status = await _read_response(reader)
+            status = await read_response(reader)
             latencies.append(time.perf_counter() - start)
             if status != 200:
                 errors.append(status)
@@ -128,7 +84,7 @@ async def drive(target: str, port: int, pid: int, connections: int, duration: fl
     ordered = sorted(latencies)
 
     def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3 if ordered else float("nan")
+        return percentile(ordered, q) * 1e3
 
     n = len(latencies)
     cpu_us = cpu / n * 1e6 if n else float("nan")
@@ -136,16 +92,6 @@ async def drive(target: str, port: int, pid: int, connections: int, duration: fl
 
 
 # --- orchestration -------------------------------------------------------------------------------
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
-            "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
-            "--logfile", str(workdir / "redis.log")]  # fmt: skip
-    proc = subprocess.Popen(args)
-    wait_for_port(port)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 async def register_nodes(url: str) -> None:
     from dcs_tasks.client import CoordinatorAPI
 
@@ -216,20 +162,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, redis_url = start_redis(Path(tmp))
         config = DCSConfig(redis_url=redis_url, enable_metrics=False)
-        ours = CoordinatorProcess(config, Path(tmp) / "coordinator.log").start()
-        bare_port = free_port()
-        bare = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(bare_port), "--redis-url", redis_url])
+        ours, ours_port = start_coordinator(config, Path(tmp) / "coordinator.log")
+        bare, bare_port = start_bare(__file__, redis_url)
         try:
-            wait_for_port(bare_port, 30)
-            asyncio.run(register_nodes(ours.url))
-            assert ours.proc is not None
-            results = asyncio.run(run_rounds((ours.port, ours.proc.pid), (bare_port, bare.pid), args))
+            asyncio.run(register_nodes(f"http://127.0.0.1:{ours_port}"))
+            results = asyncio.run(run_rounds((ours_port, ours.pid), (bare_port, bare.pid), args))
         finally:
-            bare.terminate()
-            bare.wait(10)
-            ours.stop()
-            redis_proc.terminate()
-            redis_proc.wait(10)
+            for proc in (bare, ours, redis_proc):
+                stop(proc)
     summary = summarize(results, args)
     out = REPO / "bench" / "results" / "coordinator_load.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,141 @@
+"""Pieces the coordinator benchmarks share (bench/coordinator_load.py, bench/fleet_heartbeats.py): a private
+redis-server, `dcs coordinator` processes, the bare FastAPI+SET comparison app, per-process CPU time from
+/proc, a raw HTTP/1.1 answer reader and percentiles. Benchmarks do not import tests/."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), immune to how busy the rest of the machine is."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of an already sorted list (nan when empty)."""
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A private redis-server as production runs it (AOF on, appendfsync everysec, no eviction)."""
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
+            "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
+            "--logfile", str(workdir / "redis.log")]  # fmt: skip
+    proc = subprocess.Popen(args)
+    wait_for_port(port)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def start_coordinator(config: DCSConfig, log_path: Path, src: Path = REPO) -> tuple[subprocess.Popen[bytes], int]:
+    """`dcs coordinator` (the real CLI, uvicorn) on a free loopback port, from the source tree `src` (another
+    checkout: a before/after comparison); returns the process and its port."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCS_")}
+    env.update(config.model_copy(update={"coordinator_port": port, "coordinator_host": "127.0.0.1"}).to_env())
+    env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dcs_tasks.cli.main", "coordinator"], env=env, stdout=log, stderr=log, cwd=src
+        )
+    wait_for_port(port)
+    return proc, port
+
+
+def start_bare(script: str, redis_url: str, log_path: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """The bare comparison app in its own process: `script --serve-bare PORT --redis-url URL` (see `serve_bare`),
+    its output to `log_path` when given."""
+    port = free_port()
+    cmd = [sys.executable, script, "--serve-bare", str(port), "--redis-url", redis_url]
+    if log_path is None:
+        proc = subprocess.Popen(cmd)
+    else:
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    wait_for_port(port)
+    return proc, port
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def serve_bare(port: int, redis_url: str) -> None:
+    """FastAPI + redis.asyncio with the coordinator's client settings; `GET /heartbeat?role&rank` does one
+    `SET key ts PX ttl`: the floor an HTTP-per-heartbeat design on this stack can reach."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from coordinator.app import make_redis
+
+    config = DCSConfig(redis_url=redis_url)
+    keys = Keys("bare")
+    state: dict[str, object] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["redis"] = make_redis(config)
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/heartbeat")
+    async def heartbeat(role: str, rank: int) -> dict[str, object]:
+        now = time.time()
+        await state["redis"].set(keys.heartbeat(role, rank), repr(now), px=30_000)  # type: ignore[attr-defined]
+        return {"status": "ok", "timestamp": now}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+async def read_response(reader: asyncio.StreamReader) -> int:
+    """Read one HTTP/1.1 answer with a Content-Length body; returns its status."""
+    return (await read_answer(reader))[0]
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """Read one HTTP/1.1 answer with a Content-Length body; returns its status and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    return status, await reader.readexactly(length)
