@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,11 +26,26 @@ from dcs_tasks.metrics import get_metrics
 log = logging.getLogger(__name__)
 
 
+class _WorkSlot:
+    """The only reference DCS keeps to an in-flight work: emptied when the work ends or its group is destroyed."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work: Any = work
+
+
 @dataclass
 class _Group:
     spec: GroupSpec
-    pg: dist.ProcessGroup
+    pg: dist.ProcessGroup | None
     peers: dict[int, str] = field(default_factory=dict)
+    slots: set[_WorkSlot] = field(default_factory=set)
+
+    def process_group(self) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise WeightSyncError(f"process group {self.spec.group_name!r} was destroyed")
+        return self.pg
 
     def describe_peers(self, exclude: int) -> str:
         names = [self.peers.get(r, f"rank {r}") for r in range(self.spec.world_size) if r != exclude]
@@ -103,7 +117,16 @@ class DeviceDirectBackend(CommBackend):
             group = self._groups.pop(group_name, None)
         if group is not None:
             get_metrics().active_connections.dec()
-            destroy(group.pg)
+            # Drop every reference to the group and its works first: gloo keeps its sockets open while any
+            # ProcessGroup or Work object is alive (handles, tracebacks), and an engine blocked in a receive
+            # (SGLang waits up to its 30-min default) is only released when the connection closes.
+            pg, group.pg = group.pg, None
+            for slot in list(group.slots):
+                slot.work = None
+            group.slots.clear()
+            if pg is not None:
+                destroy(pg)
+            del pg
             if group.spec.rank == 0:
                 release_store(group.spec.master_address, group.spec.master_port)
 
@@ -137,7 +160,7 @@ class DeviceDirectBackend(CommBackend):
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
         group = self._group(group_name)
         try:
-            work = dist.broadcast(tensor, src=src, group=group.pg, async_op=True)
+            work = dist.broadcast(tensor, src=src, group=group.process_group(), async_op=True)
         except Exception as exc:
             raise self._failure(group, "broadcast", exc) from exc
         return self._handle(group, "broadcast", work)
@@ -146,7 +169,7 @@ class DeviceDirectBackend(CommBackend):
         group = self._group(request.group_name or "")
         buffer, _ = self._fusion.fuse(dict(request.tensor_dict))
         try:
-            work = dist.isend(buffer, dst=request.dst_rank, group=group.pg)
+            work = dist.isend(buffer, dst=request.dst_rank, group=group.process_group())
         except Exception as exc:
             raise self._failure(group, "send", exc) from exc
         handle = self._handle(group, "send", work)
@@ -160,7 +183,7 @@ class DeviceDirectBackend(CommBackend):
         layout = FusionLayout.build(specs)
         buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
         try:
-            work = dist.irecv(buffer, src=request.src_rank, group=group.pg)
+            work = dist.irecv(buffer, src=request.src_rank, group=group.process_group())
         except Exception as exc:
             raise self._failure(group, "recv", exc) from exc
         self._handle(group, "recv", work).wait()
@@ -168,14 +191,27 @@ class DeviceDirectBackend(CommBackend):
 
     def _handle(self, group: _Group, op: str, work: Any) -> CommHandle:
         timeout = timedelta(seconds=self.timeout_seconds)
+        slot = _WorkSlot(work)
+        group.slots.add(slot)
+        del work
 
         def waiter() -> None:
+            current = slot.work
+            if current is None:
+                raise self._failure(group, op, RuntimeError("the group was destroyed while this operation ran"))
             try:
-                work.wait(timeout)
+                current.wait(timeout)
             except Exception as exc:
                 raise self._failure(group, op, exc) from exc
+            finally:
+                del current
+                slot.work = None
+                group.slots.discard(slot)
 
-        poll: Callable[[], bool] = work.is_completed
+        def poll() -> bool:
+            current = slot.work
+            return current is None or bool(current.is_completed())
+
         return CommHandle(waiter, poll)
 
     def _failure(self, group: _Group, op: str, exc: BaseException) -> WeightSyncError:
