@@ -180,6 +180,12 @@ class DCSConfig(BaseSettings):
     """Last master port for weight-sync process groups."""
     comm_timeout_seconds: float = Field(default=300.0, gt=0)
     """Timeout of every collective (broadcast) of a weight update."""
+    advertise_address: str | None = Field(default=None, min_length=1, max_length=253)
+    """Address this node registers and serves weight-sync groups at, as other hosts reach it (default: the
+    local address of the interface that routes to the coordinator)."""
+    comm_ifname: str | None = Field(default=None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:@,=^\-]+$")
+    """Network interface(s) gloo and NCCL use (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset; default:
+    the interface holding the advertised address, so a hostname resolving to loopback does not matter)."""
     group_init_timeout_seconds: float = Field(default=60.0, gt=0)
     """Timeout for a weight-sync process group to form."""
     ref_update_interval: int | None = Field(default=None, ge=1)

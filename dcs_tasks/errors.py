@@ -104,6 +104,11 @@ class PortAllocationError(WeightSyncError):
     """No free master port in the configured range on the host."""
 
 
+class LoopbackAddressError(GroupInitError, ConfigError):
+    """A group's master address is loopback while a member is on another host: raised before any join is sent
+    (the member could never connect). `member` names that node; advertise a routable address instead."""
+
+
 class RequestRejected(WeightSyncError):
     """A receiver refused a weight-sync request before acting on it (bad dtype, shape, name or address, over a
     size limit, wrong group, another group init in flight); nothing was allocated or changed."""

@@ -23,6 +23,7 @@ from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
+from dcs_tasks.netaddr import configure_comm_interface, route_address
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, send_teardown
@@ -62,7 +63,7 @@ class CheckpointEngineClient:
         config: DCSConfig | None = None,
         quantization_config: QuantizationConfig | None = None,
         lock: Any = None,
-        ip: str = "127.0.0.1",
+        ip: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         rollout_role: str = "rollout",
         world_size: int | None = None,
@@ -74,8 +75,15 @@ class CheckpointEngineClient:
         self.model_name = model_name
         self.quantization_config = quantization_config
         self.lock = lock
+        # ip: the address registered and used as weight-sync master; default: the one that routes to the coordinator
+        address = ip or self.config.advertise_address or route_address(self.config.base_url)
         self.role_info = RoleInfo(
-            role_name=role, rank=rank, ip=ip, device_id=device_id, world_size=world_size, metadata=dict(metadata or {})
+            role_name=role,
+            rank=rank,
+            ip=address,
+            device_id=device_id,
+            world_size=world_size,
+            metadata=dict(metadata or {}),
         )
         self.backend_type = backend_type
         self.rollout_role = rollout_role
@@ -138,6 +146,7 @@ class CheckpointEngineClient:
         """Create the HTTP client, register (with a pp master port for pp source actors), start heartbeats,
         build the backend and the updaters."""
         cfg = self.config
+        configure_comm_interface(self.role_info.ip, cfg.comm_ifname)  # before any gloo/NCCL group is built
         self._api = CoordinatorAPI(cfg.base_url, cfg.token(), timeout=cfg.request_timeout_seconds)
         self._backend = DeviceDirectBackend(
             self.backend_type,

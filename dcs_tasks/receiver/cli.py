@@ -18,6 +18,7 @@ from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.errors import ConfigError
 from dcs_tasks.httpguard import guarded_server_options
+from dcs_tasks.netaddr import configure_comm_interface, interface_of, is_loopback, route_address
 from dcs_tasks.receiver.guard import secure_receiver_app
 from dcs_tasks.receiver.server import create_receiver_app
 from dcs_tasks.receiver.weights import WeightReceiver
@@ -34,41 +35,60 @@ def register(sub: Any) -> None:
     parser.add_argument("--coordinator-url", required=True)
     parser.add_argument("--rank", type=int, required=True, help="rollout rank to register as")
     parser.add_argument("--role", default="rollout", help="role to register as (default rollout)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--host", default=None, help="address to bind (default: the advertised address; 0.0.0.0: every interface)"
+    )
     parser.add_argument(
         "--advertise-host",
         default=None,
-        help="address trainers reach this receiver at, registered with the coordinator (default: --host; "
-        "required when --host is a wildcard such as 0.0.0.0)",
+        help="address trainers reach this receiver at, registered with the coordinator (default: "
+        "DCS_ADVERTISE_ADDRESS, else --host unless a wildcard, else the local address that routes to the "
+        "coordinator)",
     )
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     parser.set_defaults(func=run)
 
 
-def advertised_host(host: str, advertise_host: str | None) -> str:
-    """The address registered for trainers to call: `advertise_host`, else the bind address unless a wildcard."""
+def advertised_host(host: str | None, advertise_host: str | None, coordinator_url: str = "") -> str:
+    """The address registered for trainers to call: `advertise_host`, else the bind address unless a wildcard,
+    else the local address of the interface that routes to the coordinator. A wildcard bind that would
+    advertise loopback is refused (ConfigError): it means to be reached from other hosts."""
     if advertise_host:
         return advertise_host
-    if host in WILDCARDS:
-        raise ConfigError(f"--host {host} binds every interface; name the address trainers use with --advertise-host")
-    return host
+    if host is not None and host not in WILDCARDS:
+        return host
+    detected = route_address(coordinator_url)
+    if host in WILDCARDS and is_loopback(detected):
+        raise ConfigError(
+            f"--host {host} binds every interface but the address that routes to the coordinator is {detected} "
+            "(loopback); name the address trainers use with --advertise-host"
+        )
+    return detected
+
+
+def bind_host(host: str | None, advertised: str) -> str:
+    """The address to bind: `host`, else the advertised one where this host holds it, else every interface."""
+    if host is not None:
+        return host
+    return advertised if is_loopback(advertised) or interface_of(advertised) else "0.0.0.0"
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = DCSConfig(coordinator_url=args.coordinator_url)
     try:
-        advertise = advertised_host(args.host, args.advertise_host)
+        advertise = advertised_host(args.host, args.advertise_host or config.advertise_address, config.base_url)
     except ConfigError as exc:
         print(f"dcs receiver: {exc}", file=sys.stderr)
         return 2
+    configure_comm_interface(advertise, config.comm_ifname)  # gloo/NCCL: not the hostname's (maybe loopback) address
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on such sockets; without it every response pays a
     # 40 ms delayed-ACK stall (uvicorn writes headers and body separately), i.e. 40 ms per bucket.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if config.tcp_nodelay else 0)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.tcp_buffer_size)
-    sock.bind((args.host, args.port))
+    sock.bind((bind_host(args.host, advertise), args.port))
     info = RoleInfo(
         role_name=args.role,
         rank=args.rank,

@@ -6,7 +6,8 @@ only after each of its TP ranks built the group) and the trainer's own group con
 `group_init_timeout_seconds` (for gloo that constructor connects the full mesh, so it completes only once
 every engine rank connected). For NCCL see `dcs_tasks.backends.process_group` (the first broadcast proves it).
 Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
-`GroupInitError` / `PortAllocationError` naming what failed.
+`GroupInitError` / `PortAllocationError` naming what failed. A loopback master address with an engine on
+another address raises `LoopbackAddressError` at once, before any join is sent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.errors import GroupInitError, PortAllocationError, WeightSyncError
+from dcs_tasks.netaddr import check_master_reachable
 from dcs_tasks.sync.models import (
     BootstrapRequest,
     BootstrapResult,
@@ -57,6 +59,9 @@ class GroupBootstrapper:
         self.master_address = master_address
 
     async def form_group(self, plan: GroupPlan) -> ActiveGroup:
+        # at once, before any join: a loopback master with a member on another host could only time out
+        members = ((engine.node_id, engine.ip) for engine in plan.engines)
+        check_master_reachable(self.group_prefix, self.master_address, members)
         last: WeightSyncError | None = None
         for attempt in range(self.config.max_retries + 1):
             try:
