@@ -122,7 +122,8 @@ def serve_bare(port: int, redis_url: str) -> None:
         await state["redis"].set(keys.heartbeat(role, rank), repr(now), px=30_000)  # type: ignore[attr-defined]
         return {"status": "ok", "timestamp": now}
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # keep-alive as the coordinator's default (20 s): uvicorn's 5 s would close nodes beating every 5 s
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_keep_alive=20)
 
 
 async def read_response(reader: asyncio.StreamReader) -> int:
