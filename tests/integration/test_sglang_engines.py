@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from pydantic import SecretStr
 
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import EngineAuthRefused, WeightSyncError
+from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
 from tests.distributed.sync_stack import SyncStack, sync_stack
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
 from tests.sglang_engine.harness import SGLangEngine, installed
@@ -193,3 +194,29 @@ async def test_an_engine_that_refuses_dcs_api_key_is_a_named_error(config: DCSCo
             assert weight_version(engines[0]) == "default"
         finally:
             await client.stop()
+
+
+async def test_a_data_parallel_engine_is_refused_by_name_before_any_group_forms(
+    config: DCSConfig, tmp_path: Path
+) -> None:
+    (tmp_path / "dp").mkdir()
+    engine = SGLangEngine("0.5.23", tmp_path / "dp" / "engine.log", api_key=TOKEN, sglang_args=("--dp-size", "2"))
+    with sync_stack(config, tmp_path) as stack:
+        try:
+            engine.start()
+            node = {"role_name": "rollout", "rank": 0, "ip": "127.0.0.1", "port": engine.port}
+            headers = {"Authorization": f"Bearer {TOKEN}"}  # registered by hand: `dcs engine attach` refuses it
+            httpx.post(f"{stack.url}/register", json=node, headers=headers, timeout=10).raise_for_status()
+            client = CheckpointEngineClient(
+                coordinator_url=stack.url, role="actor", rank=0, model=TinyLlama(), model_name="dp", config=stack.config
+            )
+            await client.start()
+            try:
+                with pytest.raises(EngineIncompatible) as refused:
+                    await client.update_weights_for_rollout(rollout_only=True)
+                assert refused.value.member == "rollout_0" and "dp_size=2" in str(refused.value)
+                assert "init_weights_update_group" not in engine.log_tail(10**7)  # no group was tried
+            finally:
+                await client.stop()
+        finally:
+            engine.stop()
