@@ -43,28 +43,36 @@ class ReceiverProcess(DcsProcess):
         self.spawn(*args)
         try:
             wait_for_port(self.port, timeout)
-            wait_registered(self.coordinator_url, self.role, self.rank, timeout)
+            wait_registered(self.coordinator_url, self.role, self.rank, timeout, token=self.config.token())
         except BaseException:
             self.kill()
             raise
         return self
 
     def digest(self) -> WeightsDigest:
-        response = httpx.get(f"{self.url}/weights_digest", timeout=30)
+        response = httpx.get(f"{self.url}/weights_digest", headers=auth_headers(self.config.token()), timeout=30)
         response.raise_for_status()
         return WeightsDigest.model_validate_json(response.content)
 
 
-def alive_ranks(coordinator_url: str, role: str) -> set[int]:
-    answer = httpx.get(f"{coordinator_url}/topology", params={"role_filter": role}, timeout=10).json()
+def auth_headers(token: str | None) -> dict[str, str]:
+    """`Authorization: Bearer <token>` when a token is configured (DCS_AUTH_TOKEN)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def alive_ranks(coordinator_url: str, role: str, token: str | None = None) -> set[int]:
+    url, headers = f"{coordinator_url}/topology", auth_headers(token)
+    answer = httpx.get(url, params={"role_filter": role}, headers=headers, timeout=10).json()
     return {int(r) for r in answer["nodes"].get(role, {})}
 
 
-def wait_registered(coordinator_url: str, role: str, rank: int, timeout: float, alive: bool = True) -> None:
+def wait_registered(
+    coordinator_url: str, role: str, rank: int, timeout: float, alive: bool = True, token: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if (rank in alive_ranks(coordinator_url, role)) == alive:
+            if (rank in alive_ranks(coordinator_url, role, token)) == alive:
                 return
         except httpx.HTTPError:
             pass
