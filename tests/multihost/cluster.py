@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 
 from dcs_tasks.celery_app import make_celery, node_queue
@@ -210,6 +211,37 @@ class Cluster:
                     process.kill()
                     raise RuntimeError(f"coordinator on {host.name} not up: {process.log_text()[-3000:]}") from None
                 time.sleep(0.1)
+
+    def start_receiver(
+        self, host: SimulatedHost, coordinator_url: str, rank: int, *args: str, port: int = 30000, **env: str
+    ) -> str:
+        """`dcs receiver --coordinator-url URL --rank N --port P [args]` inside `host`, every address left at its
+        default; returns its URL (the host's address) once it answers /health (it registers before serving)."""
+        dcs = Path(sys.executable).with_name("dcs")
+        argv = [str(dcs), "receiver", "--coordinator-url", coordinator_url, "--rank", str(rank), "--port", str(port)]
+        process = host.spawn([*argv, *args], self.env(**env), self.workdir / f"receiver-{host.name}.log", REPO)
+        url = f"http://{host.address}:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            if not process.alive() or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"receiver on {host.name} not up: {process.log_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def start_sync_trainer(self, host: SimulatedHost, coordinator_url: str, *args: str, **env: str) -> TrainerRank:
+        """A weight-sync trainer (`python -m tests.multihost.sync_trainer URL [args]`) inside `host`."""
+        argv = [sys.executable, "-m", "tests.multihost.sync_trainer", coordinator_url, *args]
+        log = self.workdir / f"sync-trainer-{host.name}.log"
+        trainer = TrainerRank(host.spawn(argv, self.env(**env), log, REPO, pipes=True), 0)
+        first = trainer.answer(90)
+        if not first.get("ready"):
+            raise RuntimeError(f"sync trainer on {host.name} did not start: {first}")
+        return trainer
 
     def start_trainers(self, run: str, world: int, placement: list[tuple[SimulatedHost, int]]) -> list[TrainerRank]:
         """Trainer ranks of one job, `(host, rank)` each, started together; returns once all are ready."""

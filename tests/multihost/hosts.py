@@ -203,6 +203,15 @@ class SimulatedHost:
         """Run `argv` inside this host to completion."""
         return subprocess.run(self.command(argv, cwd), capture_output=True, text=True, timeout=timeout, check=False)
 
+    def use_hosts_file(self, text: str, workdir: Path) -> None:
+        """Give this host its own /etc/hosts (`text`), bind-mounted in its mount namespace only: e.g. the
+        common `127.0.1.1 <hostname>` line that makes the hostname resolve to loopback."""
+        path = workdir / f"hosts-{self.name}"
+        path.write_text(text)
+        done = self.run(["mount", "--bind", str(path), "/etc/hosts"], cwd=workdir, timeout=10)
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot bind-mount /etc/hosts in host {self.name}: {done.stderr.strip()}")
+
     def link_down(self) -> None:
         """Cut the host's cable: its bridge-side veth goes down (from the root namespace)."""
         sh("ip", "link", "set", self.veth, "down")
