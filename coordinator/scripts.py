@@ -13,6 +13,7 @@ from __future__ import annotations
 # KEYS[4] role_seq          K counter for that order
 # KEYS[5] node_beats        Z "role:rank" -> unix time of the last registration or beat (dead-node sweep)
 # KEYS[6] role_identities(role) H identity -> rank (role_owners inverted)
+# KEYS[7] role_rank_hint(role) K every rank below it has a record (where the free-rank search starts)
 # ARGV[1] role name
 # ARGV[2] requested rank, or "" for "assign one"
 # ARGV[3] identity: "ip:port", or an identity issued for this registration when the node has no port (it
@@ -27,12 +28,22 @@ from __future__ import annotations
 # key) is taken, so a replacement node fills the hole a dead one left. An identity moving to another
 # explicit rank releases its old rank.
 # The identity's rank is found in KEYS[6] (O(1)); the owners hash is scanned only while KEYS[6] is shorter
-# than it (records written before KEYS[6] existed), so registering N nodes is O(N), not O(N^2).
+# than it (records written before KEYS[6] existed). The smallest free rank is the smaller of the first
+# unregistered rank (searched from KEYS[7], amortized O(1); reset to 0 when the role has fewer records than
+# it, i.e. records went behind the scripts' back) and the smallest registered rank whose node is dead: dead
+# nodes are looked for among node_beats entries older than half the TTL (a live node beats more often),
+# each checked for its heartbeat key. So registering N nodes is O(N), not O(N^2).
 REGISTER = """
 local rank = tonumber(ARGV[2])
 local kind = 0
 local ident = ARGV[3]
+local function lower_hint(freed)
+  if tonumber(redis.call("GET", KEYS[7]) or "0") > tonumber(freed) then
+    redis.call("SET", KEYS[7], freed)
+  end
+end
 local function release(held)
+  lower_hint(held)
   redis.call("HDEL", KEYS[1], held)
   redis.call("HDEL", KEYS[2], held)
   redis.call("DEL", ARGV[6] .. held)
@@ -63,9 +74,24 @@ if ident ~= "" then
 end
 if rank == nil then
   kind = 2
-  rank = 0
-  while redis.call("HEXISTS", KEYS[1], rank) == 1 and redis.call("EXISTS", ARGV[6] .. rank) == 1 do
+  rank = tonumber(redis.call("GET", KEYS[7]) or "0")
+  if redis.call("HLEN", KEYS[1]) < rank then
+    rank = 0
+  end
+  while redis.call("HEXISTS", KEYS[1], rank) == 1 do
     rank = rank + 1
+  end
+  redis.call("SET", KEYS[7], rank)
+  local prefix = ARGV[1] .. ":"
+  local cutoff = tonumber(ARGV[7]) - tonumber(ARGV[5]) / 2000
+  for _, member in ipairs(redis.call("ZRANGEBYSCORE", KEYS[5], "-inf", cutoff)) do
+    if string.sub(member, 1, #prefix) == prefix then
+      local dead = tonumber(string.sub(member, #prefix + 1))
+      if dead and dead < rank and redis.call("EXISTS", ARGV[6] .. dead) == 0
+          and redis.call("HEXISTS", KEYS[1], dead) == 1 then
+        rank = dead
+      end
+    end
   end
 end
 redis.call("HSET", KEYS[1], rank, '{"rank":' .. rank .. ',' .. string.sub(ARGV[4], 2))
@@ -141,7 +167,7 @@ return out
 
 # Remove a node.
 # KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
-# KEYS[5] node_beats  KEYS[6] role_identities(role)
+# KEYS[5] node_beats  KEYS[6] role_identities(role)  KEYS[7] role_rank_hint(role)
 # ARGV[1] rank
 # ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
 # ARGV[3] role name
@@ -159,6 +185,9 @@ local owner = redis.call("HGET", KEYS[2], ARGV[1])
 if owner and redis.call("HGET", KEYS[6], owner) == ARGV[1] then
   redis.call("HDEL", KEYS[6], owner)
 end
+if tonumber(redis.call("GET", KEYS[7]) or "0") > tonumber(ARGV[1]) then
+  redis.call("SET", KEYS[7], ARGV[1])
+end
 redis.call("HDEL", KEYS[1], ARGV[1])
 redis.call("HDEL", KEYS[2], ARGV[1])
 redis.call("DEL", KEYS[3])
@@ -173,7 +202,7 @@ return 1
 # KEYS[1] node_beats  KEYS[2] roles
 # ARGV[1] cutoff: nodes whose last beat is older (unix time) go  ARGV[2] most nodes removed per call
 # ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix  ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
-# ARGV[6] role_identities prefix
+# ARGV[6] role_identities prefix  ARGV[7] role_rank_hint prefix
 # Returns how many node_beats entries were processed (== ARGV[2]: call again). A node that beats again in
 # time (its heartbeat key exists) is kept; its next beat puts it back into node_beats.
 SWEEP_DEAD_NODES = """
@@ -187,6 +216,9 @@ for _, member in ipairs(stale) do
       local owner = redis.call("HGET", ARGV[4] .. role, rank)
       if owner and redis.call("HGET", ARGV[6] .. role, owner) == rank then
         redis.call("HDEL", ARGV[6] .. role, owner)
+      end
+      if tonumber(redis.call("GET", ARGV[7] .. role) or "0") > tonumber(rank) then
+        redis.call("SET", ARGV[7] .. role, rank)
       end
       redis.call("HDEL", nodes, rank)
       redis.call("HDEL", ARGV[4] .. role, rank)

@@ -168,6 +168,7 @@ class TopologyManager:
             self.keys.role_seq(),
             self.keys.node_beats(),
             self.keys.role_identities(role),
+            self.keys.role_rank_hint(role),
         ]
         argv = [
             role,
@@ -238,6 +239,7 @@ class TopologyManager:
             self.keys.roles(),
             self.keys.node_beats(),
             self.keys.role_identities(role),
+            self.keys.role_rank_hint(role),
         ]
         found = int(await self._unregister(keys=keys, args=[str(rank), identity, role]))
         if found < 0:
@@ -254,6 +256,7 @@ class TopologyManager:
             self.keys.role_owners_prefix(),
             self.keys.heartbeat_prefix(),
             self.keys.role_identities_prefix(),
+            self.keys.role_rank_hint_prefix(),
         ]
         total = 0
         while True:

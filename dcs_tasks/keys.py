@@ -49,6 +49,15 @@ class Keys:
         """Prefix P such that P + role == role_identities(role)."""
         return self._k("topo", "ident") + ":"
 
+    def role_rank_hint(self, role: str) -> str:
+        """K a rank R such that every rank below R has a record in role_nodes(role): where the search for the
+        smallest unregistered rank starts (lowered whenever a record goes)."""
+        return self._k("topo", "hint", role)
+
+    def role_rank_hint_prefix(self) -> str:
+        """Prefix P such that P + role == role_rank_hint(role)."""
+        return self._k("topo", "hint") + ":"
+
     def role_nodes_prefix(self) -> str:
         """Prefix P such that P + role == role_nodes(role) (the dead-node sweep builds keys from stored roles)."""
         return self._k("topo", "role") + ":"

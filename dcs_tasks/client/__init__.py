@@ -3,9 +3,9 @@
 
 from typing import Any
 
-from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.client.coordinator_api import CoordinatorAPI, FleetHeartbeatLoop, HeartbeatLoop
 
-__all__ = ["CheckpointEngineClient", "CoordinatorAPI", "HeartbeatLoop", "create_client"]
+__all__ = ["CheckpointEngineClient", "CoordinatorAPI", "FleetHeartbeatLoop", "HeartbeatLoop", "create_client"]
 
 
 def __getattr__(name: str) -> Any:

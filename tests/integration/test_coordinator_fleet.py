@@ -106,6 +106,32 @@ async def test_registering_many_nodes_does_not_scan_the_role(dcs_config: DCSConf
     r.close()
 
 
+async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs_config: DCSConfig) -> None:
+    """The smallest free rank (unregistered, or its node dead) is found without checking every rank below it:
+    before, each rank-less registration scanned the role, and 5,000 of them took 16 s of Redis."""
+    client = make_redis(dcs_config)
+    keys = Keys(dcs_config.namespace)
+    topology = TopologyManager(client, keys, TopologyConfig(), 1.0)
+    r = raw_redis(dcs_config)
+    await topology.register_many([node(None, 8000 + i) for i in range(300)])
+    r.config_resetstat()
+    regs = await topology.register_many([node(None, 8300 + i) for i in range(100)])
+    assert [g.rank for g in regs] == list(range(300, 400))
+    assert int(r.info("commandstats")["cmdstat_hexists"]["calls"]) < 5 * 100
+    assert await topology.unregister("actor", 7)
+    assert (await topology.register(node(None, 9000))).rank == 7  # an unregistered hole first
+    alive = [("actor", rank, "") for rank in range(400) if rank != 42]
+    await asyncio.sleep(0.7)
+    await topology.heartbeat_many(alive)
+    await asyncio.sleep(0.45)  # 42's key expired (TTL 1 s); the others beat 0.45 s ago
+    assert (await topology.register(node(None, 9001))).rank == 42  # a dead node's rank next
+    assert (await topology.register(node(None, 9002))).rank == 400
+    r.delete(keys.role_nodes("actor"))  # records gone behind the scripts' back: the search starts over
+    assert (await topology.register(node(None, 9003))).rank == 0
+    await client.aclose()
+    r.close()
+
+
 async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records(dcs_config: DCSConfig) -> None:
     client = make_redis(dcs_config)
     keys = Keys(dcs_config.namespace)
