@@ -10,8 +10,9 @@ coordinator processes on one Redis, the generator spreading its connections over
 balancer in between, so the figures are the coordinators' own). Heartbeat modes:
   single  every node sends GET /heartbeat (fenced with X-DCS-Node), the per-node HTTP design
   batch   `--agents` host agents each beat their share of the nodes with one POST /heartbeats per interval
-Registration: `--nodes` nodes with explicit ranks, one POST /register each over 64 connections, then (on a
-flushed Redis) one POST /register_batch per agent. CPU comes from /proc/<pid>/stat (utime+stime) of the
+Registration: `--nodes` nodes with explicit ranks, one POST /register each over 64 connections; then (each
+on a flushed Redis) the same without ranks (the coordinator assigns the smallest free one) and one
+POST /register_batch per agent. CPU comes from /proc/<pid>/stat (utime+stime) of the
 coordinator processes and of redis-server over the measured window, divided by the node beats answered in it.
 Writes bench/results/fleet_heartbeats.json and prints a summary.
 """
@@ -86,8 +87,10 @@ def identity(rank: int) -> str:
     return f"10.{rank // 65000}.0.1:{1024 + rank % 65000}"
 
 
-def node_body(rank: int) -> dict[str, Any]:
-    return {"role_name": ROLE, "rank": rank, "ip": identity(rank).rpartition(":")[0], "port": 1024 + rank % 65000}
+def node_body(rank: int, explicit: bool = True) -> dict[str, Any]:
+    """The /register body of node `rank` (without its rank when not `explicit`: the coordinator assigns one)."""
+    ip = identity(rank).rpartition(":")[0]
+    return {"role_name": ROLE, "rank": rank if explicit else None, "ip": ip, "port": 1024 + rank % 65000}
 
 
 def http_request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
@@ -249,7 +252,7 @@ async def run_phase(target: Target, mode: str, args: argparse.Namespace) -> Phas
 
 
 # --- registration --------------------------------------------------------------------------------
-async def register_single(ports: list[int], nodes: int) -> float:
+async def register_single(ports: list[int], nodes: int, explicit: bool = True) -> float:
     """POST /register for every node over REGISTER_CONNECTIONS connections; returns registrations per second."""
     queue = list(range(nodes))
     start = time.perf_counter()
@@ -259,7 +262,7 @@ async def register_single(ports: list[int], nodes: int) -> float:
         try:
             while queue:
                 rank = queue.pop()
-                writer.write(http_request("POST", "/register", json.dumps(node_body(rank)).encode()))
+                writer.write(http_request("POST", "/register", json.dumps(node_body(rank, explicit)).encode()))
                 status, body = await read_answer(reader)
                 if status != 200:
                     raise RuntimeError(f"/register answered {status}: {body[:300]!r}")
@@ -309,10 +312,14 @@ async def fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         empty = redis_memory(client)
         reg: dict[str, float] = {"1 coordinator single": await register_single(one.ports, args.nodes)}
         per_node = (redis_memory(client) - empty) / args.nodes
+        client.flushall()
+        reg["1 coordinator single, ranks assigned"] = await register_single(one.ports, args.nodes, explicit=False)
+        client.flushall()  # the heartbeats below need node i at rank i
         modes = args.modes.split(",")
         if "batch" in modes:
-            client.flushall()
             reg["1 coordinator batch"] = await register_batches(one.ports, args.nodes, args.agents)
+        else:
+            await register_single(one.ports, args.nodes)
         bare_target = Target("bare FastAPI+SET", [bare_port], [bare.pid], redis_proc.pid, False)
         phases = [await run_phase(bare_target, "single", args)] if "single" in modes else []
         phases += [await run_phase(one, mode, args) for mode in modes]
