@@ -28,7 +28,7 @@ import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
-from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
+from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error
 from dcs_tasks.sync.models import (
@@ -58,13 +58,17 @@ class EngineSessions:
         self.loaded: set[str] = set()  # engines that were sent a bucket (may hold part of this update)
 
     async def open(self) -> None:
-        await all_or_first_error(*(self._pause(e) for e in self.engines if e.info and e.info.pause))
-        await all_or_first_error(*(self._begin(e) for e in self.engines if e.info and e.info.sessions))
+        """Per engine pause, then begin (SGLang's begin takes the model-update writer lock unless the engine is
+        paused, i.e. would wait for running requests); engines concurrently."""
+        await all_or_first_error(*(self._open_one(e) for e in self.engines))
 
-    async def _pause(self, engine: EngineEndpoint) -> None:
+    async def _open_one(self, engine: EngineEndpoint) -> None:
         assert engine.info is not None
-        await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
-        self.paused.append(engine)
+        if engine.info.pause:
+            self.paused.append(engine)  # before the call: a pause cancelled in flight may still have landed
+            await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
+        if engine.info.sessions:
+            await self._begin(engine)
 
     async def _begin(self, engine: EngineEndpoint) -> None:
         try:
@@ -79,10 +83,17 @@ class EngineSessions:
         self.begun.append(engine)
 
     async def close(self) -> None:
-        await all_or_first_error(*(self.api.post(e, "/end_weight_update", {}) for e in self.begun))
-        self.begun = []
-        await all_or_first_error(*(self.api.post(e, "/continue_generation", {}) for e in self.paused))
-        self.paused = []
+        """Per engine end, then continue (continuing first would make the end wait for the resumed requests);
+        engines concurrently."""
+        await all_or_first_error(*(self._close_one(e) for e in self.engines))
+
+    async def _close_one(self, engine: EngineEndpoint) -> None:
+        if engine in self.begun:
+            await self.api.post(engine, "/end_weight_update", {})
+            self.begun.remove(engine)
+        if engine in self.paused:
+            await self.api.post(engine, "/continue_generation", {})
+            self.paused.remove(engine)
 
     async def abandon(self) -> str:
         """End every session still open, resume engines that were sent no bucket; a note on what is left."""
@@ -137,45 +148,103 @@ class RolloutUpdater:
     async def update(
         self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None
     ) -> dict[str, Any]:
-        """One full update; returns its metrics (bytes, buckets, seconds per phase, GB/s, version)."""
+        """One full update; returns its metrics (bytes, buckets, seconds per phase, GB/s, version).
+
+        With a group to reuse, the topology read, the engines' pause + begin and the packing of the first
+        bucket run at once: nothing reaches an engine's weights or the wire until the topology confirmed the
+        same engines and every session is open; when the engines changed, the sessions just opened are closed
+        again (no bucket was sent) and the group is rebuilt."""
         started = time.perf_counter()
+        phases: dict[str, float] = {}
+        current = self.group
+        if current is not None and current.plan.flattened and self.sender.backend.has_group(current.result.group_name):
+            try:
+                return await self._push(state, quant, current, False, started, phases)
+            except _EnginesChanged:
+                await self._drop_group()
         endpoints = await self.endpoints()
+        phases["topology_seconds"] = time.perf_counter() - started
         if not endpoints:
             await self._drop_group()
             return {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0}
         rebuilt = await self._ensure_group(endpoints)
-        bootstrap_seconds = time.perf_counter() - started
+        phases["bootstrap_seconds"] = time.perf_counter() - started
         assert self.group is not None
-        group, version = self.group, self.weight_version + 1
+        return await self._push(state, quant, self.group, rebuilt, started, phases, checked=True)
+
+    async def _push(
+        self,
+        state: Mapping[str, torch.Tensor],
+        quant: QuantizationConfig | None,
+        group: ActiveGroup,
+        rebuilt: bool,
+        started: float,
+        phases: dict[str, float],
+        checked: bool = False,
+    ) -> dict[str, Any]:
+        """Open the sessions (after confirming the engines from the topology unless `checked`), send, close."""
+        version = self.weight_version + 1
         sessions = EngineSessions(self.engines, group.plan.engines)
+        ready = asyncio.ensure_future(self._ready(group, sessions, checked, started, phases))
         try:
-            await sessions.open()
+            if not group.plan.flattened:  # one broadcast per tensor: nothing to pack ahead
+                await asyncio.shield(ready)
             announce = self._announcer(group, version, sessions)
             stats = await self.sender.send(
-                state, group.result.group_name, announce, quant, flattened=group.plan.flattened
+                state, group.result.group_name, announce, quant, flattened=group.plan.flattened, ready=ready
             )
+            closing = time.perf_counter()
             await sessions.close()
+            phases["close_seconds"] = time.perf_counter() - closing
+        except _EnginesChanged:  # nothing was sent: close what was opened, keep generation going, rebuild
+            await sessions.abandon()
+            raise
+        except _TopologyUnread as exc:  # the coordinator did not answer: nothing was sent, the group stays
+            await sessions.abandon()
+            raise exc.error from exc.error.__cause__
         except WeightSyncError as exc:
+            await _cancel(ready)
             await self._drop_group()
             note = await sessions.abandon()
             member = exc.member or await self._blame(group.plan.engines)
             raise type(exc)(f"update v{version} failed (member: {member or 'unknown'}): {exc}{note}", member) from exc
         except BaseException:
+            await _cancel(ready)
             await self._drop_group()
             await sessions.abandon()
             raise
         self.weight_version = version
         metrics: dict[str, Any] = stats.as_dict()
+        metrics.update(phases)
         metrics.update(
             engines=len(group.plan.engines),
             weight_version=version,
             group_name=group.result.group_name,
             group_rebuilt=rebuilt,
             flattened=group.plan.flattened,
-            bootstrap_seconds=bootstrap_seconds,
             total_seconds=time.perf_counter() - started,
         )
         return metrics
+
+    async def _ready(
+        self, group: ActiveGroup, sessions: EngineSessions, checked: bool, started: float, phases: dict[str, float]
+    ) -> None:
+        """Resolves once the engines are confirmed (topology) and every session is open; the sender sends no
+        request and no byte before. Raises _EnginesChanged / _TopologyUnread (nothing sent yet)."""
+        opening = asyncio.ensure_future(sessions.open())
+        try:
+            if not checked:
+                try:
+                    endpoints = await self.endpoints()
+                except DCSError as exc:
+                    raise _TopologyUnread(exc) from exc
+                phases["topology_seconds"] = phases["bootstrap_seconds"] = time.perf_counter() - started
+                if tuple((e.rank, e.ip, e.port) for e in endpoints) != group.plan.signature:
+                    raise _EnginesChanged
+            await asyncio.shield(opening)
+            phases["ready_seconds"] = time.perf_counter() - started
+        finally:
+            await _cancel(opening)
 
     async def _ensure_group(self, endpoints: list[EngineEndpoint]) -> bool:
         current = self.group
@@ -245,3 +314,21 @@ class RolloutUpdater:
             if not await self.engines.alive(engine, BLAME_TIMEOUT_SECONDS):
                 return engine.node_id
         return None
+
+
+class _EnginesChanged(Exception):
+    """The topology no longer lists the group's engines (at the same addresses): rebuild before sending."""
+
+
+class _TopologyUnread(Exception):
+    """The coordinator's topology could not be read; `error` is what the read raised."""
+
+    def __init__(self, error: DCSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _cancel(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.cancel()
+    await asyncio.gather(future, return_exceptions=True)

@@ -1,11 +1,13 @@
 """The bucketed, double-buffered broadcast of a state dict (the trainer side of every update).
 
 Steps per update: plan buckets (`plan_buckets`; tensors of >= ALONE_BYTES alone, sent from their own
-memory, first) -> for each bucket k: pack it if it is fused (into whichever of the two flat buffers is no
-longer on the wire, so packing overlaps the queued transfers), announce it to the receivers (an
-awaitable supplied by the caller: HTTP to rollout engines, or weight meta through the coordinator;
-announcements go out in bucket order) and queue its broadcast, keeping up to MAX_QUEUED in flight. The
-two flat buffers are allocated once and reused while the layout fits.
+memory, first) -> for each bucket k: announce it to the receivers (an awaitable supplied by the caller: HTTP
+to rollout engines, or weight meta through the coordinator; announcements go out in bucket order and need
+only the layout, so bucket k's goes out while it is packed), pack it if it is fused (into whichever of the
+two flat buffers is no longer on the wire, so packing overlaps the queued transfers) and queue its
+broadcast, keeping up to MAX_QUEUED in flight. The two flat buffers are allocated once and reused while
+the layout fits. An optional `ready` future gates the first announcement and broadcast (the caller's
+sessions), so the first bucket is packed while the caller prepares the receivers.
 """
 
 from __future__ import annotations
@@ -146,19 +148,25 @@ class BucketSender:
         quant: QuantizationConfig | None = None,
         src: int = 0,
         flattened: bool = True,
+        ready: asyncio.Future[None] | None = None,
     ) -> SendStats:
         """Broadcast every tensor of `state`; receivers learn what comes per bucket (`announce(k, layout,
-        is_last)` runs alongside bucket k's broadcast, in bucket order). `flattened=False` sends one broadcast
-        per tensor (SGLang's default wire format).
+        is_last)`, in bucket order, each once the previous one went through; it needs only the layout, so it
+        goes out while its bucket is still being packed). `ready`: nothing is announced or broadcast before it
+        resolves (the first bucket is packed meanwhile); its failure is raised. `flattened=False` sends one
+        broadcast per tensor (SGLang's default wire format; `ready` must be resolved by then).
         """
         if not flattened:
             assert announce is not None
+            if ready is not None:
+                await asyncio.shield(ready)
             return await self.send_per_tensor(state, group_name, announce, quant, src)
         start = time.perf_counter()
         layouts = self.plan(state, quant)
         slots = self._buffers(layouts)
         stats = SendStats(buckets=len(layouts), tensors=len(state))
         queued: collections.deque[_Queued] = collections.deque()
+        per: asyncio.Future[None] | None = None
         try:
             fused = 0
             for k, layout in enumerate(layouts):
@@ -167,19 +175,24 @@ class BucketSender:
                     fused += 1
                     while any(q.slot == slot for q in queued):  # its buffer is still on the wire
                         await self._settle(queued.popleft(), stats)
+                previous = queued[-1] if queued else None
+                per = self._announce_in_order(announce, k, layout, len(layouts), previous, ready if k == 0 else None)
                 t0 = time.perf_counter()
                 if slot is None:  # a view of the tensor itself: nothing to copy
                     view = self._pack(slots[0], layout, state, quant)
                 else:
                     view = await asyncio.to_thread(self._pack, slots[slot], layout, state, quant)
                 stats.pack_seconds += time.perf_counter() - t0
-                per = self._announce_in_order(announce, k, layout, len(layouts), queued[-1] if queued else None)
+                if k == 0 and ready is not None:
+                    await asyncio.shield(ready)
                 queued.append(_Queued(layout, self.backend.broadcast_async(view, src, group_name), per, slot))
+                per = None
                 while len(queued) > MAX_QUEUED:
                     await self._settle(queued.popleft(), stats)
             while queued:
                 await self._settle(queued.popleft(), stats)
         finally:  # on failure: stop announcing; broadcasts still queued end within the group timeout
+            await _cancel(per)
             for q in queued:
                 await _cancel(q.announce)
         stats.total_seconds = time.perf_counter() - start
@@ -192,13 +205,17 @@ class BucketSender:
         layout: FusionLayout,
         count: int,
         previous: _Queued | None,
+        ready: asyncio.Future[None] | None = None,
     ) -> asyncio.Future[None] | None:
-        """Bucket k's announcement, started only after bucket k-1's went through (receivers read them in order)."""
+        """Bucket k's announcement, started only after bucket k-1's went through (receivers read them in order)
+        and `ready` resolved."""
         if announce is None:
             return None
         before = previous.announce if previous is not None else None
 
         async def after_previous() -> None:
+            if ready is not None:
+                await asyncio.shield(ready)
             if before is not None:
                 await before
             await announce(k, layout, k == count - 1)
