@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from dcs_tasks.sync.models import (
     BootstrapRequest,
     BootstrapResult,
     DestroyRequest,
+    EngineEndpoint,
     GroupPlan,
     JoinOutcome,
     JoinResult,
@@ -58,10 +60,14 @@ class GroupBootstrapper:
         self.group_prefix = group_prefix
         self.master_address = master_address
 
-    async def form_group(self, plan: GroupPlan) -> ActiveGroup:
-        # at once, before any join: a loopback master with a member on another host could only time out
-        members = ((engine.node_id, engine.ip) for engine in plan.engines)
+    def check_reachable(self, engines: Iterable[EngineEndpoint]) -> None:
+        """`LoopbackAddressError` at once when this master address is loopback and an engine is not: it could
+        never connect, and the group would only time out (then be retried)."""
+        members = ((engine.node_id, engine.ip) for engine in engines)
         check_master_reachable(self.group_prefix, self.master_address, members)
+
+    async def form_group(self, plan: GroupPlan) -> ActiveGroup:
+        self.check_reachable(plan.engines)  # before any join is sent
         last: WeightSyncError | None = None
         for attempt in range(self.config.max_retries + 1):
             try:
