@@ -95,14 +95,18 @@ class EngineSessions:
             await self.api.post(engine, "/continue_generation", {})
             self.paused.remove(engine)
 
-    async def abandon(self) -> str:
-        """End every session still open, resume engines that were sent no bucket; a note on what is left."""
+    async def abandon(self, unreachable: str | None = None) -> str:
+        """End every session still open, resume engines that were sent no bucket; a note on what is left.
+        `unreachable`: an engine whose /health just did not answer, not called again (each call would wait out
+        CLEANUP_TIMEOUT_SECONDS)."""
         timeout = CLEANUP_TIMEOUT_SECONDS
+        ending = [e for e in self.begun if e.node_id != unreachable]
         ended = await asyncio.gather(
-            *(self.api.post(e, "/end_weight_update", {}, timeout) for e in self.begun), return_exceptions=True
+            *(self.api.post(e, "/end_weight_update", {}, timeout) for e in ending), return_exceptions=True
         )
-        unended = [e.node_id for e, r in zip(self.begun, ended, strict=True) if isinstance(r, BaseException)]
-        resume = [e for e in self.paused if e.node_id not in self.loaded]
+        unended = [e.node_id for e, r in zip(ending, ended, strict=True) if isinstance(r, BaseException)]
+        unended += [e.node_id for e in self.begun if e.node_id == unreachable]
+        resume = [e for e in self.paused if e.node_id not in self.loaded and e.node_id != unreachable]
         await asyncio.gather(
             *(self.api.post(e, "/continue_generation", {}, timeout) for e in resume), return_exceptions=True
         )
@@ -205,8 +209,9 @@ class RolloutUpdater:
         except WeightSyncError as exc:
             await _cancel(ready)
             await self._drop_group()
-            note = await sessions.abandon()
-            member = exc.member or await self._blame(group.plan.engines)
+            blamed = None if exc.member else await self._blame(group.plan.engines)  # first: abandon skips it
+            note = await sessions.abandon(unreachable=blamed)
+            member = exc.member or blamed
             raise type(exc)(f"update v{version} failed (member: {member or 'unknown'}): {exc}{note}", member) from exc
         except BaseException:
             await _cancel(ready)

@@ -67,10 +67,11 @@ def test_weights_cross_hosts_bit_exact_and_a_cut_receiver_fails_only_that_update
         trainer.send({"op": "go"})
         failed = trainer.answer(60)
         took = time.monotonic() - cut
+        print(f"update with rc cut failed after {took:.1f}s: {failed['error'][:400]}")
         assert not failed["ok"] and failed["error"].startswith("WeightSyncError")
         assert "rollout_1" in failed["error"], failed["error"]
-        # detected at the comm timeout; cleanup (ending sessions) and blame are bounded too
-        assert took < COMM_TIMEOUT + 15, took
+        # detected at the comm timeout, named by a /health probe; the cut engine is not called again
+        assert took < COMM_TIMEOUT + 3 + 4, took  # + the 3-s /health probe that names it, + slack
         on_b_now = digest(on_b)
         assert on_b_now["tensors"] in (old, new)  # never a mix of the two
         assert on_b_now == {"weight_version": 2, "tensors": old}  # the update failed: B committed nothing
