@@ -8,15 +8,24 @@ wakes its waiting long-polls, so a waiting request costs no Redis traffic until 
 its timeout ends). Appends made through another coordinator wake this one too, because the wake-up goes
 through Redis. One read is capped in entries and bytes (`ReadLimits`), so one answer, and the Redis script
 behind it, stay small however long the log is; the reader continues from `next_index`.
+
+Reads are shared within a process (`SharedReads`): every request of this process wanting the same (index,
+limit) joins one pending read, issued after all of them arrived, so an append that wakes 300 long-polls at one
+index costs one script call, one parse and one JSON encoding (`Answer.body`), not 300; the answers are handed
+back a few dozen per event-loop turn so heartbeats are served in between. Nothing outlives the read: the
+next request starts a new one, so no answer predates its request (an append or a clear before it is seen).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -45,7 +54,7 @@ class AppendNotifier:
         self.reconnect_delay_s = reconnect_delay_s
         self.poll_s = poll_s
         self._stopping = False
-        self._event = asyncio.Event()
+        self._waiters: set[asyncio.Future[None]] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -63,13 +72,28 @@ class AppendNotifier:
         if not done:
             log.warning("weight-meta notifier did not stop in time; abandoning it")
 
-    def waiter(self) -> asyncio.Event:
-        """An event set at the next append notification (take it BEFORE re-checking the list)."""
-        return self._event
+    def waiter(self) -> asyncio.Future[None]:
+        """A future done at the next append notification (take it BEFORE re-checking the list); `forget` it
+        once done with it. One plain future per waiter: waking 300 costs 300 callbacks, not 300 tasks."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        return waiter
+
+    async def wait(self, waiter: asyncio.Future[None], timeout_s: float) -> None:
+        """Until `waiter` is woken or `timeout_s` seconds pass."""
+        handle = asyncio.get_running_loop().call_later(timeout_s, _finish, waiter)
+        try:
+            await waiter
+        finally:
+            handle.cancel()
+
+    def forget(self, waiter: asyncio.Future[None]) -> None:
+        self._waiters.discard(waiter)
 
     def _wake_all(self) -> None:
-        event, self._event = self._event, asyncio.Event()
-        event.set()
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            _finish(waiter)
 
     async def _listen_forever(self) -> None:
         while not self._stopping:
@@ -92,6 +116,88 @@ class AppendNotifier:
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()
+
+
+def _finish(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+@dataclass
+class Answer:
+    """One read's batch and, encoded once for all the requests that share it, its JSON body."""
+
+    batch: WeightMetaBatch
+
+    @cached_property
+    def body(self) -> bytes:
+        """Exactly what FastAPI's JSONResponse would send for `batch` as the route's response_model."""
+        content = self.batch.model_dump(mode="json", by_alias=True)
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+ReadKey = tuple[int, int]  # (absolute index, most entries)
+
+
+@dataclass
+class _Pending:
+    waiters: list[asyncio.Future[Answer]] = field(default_factory=list)
+
+
+class SharedReads:
+    """One Redis read per (index, count) for all the concurrent requests of this process that want it.
+
+    A request joins the read still pending for its key (not yet sent to Redis), so the read starts after every
+    request in it arrived: no one gets an answer older than its request. At most one read per key is in
+    flight; requests arriving meanwhile form the next one. Answers are released `release_batch` per
+    event-loop turn.
+    """
+
+    def __init__(self, fetch: Callable[[int, int], Awaitable[Answer]], release_batch: int = 8) -> None:
+        self.fetch = fetch
+        self.release_batch = release_batch
+        self._pending: dict[ReadKey, _Pending] = {}
+        self._busy: set[ReadKey] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def read(self, index: int, count: int) -> Answer:
+        key = (index, count)
+        pending = self._pending.setdefault(key, _Pending())
+        waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        pending.waiters.append(waiter)
+        if key not in self._busy:
+            self._busy.add(key)
+            task = asyncio.create_task(self._drain(key), name="dcs-weight-meta-read")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await waiter
+
+    async def _drain(self, key: ReadKey) -> None:
+        """Runs the pending read of `key`, then the one that formed meanwhile, until none is left."""
+        try:
+            while (pending := self._pending.pop(key, None)) is not None:
+                try:
+                    answer = await self.fetch(*key)
+                except asyncio.CancelledError:  # shutting down: its requests end too
+                    for waiter in pending.waiters:
+                        waiter.cancel()
+                    raise
+                except Exception as exc:  # every request of this read gets the error (503 for Redis's)
+                    for waiter in pending.waiters:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                    continue
+                await self._release(pending.waiters, answer)
+        finally:
+            self._busy.discard(key)
+
+    async def _release(self, waiters: list[asyncio.Future[Answer]], answer: Answer) -> None:
+        for start in range(0, len(waiters), self.release_batch):
+            if start:
+                await asyncio.sleep(0)  # one loop turn: the released requests answer, other I/O is served
+            for waiter in waiters[start : start + self.release_batch]:
+                if not waiter.done():
+                    waiter.set_result(answer)
 
 
 @dataclass(frozen=True)
@@ -121,6 +227,7 @@ class WeightMetaStore:
         self._append = redis.register_script(scripts.APPEND_WEIGHT_META)
         self._read = redis.register_script(scripts.READ_WEIGHT_META)
         self._clear = redis.register_script(scripts.CLEAR_WEIGHT_META)
+        self.shared = SharedReads(self._fetch)
 
     async def append(self, meta: WeightMeta | str, append_id: str | None = None) -> int:
         """Append one entry (a WeightMeta or its JSON) and wake readers; returns its absolute index + 1.
@@ -138,29 +245,42 @@ class WeightMetaStore:
         ]
         return int(await self._append(keys=keys, args=args))
 
-    async def read(self, index: int, limit: int | None = None) -> WeightMetaBatch:
-        """Entries from absolute `index` (from the oldest kept one if `index` was trimmed), at most `limit`
-        (and the configured caps); `end_index` says where the log ends."""
-        count = self.limits.max_entries if limit is None else min(limit, self.limits.max_entries)
+    def _count(self, limit: int | None) -> int:
+        return self.limits.max_entries if limit is None else min(limit, self.limits.max_entries)
+
+    async def _fetch(self, index: int, count: int) -> Answer:
         keys = [self.keys.weight_meta(), self.keys.weight_meta_base()]
         base, length, raw = await self._read(keys=keys, args=[index, count, self.limits.max_bytes])
         first = max(index, int(base))
         entries = [WeightMeta.model_validate_json(item) for item in raw]
         end = int(base) + int(length)
-        return WeightMetaBatch(entries=entries, next_index=first + len(entries), first_index=first, end_index=end)
+        batch = WeightMetaBatch(entries=entries, next_index=first + len(entries), first_index=first, end_index=end)
+        return Answer(batch)
+
+    async def read(self, index: int, limit: int | None = None) -> WeightMetaBatch:
+        """Entries from absolute `index` (from the oldest kept one if `index` was trimmed), at most `limit`
+        (and the configured caps); `end_index` says where the log ends."""
+        return (await self.shared.read(index, self._count(limit))).batch
 
     async def wait_read(self, index: int, wait_timeout_s: float, limit: int | None = None) -> WeightMetaBatch:
         """Entries from `index`; if none yet, wait up to `wait_timeout_s` for an append, then read again."""
+        return (await self.wait_answer(index, wait_timeout_s, limit)).batch
+
+    async def wait_answer(self, index: int, wait_timeout_s: float, limit: int | None = None) -> Answer:
+        """`wait_read` with the answer's JSON body (encoded once for every request sharing the read)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_timeout_s
+        count = self._count(limit)
         while True:
-            event = self.notifier.waiter()
-            batch = await self.read(index, limit)
-            remaining = deadline - loop.time()
-            if batch.entries or remaining <= 0 or limit == 0:
-                return batch
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=remaining)
+            woken = self.notifier.waiter()  # taken before the read: an append after it wakes it
+            try:
+                answer = await self.shared.read(index, count)
+                remaining = deadline - loop.time()
+                if answer.batch.entries or remaining <= 0 or count == 0:
+                    return answer
+                await self.notifier.wait(woken, remaining)
+            finally:
+                self.notifier.forget(woken)
 
     async def clear(self) -> int:
         """Empty the log (indices keep counting); returns how many entries it held."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query
+from fastapi import APIRouter, Header, HTTPException, Query, Response
 
 from coordinator.deps import ServicesDep, WeightMetaDep
 from coordinator.responses import COMMON, errors
@@ -52,13 +52,16 @@ async def recv_weight_meta(
     limit: Annotated[
         int | None, Query(ge=0, le=MAX_LIMIT, description="most entries wanted (0: only the indices)")
     ] = None,
-) -> WeightMetaBatch:
+) -> Response:
     """Entries from `index`; when none exist yet, waits (pub/sub, no polling) up to `wait_timeout_s`.
 
     One answer carries at most DCS_WEIGHT_META_READ_MAX_ENTRIES entries and DCS_WEIGHT_META_READ_MAX_BYTES
     bytes of them (and at most `limit`): while `next_index < end_index`, read again from `next_index`.
     """
-    return await store.wait_read(index, wait_timeout_s, limit)
+    # The body is a WeightMetaBatch encoded once for every request of this process sharing the read (300
+    # long-polls woken by one append), so FastAPI does not re-validate and re-encode it per request.
+    answer = await store.wait_answer(index, wait_timeout_s, limit)
+    return Response(content=answer.body, media_type="application/json")
 
 
 @router.post("/clear_weight_meta", response_model=ClearWeightMetaResponse, responses=errors(*COMMON))
