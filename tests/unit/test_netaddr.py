@@ -34,8 +34,10 @@ def test_the_interface_holding_an_address() -> None:
 
 
 def test_comm_interface_is_set_once_and_never_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(var, raising=False)
+    # these tests set variables every process started later inherits: they must be undone
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # set, then deleted: undone after the test
+        monkeypatch.setenv(var, "-")  # (a bare delenv of an unset variable would not undo what the test sets)
+        monkeypatch.delenv(var)
     assert configure_comm_interface("127.0.0.1") is None  # loopback: gloo's default works on one host
     assert "GLOO_SOCKET_IFNAME" not in os.environ
     assert configure_comm_interface("127.0.0.1", "lo") == "lo"
@@ -45,8 +47,9 @@ def test_comm_interface_is_set_once_and_never_overrides(monkeypatch: pytest.Monk
 
 
 def test_comm_interface_follows_the_advertised_address(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # set, then deleted: undone after the test
+        monkeypatch.setenv(var, "-")  # (a bare delenv of an unset variable would not undo what the test sets)
+        monkeypatch.delenv(var)
     routed = route_address("http://192.0.2.10:80")  # the interface with the default route, if any
     if is_loopback(routed):
         pytest.skip("this machine has no route off loopback")
