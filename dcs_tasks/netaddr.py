@@ -82,7 +82,9 @@ def configure_comm_interface(address: str, ifname: str | None = None) -> str | N
             log.warning("no local interface holds %s; gloo/NCCL resolve the hostname (set DCS_COMM_IFNAME)", address)
         return os.environ.get("GLOO_SOCKET_IFNAME")
     for var in COMM_IFNAME_VARS:
-        os.environ.setdefault(var, chosen)
+        inherited = os.environ.setdefault(var, chosen)
+        if inherited != chosen:
+            log.info("%s=%s was set before DCS; keeping it (DCS would use %s)", var, inherited, chosen)
     return os.environ["GLOO_SOCKET_IFNAME"]
 
 
