@@ -39,6 +39,7 @@ else:
         error = None
     except Exception as exc:
         error = type(exc).__name__
+    backend.destroy_group("g")  # a receiver whose group broke drops it (as WeightReceiver does)
     json.dump({"error": error, "seconds": time.monotonic() - started}, open(out, "w"))
 """
 
