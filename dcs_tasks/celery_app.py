@@ -1,6 +1,6 @@
 """Celery application factory shared by clients (which only send tasks by name) and workers.
 
-Settings follow ../shared/RELIABILITY.md: JSON only, late acks with redelivery on worker loss,
+Settings follow docs/reliability.md: JSON only, late acks with redelivery on worker loss,
 prefetch 1, a visibility timeout larger than the longest task plus its retry backoff (checked by
 `check_visibility_timeout`), task events on for Flower.
 """

@@ -1,4 +1,4 @@
-"""`DCSTask`: the Celery task base class with the reliability rules of RELIABILITY.md.
+"""`DCSTask`: the Celery task base class with the reliability rules of docs/reliability.md.
 
 - Redelivery cap: acks_late + reject_on_worker_lost redeliver a task whose process died (kill -9, OOM).
   Each start increments a Redis counter per (task id, retry number); past `config.max_redeliveries`

@@ -1,4 +1,4 @@
-"""Prometheus in prefork workers (multiprocess mode), per RELIABILITY.md.
+"""Prometheus in prefork workers (multiprocess mode), per docs/reliability.md.
 
 `prepare_multiprocess_dir` runs in `dcs worker` BEFORE prometheus_client is imported (it picks its value
 store at import): it sets `PROMETHEUS_MULTIPROC_DIR` (kept if the operator set it, else a per-host

@@ -1,4 +1,4 @@
-"""RELIABILITY.md faults 1, 4, 5, 8, 9 and 'no worker' against real Redis and real `dcs worker` processes."""
+"""docs/reliability.md faults 1, 4, 5, 8, 9 and 'no worker' against real Redis and real `dcs worker` processes."""
 
 from __future__ import annotations
 

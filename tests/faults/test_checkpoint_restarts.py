@@ -1,4 +1,4 @@
-"""RELIABILITY.md faults 2 and 3: the whole worker is killed (-9) or warm-stopped (SIGTERM) mid-write and a
+"""docs/reliability.md faults 2 and 3: the whole worker is killed (-9) or warm-stopped (SIGTERM) mid-write and a
 new worker is started; the save completes once, with verified files."""
 
 from __future__ import annotations
