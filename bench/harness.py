@@ -1,6 +1,6 @@
-"""Pieces the coordinator benchmarks share (bench/coordinator_load.py, bench/fleet_heartbeats.py): a private
-redis-server, `dcs coordinator` processes, the bare FastAPI+SET comparison app, per-process CPU time from
-/proc, a raw HTTP/1.1 answer reader and percentiles. Benchmarks do not import tests/."""
+"""Pieces the benchmarks share (bench/coordinator_load.py, fleet_heartbeats.py, save.py, task_latency.py): a
+private redis-server, `dcs coordinator` and `dcs worker` processes, the bare FastAPI+SET comparison app,
+per-process CPU time from /proc, a raw HTTP/1.1 answer reader and percentiles. Benchmarks do not import tests/."""
 
 from __future__ import annotations
 
@@ -72,6 +72,29 @@ def start_coordinator(config: DCSConfig, log_path: Path, src: Path = REPO) -> tu
         )
     wait_for_port(port)
     return proc, port
+
+
+def start_worker(config: DCSConfig, log_path: Path, concurrency: int, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+    """`dcs worker` (the real CLI, prefork pool of `concurrency`) for `config`, in its own session; returns once
+    its node queue's presence key is in Redis. Stop it with `stop` (SIGTERM: a warm shutdown)."""
+    from dcs_tasks.celery_app import node_queue
+    from dcs_tasks.redisconn import sync_client
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCS_")}
+    env.update(config.to_env())
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO, start_new_session=True)
+    client = sync_client(config)
+    key = Keys(config.namespace).worker_presence(node_queue(config.host_name))
+    deadline = time.monotonic() + timeout
+    while not client.exists(key):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"dcs worker not ready (exit {proc.returncode}); see {log_path}")
+        time.sleep(0.1)
+    return proc
 
 
 def start_bare(script: str, redis_url: str, log_path: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:

@@ -8,7 +8,7 @@ One run, same state (~`--size-mb` MiB of fp32 in `--tensors` tensors), same dire
            default stager) and its best staging (process executor + shared-memory stager); dcp.load
   ours     Checkpointer.save stall (median of `--repeats` after a warm-up), time to durable commit, and
            restore (verified) through a private redis-server and a real `dcs worker`
-Ratios are the figures (BENCHMARKS.md). Writes bench/results/save.json and prints a summary.
+Ratios are the figures (docs/benchmarks.md). Writes bench/results/save.json and prints a summary.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import free_port, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.config import DCSConfig
-from tests.helpers.ports import free_port
-from tests.helpers.procs import WorkerProcess
-from tests.helpers.redis_server import RedisServer
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -238,16 +236,16 @@ def dcp_async(state: dict[str, torch.Tensor], root: Path, repeats: int, best: bo
 
 # --- ours -------------------------------------------------------------------------------------------
 def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int, memcpy: Memcpy) -> dict[str, float]:
-    redis = RedisServer(root / "redis")
-    redis.start()
+    (root / "redis").mkdir(parents=True, exist_ok=True)
+    redis, redis_url = start_redis(root / "redis")
     config = DCSConfig(
-        redis_url=redis.url,
+        redis_url=redis_url,
         node_name="benchhost",
         checkpoint_dir=root / "ours",
         staging_dir=Path(tempfile.mkdtemp(prefix="dcs-bench-", dir="/dev/shm")),
         enable_metrics=False,
     )
-    worker = WorkerProcess(config, root / "worker.log", concurrency=workers).start()
+    worker = start_worker(config, root / "worker.log", concurrency=workers)
     try:
         with Checkpointer("bench", config, size_hint_bytes=nbytes(state) + 64 * MiB) as ckpt:
             stalls, durable, paired = [], [], []
@@ -265,8 +263,8 @@ def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int,
             restore_into = cold_median(lambda: ckpt.restore(step=repeats, into=into), config.checkpoint_dir, repeats)
             assert all(torch.equal(into[k], state[k]) for k in state)
     finally:
-        worker.terminate()
-        redis.stop()
+        stop(worker)
+        stop(redis)
         shutil.rmtree(config.staging_dir, ignore_errors=True)
     return {
         "stall_s": statistics.median(stalls),

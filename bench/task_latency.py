@@ -16,10 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import start_redis, start_worker, stop
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
-from tests.helpers.procs import WorkerProcess
-from tests.helpers.redis_server import RedisServer
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,10 +31,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        redis = RedisServer(Path(tmp) / "redis")
-        redis.start()
-        config = DCSConfig(redis_url=redis.url, node_name="benchhost", enable_metrics=False)
-        worker = WorkerProcess(config, Path(tmp) / "worker.log", concurrency=1).start()
+        redis, redis_url = start_redis(Path(tmp))
+        config = DCSConfig(redis_url=redis_url, node_name="benchhost", enable_metrics=False)
+        worker = start_worker(config, Path(tmp) / "worker.log", concurrency=1)
         try:
             app = make_celery(config)
             queue = node_queue(config.host_name)
@@ -47,8 +45,8 @@ def main() -> None:
                 round_trip.append(time.time() - sent)
                 to_start.append(answer["started_at"] - sent)
         finally:
-            worker.terminate()
-            redis.stop()
+            stop(worker)
+            stop(redis)
     result = {
         "n": args.n,
         "enqueue_to_start_ms": {
