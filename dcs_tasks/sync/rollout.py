@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
@@ -71,6 +72,7 @@ class EngineSessions:
             await self._begin(engine)
 
     async def _begin(self, engine: EngineEndpoint) -> None:
+        self.begun.append(engine)  # before the call: a begin cancelled in flight may still have opened one
         try:
             await self.api.post(engine, "/begin_weight_update", {})
         except WeightSyncError as exc:
@@ -80,7 +82,6 @@ class EngineSessions:
             log.warning("%s had a weight-update session open; ending it first", engine.node_id)
             await self.api.post(engine, "/end_weight_update", {})
             await self.api.post(engine, "/begin_weight_update", {})
-        self.begun.append(engine)
 
     async def close(self) -> None:
         """Per engine end, then continue (continuing first would make the end wait for the resumed requests);
@@ -104,7 +105,7 @@ class EngineSessions:
         ended = await asyncio.gather(
             *(self.api.post(e, "/end_weight_update", {}, timeout) for e in ending), return_exceptions=True
         )
-        unended = [e.node_id for e, r in zip(ending, ended, strict=True) if isinstance(r, BaseException)]
+        unended = [e.node_id for e, r in zip(ending, ended, strict=True) if _unreachable(r)]
         unended += [e.node_id for e in self.begun if e.node_id == unreachable]
         resume = [e for e in self.paused if e.node_id not in self.loaded and e.node_id != unreachable]
         await asyncio.gather(
@@ -320,6 +321,13 @@ class RolloutUpdater:
             if not await self.engines.alive(engine, BLAME_TIMEOUT_SECONDS):
                 return engine.node_id
         return None
+
+
+def _unreachable(result: object) -> bool:
+    """Whether an end call failed without an answer (an answer refusing it means no session was open)."""
+    return isinstance(result, BaseException) and (
+        not isinstance(result, WeightSyncError) or isinstance(result.__cause__, httpx.HTTPError)
+    )
 
 
 class _EnginesChanged(Exception):

@@ -281,3 +281,37 @@ async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSC
                 assert digest.weight_version == expected and digest.tensors == expected_digest(model)
             finally:
                 await client.stop()
+
+
+async def test_a_replaced_engine_is_noticed_before_any_bucket_and_the_sessions_opened_meanwhile_are_closed(
+    dcs_config: DCSConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a group to reuse, the trainer pauses and opens sessions on the group's engines while it reads the
+    topology; when the topology shows an engine replaced, it must close those sessions (no bucket sent) and
+    rebuild, so the rebuilt group's sessions open without finding one left open and the update lands whole."""
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path, receivers=2) as stack:
+        model = Tiny()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            await client.update_weights_for_rollout(rollout_only=True)
+            old = stack.receivers.pop(1)
+            old.stop()
+            stack.add_receiver(1)  # same rank, another port
+            train_step(model)
+            with caplog.at_level("WARNING", logger="dcs_tasks.sync.rollout"):
+                metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+            assert metrics["group_rebuilt"] and metrics["engines"] == 2 and metrics["weight_version"] == 2
+            assert "session open" not in caplog.text  # the speculative session on rollout_0 was ended
+            for receiver in stack.receivers:
+                digest = receiver.digest()
+                assert digest.weight_version == 2 and digest.tensors == expected_digest(model)
+            train_step(model)
+            metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+            assert not metrics["group_rebuilt"] and metrics["weight_version"] == 3
+            assert all(r.digest().weight_version == 3 for r in stack.receivers)
+        finally:
+            await client.stop()
