@@ -1,14 +1,13 @@
 """The bucketed, double-buffered broadcast of a state dict (the trainer side of every update).
 
 Steps per update: plan buckets (`plan_buckets`; tensors of >= ALONE_BYTES alone, sent from their own
-memory, first; then the fused buckets, smallest first, so the first pack is the shortest) -> for each
-bucket k: announce it to the receivers (an awaitable supplied by the caller: HTTP to rollout engines, or
-weight meta through the coordinator; announcements go out in bucket order and need only the layout, so
-bucket k's goes out while it is packed), pack it if it is fused (into whichever of the two flat buffers is
-no longer on the wire, so packing overlaps the queued transfers) and queue its broadcast, keeping up to
-MAX_QUEUED in flight. The two flat buffers are allocated once and reused while the layout fits. An
-optional `ready` future gates the first announcement and broadcast (the caller's sessions), so the first
-bucket is packed while the caller prepares the receivers.
+memory, first) -> for each bucket k: announce it to the receivers (an awaitable supplied by the caller:
+HTTP to rollout engines, or weight meta through the coordinator; announcements go out in bucket order and
+need only the layout, so bucket k's goes out while it is packed), pack it if it is fused (into whichever of
+the two flat buffers is no longer on the wire, so packing overlaps the queued transfers) and queue its
+broadcast, keeping up to MAX_QUEUED in flight. The two flat buffers are allocated once and reused while
+the layout fits. An optional `ready` future gates the first announcement and broadcast (the caller's
+sessions), so the first bucket is packed while the caller prepares the receivers.
 """
 
 from __future__ import annotations
@@ -109,9 +108,8 @@ class BucketSender:
         layouts = plan_buckets(specs, self.bucket_size_bytes, alignment, alone_bytes=self.alone_bytes)
         if self.sglang:
             layouts = [sglang_layout(layout.specs) for layout in layouts]
-        # buckets sent from the tensors' own memory first, then the fused ones smallest first: the wire starts
-        # after the shortest pack, and each bigger bucket is packed while the one before it is on the wire
-        return sorted(layouts, key=lambda layout: (not self._zero_copy(layout, state, quant), layout.total_bytes))
+        # buckets sent from the tensors' own memory first: packing the fused ones then overlaps their transfer
+        return sorted(layouts, key=lambda layout: not self._zero_copy(layout, state, quant))
 
     def _zero_copy(
         self, layout: FusionLayout, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None
