@@ -7,7 +7,9 @@ version needs a session -> per bucket, POST /update_weights_from_distributed to 
 bucket is broadcast (SGLang's `flattened_bucket` layout; the last bucket names the version and flushes the
 cache) -> `/end_weight_update` -> `/continue_generation`. `weight_version` rises by one per successful
 update, starting above every engine's published version when a group forms (so a restarted trainer never
-goes back).
+goes back). With a group to reuse, the topology read, pause + begin and the packing of the first bucket run
+at once; nothing is sent before the topology confirmed the engines and every session is open (engines that
+changed: the sessions just opened on those still listed are closed, the group is rebuilt).
 
 A failure drops the group (the next update rebuilds it over the nodes then alive), ends every session this
 update opened (no engine is left mid-session) and resumes generation on engines that were sent no bucket.
@@ -95,6 +97,11 @@ class EngineSessions:
         if engine in self.paused:
             await self.api.post(engine, "/continue_generation", {})
             self.paused.remove(engine)
+
+    def forget(self, listed: set[tuple[int, str, int]]) -> None:
+        """Drop engines that are not in `listed` ((rank, ip, port)): nothing more is sent to them."""
+        self.paused = [e for e in self.paused if (e.rank, e.ip, e.port) in listed]
+        self.begun = [e for e in self.begun if (e.rank, e.ip, e.port) in listed]
 
     async def abandon(self, unreachable: str | None = None) -> str:
         """End every session still open, resume engines that were sent no bucket; a note on what is left.
@@ -201,7 +208,8 @@ class RolloutUpdater:
             closing = time.perf_counter()
             await sessions.close()
             phases["close_seconds"] = time.perf_counter() - closing
-        except _EnginesChanged:  # nothing was sent: close what was opened, keep generation going, rebuild
+        except _EnginesChanged as changed:  # nothing was sent: close what was opened, keep generation going
+            sessions.forget(changed.listed)  # engines gone from the topology are not called (maybe dead)
             await sessions.abandon()
             raise
         except _TopologyUnread as exc:  # the coordinator did not answer: nothing was sent, the group stays
@@ -245,8 +253,9 @@ class RolloutUpdater:
                 except DCSError as exc:
                     raise _TopologyUnread(exc) from exc
                 phases["topology_seconds"] = phases["bootstrap_seconds"] = time.perf_counter() - started
-                if tuple((e.rank, e.ip, e.port) for e in endpoints) != group.plan.signature:
-                    raise _EnginesChanged
+                listed = tuple((e.rank, e.ip, e.port) for e in endpoints)
+                if listed != group.plan.signature:
+                    raise _EnginesChanged(set(listed))
             await asyncio.shield(opening)
             phases["ready_seconds"] = time.perf_counter() - started
         finally:
@@ -332,6 +341,10 @@ def _unreachable(result: object) -> bool:
 
 class _EnginesChanged(Exception):
     """The topology no longer lists the group's engines (at the same addresses): rebuild before sending."""
+
+    def __init__(self, listed: set[tuple[int, str, int]]) -> None:
+        super().__init__("the rollout engines changed")
+        self.listed = listed  # (rank, ip, port) of every engine the topology lists now
 
 
 class _TopologyUnread(Exception):
