@@ -30,6 +30,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dcs_tasks.process import pid_alive
+
 SUBNET = "10.213"
 LINK_PREFIX = "dmh"
 NETNS_PREFIX = "dcsmh-"
@@ -53,16 +55,6 @@ def sh(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.Comp
     return done
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_netns_processes(netns: str) -> None:
     pids = sh("ip", "netns", "pids", netns, check=False).stdout.split()
     for pid in pids:
@@ -75,14 +67,14 @@ def sweep_stale() -> list[str]:
     removed: list[str] = []
     for netns in sh("ip", "netns", "list", check=False).stdout.split("\n"):
         match = re.match(rf"^{NETNS_PREFIX}([0-9a-f]+)-\S+", netns)
-        if match and not _alive(int(match[1], 16)):
+        if match and not pid_alive(int(match[1], 16)):
             name = match[0]
             _kill_netns_processes(name)
             sh("ip", "netns", "del", name, check=False)
             removed.append(name)
     links = re.findall(rf"^\d+: ({LINK_PREFIX}([0-9a-f]+)[bv]\d*)[@:]", sh("ip", "-o", "link").stdout, re.M)
     for name, owner in links:
-        if not _alive(int(owner, 16)):
+        if not pid_alive(int(owner, 16)):
             sh("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed
