@@ -12,14 +12,15 @@ import enum
 import json
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+COMM_PORT_SPAN = 1000  # ports in the weight-sync master range when only comm_base_port is given
 MASK = "***"
 # scheme://user:password@  or  scheme://user@  (a lone user may be a secret too); ?password=... query values
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^@/\s?#]*)@")
@@ -72,6 +73,14 @@ class RoleInfo(BaseModel):
     port: int = Field(default=0, ge=0, le=65535)
     device_id: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("ip", "port", "metadata", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """`null` means "not given" (the original design types these optional): the field's default."""
+        if value is None:
+            return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
+        return value
 
     @property
     def node_id(self) -> str:
@@ -176,8 +185,9 @@ class DCSConfig(BaseSettings):
     receivers): a full collection in a large process stalls the whole group for ~0.1 s."""
     comm_base_port: int = Field(default=11000, ge=1024, le=65535)
     """First master port for weight-sync process groups."""
-    comm_max_port: int = Field(default=11999, ge=1024, le=65535)
-    """Last master port for weight-sync process groups."""
+    comm_max_port: int = Field(default=11000 + COMM_PORT_SPAN - 1, ge=1024, le=65535)
+    """Last master port for weight-sync process groups (default: comm_base_port + 999, capped at 65535, also
+    when comm_base_port is assigned later; set it to choose another range)."""
     comm_timeout_seconds: float = Field(default=300.0, gt=0)
     """Timeout of every collective (broadcast) of a weight update."""
     advertise_address: str | None = Field(default=None, min_length=1, max_length=253)
@@ -283,6 +293,7 @@ class DCSConfig(BaseSettings):
                 "heartbeat_timeout_seconds must be larger than heartbeat_interval_seconds "
                 f"({self.heartbeat_timeout_seconds} <= {self.heartbeat_interval_seconds})"
             )
+        self._derive_comm_max_port()
         if self.comm_max_port < self.comm_base_port:
             raise ValueError(f"comm port range is empty: {self.comm_base_port}-{self.comm_max_port}")
         if self.task_time_limit_seconds < self.task_soft_time_limit_seconds:
@@ -292,6 +303,17 @@ class DCSConfig(BaseSettings):
                 "weight_meta_entry_max_bytes must be <= weight_meta_read_max_bytes (one entry must fit an answer)"
             )
         return self
+
+    def _derive_comm_max_port(self) -> None:
+        """Unless comm_max_port was given, it follows comm_base_port (set, assigned or copied with an update)."""
+        if "comm_max_port" not in self.model_fields_set:
+            self.__dict__["comm_max_port"] = min(self.comm_base_port + COMM_PORT_SPAN - 1, 65535)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> DCSConfig:
+        """pydantic's copy (no validation, as there), with a derived comm_max_port following comm_base_port."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._derive_comm_max_port()
+        return copy
 
     @property
     def base_url(self) -> str:

@@ -84,8 +84,9 @@ class MetricsCollector:
     def record_error(self, error_type: str) -> None:
         self.errors.labels(error_type=error_type).inc()
 
-    def export_prometheus(self, *extra: CollectorRegistry) -> bytes:
-        """Prometheus text format of this collector and of the `extra` registries (e.g. a service's own).
+    def export_prometheus(self, *extra: CollectorRegistry) -> str:
+        """Prometheus text format (a str, ready to print or serve) of this collector and of the `extra`
+        registries (e.g. a service's own).
 
         In multiprocess mode it is instead the aggregate of every process's samples in the directory, which
         already holds the `extra` registries' metrics (prometheus-client writes every metric of a process
@@ -95,8 +96,8 @@ class MetricsCollector:
         if mp_dir:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=mp_dir)
-            return generate_latest(registry)
-        return b"".join(generate_latest(r) for r in (self.registry, *extra))
+            return generate_latest(registry).decode()
+        return "".join(generate_latest(r).decode() for r in (self.registry, *extra))
 
     def get_all(self) -> dict[str, Any]:
         """This process's values: {"counters": {...}, "latency": {op: {count, sum, avg, buckets}}, "gauges": {...}}.

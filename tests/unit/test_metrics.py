@@ -33,7 +33,7 @@ SEED_NAMES = [
 def test_export_has_every_seed_metric() -> None:
     metrics = MetricsCollector()
     metrics.record_error("timeout")
-    text = metrics.export_prometheus().decode()
+    text = metrics.export_prometheus()
     for name in SEED_NAMES:
         assert f"# TYPE {name} " in text, name
 
@@ -52,7 +52,7 @@ def test_recorded_values_are_read_back() -> None:
     assert stats["latency"]["send"]["avg"] == pytest.approx(0.1)
     assert stats["latency"]["save"]["buckets"]["2.5"] == 1 and stats["latency"]["save"]["buckets"]["1.0"] == 0
     assert stats["gauges"]["pending_operations"] == 3
-    text = metrics.export_prometheus().decode()
+    text = metrics.export_prometheus()
     assert 'dcs_errors_total{error_type="timeout"} 2.0' in text
     assert "dcs_bytes_saved_total 5.24288e+06" in text
 
@@ -84,7 +84,7 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path) -> None:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     for _ in range(2):
         subprocess.run([sys.executable, "-c", CHILD], env=env, check=True, timeout=60)
-    export = "from dcs_tasks.metrics import get_metrics; print(get_metrics().export_prometheus().decode())"
+    export = "from dcs_tasks.metrics import get_metrics; print(get_metrics().export_prometheus())"
     out = subprocess.run(
         [sys.executable, "-c", export], env=env, check=True, timeout=60, capture_output=True, text=True
     )
