@@ -264,7 +264,11 @@ class DCSConfig(BaseSettings):
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port of a worker's Prometheus exporter (0: none)."""
     metrics_host: str = "127.0.0.1"
-    """Address a worker's Prometheus exporter binds (0.0.0.0 inside a container, for a scraper next to it)."""
+    """Address a worker's (and a trainer's) Prometheus exporter binds (0.0.0.0 inside a container, for a
+    scraper next to it)."""
+    trainer_metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port a trainer process (its first Checkpointer) serves its own metrics on, at /metrics (0: none):
+    save stalls, staged bytes, restores, staging memory and saves in flight (docs/operations.md, Metrics)."""
 
     @field_validator("coordinator_url")
     @classmethod

@@ -12,14 +12,18 @@ process's own values.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("save", "load", "send", "recv")
 _BYTES_COUNTERS = {"save": "bytes_saved", "load": "bytes_loaded", "send": "bytes_sent", "recv": "bytes_received"}
@@ -136,3 +140,53 @@ def get_metrics() -> MetricsCollector:
         if _GLOBAL is None:
             _GLOBAL = MetricsCollector()
         return _GLOBAL
+
+
+class MetricsServer:
+    """A small HTTP server answering `GET /metrics` with `get_metrics().export_prometheus()` (daemon threads).
+
+    `before` runs before each answer (e.g. refresh a gauge from Redis); its failure is logged and the
+    scrape still answers with the values as they are."""
+
+    def __init__(self, host: str, port: int, before: Callable[[], object] | None = None) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = server.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("metrics %s: " + format, self.address_string(), *args)
+
+        self._before = before
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dcs-metrics", daemon=True)
+        self._thread.start()
+
+    def render(self) -> str:
+        if self._before is not None:
+            try:
+                self._before()
+            except Exception:
+                log.exception("metrics refresh before a scrape failed; answering with the current values")
+        return get_metrics().export_prometheus()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+def serve_metrics(host: str, port: int, before: Callable[[], object] | None = None) -> MetricsServer:
+    """Serve this process's metrics on http://host:port/metrics (port 0: a free one, see `.port`)."""
+    return MetricsServer(host, port, before)

@@ -9,6 +9,9 @@
   that is malformed or names an untrusted path) fail at once even where they are also one of those types.
 - `give_up(payload, reason)`: subclasses record a final failure (called once the task fails for good,
   whatever the cause), e.g. mark the checkpoint FAILED so a waiting trainer gets the reason.
+- Metrics: `dcs_errors_total{error_type="task_retry"}` per retry scheduled, `{error_type="task_failed"}` per
+  task failed for good unless its class overrides `give_up` (those record their own, more precise type,
+  e.g. `checkpoint_persist`), so no failure is counted twice.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import redis
 from celery import Task
 
 from dcs_tasks.errors import DCSError, InvalidTaskPayload
+from dcs_tasks.metrics import get_metrics
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,8 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 NEVER_RETRY: tuple[type[BaseException], ...] = (InvalidTaskPayload,)
+RETRY_ERROR = "task_retry"
+FAILED_ERROR = "task_failed"
 
 
 class RedeliveryLimitExceeded(DCSError):
@@ -69,6 +75,7 @@ class DCSTask(Task):
             log.warning(
                 "%s[%s] retry %d in %.2fs: %s", self.name, self.request.id, self.request.retries + 1, countdown, exc
             )
+            get_metrics().record_error(RETRY_ERROR)
             raise self.retry(exc=exc, countdown=countdown, max_retries=config.max_retries) from exc
 
     def _count_delivery(self) -> None:
@@ -89,6 +96,8 @@ class DCSTask(Task):
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         log.error("%s[%s] failed for good: %s", self.name, task_id, reason)
+        if type(self).give_up is DCSTask.give_up:
+            get_metrics().record_error(FAILED_ERROR)
         try:
             self.give_up(args, kwargs, reason)
         except Exception:

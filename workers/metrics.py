@@ -4,7 +4,9 @@
 store at import): it sets `PROMETHEUS_MULTIPROC_DIR` (kept if the operator set it, else a per-host
 directory under the system temp dir) and wipes it, so samples of a previous run never leak in. Every
 prefork child then writes its samples there; `mark_dead` (on child exit) drops the gauges of a dead
-child; `start_exporter` serves the aggregate of all processes on `config.metrics_port`.
+child; `start_exporter` serves the aggregate of all processes on `config.metrics_port`, after creating every
+family a worker records (`dcs_errors_total` with each worker error type at 0 included), so a scrape lists
+them before the first save or failure (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dcs_tasks.config import DCSConfig
 
 log = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
+# error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.base.DCSTask
+WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "task_retry", "task_failed")
 
 
 def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
@@ -47,9 +51,21 @@ def start_exporter(config: DCSConfig) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
+    create_worker_families()
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     try:
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
     except OSError as exc:
         log.warning("worker metrics not exported: port %d unavailable (%s)", config.metrics_port, exc)
+
+
+def create_worker_families() -> None:
+    """Create (at 0) the families a worker records, in this process's multiprocess files."""
+    from dcs_tasks.checkpoint.telemetry import ensure_stage_metrics
+    from dcs_tasks.metrics import get_metrics
+
+    metrics = get_metrics()
+    for error_type in WORKER_ERROR_TYPES:
+        metrics.errors.labels(error_type=error_type)
+    ensure_stage_metrics()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -11,13 +14,16 @@ from typing import Any
 
 import redis
 
-from dcs_tasks.checkpoint.format import Manifest
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.reader import load_manifest
-from dcs_tasks.errors import CheckpointFailed, DCSTimeoutError
+from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, DCSTimeoutError
+from dcs_tasks.metrics import get_metrics
 
+log = logging.getLogger(__name__)
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.05
+FINAL = (StepStatus.COMMITTED, StepStatus.FAILED)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,9 @@ class CheckpointInfo:
     files: int
     created_at: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    removed: bool = False
+    """True when the step committed but its directory has been removed since (retention's keep_last /
+    keep_every, or an operator): the other fields are what was committed, read from the step's ledger."""
 
     @classmethod
     def of(cls, manifest: Manifest, step_dir: Path) -> CheckpointInfo:
@@ -83,6 +92,8 @@ class PendingCheckpoint:
         self._dispatch = dispatch
         self._status: StepStatus | None = None
         self._reason = ""
+        if ledger is not None and not skipped:
+            IN_FLIGHT.add(self)
 
     def __repr__(self) -> str:
         return f"PendingCheckpoint(run={self.run!r}, step={self.step}, status={self._status}, skipped={self.skipped})"
@@ -107,6 +118,8 @@ class PendingCheckpoint:
             callback, self._on_finished = self._on_finished, None
             callback()
         self._status, self._reason = status, reason
+        if status in FINAL:
+            IN_FLIGHT.discard(self)
         return status
 
     def done(self) -> bool:
@@ -145,7 +158,20 @@ class PendingCheckpoint:
     def _dispatch_error(self) -> BaseException | None:
         if self._dispatch is None or not self._dispatch.done():
             return None
-        return self._dispatch.exception()
+        error = self._dispatch.exception()
+        if error is not None:  # its tasks were not all sent: the save failed, nothing is in flight any more
+            IN_FLIGHT.discard(self)
+        return error
+
+    def observed_final(self) -> bool:
+        """Read-only check (any thread, one Redis round trip): has this save committed or failed? Unlike
+        `poll()` it never hands the staging buffer back, so a metrics scrape may call it."""
+        if self._dispatch_error() is not None or self._ledger is None:
+            return True
+        try:
+            return self._ledger.progress(self.run, self.step)[0] in FINAL
+        except redis.RedisError:
+            return False
 
     def _poll_quietly(self) -> StepStatus | None:
         try:
@@ -154,4 +180,79 @@ class PendingCheckpoint:
             return self._status
 
     def _info(self) -> CheckpointInfo:
-        return CheckpointInfo.of(load_manifest(self.step_dir), self.step_dir)
+        """The committed step's info from its manifest; when the manifest is gone (retention deleted the
+        step after its commit: it removes the manifest first), what the ledger recorded, with `removed`.
+        A manifest that is there but does not read is damage: CorruptCheckpoint."""
+        try:
+            return CheckpointInfo.of(load_manifest(self.step_dir), self.step_dir)
+        except CorruptCheckpoint:
+            if os.path.lexists(self.step_dir / MANIFEST_NAME):
+                raise
+            info = self._committed_info()
+            if info is None:
+                raise
+            log.info("step %d of run %r committed and was removed since (retention)", self.step, self.run)
+            return info
+
+    def _committed_info(self) -> CheckpointInfo | None:
+        """What this step's ledger says was committed (None when it does not say COMMITTED or has expired)."""
+        if self._ledger is None:
+            return None
+        state = self._ledger.read(self.run, self.step)
+        if state.status is not StepStatus.COMMITTED or not state.draft:
+            return None
+        draft = state.manifest_draft()
+        files = list(state.files.values())
+        return CheckpointInfo(
+            draft.run,
+            draft.step,
+            self.step_dir,
+            sum(f.size for f in files),
+            len(files),
+            draft.created_at,
+            dict(draft.metadata),
+            removed=True,
+        )
+
+
+class InFlightSaves:
+    """The saves of this process not yet seen committed or failed; their count is `dcs_pending_operations`.
+
+    A save enters when `Checkpointer.save` returns its handle and leaves as soon as anything observes its
+    final status: `poll()`, `done()`, `wait()` (so the gauge is 0 once `wait()` returned), the checkpointer's
+    own reaping, or `refresh()`, which a metrics endpoint calls before each scrape so the gauge is right at
+    the moment it is read even if the trainer polls nothing. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saves: dict[int, PendingCheckpoint] = {}
+
+    def add(self, pending: PendingCheckpoint) -> None:
+        with self._lock:
+            self._saves[id(pending)] = pending
+            self._publish()
+
+    def discard(self, pending: PendingCheckpoint) -> None:
+        with self._lock:
+            if self._saves.pop(id(pending), None) is not None:
+                self._publish()
+
+    def refresh(self) -> int:
+        """Drop the saves whose final status Redis now holds (read-only); returns how many remain."""
+        with self._lock:
+            saves = list(self._saves.values())
+        for pending in saves:
+            if pending.observed_final():
+                self.discard(pending)
+        return len(self)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._saves)
+
+    def _publish(self) -> None:
+        get_metrics().pending_operations.set(len(self._saves))
+
+
+IN_FLIGHT = InFlightSaves()
