@@ -122,3 +122,20 @@ class EngineIncompatible(WeightSyncError):
 
 class EngineAuthRefused(WeightSyncError):
     """A rollout engine refused DCS's API key (401/403): start it with `--api-key` equal to DCS_AUTH_TOKEN."""
+
+
+class BackendUnavailable(WeightSyncError, ConfigError):
+    """The weight-sync transport cannot run in this process: NCCL where torch sees no CUDA device (or was built
+    without NCCL), a CUDA device id this host does not have, or a backend DCS does not broadcast over (gloo and
+    nccl only). Raised by the client before it registers or asks any engine to join, and never retried."""
+
+
+class SyncPreconditionError(WeightSyncError, ConfigError):
+    """A weight sync cannot start because of how a node was set up (e.g. an actor registered without metadata
+    `is_pp_src_rank=True`, so no pp stage has a group to send in); the message says exactly what to set."""
+
+
+class ActorWaitTimeout(DCSTimeoutError):
+    """An actor_fwd / reference waited its bound (`init_process_groups_for_actor_fwd_ref(wait_timeout_s=...)`,
+    default `group_init_timeout_seconds`) for the source actor of every pp stage to register, and the message
+    names the stages still missing."""

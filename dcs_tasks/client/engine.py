@@ -25,8 +25,14 @@ from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.netaddr import configure_comm_interface, route_address
 from dcs_tasks.receiver.weights import WeightReceiver
-from dcs_tasks.sync.actor_fwd import ActorFwdReceiver, ActorFwdSender, needs_ref_update, stage_specs
-from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, send_teardown
+from dcs_tasks.sync.actor_fwd import (
+    ActorFwdReceiver,
+    ActorFwdSender,
+    needs_ref_update,
+    stage_specs,
+    wait_for_sources,
+)
+from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, check_backend, send_teardown
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.rollout import RolloutUpdater
@@ -143,9 +149,13 @@ class CheckpointEngineClient:
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Create the HTTP client, register (with a pp master port for pp source actors), start heartbeats,
-        build the backend and the updaters."""
+        """Check that the backend can run here, create the HTTP client, register (with a pp master port for pp
+        source actors), start heartbeats, build the backend and the updaters.
+
+        `BackendUnavailable` (NCCL without CUDA, a device id this host lacks, an unknown backend) is raised
+        first, before anything is registered or any engine is asked to join."""
         cfg = self.config
+        self.backend_type = check_backend(self.backend_type, self.role_info.device_id)
         configure_comm_interface(self.role_info.ip, cfg.comm_ifname)  # before any gloo/NCCL group is built
         self._api = CoordinatorAPI(cfg.base_url, cfg.token(), timeout=cfg.request_timeout_seconds)
         self._backend = DeviceDirectBackend(
@@ -261,21 +271,30 @@ class CheckpointEngineClient:
         _record_send(metrics)
         return metrics
 
-    async def init_process_groups_for_actor_fwd_ref(self, rollout_id: int) -> bool:
+    async def init_process_groups_for_actor_fwd_ref(self, rollout_id: int, wait_timeout_s: float | None = None) -> bool:
         """Form this update's actor -> actor_fwd(/reference) groups; every participant calls it with the same
-        `rollout_id`. Returns False when this node sits this one out (a reference outside its interval)."""
+        `rollout_id`. Returns False when this node sits this one out: a reference outside its interval, or an
+        actor that is not its pp stage's source (metadata `is_pp_src_rank`) while another actor is.
+
+        An actor_fwd / reference that calls it before the source actor of every pp stage registered waits for
+        them, at most `wait_timeout_s` (default `group_init_timeout_seconds`), then raises `ActorWaitTimeout`.
+        An actor whose stage has no source raises `SyncPreconditionError` saying what metadata to set."""
         api = self._require_api()
         need_ref = needs_ref_update(rollout_id, self.config.ref_update_interval)
         if self.role == "reference" and not need_ref:
             return False
         assert self.rank is not None
+        if self._fwd_receiver is not None:
+            timeout = self.config.group_init_timeout_seconds if wait_timeout_s is None else wait_timeout_s
+            ranks = await wait_for_sources(api, self.role, self.rank, need_ref, timeout)
+            await self._fwd_receiver.init_groups(ranks, stage_specs(ranks, rollout_id, self.backend_type))
+            return True
         ranks = await api.model_update_group_ranks(self.role, self.rank, need_ref)
         specs = stage_specs(ranks, rollout_id, self.backend_type)
-        if self._fwd_receiver is not None:
-            await self._fwd_receiver.init_groups(ranks, specs)
-        elif self._fwd_sender is not None:
-            await self._fwd_sender.init_group(specs)
-        return True
+        if self._fwd_sender is None:
+            return False
+        is_source = bool(self.role_info.metadata.get("is_pp_src_rank"))
+        return await self._fwd_sender.init_group(specs, self.rank, is_source)
 
     async def recv_weight(self) -> int:
         """actor_fwd / reference: receive one whole update (applied to `model` if given); returns its version."""

@@ -8,6 +8,11 @@ coordinator); receivers join every stage's group at their global rank. Per updat
 commits once it has seen `train_pp_size` sentinels, so a partial update is never applied. The meta log
 is shared: a receiver skips entries of groups it is not in and sentinels seen before its first bucket
 (every earlier update ends before this update's rendezvous, which precedes its first bucket).
+
+Preconditions are checked, not assumed. An actor that is not a source rank sits the update out when its
+stage has a source, and raises `SyncPreconditionError` (saying what metadata to set) when its stage has none.
+A receiver that asks before every stage's source actor registered waits for them (`wait_for_sources`,
+bounded; `ActorWaitTimeout` names the stages still missing) instead of joining no group.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import BackendType
-from dcs_tasks.errors import DCSTimeoutError, WeightSyncError
+from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPreconditionError, WeightSyncError
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
 from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.models import QuantizationConfig
@@ -53,6 +58,43 @@ def stage_specs(ranks: GroupRanksResponse, rollout_id: int, backend: BackendType
     return specs
 
 
+def stage_group(pp_rank: int) -> str:
+    """The coordinator's name for pp stage `pp_rank`'s group (key of `GroupRanksResponse.pp_groups`)."""
+    return f"update_actor_pp_{pp_rank}"
+
+
+def missing_stages(ranks: GroupRanksResponse) -> list[str]:
+    """The stages of `train_pp_size` whose source actor has not registered (no entry in `pp_groups`)."""
+    return [stage_group(i) for i in range(ranks.train_pp_size) if stage_group(i) not in ranks.pp_groups]
+
+
+async def wait_for_sources(
+    api: CoordinatorAPI, role: str, rank: int, need_ref: bool, timeout_seconds: float, poll_seconds: float = 0.5
+) -> GroupRanksResponse:
+    """This receiver's group ranks once every pp stage's source actor registered. Asking earlier used to
+    answer no group at all: the receiver joined nothing and the actor's group init timed out later. Waits
+    at most `timeout_seconds`, then `ActorWaitTimeout` names the stages still missing."""
+    deadline = time.monotonic() + timeout_seconds
+    logged = False
+    while True:
+        ranks = await api.model_update_group_ranks(role, rank, need_ref)
+        missing = missing_stages(ranks)
+        left = deadline - time.monotonic()
+        if not missing:
+            return ranks
+        if left <= 0:
+            raise ActorWaitTimeout(
+                f"{role} rank {rank} waited {timeout_seconds:g}s for the source actor of {', '.join(missing)} to "
+                f"register (an actor started with metadata={{'is_pp_src_rank': True, 'pp_rank': N}}; "
+                f"train_pp_size {ranks.train_pp_size}, from actor rank 0's 'pp_size'); registered sources: "
+                f"{', '.join(sorted(ranks.pp_groups)) or 'none'}; start the actor(s) or raise wait_timeout_s"
+            )
+        if not logged:
+            log.info("%s rank %d waits up to %.0fs for the source actor of %s", role, rank, left, ", ".join(missing))
+            logged = True
+        await asyncio.sleep(min(poll_seconds, left))
+
+
 async def join_all(backend: DeviceDirectBackend, specs: list[GroupSpec]) -> None:
     """Join every group concurrently (each rendezvous waits for all its members)."""
     await asyncio.gather(*(asyncio.to_thread(backend.create_group, spec) for spec in specs))
@@ -67,15 +109,33 @@ class ActorFwdSender:
         self.pp_rank = pp_rank
         self.spec: GroupSpec | None = None
 
-    async def init_group(self, specs: dict[str, GroupSpec]) -> None:
-        mine = specs.get(f"update_actor_pp_{self.pp_rank}")
+    async def init_group(self, specs: dict[str, GroupSpec], rank: int | None, is_source: bool) -> bool:
+        """Join this stage's group as its rank 0; False (nothing to send) for an actor that is not the source of
+        its stage while another is. `SyncPreconditionError` when the stage has no source at all."""
+        stage = stage_group(self.pp_rank)
+        mine = specs.get(stage)
+        if not is_source:
+            if mine is not None:
+                log.info("actor rank %s is not the source of pp stage %d; it sends nothing", rank, self.pp_rank)
+                return False
+            raise SyncPreconditionError(
+                f"actor rank {rank} has no metadata is_pp_src_rank=True and no actor is registered as the source of "
+                f"pp stage {self.pp_rank} (registered sources: {', '.join(sorted(specs)) or 'none'}), so there is no "
+                f"group to send in: register the actor with metadata={{'is_pp_src_rank': True}} (with PP > 1 also "
+                "'pp_rank' and 'pp_size'; one source rank per pp stage)"
+            )
         if mine is None:
-            raise DCSTimeoutError(f"the coordinator lists no group for pp stage {self.pp_rank}: {sorted(specs)}")
+            raise WeightSyncError(
+                f"the coordinator lists no group for pp stage {self.pp_rank} though actor rank {rank} is its source "
+                f"(registered sources: {', '.join(sorted(specs)) or 'none'}): was this rank taken over by another "
+                "node? restart this actor"
+            )
         previous, self.spec = self.spec, None
         await asyncio.to_thread(self.sender.backend.create_group, mine)  # before dropping `previous`: the
         if previous is not None and previous.group_name != mine.group_name:  # master store stays bound
             self.sender.backend.destroy_group(previous.group_name)
         self.spec = mine
+        return True
 
     async def update(
         self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None

@@ -6,8 +6,12 @@ only after each of its TP ranks built the group) and the trainer's own group con
 `group_init_timeout_seconds` (for gloo that constructor connects the full mesh, so it completes only once
 every engine rank connected). For NCCL see `dcs_tasks.backends.process_group` (the first broadcast proves it).
 Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
-`GroupInitError` / `PortAllocationError` naming what failed. A loopback master address with an engine on
-another address raises `LoopbackAddressError` at once, before any join is sent.
+`GroupInitError` / `PortAllocationError` naming what failed; when the trainer's own construction failed too,
+the error carries its reason and every engine's, and blames the trainer unless its failure was only a timeout
+(waiting for engines that failed). Failures no retry can fix raise at once, before any join is sent: a backend
+that cannot run in this process (`check_backend`: NCCL without CUDA, a missing device, an unknown backend ->
+`BackendUnavailable`) and a loopback master address with an engine on another address
+(`LoopbackAddressError`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from celery import Celery
 from celery.result import ResultSet
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -26,8 +32,8 @@ from redis.exceptions import RedisError
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, node_queue
-from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.errors import GroupInitError, PortAllocationError, WeightSyncError
+from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
+from dcs_tasks.errors import BackendUnavailable, GroupInitError, PortAllocationError, WeightSyncError
 from dcs_tasks.netaddr import check_master_reachable
 from dcs_tasks.sync.models import (
     BootstrapRequest,
@@ -67,7 +73,8 @@ class GroupBootstrapper:
         check_master_reachable(self.group_prefix, self.master_address, members)
 
     async def form_group(self, plan: GroupPlan) -> ActiveGroup:
-        self.check_reachable(plan.engines)  # before any join is sent
+        check_backend(self.backend.backend_type, self.backend.device_id)  # before any join is sent; not retried
+        self.check_reachable(plan.engines)
         last: WeightSyncError | None = None
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -109,11 +116,11 @@ class GroupBootstrapper:
         created, joined = both
         group = ActiveGroup(plan, result)
         outcomes = joined if isinstance(joined, list) else [joined] * len(plan.engines)
-        failure = self._first_failure(plan, outcomes) or created
-        if isinstance(failure, BaseException):
+        trainer = created if isinstance(created, BaseException) else None
+        failure = _formation_failure(result.group_name, trainer, self._engine_failures(plan, outcomes))
+        if failure is not None:
             await self.release(group)
-            member = getattr(failure, "member", None)
-            raise GroupInitError(f"group {result.group_name} did not form: {failure}", member) from failure
+            raise failure
         for engine in plan.engines:
             peer = RoleInfo(role_name="rollout", rank=engine.rank, ip=engine.ip, port=engine.port)
             for group_rank in range(engine.rank_offset, engine.rank_offset + engine.tp_size):
@@ -121,8 +128,9 @@ class GroupBootstrapper:
         return group
 
     @staticmethod
-    def _first_failure(plan: GroupPlan, outcomes: list[Any]) -> BaseException | None:
-        """The join failure to blame: unreachable engines first, then refusing ones (often victims), then timeouts."""
+    def _engine_failures(plan: GroupPlan, outcomes: list[Any]) -> list[GroupInitError]:
+        """Every engine whose join failed, in blame order: unreachable engines first, then refusing ones (often
+        victims), then timeouts."""
         failures: list[tuple[int, GroupInitError]] = []
         for engine, outcome in zip(plan.engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -142,7 +150,7 @@ class GroupBootstrapper:
                         ),
                     )
                 )
-        return min(failures, key=lambda f: f[0])[1] if failures else None
+        return [failure for _, failure in sorted(failures, key=lambda f: f[0])]
 
     async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
         timeout = self.config.group_init_timeout_seconds
@@ -184,3 +192,70 @@ def send_teardown(celery: Celery, request: DestroyRequest, host: str) -> None:
         log.warning(
             "could not enqueue the teardown of group %s (%r); its port reservation expires", request.group_name, exc
         )
+
+
+def _formation_failure(
+    group_name: str, trainer: BaseException | None, engines: list[GroupInitError]
+) -> GroupInitError | None:
+    """The error of a group that did not form, carrying the trainer's reason and every engine's. The trainer is
+    blamed (`member` None, its reason first) when its own construction failed other than by timing out: then
+    the engines, left without a master, are its victims. Otherwise the first engine in blame order is."""
+    if trainer is None and not engines:
+        return None
+    own = trainer is not None and not _timed_out(trainer)
+    reasons = [str(e) for e in engines]
+    if trainer is not None:
+        reasons.insert(0 if own else len(reasons), f"trainer (rank 0): {trainer}")
+    member = None if own or not engines else engines[0].member
+    error = GroupInitError(f"group {group_name} did not form: {'; '.join(reasons)}", member)
+    error.__cause__ = trainer if own or not engines else engines[0]
+    return error
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a group construction failed only by waiting out its timeout (for members that never came)."""
+    cause = error.__cause__ or error
+    return isinstance(cause, TimeoutError) or (isinstance(cause, dist.DistStoreError) and "imeout" in str(cause))
+
+
+def check_backend(
+    backend: BackendType | str,
+    device_id: int | None,
+    *,
+    cuda_devices: int | None = None,
+    nccl_built: bool | None = None,
+) -> BackendType:
+    """The backend, if it can run in this process; else `BackendUnavailable` saying why and what to use.
+
+    Checked before anything is registered or any engine is asked to join: NCCL with no CUDA device used to be
+    found only by the trainer's group construction, after engines were asked to join, and each attempt then
+    waited out the group-init timeout. `cuda_devices` / `nccl_built` default to what torch reports here."""
+    try:
+        kind = BackendType(backend)
+    except ValueError:
+        kind = None
+    if kind not in (BackendType.GLOO, BackendType.NCCL):
+        name = getattr(backend, "value", backend)
+        raise BackendUnavailable(
+            f"backend {name!r} cannot carry weight updates: DCS broadcasts over 'gloo' (CPU tensors) or 'nccl' "
+            "(CUDA tensors); pass backend_type=BackendType.GLOO or BackendType.NCCL"
+        )
+    if kind is BackendType.GLOO:
+        return kind
+    devices = (
+        cuda_devices if cuda_devices is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    )
+    built = nccl_built if nccl_built is not None else dist.is_nccl_available()
+    missing = [] if devices else ["sees no CUDA device (torch.cuda.is_available() is False)"]
+    missing += [] if built else ["has no NCCL built in (torch.distributed.is_nccl_available() is False)"]
+    if missing:
+        raise BackendUnavailable(
+            f"backend 'nccl' cannot run here: torch {torch.__version__} in this process {' and '.join(missing)}; "
+            "on a CPU host use backend_type=BackendType.GLOO"
+        )
+    if device_id is not None and not 0 <= device_id < devices:
+        raise BackendUnavailable(
+            f"device_id {device_id} does not exist: this host has {devices} CUDA device(s), ids 0-{devices - 1}; "
+            "pass one of them (or None for the current device)"
+        )
+    return kind
