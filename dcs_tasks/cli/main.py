@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, str] = {
     "receiver": "dcs_tasks.receiver.cli",
     "engine": "dcs_tasks.cli.engine",
     "config": "dcs_tasks.cli.config",
+    "up": "dcs_tasks.cli.up",
+    "demo": "dcs_tasks.cli.demo",
 }
 
 
