@@ -1,4 +1,4 @@
-"""`dcs ckpt list|verify|inspect|gc --run R [--dir D]`: look after the checkpoints of a run on disk.
+"""`dcs ckpt list|verify|inspect|gc|export|import --run R [--dir D]`: look after the checkpoints of a run on disk.
 
 `verify` checks every step's manifest, files and safetensors headers and re-reads every file against its
 checksum, prints progress on large files, one line per step, and exits 1 if any step is bad (naming the
@@ -6,6 +6,9 @@ file and the reason). `list` and `inspect` report a step whose manifest does not
 traceback (manifests are untrusted input: `dcs_tasks.checkpoint.validate`).
 `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
 DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
+`export --format hf` writes a step's tensors under `--prefix` as a Hugging Face directory; `import --format
+dcp|hf` commits a torch DCP or Hugging Face checkpoint as a step, through the Redis ledger, without a worker
+(`dcs_tasks.interop`). A run that does not exist is an error naming it (exit 1), for every subcommand.
 """
 
 from __future__ import annotations
@@ -41,6 +44,31 @@ def register(sub: Any) -> None:
         if name == "gc":
             p.add_argument("--keep-last", type=int, default=None)
             p.add_argument("--keep-every", type=int, default=None)
+    _register_interop(actions)
+
+
+def _register_interop(actions: Any) -> None:
+    p = actions.add_parser("export", help="write a step as a Hugging Face model directory")
+    p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+    p.add_argument("--step", type=int, default=None, help="the step (default: the newest committed one)")
+    p.add_argument("--format", choices=["hf"], default="hf", help="hf: model.safetensors (+ index when sharded)")
+    p.add_argument("--out", type=Path, required=True, help="output directory (new, or without weights in it)")
+    p.add_argument("--prefix", default="model/", help="state keys holding the model ('' for a bare state_dict)")
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this many bytes (5GB, 500MB, 2GiB)")
+    p.add_argument(
+        "--tied", choices=["drop", "copy"], default="drop", help="tied keys: left out as transformers does, or copied"
+    )
+    p.add_argument("--config", type=Path, default=None, help="a config.json to copy next to the weights")
+    p.set_defaults(func=_export)
+    p = actions.add_parser("import", help="commit a torch DCP or Hugging Face checkpoint as a step of a run")
+    p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+    p.add_argument("--step", type=int, required=True, help="the step number to commit it as")
+    p.add_argument("--from", dest="source", type=Path, required=True, help="the checkpoint directory to read")
+    p.add_argument("--format", choices=["dcp", "hf"], required=True)
+    p.add_argument("--prefix", default=None, help="state keys to put it under (default: 'model/' for hf, '' for dcp)")
+    p.set_defaults(func=_import)
 
 
 def _run_name(value: str) -> str:
@@ -70,6 +98,9 @@ def _list(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.sharded import rank_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
+    if not _run_dir(args).is_dir():
+        print(f"dcs ckpt list: run {args.run!r} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
+        return 1
     if args.rank is None and rank_dirs(_run_root(args)):
         return _list_ranks(args)
     run_dir = _run_dir(args)
@@ -181,3 +212,55 @@ def _in_flight(config: DCSConfig, run: str) -> set[int]:
         return set()
     finally:
         client.close()
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dcs_tasks.errors import CheckpointError
+    from dcs_tasks.interop.hf_export import export_hf, parse_size
+
+    try:
+        if not _run_root(args).is_dir():
+            raise CheckpointError(f"run {args.run!r} has no checkpoints: {_run_root(args)} does not exist")
+        result = export_hf(
+            _run_root(args),
+            args.out,
+            step=args.step,
+            prefix=args.prefix,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            tied=args.tied,
+            config_path=args.config,
+        )
+    except CheckpointError as exc:
+        print(f"dcs ckpt export: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"exported step {result.step} of run {args.run!r}: {result.tensors} tensors, "
+        f"{result.total_bytes / 2**20:.1f} MiB in {len(result.files)} file(s) to {result.out_dir}"
+    )
+    for alias, source in result.tied.items():
+        print(f"  tied: {alias} -> {source} (left out; from_pretrained ties it again)")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from dcs_tasks.errors import CheckpointError
+    from dcs_tasks.interop.foreign import read_dcp_dir, read_hf_dir
+    from dcs_tasks.interop.names import normalise_prefix, prefix_keys
+    from dcs_tasks.interop.writer import write_step
+
+    config = DCSConfig()
+    if args.dir is not None:
+        config = config.model_copy(update={"checkpoint_dir": args.dir})
+    default = "model/" if args.format == "hf" else ""
+    try:
+        keys = prefix_keys(normalise_prefix(default if args.prefix is None else args.prefix))
+        state: Any = read_hf_dir(args.source) if args.format == "hf" else read_dcp_dir(args.source)
+        for key in reversed(keys):
+            state = {key: state}
+        origin = {"imported_from": {"format": args.format, "path": str(args.source.resolve())}}
+        step_dir = write_step(state, run=args.run, step=args.step, config=config, metadata=origin)
+    except CheckpointError as exc:
+        print(f"dcs ckpt import: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"imported {args.source} ({args.format}) as step {args.step} of run {args.run!r}: {step_dir}")
+    return 0

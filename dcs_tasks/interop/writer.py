@@ -1,0 +1,175 @@
+"""Write a state as a committed step of a run without a worker (`dcs ckpt import`).
+
+The same path a save takes, run in the calling process: `flatten_state` and `plan_layout` give the files'
+bytes; the step is opened in the Redis ledger (`StepLedger.begin`: refused when the step is committed or
+another save of it is in flight), each file is claimed, written by `fsio.stream_region` (the persist
+writer: temp name, O_DIRECT where allowed, xxh3_128 on the same pass, fsync, rename, directory fsync) from a
+memfd holding just that file, and recorded; then the commit is claimed, `manifest.json` is written durably
+and checked with the reader's own checks, `latest` moves forward (never back, under the run's lock), and
+the step is marked COMMITTED. On any failure the ledger step goes FAILED with the reason and the partial
+step directory (never a committed one) is removed. Memory: one file of the layout at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcs_tasks.checkpoint.format import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    FileLayout,
+    Manifest,
+    ManifestDraft,
+    library_versions,
+    manifest_bytes,
+    plan_layout,
+    specs_of,
+    step_dir_name,
+    tensor_index,
+)
+from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region, write_bytes_durably
+from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.models import validate_run_name, validate_step
+from dcs_tasks.checkpoint.reader import read_latest
+from dcs_tasks.checkpoint.sharded import rank_dirs
+from dcs_tasks.checkpoint.structure import flatten_state
+from dcs_tasks.checkpoint.validate import check_manifest
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CheckpointError, CheckpointFailed
+from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
+
+LATEST_LOCK_NAME = ".latest.lock"  # the lock `workers.commit.move_latest` takes: one lock for every committer
+
+
+def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Path:
+    """Commit `state` as step `step` of `run` under `config.checkpoint_dir`; returns the step directory.
+    CheckpointError when the name or step is invalid, the run is multi-rank, or the step exists or is in
+    flight; StagingError (naming the path) for a value a checkpoint cannot hold; CheckpointFailed otherwise."""
+    validate_run_name(run)
+    validate_step(step)
+    run_root = Path(config.checkpoint_dir) / run
+    if rank_dirs(run_root):
+        raise CheckpointError(f"run {run!r} is a multi-rank run: an import writes a single-rank step")
+    step_dir = run_root / step_dir_name(step)
+    if os.path.lexists(step_dir / MANIFEST_NAME):
+        raise CheckpointError(f"step {step} of run {run!r} is already committed in {step_dir}")
+    flat = flatten_state(state)
+    layout = plan_layout(specs_of(flat.tensors), config.file_shard_bytes)
+    draft = ManifestDraft(
+        run=run,
+        step=step,
+        tensors=tensor_index(layout),
+        structure=flat.structure,
+        metadata=metadata,
+        created_at=time.time(),
+        versions=library_versions(),
+    )
+    token = uuid.uuid4().hex
+    client = sync_client(config, decode_responses=False)
+    try:
+        ledger = StepLedger(client, Keys(config.namespace))
+        verdict = ledger.begin(run, step, token, len(layout.files), draft, config.abandoned_save_seconds())
+        if verdict is Verdict.COMMITTED:
+            raise CheckpointError(f"step {step} of run {run!r} is already committed")
+        if verdict is Verdict.BUSY:
+            raise CheckpointError(f"step {step} of run {run!r} is being saved right now")
+        _Commit(ledger, run, step, token, step_dir).run(layout.files, flat.tensors)
+    finally:
+        client.close()
+    return step_dir
+
+
+class _Commit:
+    """One fenced import attempt: files, then manifest and `latest`; FAILED in the ledger on any error."""
+
+    def __init__(self, ledger: StepLedger, run: str, step: int, token: str, step_dir: Path) -> None:
+        self.ledger, self.run_name, self.step, self.token, self.step_dir = ledger, run, step, token, step_dir
+        self.task_id = f"dcs-import-{token}"
+
+    def run(self, files: tuple[FileLayout, ...], tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            make_dirs_durable(self.step_dir)
+            for f in files:
+                self._file(f, tensors)
+            self._commit()
+        except BaseException as exc:
+            self._fail(f"import failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def _file(self, f: FileLayout, tensors: dict[str, torch.Tensor]) -> None:
+        verdict = self.ledger.claim_file(self.run_name, self.step, self.token, f.name, self.task_id)
+        if verdict is not Verdict.WRITE:
+            raise CheckpointFailed(f"step {self.step} of run {self.run_name!r}: file {f.name} is {verdict.value}")
+        entry = write_file(self.step_dir, f, tensors, self.task_id)
+        self.ledger.finish_file(self.run_name, self.step, self.token, f.name, FileOutcome.OK, file_entry_json(entry))
+
+    def _commit(self) -> None:
+        verdict = self.ledger.claim_commit(self.run_name, self.step, self.token, self.task_id)
+        if verdict is not Verdict.WRITE:
+            raise CheckpointFailed(f"step {self.step} of run {self.run_name!r}: commit is {verdict.value}")
+        state = self.ledger.read(self.run_name, self.step)
+        files = [state.files[name] for name in sorted(state.files)]
+        manifest = Manifest(**state.manifest_draft().model_dump(), files=files)
+        check_manifest(manifest, self.step_dir / MANIFEST_NAME)  # what restore will check, before it is visible
+        for tmp in self.step_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        write_bytes_durably(self.step_dir / MANIFEST_NAME, manifest_bytes(manifest), self.task_id)
+        move_latest(self.step_dir.parent, self.step, self.task_id)
+        self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.COMMITTED)
+
+    def _fail(self, reason: str) -> None:
+        with contextlib.suppress(Exception):  # the original error is what the caller must see
+            status = self.ledger.progress(self.run_name, self.step)[0]
+            if status is StepStatus.PERSISTING:
+                self.ledger.abandon(self.run_name, self.step, self.token, reason[:1000])
+            elif status is StepStatus.COMMITTING:
+                self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.FAILED, reason[:1000])
+        if self.step_dir.is_dir() and not (self.step_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(self.step_dir, ignore_errors=True)
+
+
+def write_file(step_dir: Path, f: FileLayout, tensors: dict[str, torch.Tensor], tag: str) -> FileEntry:
+    """Build file `f` (header, then each slot's bytes in order: `plan_layout` leaves no gaps) in a memfd and
+    stream it to `step_dir/f.name` with the persist writer; returns its entry with the checksum."""
+    fd = os.memfd_create("dcs-import", os.MFD_CLOEXEC)
+    try:
+        _write_all(fd, memoryview(f.header))
+        pos = 0
+        for slot in f.slots:
+            if slot.begin != pos:
+                raise CheckpointFailed(f"layout of {f.name} has a gap before {slot.spec.name!r}")
+            if slot.end > slot.begin:
+                src = tensors[slot.spec.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                _write_all(fd, src.numpy().data)
+            pos = slot.end
+        checksum = stream_region(Path(f"/proc/self/fd/{fd}"), 0, f.size, step_dir / f.name, tag)
+    finally:
+        os.close(fd)
+    return FileEntry(name=f.name, size=f.size, checksum=checksum)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    pos = 0
+    while pos < len(data):
+        pos += os.write(fd, data[pos:])
+
+
+def move_latest(run_dir: Path, step: int, tag: str) -> None:
+    """Point `latest` at `step` unless it names a newer step, under the lock every committer takes."""
+    with open(run_dir / LATEST_LOCK_NAME, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = read_latest(run_dir)
+        if current is not None and current >= step:
+            return
+        write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)
