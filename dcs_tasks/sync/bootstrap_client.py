@@ -7,11 +7,11 @@ only after each of its TP ranks built the group) and the trainer's own group con
 every engine rank connected). For NCCL see `dcs_tasks.backends.process_group` (the first broadcast proves it).
 Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
 `GroupInitError` / `PortAllocationError` naming what failed; when the trainer's own construction failed too,
-the error carries its reason and every engine's, and blames the trainer unless its failure was only a timeout
-(waiting for engines that failed). Failures no retry can fix raise at once, before any join is sent: a backend
-that cannot run in this process (`check_backend`: NCCL without CUDA, a missing device, an unknown backend ->
-`BackendUnavailable`) and a loopback master address with an engine on another address
-(`LoopbackAddressError`).
+the error carries its reason and every engine's, and blames the trainer when it failed by itself (e.g. its
+master port taken: the engines, left without a master, are victims), not by waiting for or losing its
+members. Failures no retry can fix raise at once, before any join is sent: a backend that cannot run in this
+process (`check_backend`: NCCL without CUDA, a missing device, an unknown backend -> `BackendUnavailable`)
+and a loopback master address with an engine on another address (`LoopbackAddressError`).
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ class GroupBootstrapper:
         return group
 
     @staticmethod
-    def _engine_failures(plan: GroupPlan, outcomes: list[Any]) -> list[GroupInitError]:
-        """Every engine whose join failed, in blame order: unreachable engines first, then refusing ones (often
-        victims), then timeouts."""
+    def _engine_failures(plan: GroupPlan, outcomes: list[Any]) -> list[tuple[int, GroupInitError]]:
+        """Every engine whose join failed, in blame order: unreachable engines first (order 0), then refusing
+        ones (often victims), then timeouts."""
         failures: list[tuple[int, GroupInitError]] = []
         for engine, outcome in zip(plan.engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -150,7 +150,7 @@ class GroupBootstrapper:
                         ),
                     )
                 )
-        return [failure for _, failure in sorted(failures, key=lambda f: f[0])]
+        return sorted(failures, key=lambda f: f[0])
 
     async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
         timeout = self.config.group_init_timeout_seconds
@@ -195,27 +195,35 @@ def send_teardown(celery: Celery, request: DestroyRequest, host: str) -> None:
 
 
 def _formation_failure(
-    group_name: str, trainer: BaseException | None, engines: list[GroupInitError]
+    group_name: str, trainer: BaseException | None, failures: list[tuple[int, GroupInitError]]
 ) -> GroupInitError | None:
     """The error of a group that did not form, carrying the trainer's reason and every engine's. The trainer is
-    blamed (`member` None, its reason first) when its own construction failed other than by timing out: then
-    the engines, left without a master, are its victims. Otherwise the first engine in blame order is."""
-    if trainer is None and not engines:
+    blamed (`member` None, its reason first) when its own construction failed for a reason of its own (not by
+    waiting for, or losing the connection to, its members) and no engine was unreachable: then the engines,
+    left without a master, are its victims. Otherwise the first engine in blame order is."""
+    if trainer is None and not failures:
         return None
-    own = trainer is not None and not _timed_out(trainer)
+    engines = [error for _, error in failures]
+    unreachable = any(order == 0 for order, _ in failures)
+    own = trainer is not None and not _caused_by_members(trainer) and not unreachable
     reasons = [str(e) for e in engines]
     if trainer is not None:
-        reasons.insert(0 if own else len(reasons), f"trainer (rank 0): {trainer}")
-    member = None if own or not engines else engines[0].member
-    error = GroupInitError(f"group {group_name} did not form: {'; '.join(reasons)}", member)
-    error.__cause__ = trainer if own or not engines else engines[0]
+        reasons.insert(0 if own or not engines else len(reasons), f"trainer (rank 0): {trainer}")
+    blamed = None if own or not engines else engines[0]
+    error = GroupInitError(f"group {group_name} did not form: {'; '.join(reasons)}", blamed.member if blamed else None)
+    error.__cause__ = blamed or trainer
     return error
 
 
-def _timed_out(error: BaseException) -> bool:
-    """Whether a group construction failed only by waiting out its timeout (for members that never came)."""
+# How torch words a rendezvous that failed because of the other members (they never came, or went away).
+_MEMBER_FAILURES = ("timeout", "timed out", "connection reset", "connection refused", "closed by peer", "broken pipe")
+
+
+def _caused_by_members(error: BaseException) -> bool:
+    """Whether the trainer's group construction failed waiting for its members or losing them (not by itself)."""
     cause = error.__cause__ or error
-    return isinstance(cause, TimeoutError) or (isinstance(cause, dist.DistStoreError) and "imeout" in str(cause))
+    text = str(cause).lower()
+    return isinstance(cause, TimeoutError) or any(words in text for words in _MEMBER_FAILURES)
 
 
 def check_backend(
