@@ -28,9 +28,10 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint import cuda, reader, sharded
+from dcs_tasks.checkpoint import cuda, dtensor, reader, sharded
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
+    ChunkSums,
     Layout,
     ManifestDraft,
     library_versions,
@@ -121,11 +122,18 @@ class Checkpointer:
         no buffer frees up within `timeout` (policy block), CheckpointError when `step` is already committed
         or in flight, `step` is not an integer >= 0 or `sharding` does not fit the state; StagingError naming
         the state path when a value cannot be staged (DTensor and other wrapper subclasses, nested, sparse,
-        quantized or meta tensors, dtypes safetensors lacks), before any tensor memory is read."""
+        quantized or meta tensors, dtypes safetensors lacks), before any tensor memory is read.
+
+        DTensors (Shard/Replicate on a 1-D or 2-D mesh) need no `sharding=`: each rank stages its local
+        shard with its place in the global tensor, and a shard several ranks hold is written by one of them
+        (`dcs_tasks.checkpoint.dtensor`). Other placements raise `UnsupportedPlacement` naming the placement
+        and the path; a DTensor mesh that does not place this process at `rank` raises CheckpointError."""
         started = time.perf_counter()
         step = validate_step(step)
         self._require_worker()
-        flat = flatten_state(state)
+        flat = self._flatten(state)
+        if flat.dtensors and sharding:
+            raise CheckpointError("a state holding DTensors records its own placements; save it without sharding=")
         dims = sharded.check_sharding(sharding or {}, flat.tensors)
         layout = self._layout(flat)
         buf = self._acquire(layout.nbytes, timeout)
@@ -140,7 +148,8 @@ class Checkpointer:
             )
         try:
             self._stage(buf, layout, flat)
-            ref = self._begin(step, layout, flat, metadata or {}, dims)
+            chunks = self._chunk_sums(buf, layout) if flat.dtensors else None
+            ref = self._begin(step, layout, flat, metadata or {}, dims, chunks)
         except BaseException:
             self._pool.release(buf)
             raise
@@ -165,8 +174,22 @@ class Checkpointer:
 
     def reserve(self, state: Any) -> None:
         """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop)."""
-        self._pool.reserve(self._layout(flatten_state(state)).nbytes)
+        self._pool.reserve(self._layout(self._flatten(state)).nbytes)
         self._gauges.memory(self._pool.mapped_bytes())
+
+    def _flatten(self, state: Any) -> FlatState:
+        """The flat state this rank writes: DTensor shards another rank writes are left out of `tensors`
+        (`dtensors` still lists every DTensor of the state)."""
+        flat = flatten_state(state)
+        if not flat.dtensors:
+            return flat
+        dtensor.check_ranks(flat.dtensors, self.rank, self.world_size)
+        mine = dtensor.owned(flat.dtensors, self.rank)
+        return FlatState(
+            tensors={n: t for n, t in flat.tensors.items() if n not in flat.dtensors or n in mine},
+            structure=flat.structure,
+            dtensors=flat.dtensors,
+        )
 
     def _require_worker(self) -> None:
         queue = node_queue(self.config.host_name)
@@ -221,8 +244,20 @@ class Checkpointer:
         else:
             copy_into(buf, layout, flat.tensors, copier=self._copier)
 
+    @staticmethod
+    def _chunk_sums(buf: StagingBuffer, layout: Layout) -> ChunkSums:
+        """Per-chunk checksums of the staged tensors (DTensor states: restores read parts of files)."""
+        assert buf.view is not None  # a buffer handed out by the pool is mapped
+        return dtensor.chunk_sums(buf.view, layout)
+
     def _begin(
-        self, step: int, layout: Layout, flat: FlatState, metadata: dict[str, Any], dims: dict[str, int]
+        self,
+        step: int,
+        layout: Layout,
+        flat: FlatState,
+        metadata: dict[str, Any],
+        dims: dict[str, int],
+        chunks: ChunkSums | None,
     ) -> StepRef:
         draft = ManifestDraft(
             run=self.run,
@@ -235,6 +270,8 @@ class Checkpointer:
             rank=self.rank,
             world_size=self.world_size,
             sharded_dims=dims,
+            dtensors={n: m.entry() for n, m in flat.dtensors.items() if n in flat.tensors} if flat.dtensors else None,
+            chunks=chunks,
         )
         ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
         abandoned_after = self.config.abandoned_save_seconds()
@@ -288,22 +325,31 @@ class Checkpointer:
                 log.warning("skipping unreadable checkpoint: %s", exc)
         return infos
 
-    def restore(self, step: int | None = None, into: Any = None, verify: bool = True) -> RestoredCheckpoint:
+    def restore(
+        self, step: int | None = None, into: Any = None, verify: bool = True, strict: bool = True
+    ) -> RestoredCheckpoint:
         """Load `step` (default: the newest committed step whose files verify, falling back to older ones
-        with a warning). `into`: a state of the same structure whose tensors are filled in place.
+        with a warning). `into`: a state whose tensors are filled in place; DTensors in it receive their
+        local shard, read from whichever saved shards overlap it (any mesh, any world size). `strict` (the
+        default): `into` must hold exactly the checkpoint's tensors. `strict=False`: only the tensors `into`
+        holds are read and filled, the rest of the checkpoint is ignored, and `into` itself is returned as
+        the state. Either way a tensor `into` holds that the checkpoint lacks raises StateMismatch.
         Raises CheckpointNotFound, CorruptCheckpoint (explicit step), StateMismatch (naming the tensor).
 
         When the run was saved by several ranks, or this checkpointer has several, only steps every saving
-        rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.sharded`)."""
+        rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.sharded`).
+        Without `into`, a checkpoint's DTensors come back as whole plain tensors."""
         if self.world_size > 1 or sharded.rank_dirs(self.run_root):
-            return self._restore_sharded(step, into, verify)
+            return self._restore_sharded(step, into, verify, strict)
         dirs = dict(reader.step_dirs(self.run_dir))
         if step is not None:
             if step not in dirs:
                 raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
-            return self._restore_dir(dirs[step], into, verify)
+            return self._restore_dir(dirs[step], into, verify, strict)
         return self._newest_that_verifies(
-            list(dirs), lambda s: self._restore_dir(dirs[s], into, verify), f"committed checkpoint in {self.run_dir}"
+            list(dirs),
+            lambda s: self._restore_dir(dirs[s], into, verify, strict),
+            f"committed checkpoint in {self.run_dir}",
         )
 
     def _newest_that_verifies(
@@ -321,13 +367,13 @@ class Checkpointer:
                 )
         raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
 
-    def _restore_sharded(self, step: int | None, into: Any, verify: bool) -> RestoredCheckpoint:
+    def _restore_sharded(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
         complete, broken = sharded.scan_steps(self.run_root)
 
         def load(s: int) -> RestoredCheckpoint:
             if s in broken:  # a rank's manifest of this step is corrupt: the caller falls back past it
                 raise broken[s]
-            return self._load_sharded(complete[s], into, verify)
+            return self._load_sharded(complete[s], into, verify, strict)
 
         if step is not None:
             if step in broken:
@@ -336,12 +382,16 @@ class Checkpointer:
                 partial = sharded.incomplete_steps(self.run_root).get(step)
                 detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
                 raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
-            return self._load_sharded(complete[step], into, verify)
+            return self._load_sharded(complete[step], into, verify, strict)
         return self._newest_that_verifies(
             sorted(set(complete) | set(broken)), load, f"step every rank committed in {self.run_root}"
         )
 
-    def _load_sharded(self, shards: sharded.StepShards, into: Any, verify: bool) -> RestoredCheckpoint:
+    def _load_sharded(
+        self, shards: sharded.StepShards, into: Any, verify: bool, strict: bool = True
+    ) -> RestoredCheckpoint:
+        if not strict or _has_dtensors(shards, into):
+            return self._load_parts(shards, into, verify, strict)
         started = time.perf_counter()
         plan = sharded.plan_reshard(shards, self.rank, self.world_size)
         loaded = {
@@ -355,9 +405,20 @@ class Checkpointer:
         record_load(time.perf_counter() - started, sum(shards.manifests[src].total_bytes for src in plan.sources))
         return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
 
-    def _restore_dir(self, step_dir: Path, into: Any, verify: bool) -> RestoredCheckpoint:
+    def _load_parts(self, shards: sharded.StepShards, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
+        """DTensor checkpoints or targets, and partial targets: read only the byte ranges needed."""
+        started = time.perf_counter()
+        state, nbytes = dtensor.restore_step(shards, self.rank, self.world_size, into, verify, strict)
+        manifest = shards.manifests[self.rank if self.rank < shards.world_size else 0]
+        record_load(time.perf_counter() - started, nbytes)
+        return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
+
+    def _restore_dir(self, step_dir: Path, into: Any, verify: bool, strict: bool = True) -> RestoredCheckpoint:
         started = time.perf_counter()
         manifest = reader.load_manifest(step_dir)
+        shards = sharded.StepShards(manifest.step, 1, {0: step_dir}, {0: manifest})
+        if not strict or _has_dtensors(shards, into):
+            return self._load_parts(shards, into, verify, strict)
         targets = flatten_state(into).tensors if into is not None else None
         if targets is not None:
             reader.check_targets(manifest, targets)
@@ -400,3 +461,10 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
+    """Whether the step holds DTensor shards or the target holds DTensors (the byte-range restore path)."""
+    if any(m.dtensors for m in shards.manifests.values()):
+        return True
+    return into is not None and bool(flatten_state(into).dtensors)

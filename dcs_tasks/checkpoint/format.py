@@ -28,6 +28,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 CHECKSUM_ALGORITHM = "xxh3_128"
+CHUNK_ALGORITHM = "xxh3_64"
+SUM_CHUNK_BYTES = 256 * 1024  # granularity of the per-tensor chunk checksums that partial reads verify
 DATA_ALIGN = 64
 REGION_ALIGN = 4096
 
@@ -57,6 +59,11 @@ def step_dir_name(step: int) -> str:
 
 def file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def chunk_sum(data: Any) -> str:
+    """The checksum of one `SUM_CHUNK_BYTES` piece of a tensor's bytes (xxh3_64, hex)."""
+    return str(xxhash.xxh3_64_hexdigest(data))
 
 
 def new_hasher() -> Any:
@@ -189,6 +196,29 @@ class TensorEntry(BaseModel):
     offsets: tuple[int, int]
 
 
+class ShardEntry(BaseModel):
+    """Where one rank's shard of a DTensor sits in the global tensor (`dcs_tasks.checkpoint.dtensor`): the
+    tensor's `TensorEntry.shape` is the shard's shape, `offset` its first index along every dimension."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    global_shape: list[int]
+    offset: list[int]
+    placements: list[str]  # as saved, e.g. ["S(0)", "R"]: informative, restore needs only shape and offset
+    mesh_shape: list[int]
+
+
+class ChunkSums(BaseModel):
+    """Checksums of every `chunk_bytes` piece of each listed tensor's bytes (the last piece may be shorter),
+    so a read of part of a tensor verifies the chunks it reads without reading the whole file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunk_bytes: int = Field(gt=0)
+    algorithm: str = CHUNK_ALGORITHM
+    sums: dict[str, list[str]]
+
+
 class ManifestDraft(BaseModel):
     """Everything the trainer knows about a step before its files are written (stored in Redis)."""
 
@@ -207,6 +237,9 @@ class ManifestDraft(BaseModel):
     sharded_dims: dict[str, int] = Field(
         default_factory=dict, description="flat tensor name -> dimension it is split along across ranks"
     )
+    # absent (None) in checkpoints without DTensors and in those written before they existed
+    dtensors: dict[str, ShardEntry] | None = None
+    chunks: ChunkSums | None = None
 
 
 class Manifest(ManifestDraft):
@@ -241,7 +274,7 @@ def library_versions() -> dict[str, str]:
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
-    return json.dumps(manifest.model_dump(mode="json"), indent=1, sort_keys=True).encode()
+    return json.dumps(manifest.model_dump(mode="json", exclude_none=True), indent=1, sort_keys=True).encode()
 
 
 def read_manifest(path: Path) -> Manifest:

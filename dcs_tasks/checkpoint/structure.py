@@ -10,17 +10,23 @@ Tied tensors (the same tensor, or the same view of the same storage, under two k
 shared with the output head) are saved once and come back as one tensor under both keys. The `_metadata`
 attribute `nn.Module.state_dict()` attaches (per-module versions that `load_state_dict` passes to
 `_load_from_state_dict`) is kept when it is plain JSON.
+
+A torch `DTensor` becomes a `dtensor` node: its local shard is the named tensor, and its placement in the
+global tensor goes to `FlatState.dtensors` (`dcs_tasks.checkpoint.dtensor`; unsupported placements are
+refused there). Since a replicated shard is written by one rank only, a rank's structure may name a
+DTensor its own files do not hold; restore fetches it from the rank that does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dcs_tasks.checkpoint import dtensor
 from dcs_tasks.checkpoint.stageable import check_stageable
 from dcs_tasks.errors import CorruptCheckpoint, StagingError
 
@@ -33,11 +39,13 @@ class FlatState:
 
     tensors: dict[str, torch.Tensor]
     structure: Node
+    dtensors: dict[str, dtensor.ShardMeta] = field(default_factory=dict)  # name -> where its local shard sits
 
 
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self.dtensors: dict[str, dtensor.ShardMeta] = {}
         self._seen: dict[tuple[Any, ...], str] = {}  # view identity -> the name it was saved under
 
     def name_for(self, path: tuple[str, ...]) -> str:
@@ -67,15 +75,22 @@ class _Flattener:
         return _scalar(value, path)
 
     def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> Node:
-        check_stageable(tensor, "/".join(path) or "<root>")  # before anything reads its memory
+        where = "/".join(path) or "<root>"
+        meta = None
+        if dtensor.is_dtensor(tensor):
+            tensor, meta = dtensor.local_part(tensor, where)  # refuses unsupported placements
+        kind = "tensor" if meta is None else "dtensor"
+        check_stageable(tensor, where)  # before anything reads its memory
         identity = _view_identity(tensor)
         if identity is not None and identity in self._seen:
-            return {"k": "tensor", "name": self._seen[identity]}  # tied: stored once
+            return {"k": kind, "name": self._seen[identity]}  # tied: stored once
         name = self.name_for(path)
         self.tensors[name] = tensor
+        if meta is not None:
+            self.dtensors[name] = meta
         if identity is not None:
             self._seen[identity] = name
-        return {"k": "tensor", "name": name}
+        return {"k": kind, "name": name}
 
 
 def _view_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
@@ -122,17 +137,19 @@ def flatten_state(state: Any) -> FlatState:
     """Split `state` into named tensors and a JSON structure. Raises StagingError on unsupported values."""
     flattener = _Flattener()
     structure = flattener.node(state, ())
-    return FlatState(tensors=flattener.tensors, structure=structure)
+    return FlatState(tensors=flattener.tensors, structure=structure, dtensors=flattener.dtensors)
 
 
 # --- decoding: the structure comes from a manifest on disk, so it is untrusted input ---------------------
 
 MAX_DEPTH = 200  # nesting levels accepted (a training state has a handful)
+MAX_NAME = 4096  # characters of a tensor name a dtensor node may hold
 _DTYPES: dict[str, torch.dtype] = {
     str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)
 }
 _FIELDS: dict[str, frozenset[str]] = {
     "tensor": frozenset({"k", "name"}),
+    "dtensor": frozenset({"k", "name"}),
     "dict": frozenset({"k", "keys", "values"}),
     "odict": frozenset({"k", "keys", "values"}),
     "list": frozenset({"k", "items"}),
@@ -150,8 +167,9 @@ def unflatten_state(structure: Any, tensors: Mapping[str, Any]) -> Any:
 
 
 def check_structure(structure: Any, names: Collection[str]) -> None:
-    """Decode `structure` without tensors (names only): CorruptCheckpoint if `unflatten_state` would refuse it."""
-    _Decoder(dict.fromkeys(names)).node(structure, 0, "<root>")
+    """Decode `structure` without tensors (names only): CorruptCheckpoint if `unflatten_state` would refuse it.
+    A `dtensor` node may name a tensor this rank's files do not hold (another rank wrote that shard)."""
+    _Decoder(dict.fromkeys(names), lenient_dtensors=True).node(structure, 0, "<root>")
 
 
 def _bad(where: str, reason: str) -> CorruptCheckpoint:
@@ -159,8 +177,9 @@ def _bad(where: str, reason: str) -> CorruptCheckpoint:
 
 
 class _Decoder:
-    def __init__(self, tensors: Mapping[str, Any]) -> None:
+    def __init__(self, tensors: Mapping[str, Any], lenient_dtensors: bool = False) -> None:
         self.tensors = tensors
+        self.lenient_dtensors = lenient_dtensors
 
     def node(self, raw: Any, depth: int, where: str) -> Any:
         if depth > MAX_DEPTH:
@@ -174,8 +193,10 @@ class _Decoder:
         if kind in ("dict", "odict"):
             return self._mapping(raw, kind, depth, where)
         _expect_fields(raw, fields, where)
-        if kind == "tensor":
+        if kind in ("tensor", "dtensor"):
             name = raw["name"]
+            if isinstance(name, str) and kind == "dtensor" and self.lenient_dtensors and len(name) <= MAX_NAME:
+                return self.tensors.get(name)
             if not isinstance(name, str) or name not in self.tensors:
                 raise _bad(where, f"names tensor {name!r}, which the manifest does not hold")
             return self.tensors[name]

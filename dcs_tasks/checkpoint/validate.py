@@ -9,7 +9,9 @@ believed before it is checked, and everything is checked before memory is alloca
   every tensor lies in a listed file, has a safetensors dtype, a shape of at most `MAX_NDIM` non-negative
   dimensions whose byte count equals its byte range, an aligned range inside its file's size and not
   overlapping another tensor; sharded dimensions name tensors and their dimensions; rank < world size; the
-  structure decodes (`structure.check_structure`: only what DCS writes).
+  structure decodes (`structure.check_structure`: only what DCS writes); DTensor shard entries name tensors
+  and lie inside their global shape (`_check_dtensors`); chunk checksums name tensors, have a bounded chunk
+  size and exactly one well-formed checksum per chunk (`_check_chunks`).
 - `check_files`: each listed file is a regular file in the step directory (lstat, opened with O_NOFOLLOW:
   a symlink is refused, never followed) of exactly its recorded size, and its safetensors header (length
   bounded by the file and `MAX_HEADER_BYTES`, valid JSON, every entry's dtype, shape and byte range
@@ -37,6 +39,7 @@ from typing import Any
 
 from dcs_tasks.checkpoint.format import (
     CHECKSUM_ALGORITHM,
+    CHUNK_ALGORITHM,
     CODE_DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -52,6 +55,10 @@ MAX_NDIM = 64
 MAX_REASON = 1000  # characters of a parser's complaint kept in the message
 FILE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,200}\.safetensors$", re.ASCII)
 CHECKSUM = re.compile(r"^[0-9a-f]{32}$", re.ASCII)
+CHUNK_SUM = re.compile(r"^[0-9a-f]{16}$", re.ASCII)
+MIN_SUM_CHUNK = 4096  # chunk sizes accepted from a manifest: a multiple of this (every dtype stays aligned)
+MAX_SUM_CHUNK = 1 << 30
+MAX_PLACEMENT = 32  # characters of one recorded placement
 ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in CODE_DTYPES.items()}
 O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 
@@ -127,6 +134,8 @@ def check_manifest(manifest: Manifest, path: Path) -> None:
         for ranges in by_file.values():
             _check_disjoint(ranges)
         _check_sharded_dims(manifest)
+        _check_dtensors(manifest)
+        _check_chunks(manifest)
         check_structure(manifest.structure, manifest.tensors.keys())
     except CorruptCheckpoint as exc:
         raise CorruptCheckpoint(f"{path}: {exc}", str(path)) from exc
@@ -207,6 +216,44 @@ def _check_sharded_dims(manifest: Manifest) -> None:
             raise CorruptCheckpoint(f"sharded tensor {name[:80]!r} is not a tensor of the manifest")
         if not 0 <= dim < len(entry.shape):
             raise CorruptCheckpoint(f"sharded tensor {name!r} has no dimension {dim} (shape {entry.shape})")
+
+
+def _check_dtensors(manifest: Manifest) -> None:
+    """Every DTensor shard entry names a tensor of this manifest and lies inside its global shape."""
+    for name, shard in (manifest.dtensors or {}).items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpoint(f"DTensor shard {name[:80]!r} is not a tensor of the manifest")
+        ndim = len(entry.shape)
+        if shape_bytes(shard.global_shape, 1) is None or len(shard.global_shape) != ndim:
+            raise CorruptCheckpoint(f"DTensor {name!r}: global shape {_short(shard.global_shape)} is not {ndim}-D")
+        if len(shard.offset) != ndim or any(
+            not 0 <= o or o + n > g for o, n, g in zip(shard.offset, entry.shape, shard.global_shape, strict=True)
+        ):
+            raise CorruptCheckpoint(
+                f"DTensor {name!r}: shard {entry.shape} at {_short(shard.offset)} lies outside {shard.global_shape}"
+            )
+        if shape_bytes(shard.mesh_shape, 1) is None or len(shard.placements) != len(shard.mesh_shape):
+            raise CorruptCheckpoint(f"DTensor {name!r}: placements and mesh shape do not match")
+        if any(not isinstance(p, str) or len(p) > MAX_PLACEMENT for p in shard.placements):
+            raise CorruptCheckpoint(f"DTensor {name!r}: a placement is not a short string")
+
+
+def _check_chunks(manifest: Manifest) -> None:
+    """Chunk checksums: a sane chunk size, known tensors, one well-formed checksum per chunk of each."""
+    chunks = manifest.chunks
+    if chunks is None:
+        return
+    size = chunks.chunk_bytes
+    if chunks.algorithm != CHUNK_ALGORITHM or size % MIN_SUM_CHUNK or not MIN_SUM_CHUNK <= size <= MAX_SUM_CHUNK:
+        raise CorruptCheckpoint(f"chunk checksums: {chunks.algorithm[:32]!r} over {size}-byte chunks is not supported")
+    for name, sums in chunks.sums.items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpoint(f"chunk checksums name {name[:80]!r}, which is not a tensor of the manifest")
+        expected = -(-(entry.offsets[1] - entry.offsets[0]) // size)
+        if len(sums) != expected or not all(isinstance(s, str) and CHUNK_SUM.match(s) for s in sums):
+            raise CorruptCheckpoint(f"tensor {name!r} needs {expected} well-formed chunk checksums")
 
 
 def check_files(step_dir: Path, manifest: Manifest) -> None:

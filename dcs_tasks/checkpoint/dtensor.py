@@ -1,0 +1,562 @@
+"""torch `DTensor` state: save each rank's local shard with its place in the global tensor, restore any part.
+
+Save. A DTensor whose placements are `Shard(d)` or `Replicate()` on a 1-D or 2-D `DeviceMesh` is flattened
+to its local shard (`to_local()`, no gather) plus a `ShardMeta`: global shape, the shard's offset along every
+dimension, the placements and the mesh. Shards are where `torch.chunk` puts them (ceil-sized pieces, trailing
+ones shorter or empty; not `tensor_split`), nested left to right over the mesh dimensions as DTensor does;
+the shard's actual local shape is checked against that, so a layout DCS does not understand is refused rather
+than saved wrongly. Ranks holding the same shard (every rank for `Replicate()`, the ranks along a replicated
+mesh dimension otherwise) write it once: `assign_owners` gives each such group of shards to the member with
+the fewest bytes assigned so far, walking the tensors in state order. It reads only the global metadata
+every rank has, so every rank computes the same owners without talking to the others. Anything else
+(`Partial`, `_StridedShard`, meshes of 3 or more dimensions) raises `UnsupportedPlacement` naming the
+placement and the state path.
+
+Checksums of parts. A state with DTensors also records per-chunk checksums of every tensor it writes
+(`format.ChunkSums`: xxh3_64 of each `SUM_CHUNK_BYTES` piece of the tensor's bytes, hashed from the staging
+buffer, i.e. the bytes the workers persist). The whole-file xxh3_128 checksums stay as before.
+
+Restore (`restore_step`). Each target tensor asks for a box of the global tensor: a DTensor target its own
+local shard (its mesh and world size may differ from the saving ones), a plain target the whole tensor (or,
+for `sharding=` checkpoints, its `tensor_split` part, as before). For every saved piece overlapping the box,
+only the checksum chunks covering the overlap are read (`needed_runs`): for a split along dimension 0, or any
+split whose trailing dimensions are whole, that is one contiguous byte range; otherwise the overlap is a set
+of strided rows, and the chunks any row touches are read (merged into contiguous runs; rows shorter than a
+chunk mean most chunks of the span). Every chunk read is checked against its checksum before its bytes are
+used, so a partial read verifies exactly the bytes it reads; bytes not read are not verified. Checkpoints
+without chunk checksums (written before DTensor support, or without DTensors) are read a whole part at a time
+and verified with the file checksums, as `reader.load_tensors` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dcs_tasks.checkpoint.format import (
+    CODE_DTYPES,
+    SUM_CHUNK_BYTES,
+    ChunkSums,
+    Layout,
+    Manifest,
+    ShardEntry,
+    TensorEntry,
+    chunk_sum,
+)
+from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StagingError, StateMismatch
+
+if TYPE_CHECKING:
+    from dcs_tasks.checkpoint.sharded import StepShards
+
+MAX_MESH_DIMS = 2
+_READ = [0]  # data bytes read by restore_step in this process (bytes_read_total)
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi) along every dimension of the global tensor
+
+
+class UnsupportedPlacement(StagingError):
+    """A DTensor whose placements or mesh DCS cannot save or restore (the message names both)."""
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """Where this rank's local shard of a DTensor sits; `shard_dims[i]` is the tensor dimension mesh
+    dimension i splits (None: replicated along it). `mesh_ranks` are the mesh's global ranks, row-major."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    shard_dims: tuple[int | None, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    itemsize: int
+    source: Any = field(default=None, compare=False, repr=False)  # the DTensor itself
+
+    @property
+    def rank(self) -> int:
+        return self.mesh_ranks[_flat_index(self.coordinate, self.mesh_shape)]
+
+    def entry(self) -> ShardEntry:
+        return ShardEntry(
+            global_shape=list(self.global_shape),
+            offset=list(self.offset),
+            placements=list(self.placements),
+            mesh_shape=list(self.mesh_shape),
+        )
+
+
+_DTENSOR: list[Any] = []
+
+
+def _dtensor_type() -> Any:
+    if not _DTENSOR:
+        found: Any = None
+        try:
+            from torch.distributed.tensor import DTensor
+
+            found = DTensor
+        except ImportError:  # torch built without distributed: no DTensor can exist
+            pass
+        _DTENSOR.append(found)
+    return _DTENSOR[0]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    kind = _dtensor_type()
+    return kind is not None and isinstance(tensor, kind)
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of piece `index` of `torch.chunk(range(size), parts)` (empty past the last piece)."""
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, max(0, min(step, size - start))
+
+
+def box_of(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], dims: Iterable[int | None]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, offset) of the shard at `coordinate`: each sharded mesh dimension, left to right,
+    chunks what the previous ones left of its tensor dimension."""
+    offset, size = [0] * len(global_shape), list(global_shape)
+    for mesh_dim, dim in enumerate(dims):
+        if dim is not None:
+            start, length = chunk_range(size[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            offset[dim] += start
+            size[dim] = length
+    return tuple(size), tuple(offset)
+
+
+def _flat_index(coordinate: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    index = 0
+    for c, s in zip(coordinate, shape, strict=True):
+        index = index * s + c
+    return index
+
+
+def _placement_dims(tensor: Any, where: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = tensor.device_mesh
+    if mesh.ndim > MAX_MESH_DIMS:
+        raise UnsupportedPlacement(
+            f"cannot checkpoint DTensor at {where!r}: its device mesh has {mesh.ndim} dimensions "
+            f"{tuple(mesh.shape)}; 1-D and 2-D meshes are supported"
+        )
+    dims: list[int | None] = []
+    for placement in tensor.placements:
+        if type(placement) is Shard:
+            dims.append(placement.dim % max(tensor.dim(), 1))
+        elif type(placement) is Replicate:
+            dims.append(None)
+        else:
+            raise UnsupportedPlacement(
+                f"cannot checkpoint DTensor at {where!r}: placement {placement!r} is not supported "
+                "(Shard(d) and Replicate() are; redistribute it first)"
+            )
+    return tuple(dims), tuple(str(p) for p in tensor.placements)
+
+
+def local_part(tensor: Any, where: str) -> tuple[torch.Tensor, ShardMeta]:
+    """The DTensor's local shard (no communication) and where it sits. Raises UnsupportedPlacement."""
+    dims, names = _placement_dims(tensor, where)
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedPlacement(f"cannot checkpoint DTensor at {where!r}: this rank is not in its device mesh")
+    mesh_shape = tuple(int(s) for s in mesh.shape)
+    global_shape = tuple(int(s) for s in tensor.shape)
+    local_shape, offset = box_of(global_shape, mesh_shape, tuple(coordinate), dims)
+    local = tensor.to_local()
+    if tuple(local.shape) != local_shape:
+        raise UnsupportedPlacement(
+            f"cannot checkpoint DTensor at {where!r} ({', '.join(names)}): its local shard has shape "
+            f"{tuple(local.shape)}, not {local_shape} where torch.chunk puts it"
+        )
+    meta = ShardMeta(
+        global_shape=global_shape,
+        offset=offset,
+        local_shape=local_shape,
+        placements=names,
+        shard_dims=dims,
+        mesh_shape=mesh_shape,
+        mesh_ranks=tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()),
+        coordinate=tuple(int(c) for c in coordinate),
+        itemsize=local.element_size(),
+        source=tensor,
+    )
+    return local, meta
+
+
+# --- save -------------------------------------------------------------------------------------------------
+
+
+def check_ranks(metas: Mapping[str, ShardMeta], rank: int, world_size: int) -> None:
+    """Every DTensor's mesh must place this process at the checkpointer's `rank` and stay inside its world."""
+    for name, meta in metas.items():
+        if meta.rank != rank or max(meta.mesh_ranks) >= world_size:
+            raise CheckpointError(
+                f"DTensor {name!r} lives on mesh ranks {list(meta.mesh_ranks)} with this process as rank "
+                f"{meta.rank}, but the checkpointer is rank {rank} of {world_size}: make it "
+                "Checkpointer(run, rank=dist.get_rank(), world_size=dist.get_world_size())"
+            )
+
+
+def assign_owners(metas: Mapping[str, ShardMeta]) -> dict[str, int]:
+    """name -> the global rank that writes this rank's shard of it. Shards held by several ranks go to the
+    holder with the fewest bytes assigned so far (ties: lowest rank); the same answer on every rank."""
+    load: dict[int, int] = {}
+    owners: dict[str, int] = {}
+    for name, meta in metas.items():
+        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for coordinate in itertools.product(*(range(s) for s in meta.mesh_shape)):
+            key = tuple(c for c, d in zip(coordinate, meta.shard_dims, strict=True) if d is not None)
+            groups.setdefault(key, []).append(coordinate)
+        mine = tuple(c for c, d in zip(meta.coordinate, meta.shard_dims, strict=True) if d is not None)
+        for key in sorted(groups):
+            members = groups[key]
+            shape, _ = box_of(meta.global_shape, meta.mesh_shape, members[0], meta.shard_dims)
+            ranks = [meta.mesh_ranks[_flat_index(c, meta.mesh_shape)] for c in members]
+            owner = min(ranks, key=lambda r: (load.get(r, 0), r))
+            load[owner] = load.get(owner, 0) + math.prod(shape) * meta.itemsize
+            if key == mine:
+                owners[name] = owner
+    return owners
+
+
+def owned(metas: Mapping[str, ShardMeta], rank: int) -> set[str]:
+    """The DTensor names whose local shard this rank writes."""
+    return {name for name, owner in assign_owners(metas).items() if owner == rank}
+
+
+def chunk_sums(staging: torch.Tensor, layout: Layout, chunk_bytes: int = SUM_CHUNK_BYTES) -> ChunkSums:
+    """Checksums of every `chunk_bytes` piece of every tensor of `layout`, read from the staging bytes."""
+    sums: dict[str, list[str]] = {}
+    for f in layout.files:
+        for slot in f.slots:
+            begin = f.offset + f.data_start + slot.begin
+            data = staging[begin : begin + slot.spec.nbytes].numpy().data
+            pieces = range(0, slot.spec.nbytes, chunk_bytes)
+            sums[slot.spec.name] = [chunk_sum(data[i : i + chunk_bytes]) for i in pieces]
+    return ChunkSums(chunk_bytes=chunk_bytes, sums=sums)
+
+
+# --- restore ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One saved tensor that is part of a global tensor: rank `src`'s `entry`, starting at `offset`."""
+
+    src: int
+    step_dir: Path
+    manifest: Manifest
+    entry: TensorEntry
+    offset: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.entry.shape)
+
+
+@dataclass
+class Catalog:
+    """Every tensor this rank can restore from a step: its global shape, dtype, kind and saved pieces.
+    Kinds: "dtensor" (pieces from any rank), "split" (`sharding=`), "local" (from the local source rank)."""
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    split_dims: dict[str, int] = field(default_factory=dict)
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+
+    def add(self, name: str, kind: str, shape: tuple[int, ...], piece: Piece, step: int) -> None:
+        known = self.shapes.setdefault(name, shape)
+        dtype = self.dtypes.setdefault(name, piece.entry.dtype)
+        if self.kinds.setdefault(name, kind) != kind or known != shape or dtype != piece.entry.dtype:
+            raise CorruptCheckpoint(
+                f"step {step}: rank {piece.src} holds {name!r} as {kind} {piece.entry.dtype} {list(shape)}, "
+                f"another rank as {self.kinds[name]} {dtype} {list(known)}"
+            )
+        self.pieces.setdefault(name, []).append(piece)
+
+
+def catalog(shards: StepShards, local: int) -> Catalog:
+    """What the step holds, checked for consistency across ranks (CorruptCheckpoint names the tensor)."""
+    cat = Catalog()
+    for src, manifest in sorted(shards.manifests.items()):
+        for name, shard in (manifest.dtensors or {}).items():
+            piece = Piece(src, shards.dirs[src], manifest, manifest.tensors[name], tuple(shard.offset))
+            cat.add(name, "dtensor", tuple(shard.global_shape), piece, shards.step)
+    reference = shards.manifests[local]
+    for name, dim in reference.sharded_dims.items():
+        _add_split(cat, shards, name, dim)
+    for name, entry in reference.tensors.items():
+        if name not in cat.kinds:
+            piece = Piece(local, shards.dirs[local], reference, entry, (0,) * len(entry.shape))
+            cat.add(name, "local", tuple(entry.shape), piece, shards.step)
+    for name, pieces in cat.pieces.items():
+        if sum(math.prod(p.shape) for p in pieces) != math.prod(cat.shapes[name]):
+            raise CorruptCheckpoint(f"step {shards.step}: the saved pieces of {name!r} do not cover its global shape")
+    return cat
+
+
+def _add_split(cat: Catalog, shards: StepShards, name: str, dim: int) -> None:
+    """A `sharding=` tensor: the ranks' parts concatenated along `dim`, in rank order."""
+    position = 0
+    pieces = []
+    for src in range(shards.world_size):
+        manifest = shards.manifests[src]
+        entry = manifest.tensors.get(name)
+        if entry is None or manifest.sharded_dims.get(name) != dim:
+            raise CorruptCheckpoint(f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim}")
+        offset = [0] * len(entry.shape)
+        offset[dim] = position
+        position += entry.shape[dim]
+        pieces.append(Piece(src, shards.dirs[src], manifest, entry, tuple(offset)))
+    shape = list(pieces[0].shape)
+    shape[dim] = position
+    cat.split_dims[name] = dim
+    for piece in pieces:
+        cat.add(name, "split", tuple(shape), piece, shards.step)
+
+
+def default_box(cat: Catalog, name: str, rank: int, world_size: int) -> Box:
+    """What a plain (non-DTensor) target of `name` receives: the whole tensor, or for a `sharding=` tensor
+    this rank's `tensor_split` part (as `sharded.plan_reshard`)."""
+    shape = cat.shapes[name]
+    lo, hi = [0] * len(shape), list(shape)
+    if name in cat.split_dims:
+        dim = cat.split_dims[name]
+        base, extra = divmod(shape[dim], world_size)
+        lo[dim] = rank * base + min(rank, extra)
+        hi[dim] = lo[dim] + base + (1 if rank < extra else 0)
+    return tuple(lo), tuple(hi)
+
+
+class RangeReader:
+    """Reads boxes of saved pieces: only the checksum chunks that overlap, each verified (see module doc);
+    pieces without chunk checksums come from a whole, file-verified read of their rank's part."""
+
+    def __init__(self, verify: bool) -> None:
+        self.verify = verify
+        self.bytes_read = 0
+        self._checked: set[Path] = set()
+        self._whole: dict[Path, dict[str, torch.Tensor]] = {}
+
+    def _add(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        _READ[0] += nbytes
+
+    def read(self, piece: Piece, name: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
+        """The piece's elements [lo, hi) (relative to the piece), as a tensor view."""
+        from dcs_tasks.checkpoint import reader, validate
+
+        manifest = piece.manifest
+        sums = manifest.chunks.sums.get(name) if manifest.chunks is not None else None
+        if sums is None:
+            if piece.step_dir not in self._whole:
+                self._whole[piece.step_dir] = reader.load_tensors(piece.step_dir, manifest, verify=self.verify)
+                self._add(manifest.total_bytes)
+            whole = self._whole[piece.step_dir][name]
+            return whole[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
+        if piece.step_dir not in self._checked:
+            validate.check_files(piece.step_dir, manifest)  # sizes and headers agree: no data bytes read
+            self._checked.add(piece.step_dir)
+        assert manifest.chunks is not None
+        return self._read_chunks(piece, name, lo, hi, sums, manifest.chunks.chunk_bytes)
+
+    def _read_chunks(
+        self, piece: Piece, name: str, lo: tuple[int, ...], hi: tuple[int, ...], sums: list[str], chunk: int
+    ) -> torch.Tensor:
+        from dcs_tasks.checkpoint.validate import open_regular
+
+        entry = piece.entry
+        dtype = CODE_DTYPES[entry.dtype]
+        shape = piece.shape
+        begin, end = entry.offsets
+        runs = needed_runs(shape, dtype.itemsize, lo, hi, chunk)
+        if not runs:
+            return torch.empty([b - a for a, b in zip(lo, hi, strict=True)], dtype=dtype)
+        span_lo, span_hi = runs[0][0] * chunk, min(runs[-1][1] * chunk, end - begin)
+        buf = torch.empty(span_hi - span_lo, dtype=torch.uint8)
+        path = piece.step_dir / entry.file
+        fd = open_regular(path)
+        try:
+            for c0, c1 in runs:
+                b0, b1 = c0 * chunk, min(c1 * chunk, end - begin)
+                view = buf[b0 - span_lo : b1 - span_lo].numpy().data
+                _pread_exact(fd, view, begin + b0, path)
+                self._add(b1 - b0)
+                if self.verify:
+                    _check_chunks(view, c0, chunk, sums, path, name)
+        finally:
+            os.close(fd)
+        strides = _strides(shape)
+        first = sum(a * s for a, s in zip(lo, strides, strict=True)) - span_lo // dtype.itemsize
+        size = [b - a for a, b in zip(lo, hi, strict=True)]
+        return buf.view(dtype).as_strided(size, strides, first)
+
+
+def _check_chunks(view: memoryview, first: int, chunk: int, sums: list[str], path: Path, name: str) -> None:
+    for i in range(0, len(view), chunk):
+        index = first + i // chunk
+        if chunk_sum(view[i : i + chunk]) != sums[index]:
+            raise CorruptCheckpoint(
+                f"checkpoint file {path}: chunk {index} of tensor {name!r} fails its checksum", str(path)
+            )
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise CorruptCheckpoint(f"checkpoint file {path} cannot be read: {exc.strerror}", str(path)) from exc
+        if n <= 0:
+            raise CorruptCheckpoint(f"checkpoint file {path} ended early at byte {offset + done}", str(path))
+        done += n
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return strides[::-1]
+
+
+def needed_runs(
+    shape: tuple[int, ...], itemsize: int, lo: tuple[int, ...], hi: tuple[int, ...], chunk: int
+) -> list[tuple[int, int]]:
+    """[first, end) chunk index runs covering the bytes of elements [lo, hi) of a row-major tensor: the
+    box is split into contiguous pieces (one per index of the dimensions before the last partial one),
+    and every chunk a piece touches is marked."""
+    if any(b <= a for a, b in zip(lo, hi, strict=True)):
+        return []
+    nbytes = math.prod(shape) * itemsize
+    count = -(-nbytes // chunk)
+    if not shape:
+        return [(0, count)]
+    k = len(shape) - 1
+    while k > 0 and lo[k] == 0 and hi[k] == shape[k]:
+        k -= 1
+    strides = _strides(shape)
+    starts = torch.tensor([lo[k] * strides[k]], dtype=torch.int64)
+    for d in range(k - 1, -1, -1):
+        starts = (torch.arange(lo[d], hi[d], dtype=torch.int64) * strides[d]).view(-1, 1) + starts.view(1, -1)
+    starts = starts.reshape(-1) * itemsize
+    length = (hi[k] - lo[k]) * strides[k] * itemsize
+    marks = torch.zeros(count + 1, dtype=torch.int64)
+    ones = torch.ones_like(starts)
+    marks.index_add_(0, starts // chunk, ones)
+    marks.index_add_(0, (starts + length - 1) // chunk + 1, -ones)
+    covered = torch.cat([torch.zeros(1, dtype=torch.int64), (marks.cumsum(0)[:count] > 0).to(torch.int64)])
+    edges = covered.diff(append=torch.zeros(1, dtype=torch.int64))
+    firsts = (edges == 1).nonzero().reshape(-1).tolist()
+    ends = (edges == -1).nonzero().reshape(-1).tolist()
+    return list(zip(firsts, ends, strict=True))
+
+
+def fill_box(cat: Catalog, name: str, box: Box, dest: torch.Tensor, source: RangeReader) -> None:
+    """Copy the global elements [lo, hi) of `name` into `dest` (shaped hi - lo) from every overlapping piece."""
+    lo, hi = box
+    for piece in cat.pieces[name]:
+        p_hi = tuple(o + s for o, s in zip(piece.offset, piece.shape, strict=True))
+        a = tuple(max(x, y) for x, y in zip(lo, piece.offset, strict=True))
+        b = tuple(min(x, y) for x, y in zip(hi, p_hi, strict=True))
+        if any(y <= x for x, y in zip(a, b, strict=True)):
+            continue
+        part = source.read(
+            piece,
+            name,
+            tuple(x - o for x, o in zip(a, piece.offset, strict=True)),
+            tuple(y - o for y, o in zip(b, piece.offset, strict=True)),
+        )
+        with torch.no_grad():
+            dest[tuple(slice(x - c, y - c) for x, y, c in zip(a, b, lo, strict=True))].copy_(part)
+
+
+def _size(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(*box, strict=True))
+
+
+def plan_targets(
+    cat: Catalog, flat: Any, rank: int, world_size: int, strict: bool
+) -> dict[str, tuple[Box, torch.Tensor]]:
+    """name -> (the global box it receives, the tensor to write), every name, shape and dtype checked
+    before anything is read (StateMismatch names the first difference). `flat` is the flattened target:
+    DTensor targets are their local shards. Not `strict`: checkpoint tensors the target lacks are ignored;
+    a target tensor the checkpoint lacks is always an error."""
+    missing = [name for name in flat.tensors if name not in cat.pieces]
+    if missing:
+        raise StateMismatch(f"checkpoint has no tensor {missing[0]!r} that the target state holds")
+    extra = [name for name in cat.pieces if name not in flat.tensors]
+    if strict and extra:
+        raise StateMismatch(
+            f"checkpoint tensor {extra[0]!r} has no counterpart in the target state "
+            "(restore(..., strict=False) fills only the tensors the target holds)"
+        )
+    plan: dict[str, tuple[Box, torch.Tensor]] = {}
+    for name, dest in flat.tensors.items():
+        meta: ShardMeta | None = flat.dtensors.get(name)
+        dtype = CODE_DTYPES[cat.dtypes[name]]
+        if meta is not None:
+            if meta.global_shape != cat.shapes[name]:
+                raise StateMismatch(
+                    f"tensor {name!r}: checkpoint holds {dtype} {list(cat.shapes[name])} globally, the target "
+                    f"DTensor is {dest.dtype} {list(meta.global_shape)}"
+                )
+            box: Box = (meta.offset, tuple(o + s for o, s in zip(meta.offset, meta.local_shape, strict=True)))
+        else:
+            box = default_box(cat, name, rank, world_size)
+        if tuple(dest.shape) != _size(box) or dest.dtype != dtype:
+            raise StateMismatch(
+                f"tensor {name!r}: checkpoint has {dtype} {_size(box)} for this rank, "
+                f"target has {dest.dtype} {tuple(dest.shape)}"
+            )
+        plan[name] = (box, dest)
+    return plan
+
+
+def restore_step(
+    shards: StepShards, rank: int, world_size: int, into: Any, verify: bool, strict: bool
+) -> tuple[Any, int]:
+    """(the restored state, data bytes read) for rank `rank` of `world_size`. Without `into`, DTensors come
+    back as whole plain tensors, `sharding=` tensors as this rank's part, the rest from the local source rank.
+    With `into`, its tensors are filled in place (DTensors: their local shard); the state returned is the
+    checkpoint's structure over them, or `into` itself when not `strict`."""
+    from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+
+    local = rank if rank < shards.world_size else 0
+    cat = catalog(shards, local)
+    source = RangeReader(verify)
+    structure = shards.manifests[local].structure
+    if into is None:
+        out: dict[str, torch.Tensor] = {}
+        for name in cat.pieces:
+            box = default_box(cat, name, rank, world_size)
+            out[name] = torch.empty(_size(box), dtype=CODE_DTYPES[cat.dtypes[name]])
+            fill_box(cat, name, box, out[name], source)
+        return unflatten_state(structure, out), source.bytes_read
+    flat = flatten_state(into)
+    for name, (box, dest) in plan_targets(cat, flat, rank, world_size, strict).items():
+        fill_box(cat, name, box, dest, source)
+    if not strict:
+        return into, source.bytes_read
+    originals = {name: flat.dtensors[name].source if name in flat.dtensors else t for name, t in flat.tensors.items()}
+    return unflatten_state(structure, originals), source.bytes_read
+
+
+def bytes_read_total() -> int:
+    """Checkpoint data bytes this process read through `restore_step` so far (for tests and benchmarks)."""
+    return _READ[0]
