@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dcs_tasks.config import DCSConfig, mask_url_credentials
+from dcs_tasks.errors import DCSTimeoutError
 from dcs_tasks.local.procs import LocalStackError, StackInterrupted, interrupts_as_keyboard
 from dcs_tasks.local.stack import LocalStack, write_private
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         except (KeyboardInterrupt, StackInterrupted):
             print("dcs up: stopped", flush=True)
             return 0
-        except LocalStackError as exc:
+        except (LocalStackError, DCSTimeoutError) as exc:  # a process exited or never became ready
             print(f"dcs up: {exc}", file=sys.stderr)
             return 1
         finally:

@@ -1,0 +1,85 @@
+"""`dcs up`: the stack starts, answers, keeps the token off the terminal, and Ctrl-C leaves nothing running."""
+
+from __future__ import annotations
+
+import re
+import signal
+import stat
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers.procs import REPO
+from tests.integration.local_support import clean_env, kill_wrapper, leftovers, start_reaped
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def read_until(proc, marker: str, timeout: float) -> str:  # type: ignore[no-untyped-def]
+    assert proc.stdout is not None
+    seen, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line or time.monotonic() > deadline:
+            break
+    text = "".join(seen)
+    assert marker in text, text
+    return text
+
+
+def env_file_values(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def test_dcs_up_serves_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    workdir, report = tmp_path / "run", tmp_path / "left.json"
+    proc = start_reaped(["up", "--workdir", str(workdir), "--receivers", "1"], report, clean_env(), REPO)
+    try:
+        banner = read_until(proc, "Ctrl-C stops everything.", timeout=150)
+        coordinator = re.search(r"coordinator\s+(http://127\.0\.0\.1:\d+)", banner)
+        flower = re.search(r"flower\s+(http://127\.0\.0\.1:\d+)", banner)
+        assert coordinator and flower, banner
+        url = coordinator.group(1)
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+        env_file = workdir / "dcs.env"
+        assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+        values = env_file_values(env_file)
+        token = values["DCS_AUTH_TOKEN"]
+        assert values["DCS_COORDINATOR_URL"] == url
+        assert values["DCS_REDIS_URL"].startswith("redis://:")  # the private Redis has a password
+        assert len(token) >= 32 and token not in banner
+        assert values["DCS_REDIS_URL"] not in banner and "DCS_AUTH_TOKEN=***" in banner
+
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{url}/topology", timeout=10).status_code == 401
+        topology = httpx.get(f"{url}/topology", params={"role_filter": "rollout"}, headers=auth, timeout=10)
+        assert "0" in topology.json()["nodes"]["rollout"]  # the receiver registered
+        assert httpx.get(flower.group(1), timeout=10).status_code == 401
+        assert httpx.get(flower.group(1), auth=("dcs", token), timeout=10).status_code == 200
+
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        kill_wrapper(proc)
+    assert proc.returncode == 0, rest
+    assert "dcs up: stopped" in rest
+    assert leftovers(report) == []
+    assert not (workdir / "dcs.env").exists()  # the token dies with the stack
+
+
+def test_dcs_up_reports_a_process_that_cannot_start(tmp_path: Path) -> None:
+    """A stack that cannot come up stops what it started and says why (here: no Redis at DCS_REDIS_URL)."""
+    report = tmp_path / "left.json"
+    env = clean_env(DCS_REDIS_URL="redis://127.0.0.1:1/0", DCS_REDIS_SOCKET_TIMEOUT_SECONDS="0.5")
+    args = ["up", "--workdir", str(tmp_path / "run"), "--no-flower", "--timeout", "20"]
+    proc = start_reaped(args, report, env, REPO)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        kill_wrapper(proc)
+    assert proc.returncode == 1, out
+    assert "not within 20s" in out or "exited with status" in out
+    assert leftovers(report) == []
