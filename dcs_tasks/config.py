@@ -14,9 +14,18 @@ import re
 import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -61,6 +70,11 @@ class StagingPolicy(str, enum.Enum):
     SKIP = "skip"
 
 
+def _nullable(schema: dict[str, Any]) -> WithJsonSchema:
+    """JSON schema of a field that takes `null` for its default (the Python type stays non-optional)."""
+    return WithJsonSchema({"anyOf": [schema, {"type": "null"}]})
+
+
 class RoleInfo(BaseModel):
     """One node of the cluster: a process with a role and a rank inside that role."""
 
@@ -69,10 +83,13 @@ class RoleInfo(BaseModel):
     role_name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     rank: int | None = Field(default=None, ge=0)
     world_size: int | None = Field(default=None, ge=0)
-    ip: str = "127.0.0.1"
-    port: int = Field(default=0, ge=0, le=65535)
+    # null is accepted for these (the original design types them optional) and stands for the default
+    ip: Annotated[str, _nullable({"type": "string"})] = "127.0.0.1"
+    port: Annotated[int, _nullable({"type": "integer", "minimum": 0, "maximum": 65535})] = Field(
+        default=0, ge=0, le=65535
+    )
     device_id: int | None = Field(default=None, ge=0)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Annotated[dict[str, Any], _nullable({"type": "object"})] = Field(default_factory=dict)
 
     @field_validator("ip", "port", "metadata", mode="before")
     @classmethod
