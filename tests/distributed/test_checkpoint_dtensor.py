@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointNotFound
+from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
 from tests.checkpoint_support import ckpt_config, start_worker
 from tests.helpers.ports import free_port
 from tests.helpers.procs import REPO, child_env
@@ -319,6 +320,28 @@ def test_a_rank_killed_mid_save_leaves_the_step_out(config: DCSConfig, tmp_path:
     for name in SHAPES:
         got = restored.state["model"][name]
         assert type(got) is torch.Tensor and _bits(got, full_tensor(name, 10)), name
+
+
+def test_a_flipped_byte_fails_only_reads_of_its_chunk(config: DCSConfig, tmp_path: Path) -> None:
+    run_group(config, tmp_path, "save", 2, action="save", run="flip", mesh=[2], layout="fsdp", steps=[10, 20])
+    step_dir = Path(config.checkpoint_dir) / "flip" / "rank-00001" / "step-000000020"
+    entry = json.loads((step_dir / "manifest.json").read_text())["tensors"]["model/w"]
+    with (step_dir / entry["file"]).open("r+b") as f:  # a byte in chunk 1 of rank 1's shard of w
+        f.seek(entry["offsets"][0] + SUM_CHUNK_BYTES + 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with Checkpointer("flip", config) as ckpt:
+        with pytest.raises(CorruptCheckpoint, match=r"chunk 1 of tensor 'model/w' fails its checksum"):
+            ckpt.restore(step=20)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert ckpt.restore().step == 10  # the newest step that verifies
+        assert any("step 20 is corrupt" in str(w.message) for w in seen)
+        # tensors whose chunks do not hold the flipped byte still restore from step 20 (only read bytes are verified)
+        part = {"model": {"norm": torch.zeros(512), "ids": torch.zeros(10, dtype=torch.int64)}}
+        assert ckpt.restore(step=20, into=part, strict=False).state is part
+    assert _bits(part["model"]["norm"], full_tensor("norm", 20)) and _bits(part["model"]["ids"], full_tensor("ids", 20))
 
 
 def test_unsupported_placements_are_refused_by_name(config: DCSConfig, tmp_path: Path) -> None:
