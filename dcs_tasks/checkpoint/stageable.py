@@ -4,8 +4,9 @@ Staging copies a tensor's bytes (memmove from `data_ptr()`, or `copy_` into a dt
 strided, storage-backed tensor of a safetensors dtype can be staged. Everything else is refused with a
 `StagingError` naming the state path and the type, before anything reads the tensor's memory:
 - tensor subclasses that override `__torch_dispatch__` (wrapper subclasses with no storage of their own:
-  `DTensor` from FSDP2 / tensor-parallel `state_dict()`, fake and functorch tensors, float8/NF4 wrappers).
-  A DTensor's `data_ptr()` is 0, so a raw copy of it kills the process with SIGSEGV;
+  fake and functorch tensors, float8/NF4 wrappers). A `DTensor` never reaches this check as itself:
+  `structure` hands over its local shard (`dcs_tasks.checkpoint.dtensor`), since the DTensor's own
+  `data_ptr()` is 0 and a raw copy of it would kill the process with SIGSEGV;
 - nested tensors (no strides), sparse (COO/CSR/CSC/BSR/BSC) and mkldnn layouts, quantized tensors,
   meta-device tensors, uninitialized (lazy) parameters and buffers;
 - dtypes safetensors cannot store (complex, qint, ...).
@@ -24,7 +25,7 @@ from dcs_tasks.errors import StagingError
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _UNINITIALIZED: Any = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())  # lazy modules' params
-DTENSOR_HINT = " (gather it with .full_tensor(), or save .to_local() with sharding=)"
+DTENSOR_HINT = " (DCS saves a DTensor's local shard: pass the DTensor itself)"
 
 
 def _problem(tensor: torch.Tensor) -> str | None:
