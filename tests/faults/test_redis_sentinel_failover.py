@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -88,18 +87,29 @@ async def _topology(api: CoordinatorAPI, timeout: float) -> TopologyResponse:
             await asyncio.sleep(0.2)
 
 
-def _commits_written(config: DCSConfig, worker: WorkerProcess) -> list[int]:
-    """The step of every commit task that wrote ('write': this call committed the step), from Celery's result
-    backend (results are extended: they keep the task's arguments); cross-checked with the worker's log."""
+def _commits_written(config: DCSConfig) -> list[int]:
+    """The step of every commit task whose recorded result is 'write' (this call committed the step), from
+    Celery's result backend (results are extended: they keep the task's arguments). A result stored on the old
+    master just before the kill can be lost with it (the step is then committed on disk while its 'write'
+    result is gone, and a redelivered commit finds it done), so callers compare these with the committed steps
+    as a subset, and check that no step was committed twice."""
     client = sync_client(config)
     steps = []
     for key in client.scan_iter("celery-task-meta-*"):
         meta = json.loads(client.get(key) or "{}")
         if meta.get("name") == "dcs.ckpt.commit" and meta.get("result") == "write":
             steps.append(int(meta["args"][0]["ref"]["step"]))
-    logged = re.findall(r"dcs\.ckpt\.commit\[[^]]*\] succeeded in [^:]*: 'write'", worker.log_tail(1_000_000))
-    assert len(logged) == len(steps), (logged, steps)
     return sorted(steps)
+
+
+def _diagnostics(config: DCSConfig, worker: WorkerProcess) -> str:
+    """What a failed wait after the failover needs to be understood: the ledger, the queues and the worker's log."""
+    client = sync_client(config)
+    book = StepLedger(client, Keys(config.namespace))
+    ledger = {step: getattr(book.read("ha", step), "status", None) for step in (1, 2, 3)}
+    queues = {key: client.llen(key) for key in client.scan_iter("dcs.*") if client.type(key) == "list"}
+    unacked = client.hlen("unacked") if client.exists("unacked") else 0
+    return f"ledger {ledger}; queue lengths {queues}; unacked {unacked}\n{worker.log_tail(20_000)}"
 
 
 def _kill_when(cluster: SentinelCluster, worker: WorkerProcess, moment: str) -> int:
@@ -176,7 +186,10 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         assert (await asyncio.wait_for(poll, 5)).entries == [WeightMeta.end()]
 
         # a new save after the failover commits, through the same worker process
-        third = await asyncio.to_thread(lambda: ckpt.save(state, step=3).wait(45))
+        try:
+            third = await asyncio.to_thread(lambda: ckpt.save(state, step=3).wait(45))
+        except DCSTimeoutError as exc:
+            raise AssertionError(f"{exc}\n{await asyncio.to_thread(_diagnostics, ha_config, worker)}") from exc
         assert third.step == 3
         for loop in loops:
             await loop.stop()
@@ -188,7 +201,9 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         assert (2 in committed) == (outcome == "committed"), (outcome, committed)
     for step in committed:  # each committed step has its manifest, written by exactly one commit task
         assert (Path(ha_config.checkpoint_dir) / "ha" / step_dir_name(step) / "manifest.json").is_file()
-    assert _commits_written(ha_config, worker) == committed, worker.log_tail()
+    written = _commits_written(ha_config)
+    assert len(written) == len(set(written)), (written, worker.log_tail())  # no step committed twice
+    assert set(written) <= set(committed), (written, committed)
     # nothing was restarted from outside: the coordinator and the worker are the processes started above.
     # Known limit (docs/operations.md): when a task is unacked at the kill, kombu 5.7's consumer crashes while
     # restoring it on the dead connection and `dcs worker` re-executes itself in place (same pid, workers/cli.py)
