@@ -318,23 +318,39 @@ def _load_bytes_item(directory: Path, info: Any, fqn: str) -> Any:
 
 
 def _nest(flat: dict[str, Any], planner_data: Any, directory: Path) -> dict[str, Any]:
-    """DCP's flat keys back into the nested state (`planner_data`: key -> path tuple); flat when absent."""
+    """DCP's flat keys back into the nested state (`planner_data`: key -> path tuple, an int part being a list
+    index, as DCP's own `set_element` reads it); flat when absent."""
     if not isinstance(planner_data, dict) or not all(k in planner_data for k in flat):
         return flat
-    root: dict[str, Any] = {}
+    where = directory / DCP_METADATA
+    root: dict[Any, Any] = {}
     for key, value in flat.items():
         path = planner_data[key]
         if not isinstance(path, tuple) or not 0 < len(path) <= MAX_PATH_DEPTH:
-            raise ForeignCheckpointError(f"{directory / DCP_METADATA}: malformed path for {key[:80]!r}")
+            raise ForeignCheckpointError(f"{where}: malformed path for {key[:80]!r}")
+        if not all(isinstance(part, str) or _int(part) for part in path):
+            raise ForeignCheckpointError(f"{where}: the path of {key[:80]!r} holds something but keys and indices")
         node = root
         for part in path[:-1]:
-            node = node.setdefault(str(part), {})
+            node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ForeignCheckpointError(f"{directory / DCP_METADATA}: {key[:80]!r} nests inside a value")
-        if str(path[-1]) in node:
-            raise ForeignCheckpointError(f"{directory / DCP_METADATA}: two values at the path of {key[:80]!r}")
-        node[str(path[-1])] = value
-    return root
+                raise ForeignCheckpointError(f"{where}: {key[:80]!r} nests inside a value")
+        if path[-1] in node:
+            raise ForeignCheckpointError(f"{where}: two values at the path of {key[:80]!r}")
+        node[path[-1]] = value
+    rebuilt = _lists(root, 0)
+    assert isinstance(rebuilt, dict)
+    return rebuilt
+
+
+def _lists(node: Any, depth: int) -> Any:
+    """Containers keyed 0..n-1 by list indices become lists again; others stay dicts."""
+    if not isinstance(node, dict) or depth > MAX_PATH_DEPTH:
+        return node
+    items = {k: _lists(v, depth + 1) for k, v in node.items()}
+    if depth > 0 and items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return {str(k): v for k, v in items.items()}
 
 
 # --- shared -------------------------------------------------------------------------------------------------

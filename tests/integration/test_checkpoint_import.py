@@ -1,0 +1,271 @@
+"""`dcs ckpt import`: torch DCP and Hugging Face checkpoints become committed steps, bit-exact, without a worker.
+
+The checkpoints are written by the peers' own code (`torch.distributed.checkpoint.save`, single process and a
+2-rank gloo group; `transformers`' `save_pretrained`), imported with the CLI against a real redis-server, and
+read back with `Checkpointer.restore()` and `dcs ckpt verify`. Hostile inputs (a pickle that would run a
+command, file names that leave the directory, a lying header) are refused by name before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
+from tests.checkpoint_support import assert_same_state, ckpt_config
+from tests.helpers.ports import free_port
+from tests.helpers.procs import REPO, child_env
+
+pytestmark = pytest.mark.integration
+
+
+def dcs_ckpt(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=child_env(config),
+        check=False,
+    )
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    return done
+
+
+def trainer_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "extra": {"bf16": torch.randn(5, 3).to(torch.bfloat16), "mask": torch.rand(9) > 0.5, "ids": torch.arange(6)},
+        "step": 7,
+        "name": "run-a",
+        "lr": 1e-3,
+    }
+
+
+def dcp_flat(state: Any) -> Any:
+    """A state as DCP gives it back: dict keys are strings (DCP's flattening turns int keys into str)."""
+    if isinstance(state, dict):
+        return {str(k): dcp_flat(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [dcp_flat(v) for v in state]
+    return state
+
+
+def test_import_dcp_single_process_restores_bit_exact(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=1 << 20)
+    state = trainer_state()
+    source = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=str(source), no_dist=True)
+
+    done = dcs_ckpt(config, "import", "--run", "fromdcp", "--step", "5", "--from", str(source), "--format", "dcp")
+    assert done.returncode == 0, done.stderr
+    assert dcs_ckpt(config, "verify", "--run", "fromdcp").stdout.strip() == "step 5: ok"
+    run_dir = Path(config.checkpoint_dir) / "fromdcp"
+    assert (run_dir / "latest").read_text().strip() == "step-000000005"
+    client = sync_client(config)
+    try:
+        assert StepLedger(client, Keys(config.namespace)).read("fromdcp", 5).status is StepStatus.COMMITTED
+    finally:
+        client.close()
+    with Checkpointer("fromdcp", config) as ckpt:
+        restored = ckpt.restore()
+    assert restored.step == 5
+    assert restored.metadata["imported_from"]["format"] == "dcp"
+    assert_same_state(dcp_flat(state), restored.state)
+
+    # the step is committed: a second import of it is refused, the first stays as it was
+    again = dcs_ckpt(config, "import", "--run", "fromdcp", "--step", "5", "--from", str(source), "--format", "dcp")
+    assert again.returncode == 1 and "step 5 of run 'fromdcp' is already committed" in again.stderr
+
+
+RANK_SCRIPT = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=__import__("datetime").timedelta(seconds=60))
+torch.manual_seed(100 + rank)
+state = {"model": {"shared.weight": torch.arange(12.0).reshape(3, 4),        # replicated: saved once
+                   f"rank{rank}.weight": torch.randn(5, rank + 2)},          # each rank's own key
+         "step": 11}
+dcp.save(state, checkpoint_id=sys.argv[3])
+torch.save(state, sys.argv[3] + f".expected{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_import_dcp_saved_by_two_gloo_ranks(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    source = tmp_path / "dcp2"
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), port, str(source)], env=env) for r in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert sorted(p.name for p in source.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    done = dcs_ckpt(config, "import", "--run", "two", "--step", "1", "--from", str(source), "--format", "dcp")
+    assert done.returncode == 0, done.stderr
+    with Checkpointer("two", config) as ckpt:
+        restored = ckpt.restore()
+    ranks = [torch.load(f"{source}.expected{r}.pt", weights_only=True) for r in range(2)]
+    expected = {
+        "model": {
+            "shared.weight": ranks[0]["model"]["shared.weight"],
+            "rank0.weight": ranks[0]["model"]["rank0.weight"],
+            "rank1.weight": ranks[1]["model"]["rank1.weight"],
+        },
+        "step": 11,
+    }
+    assert restored.state["step"] == 11
+    assert sorted(restored.state["model"]) == sorted(expected["model"])
+    for key, tensor in expected["model"].items():
+        assert torch.equal(restored.state["model"][key], tensor), key
+
+
+def test_import_hf_from_save_pretrained_and_back(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = ckpt_config(dcs_config, tmp_path)
+    llama = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(llama)
+    source = tmp_path / "hf"
+    model.save_pretrained(source, max_shard_size="100KB")  # shards + index, as large models come
+    assert (source / "model.safetensors.index.json").exists()
+
+    done = dcs_ckpt(config, "import", "--run", "fromhf", "--step", "0", "--from", str(source), "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    assert dcs_ckpt(config, "verify", "--run", "fromhf").returncode == 0
+    with Checkpointer("fromhf", config) as ckpt:
+        restored = ckpt.restore()
+    saved = restored.state["model"]
+    expected = model.state_dict()
+    assert set(saved) == set(expected) - {"lm_head.weight"}  # what the files hold: the tied head is not there
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, expected[name]), name
+    fresh = transformers.AutoModelForCausalLM.from_config(llama)
+    missing = fresh.load_state_dict(saved, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]
+    assert torch.equal(fresh.lm_head.weight, expected["lm_head.weight"])  # tied: the embedding is the head
+
+    out = tmp_path / "back"  # and out again: what from_pretrained loads is the original model
+    assert dcs_ckpt(config, "export", "--run", "fromhf", "--out", str(out)).returncode == 0
+    llama.save_pretrained(out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in expected.items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+class _RunsACommand:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_import_refuses_hostile_dcp_metadata(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    source = tmp_path / "evil"
+    dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(source), no_dist=True)
+    marker = tmp_path / "pwned"
+    (source / ".metadata").write_bytes(pickle.dumps(_RunsACommand(marker)))
+    done = dcs_ckpt(config, "import", "--run", "evil", "--step", "1", "--from", str(source), "--format", "dcp")
+    assert done.returncode == 1
+    assert "ForeignCheckpointError" in done.stderr and "posix.system" in done.stderr
+    assert not marker.exists()
+
+    # real DCP metadata whose storage index points outside the directory
+    good = tmp_path / "good"
+    dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(good), no_dist=True)
+    metadata = pickle.loads((good / ".metadata").read_bytes())  # our own file, written just above
+    for info in metadata.storage_data.values():
+        info.relative_path = "../evil/__0_0.distcp"
+    (good / ".metadata").write_bytes(pickle.dumps(metadata))
+    done = dcs_ckpt(config, "import", "--run", "evil", "--step", "1", "--from", str(good), "--format", "dcp")
+    assert done.returncode == 1 and "'../evil/__0_0.distcp', not a file here" in done.stderr
+    assert not (Path(config.checkpoint_dir) / "evil").exists()
+
+
+def test_import_refuses_hostile_hf_dirs(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    config = ckpt_config(dcs_config, tmp_path)
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    save_file({"w": torch.ones(3)}, str(tmp_path / "outside.safetensors"))
+    index = {"metadata": {}, "weight_map": {"w": "../outside.safetensors"}}
+    (escape / "model.safetensors.index.json").write_text(json.dumps(index))
+    done = dcs_ckpt(config, "import", "--run", "h", "--step", "1", "--from", str(escape), "--format", "hf")
+    assert done.returncode == 1 and "'../outside.safetensors', not a file here" in done.stderr
+
+    liar = tmp_path / "liar"
+    liar.mkdir()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 4 << 40]}}).encode()
+    (liar / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    done = dcs_ckpt(config, "import", "--run", "h", "--step", "1", "--from", str(liar), "--format", "hf")
+    assert done.returncode == 1 and "no consistent dtype, shape and byte range" in done.stderr
+
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 62) + b"{}")
+    done = dcs_ckpt(config, "import", "--run", "h", "--step", "1", "--from", str(huge), "--format", "hf")
+    assert done.returncode == 1 and "header length" in done.stderr
+    done = dcs_ckpt(config, "import", "--run", "h", "--step", "1", "--from", str(tmp_path / "nope"), "--format", "hf")
+    assert done.returncode == 1 and "is not a directory" in done.stderr
+    assert not (Path(config.checkpoint_dir) / "h").exists()
+
+
+def test_list_of_a_run_that_does_not_exist_is_an_error(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    done = dcs_ckpt(config, "list", "--run", "nonexistent")
+    assert done.returncode != 0
+    assert "'nonexistent'" in done.stderr and "does not exist" in done.stderr
+    assert done.stdout == ""
+
+
+def test_import_then_restore_into_a_live_state(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """A trainer resumes from an imported DCP step with `restore(into=)` on its own (str-keyed) state."""
+    config = ckpt_config(dcs_config, tmp_path)
+    state = {"model": trainer_state(1)["model"], "step": 3}
+    source = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=str(source), no_dist=True)
+    assert (
+        dcs_ckpt(config, "import", "--run", "r", "--step", "3", "--from", str(source), "--format", "dcp").returncode
+        == 0
+    )
+    target = {"model": trainer_state(2)["model"], "step": 0}
+    weight = target["model"]["0.weight"]
+    with Checkpointer("r", config) as ckpt:
+        restored = ckpt.restore(into=target)
+    assert restored.state["model"]["0.weight"] is weight and torch.equal(weight, state["model"]["0.weight"])
+    assert restored.state["step"] == 3
