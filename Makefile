@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+# Where pip looks for torch. Empty: the default index (PyPI's torch 2.13.0 for x86_64 Linux is the multi-GB CUDA
+# build; this project's CI machines hold the CPU build locally, so they get that). For the CPU build elsewhere:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
 .PHONY: install redis-bin sglang-engines lint typecheck test test-fast demo bench clean format
@@ -13,8 +17,8 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[test,ops]"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[test,ops,demo]"
 	touch $@
 
 install: $(VENV)/.installed
