@@ -16,7 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint interval (default steps/10)")
     parser.add_argument("--crash-at", type=int, default=0, help="step at which the trainer is killed (default ~60%%)")
     parser.add_argument("--receivers", type=int, default=2, help="rollout receivers to push to (default 2)")
-    parser.add_argument("--out", type=Path, default=Path("dcs-demo"), help="summary.json and timeline.png go here")
+    parser.add_argument(
+        "--out", type=Path, default=Path(".dcs-run/demo"), help="summary.json and timeline.png go here (.dcs-run/demo)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the trainer (default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and logs under OUT/stack")
     parser.add_argument("--no-png", action="store_true", help="do not draw the timeline")

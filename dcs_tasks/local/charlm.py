@@ -1,7 +1,7 @@
 """The demo's model: a tiny character-level transformer (pure torch) and its text, shipped as package data.
 
 Small on purpose: two pre-norm layers of width 96 over a 64-character context train a few hundred steps on
-two CPU cores in about a minute, yet its loss visibly falls and its samples start to look like verse. The
+two CPU cores in a minute or two, yet its loss visibly falls and its samples take the shape of words and lines. The
 batches are a function of the step alone and dropout draws from torch's global RNG, so a resumed run
 continues exactly where the checkpoint left off only if the RNG state was restored too.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import time
@@ -51,7 +52,7 @@ class DemoSettings:
     save_every: int = 0  # 0: steps // 10
     crash_at: int = 0  # 0: the middle of a save interval past 60 % of the run
     receivers: int = 2
-    out: Path = Path("dcs-demo")
+    out: Path = Path(".dcs-run/demo")
     keep: bool = False
     png: bool = True
     threads: int = 1  # torch threads of the trainer: more spin-wait badly on a busy machine
@@ -85,6 +86,7 @@ class Record:
     restore: dict[str, Any] = field(default_factory=dict)
     syncs: list[dict[str, Any]] = field(default_factory=list)  # t0, t1 and the client's metrics
     stack_ready: float | None = None
+    spawned: list[float] = field(default_factory=list)  # when each trainer process was started
     starts: list[dict[str, Any]] = field(default_factory=list)
     checks: dict[str, bool] = field(default_factory=dict)
 
@@ -105,6 +107,7 @@ class Demo:
         config = DCSConfig(
             checkpoint_dir=self.workdir / "checkpoints",
             namespace=f"demo-{int(self.record.started)}",
+            node_name=f"demo-{os.getpid()}",  # its own node queue: a worker already serving this host takes nothing
             enable_metrics=False,
             heartbeat_interval_seconds=1.0,
             heartbeat_timeout_seconds=5.0,
@@ -153,6 +156,7 @@ class Demo:
         args = ["--run", RUN, "--steps", str(self.s.steps), "--save-every", str(self.s.save_every)]
         args += ["--threads", str(self.s.threads)]
         log = stack.logs / f"trainer-{phase}.log"
+        self.record.spawned.append(time.time())
         trainer = TrainerProcess([*args, "--resume"] if resume else args, stack.env(), log).start()
         columns = (
             TextColumn("{task.description}"),

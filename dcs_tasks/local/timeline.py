@@ -87,8 +87,11 @@ def _lanes(record: Any, t0: float) -> list[tuple[str, list[tuple[float, float, s
         setup.append((start, ready, "#ccb974"))
         wire.append((start + ready, max(0.0, sync["t1"] - sync["t0"] - ready), COLORS["sync"]))
     stack = [(0.0, record.stack_ready - t0, "#8c8c8c")] if record.stack_ready else []
+    first_steps = {p: a for _, a, _, _, p in reversed(record.steps)}  # phase -> start of its first step
+    boots = [(at - t0, first_steps[p] - at, "#b0b0b0") for p, at in enumerate(record.spawned) if p in first_steps]
     return [
         ("stack start", stack),
+        ("trainer start (import, restore)", boots),
         ("training steps", steps),
         ("save stall (trainer)", stalls),
         ("persist until durable (worker)", persists),
