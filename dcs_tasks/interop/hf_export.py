@@ -15,7 +15,9 @@ Reading is verified: every source file that holds an exported tensor is read onc
 straight into the output files' mappings and checked against its xxh3_128 checksum; a file that fails makes
 the export fail with `CorruptCheckpoint` naming it, and no output file is left behind (each is written to a
 temp name and renamed only after every read verified). Source files holding no exported tensor (optimizer
-state) are not read.
+state) are not read. A multi-rank run is gathered first as a single trainer would restore it (sharded
+tensors joined, `dcs_tasks.checkpoint.sharded`): every file of the ranks it needs is read and verified, and
+the whole state is held in memory.
 """
 
 from __future__ import annotations
@@ -30,11 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dcs_tasks.checkpoint.fastread import Target, read_scatter
 from dcs_tasks.checkpoint.format import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
 from dcs_tasks.checkpoint.fsio import durable_file, make_dirs_durable, write_bytes_durably
-from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
-from dcs_tasks.checkpoint.sharded import rank_dirs
+from dcs_tasks.checkpoint.reader import load_manifest, load_tensors, step_dirs
+from dcs_tasks.checkpoint.sharded import (
+    StepShards,
+    assemble,
+    incomplete_steps,
+    plan_reshard,
+    rank_dirs,
+    scan_steps,
+)
 from dcs_tasks.checkpoint.validate import check_files, read_small
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
@@ -92,19 +103,28 @@ def export_hf(
     multi-rank run, or an `out_dir` that already holds weights."""
     if tied not in TIED_MODES:
         raise CheckpointError(f"tied must be one of {TIED_MODES}, not {tied!r}")
-    if rank_dirs(run_dir):
-        raise CheckpointError(f"{run_dir} is a multi-rank run: export one rank with --rank, or restore and re-save")
-    step_dir, manifest = _committed_step(run_dir, step)
+    multi = bool(rank_dirs(run_dir))
+    step_dir, manifest = _committed_step(run_dir, step) if not multi else (None, None)
+    shards = _complete_step(run_dir, step) if multi else None
+    if shards is not None:
+        manifest = shards.manifests[0]
+    assert manifest is not None
     picks, dropped = _select(manifest, normalise_prefix(prefix), tied)
-    layout = plan_layout([_spec(p, manifest) for p in picks], max_shard_bytes)
+    gathered = _gather(shards, picks) if shards is not None else None
+    specs = [_spec(p, manifest) if gathered is None else TensorSpec.of(p.name, gathered[p.stored]) for p in picks]
+    layout = plan_layout(specs, max_shard_bytes)
     single = len(layout.files) == 1
     tensor_bytes = sum(slot.end - slot.begin for f in layout.files for slot in f.slots)
     names = [SINGLE_FILE] if single else [f.name for f in layout.files]
     _check_out_dir(out_dir)
     make_dirs_durable(out_dir)
     config = _read_config(config_path) if config_path is not None else None
-    check_files(step_dir, manifest)  # names, sizes and headers of the source before any data is read
-    _write_files(step_dir, manifest, picks, layout, out_dir, names)
+    if gathered is not None:
+        _write_gathered(gathered, picks, layout, out_dir, names)
+    else:
+        assert step_dir is not None
+        check_files(step_dir, manifest)  # names, sizes and headers of the source before any data is read
+        _write_files(step_dir, manifest, picks, layout, out_dir, names)
     if not single:
         weight_map = {slot.spec.name: name for f, name in zip(layout.files, names, strict=True) for slot in f.slots}
         index = {"metadata": {"total_size": tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -122,6 +142,52 @@ def _committed_step(run_dir: Path, step: int | None) -> tuple[Path, Manifest]:
     if chosen not in dirs:
         raise CheckpointNotFound(f"no committed step {chosen} in {run_dir} (committed: {sorted(dirs)[-8:]})")
     return dirs[chosen], load_manifest(dirs[chosen])
+
+
+def _complete_step(run_root: Path, step: int | None) -> StepShards:
+    """A step every rank of a multi-rank run committed (default: the newest); CorruptCheckpoint when a rank's
+    manifest of it does not check, CheckpointNotFound when it is missing or incomplete."""
+    complete, broken = scan_steps(run_root)
+    chosen = max(set(complete) | set(broken), default=None) if step is None else step
+    if chosen is not None and chosen in broken:
+        raise broken[chosen]
+    if chosen is None or chosen not in complete:
+        partial = incomplete_steps(run_root).get(chosen) if chosen is not None else None
+        detail = f": only ranks {partial} committed it" if partial else ""
+        raise CheckpointNotFound(f"no step {chosen} that every rank committed in {run_root}{detail}")
+    return complete[chosen]
+
+
+def _gather(shards: StepShards, picks: list[_Pick]) -> dict[str, torch.Tensor]:
+    """The exported tensors of a multi-rank step as one trainer would restore them (`plan_reshard` to world
+    size 1: sharded tensors joined along their dimension, rank-local ones from rank 0), every file read
+    verified. Holds the whole state in memory."""
+    plan = plan_reshard(shards, 0, 1)
+    loaded = {src: load_tensors(shards.dirs[src], shards.manifests[src], verify=True) for src in plan.sources}
+    tensors = assemble(plan, shards, loaded)
+    return {p.stored: tensors[p.stored] for p in picks}
+
+
+def _write_gathered(
+    tensors: dict[str, torch.Tensor], picks: list[_Pick], layout: Layout, out_dir: Path, names: list[str]
+) -> None:
+    """Write in-memory tensors: each file's header, then its slots' bytes in order (`plan_layout` leaves no
+    gaps), durably; any failure removes every temp file."""
+    stored_of = {p.name: p.stored for p in picks}
+    with contextlib.ExitStack() as stack:
+        for f, name in zip(layout.files, names, strict=True):
+            fd = stack.enter_context(durable_file(out_dir / name, "dcs-export"))
+            _write_all(fd, memoryview(hf_header(f.slots)))
+            for slot in f.slots:
+                if slot.end > slot.begin:
+                    data = tensors[stored_of[slot.spec.name]].contiguous().reshape(-1).view(torch.uint8)
+                    _write_all(fd, data.numpy().data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    pos = 0
+    while pos < len(data):
+        pos += os.write(fd, data[pos:])
 
 
 def _select(manifest: Manifest, prefix: str, tied: str) -> tuple[list[_Pick], dict[str, str]]:

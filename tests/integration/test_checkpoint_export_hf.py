@@ -178,3 +178,31 @@ def test_export_names_what_is_wrong(dcs_config: DCSConfig, tmp_path: Path) -> No
     assert dcs_ckpt(config, "export", "--run", "plain", "--out", str(tmp_path / "d")).returncode == 0
     done = dcs_ckpt(config, "export", "--run", "plain", "--out", str(tmp_path / "d"))
     assert done.returncode == 1 and "already holds ['model.safetensors']" in done.stderr
+
+
+def test_export_of_a_multi_rank_run_joins_the_shards(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Two ranks each save their half of the embedding (tied to the head) and of an MLP weight; the export is
+    the whole model."""
+    config = ckpt_config(dcs_config, tmp_path)
+    model = tiny_llama()
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    split = {"model.embed_tokens.weight": 0, "model.layers.0.mlp.up_proj.weight": 0}
+    worker = start_worker(config, tmp_path)
+    try:
+        for rank in range(2):
+            part = dict(full)
+            for name, dim in split.items():
+                part[name] = torch.tensor_split(full[name], 2, dim)[rank].clone()
+            part["lm_head.weight"] = part["model.embed_tokens.weight"]  # tied on each rank, as in the model
+            with Checkpointer("tp", config, rank=rank, world_size=2) as ckpt:
+                sharding = {f"model/{name}": dim for name, dim in split.items()}
+                ckpt.save({"model": part, "step": 5}, step=5, sharding=sharding).wait(timeout=120)
+    finally:
+        worker.terminate()
+
+    out = tmp_path / "hf"
+    done = dcs_ckpt(config, "export", "--run", "tp", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "tied: lm_head.weight -> model.embed_tokens.weight" in done.stdout
+    model.config.save_pretrained(out)
+    assert_bit_exact(full, transformers.AutoModelForCausalLM.from_pretrained(out).state_dict())
