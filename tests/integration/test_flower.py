@@ -1,7 +1,7 @@
 """Celery's own CLI and Flower on the DCS broker: `celery -A workers.celery ...` against a real `dcs worker`.
 
 Flower is started with the Procfile's own `flower:` line, so the test covers how it is deployed: bound to
-127.0.0.1, its API open there unless `DCS_FLOWER_BASIC_AUTH` is set.
+127.0.0.1, its API open there unless `DCS_FLOWER_BASIC_AUTH` or `DCS_AUTH_TOKEN` is set.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def procfile_line(name: str) -> str:
 class Flower:
     """The Procfile's `flower:` line, run by sh as honcho runs it, on the test's Redis and a free port."""
 
-    def __init__(self, redis_server: RedisServer, log_path: Path, basic_auth: str | None = None) -> None:
+    def __init__(self, redis_server: RedisServer, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "FLOWER_"))}
         env.update(
@@ -57,8 +57,7 @@ class Flower:
             DCS_REDIS_PORT=str(redis_server.port),
             DCS_FLOWER_PORT=str(self.port),
         )
-        if basic_auth is not None:
-            env["DCS_FLOWER_BASIC_AUTH"] = basic_auth
+        env.update(extra_env or {})
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -150,15 +149,25 @@ def test_flower_api_lists_the_persist_and_commit_tasks_of_a_real_save(
         worker.terminate()
 
 
-def test_flower_requires_dcs_flower_basic_auth_when_it_is_set(redis_server: RedisServer, tmp_path: Path) -> None:
-    flower = Flower(redis_server, tmp_path / "flower-auth.log", basic_auth="ops:s3cret-pass")
+@pytest.mark.parametrize(
+    ("env", "user", "password"),
+    [
+        ({"DCS_FLOWER_BASIC_AUTH": "ops:s3cret-pass", "DCS_AUTH_TOKEN": "other-token"}, "ops", "s3cret-pass"),
+        ({"DCS_AUTH_TOKEN": "t0ken-of-the-fleet"}, "dcs", "t0ken-of-the-fleet"),
+    ],
+    ids=["DCS_FLOWER_BASIC_AUTH", "DCS_AUTH_TOKEN"],
+)
+def test_flower_requires_basic_auth_when_a_credential_is_set(
+    redis_server: RedisServer, tmp_path: Path, env: dict[str, str], user: str, password: str
+) -> None:
+    flower = Flower(redis_server, tmp_path / "flower-auth.log", env)
     try:
         assert httpx.get(f"{flower.url}/api/tasks", timeout=30).status_code == 401
-        wrong = httpx.get(f"{flower.url}/api/tasks", auth=("ops", "nope"), timeout=30)
+        wrong = httpx.get(f"{flower.url}/api/tasks", auth=(user, "nope"), timeout=30)
         assert wrong.status_code == 401
-        right = httpx.get(f"{flower.url}/api/tasks", auth=("ops", "s3cret-pass"), timeout=30)
+        right = httpx.get(f"{flower.url}/api/tasks", auth=(user, password), timeout=30)
         assert right.status_code == 200 and right.json() == {}
         assert httpx.get(f"{flower.url}/metrics", timeout=30).status_code == 200  # Prometheus scrapes it bare
     finally:
         flower.stop()
-    assert "s3cret-pass" not in flower.log()
+    assert password not in flower.log()
