@@ -83,3 +83,66 @@ def test_dcs_up_reports_a_process_that_cannot_start(tmp_path: Path) -> None:
     assert proc.returncode == 1, out
     assert "not within 20s" in out or "exited with status" in out
     assert leftovers(report) == []
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` no longer runs (a zombie awaiting its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_service_stop_ends_the_whole_process_group_even_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    from dcs_tasks.local.procs import Service
+
+    pidfile = tmp_path / "grandchild.pid"
+    script = f'trap "" TERM; sleep 300 & echo $! > {pidfile}; wait'
+    service = Service("stubborn", ["sh", "-c", script], {"PATH": "/usr/bin:/bin"}, tmp_path / "log").start()
+    assert service.pid is not None
+    leader = service.pid
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    started = time.monotonic()
+    service.stop(timeout=1.0)
+    assert time.monotonic() - started < 15
+    assert wait_gone(leader) and wait_gone(grandchild)
+
+
+def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """kill -9 of the process that started a stack service takes the service along (parent-death signal)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from dcs_tasks.local.procs import Service\n"
+        f"s = Service('sleeper', ['sleep', '300'], dict(os.environ), Path({str(tmp_path / 'log')!r})).start()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert not gone(child)
+        parent.kill()
+        parent.wait(10)
+        assert wait_gone(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
