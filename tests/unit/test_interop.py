@@ -102,7 +102,7 @@ def test_storage_outside_the_files_and_transforms_are_refused(tmp_path: Path) ->
 def test_a_pickle_naming_anything_but_dcp_metadata_is_refused_by_name(tmp_path: Path) -> None:
     source = saved(tmp_path)
     (source / ".metadata").write_bytes(pickle.dumps(Path("/etc/passwd").read_text))  # a bound method
-    with pytest.raises(ForeignCheckpointError, match=r"builtins\.getattr|pathlib\.Path|not DCP metadata"):
+    with pytest.raises(ForeignCheckpointError, match=r"refers to builtins\.getattr, which is not DCP metadata"):
         read_dcp_metadata(source)
     (source / ".metadata").write_bytes(b"\x80\x04not a pickle")
     with pytest.raises(ForeignCheckpointError, match="is not DCP metadata"):
