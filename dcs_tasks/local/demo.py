@@ -33,7 +33,7 @@ from rich.table import Table
 from dcs_tasks.checkpoint import Checkpointer
 from dcs_tasks.checkpoint.format import step_dir_name
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import ConfigError, DCSTimeoutError
+from dcs_tasks.errors import ConfigError, DCSError
 from dcs_tasks.local.charlm import Corpus, make_model, sample
 from dcs_tasks.local.stack import LocalStack
 from dcs_tasks.local.trainer_proc import Event, TrainerProcess
@@ -44,6 +44,7 @@ RUN = "demo"
 TRAINER_TIMEOUT_SECONDS = 600.0
 TRAINER_IDLE_SECONDS = 120.0  # torch import plus a restore on a loaded machine stay well below
 COMMIT_WAIT_SECONDS = 120.0
+PUSH_TIMEOUT_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,8 @@ class Demo:
             final = ckpt.restore()
         model = make_model(self.corpus.vocab)
         model.load_state_dict(final.state["model"])
-        self.record.syncs = asyncio.run(push_weights(stack.config, model, times=2))
+        pushes = asyncio.wait_for(push_weights(stack.config, model, times=2), PUSH_TIMEOUT_SECONDS)
+        self.record.syncs = asyncio.run(pushes)
         want = {name: tensor_sha256(t) for name, t in model.state_dict().items()}
         digests = [receiver_digest(url, stack.config.token()) for url in stack.receiver_urls]
         ok = self.check(
@@ -370,6 +372,6 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> bool:
     demo = Demo(settings, console or Console())
     try:
         return demo.run()
-    except DCSTimeoutError as exc:
-        demo.console.print(f"[red]demo failed:[/] {exc}")
+    except (DCSError, TimeoutError) as exc:  # a bounded wait ran out, a save or a push failed: say which, once
+        demo.console.print(f"[red]demo failed:[/] {type(exc).__name__}: {exc}")
         return False

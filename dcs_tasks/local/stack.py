@@ -11,6 +11,7 @@ interpreter exit, and every child dies with its parent (see `dcs_tasks.local.pro
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import os
 import secrets
@@ -141,7 +142,9 @@ class LocalStack:
         self.flower_port = flower_port or (free_port() if self.want_flower else 0)
         self.redis: LocalRedis | None = None
         self.services: list[Service] = []
+        self._receiver_urls: list[str] = []
         self._lock = threading.Lock()
+        self._workdir_lock: int | None = None
         self._started = False
 
     # --- what a trainer needs ---------------------------------------------------------------------
@@ -155,7 +158,7 @@ class LocalStack:
 
     @property
     def receiver_urls(self) -> list[str]:
-        return [s.env["DCS_LOCAL_RECEIVER_URL"] for s in self.services if s.name.startswith("receiver")]
+        return list(self._receiver_urls)
 
     def env(self) -> dict[str, str]:
         """Environment of a process that uses this stack: this process's minus `DCS_*`, plus the stack's."""
@@ -176,11 +179,22 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         atexit.register(self.stop)
         try:
+            self._lock_workdir()
             self._start_all()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _lock_workdir(self) -> None:
+        """One stack per workdir: two private Redis servers appending to one AOF directory would corrupt it."""
+        fd = os.open(self.workdir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LocalStackError(f"another local stack is running in {self.workdir}") from None
+        self._workdir_lock = fd
 
     def _start_all(self) -> None:
         if self.private_redis:
@@ -210,7 +224,8 @@ class LocalStack:
         port = free_port()
         args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", str(rank)]
         args += ["--host", LOOPBACK, "--port", str(port)]
-        return self._spawn(f"receiver-{rank}", args, {"DCS_LOCAL_RECEIVER_URL": f"http://{LOOPBACK}:{port}"})
+        self._receiver_urls.append(f"http://{LOOPBACK}:{port}")
+        return self._spawn(f"receiver-{rank}", args)
 
     def _start_flower(self) -> Service:
         """Flower on 127.0.0.1 behind basic auth (user `dcs`, the stack's token): its API can revoke tasks
@@ -267,4 +282,7 @@ class LocalStack:
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
+            if self._workdir_lock is not None:
+                os.close(self._workdir_lock)  # releases the flock
+                self._workdir_lock = None
         atexit.unregister(self.stop)

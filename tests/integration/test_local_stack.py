@@ -146,3 +146,26 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_second_stack_in_the_same_workdir_is_refused(tmp_path: Path) -> None:
+    """Two private Redis servers appending to one AOF directory would corrupt it: the second `dcs up` refuses."""
+    import fcntl
+    import os
+
+    workdir, report = tmp_path / "run", tmp_path / "left.json"
+    workdir.mkdir()
+    fd = os.open(workdir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a running `dcs up` holds
+    try:
+        proc = start_reaped(["up", "--workdir", str(workdir), "--no-flower"], report, clean_env(), REPO)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            kill_wrapper(proc)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 1, out
+    assert f"another local stack is running in {workdir}" in out
+    assert leftovers(report) == []
+    assert not (workdir / "redis").exists()  # refused before anything started
