@@ -168,6 +168,7 @@ def test_flower_requires_basic_auth_when_a_credential_is_set(
         right = httpx.get(f"{flower.url}/api/tasks", auth=(user, password), timeout=30)
         assert right.status_code == 200 and right.json() == {}
         assert httpx.get(f"{flower.url}/metrics", timeout=30).status_code == 200  # Prometheus scrapes it bare
+        assert httpx.get(f"{flower.url}/healthcheck", timeout=30).text == "OK"
     finally:
         flower.stop()
     assert password not in flower.log()
