@@ -26,6 +26,12 @@ from prometheus_client.samples import Sample
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("save", "load", "send", "recv")
+_LATENCY_HELP = {
+    "save": "Durable save latency: a save's begin in its ledger to its commit (recorded by the committing worker)",
+    "load": "Time to restore a checkpoint (read, verify, rebuild)",
+    "send": "Broadcast time of a weight update pushed by this process",
+    "recv": "Time to receive a weight update",
+}
 _BYTES_COUNTERS = {"save": "bytes_saved", "load": "bytes_loaded", "send": "bytes_sent", "recv": "bytes_received"}
 
 
@@ -46,7 +52,7 @@ class MetricsCollector:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.latency = {
-            op: Histogram(f"dcs_{op}_latency_seconds", f"Time to {op}", buckets=LATENCY_BUCKETS, registry=r)
+            op: Histogram(f"dcs_{op}_latency_seconds", _LATENCY_HELP[op], buckets=LATENCY_BUCKETS, registry=r)
             for op in OPERATIONS
         }
         self.bytes = {

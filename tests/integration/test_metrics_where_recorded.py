@@ -128,22 +128,28 @@ def test_a_trainer_serves_its_metrics_when_asked(
 
     port = free_port()
     # a slow worker (2 MiB/s): the save is still in flight at the first scrape
-    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=2 * 1024 * 1024, enable_metrics=True)
-    for name, env_value in config.to_env().items():
+    throttle = 2 * 1024 * 1024
+    config = ckpt_config(
+        dcs_config, tmp_path, persist_throttle_bytes_per_second=throttle, enable_metrics=True, trainer_metrics_port=port
+    )
+    for name, env_value in config.to_env().items():  # DCS_TRAINER_METRICS_PORT among them: the trainer's setting
         monkeypatch.setenv(name, env_value)
-    monkeypatch.setenv("DCS_TRAINER_METRICS_PORT", str(port))
     worker = start_worker(config, tmp_path)
     try:
         ckpt = Checkpointer("trainer-endpoint", config)
+        text = scrape(port)  # this test process's values so far (earlier tests saved in it too)
+        stalls, staged, pending = (
+            value(text, name) or 0.0
+            for name in ("dcs_ckpt_stall_seconds_count", "dcs_ckpt_staged_bytes_total", "dcs_pending_operations")
+        )
         state = training_state(width=700)  # ~4 MiB of tensors: ~2 s at the throttle
         ckpt.save(state, step=1)
         text = scrape(port)
-        assert value(text, "dcs_pending_operations") == 1.0
-        assert value(text, "dcs_ckpt_stall_seconds_count") == 1.0
-        staged = value(text, "dcs_ckpt_staged_bytes_total")
-        assert staged is not None and staged >= 4 * 1024 * 1024
+        assert value(text, "dcs_pending_operations") == pending + 1
+        assert value(text, "dcs_ckpt_stall_seconds_count") == stalls + 1
+        assert (value(text, "dcs_ckpt_staged_bytes_total") or 0.0) - staged >= 4 * 1024 * 1024
         assert value(text, "dcs_save_operations_total") == 0.0  # a save is counted by the worker that commits it
-        wait_until(lambda: value(scrape(port), "dcs_pending_operations") == 0.0, 60, "the commit seen by a scrape")
+        wait_until(lambda: value(scrape(port), "dcs_pending_operations") == pending, 60, "the commit seen by a scrape")
         ckpt.close()
         with pytest.raises(OSError):  # bound to loopback only
             urllib.request.urlopen(f"http://{_non_loopback_address()}:{port}/metrics", timeout=2)

@@ -6,6 +6,8 @@ Each snippet below is the original text. What the test changes, and nothing else
 - the coordinator address `http://localhost:8000` -> the test coordinator's (a free port);
 - on a host without CUDA, `BackendType.NCCL` -> `BackendType.GLOO` (NCCL needs GPUs);
 - `args` and `model` (free names in the original) are given: an argparse.Namespace and a small torch model;
+  the config examples get the root import of the names they use, and the metrics example the import of
+  `MetricsCollector`, which the original uses without importing it;
 - the multi-node example's `create_dcs_deployment(config)` line (Ray Serve) is not run: DCS runs its
   coordinator as `dcs coordinator` (docs/seed_compat.md).
 """
