@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -120,7 +121,7 @@ class Demo:
         try:
             self.console.print(
                 f"stack up: coordinator {stack.coordinator_url}, 1 worker, {self.s.receivers} rollout receivers "
-                f"(logs in {stack.logs})"
+                f"(logs in {escape(str(stack.logs))})"
             )
             ok = self.scenario(stack)
         finally:
@@ -176,7 +177,7 @@ class Demo:
 
                 return trainer.follow(on_event, TRAINER_TIMEOUT_SECONDS, TRAINER_IDLE_SECONDS)
         except BaseException:
-            self.console.print(f"trainer log ({log}):\n{trainer.log_tail()}")
+            self.console.print(f"trainer log ({log}):\n{escape(trainer.log_tail())}")
             raise
         finally:
             trainer.stop()
@@ -230,7 +231,7 @@ class Demo:
 
     def check(self, label: str, ok: bool) -> bool:
         self.record.checks[label] = ok
-        self.console.print(f"  [{'green' if ok else 'red'}]{'ok' if ok else 'FAILED'}[/] {label}")
+        self.console.print(f"  [{'green' if ok else 'red'}]{'ok' if ok else 'FAILED'}[/] {escape(label)}")
         return ok
 
     # --- results ---------------------------------------------------------------------------------------
@@ -241,12 +242,12 @@ class Demo:
         summary["sample"] = self.sample_text
         self.console.print(summary_table(summary))
         if summary["sample"]:
-            self.console.print(f"sample from the pushed weights:\n[italic]{summary['sample']}[/]")
+            self.console.print(f"sample from the pushed weights:\n[italic]{escape(summary['sample'])}[/]")
         png = self.out / "timeline.png"
         summary["png"] = str(png) if self.draw(png) else None
         path = self.out / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
-        self.console.print(f"summary: {path}")
+        self.console.print(f"summary: {escape(str(path))}")
 
     def draw(self, png: Path) -> bool:
         if not self.s.png:
@@ -256,9 +257,9 @@ class Demo:
         try:
             draw_timeline(self.record, png)
         except MatplotlibMissing as exc:
-            self.console.print(f"[yellow]timeline PNG skipped:[/] {exc}")
+            self.console.print(f"[yellow]timeline PNG skipped:[/] {escape(str(exc))}")
             return False
-        self.console.print(f"timeline: {png}")
+        self.console.print(f"timeline: {escape(str(png))}")
         return True
 
     def attach_durable_times(self) -> None:
@@ -369,9 +370,9 @@ def summary_table(m: dict[str, Any]) -> Table:
 def run_demo(settings: DemoSettings, console: Console | None = None) -> bool:
     """Run the demo; True when every check passed. Raises ConfigError for bad settings."""
     torch.set_num_threads(settings.threads)
-    demo = Demo(settings, console or Console())
+    demo = Demo(settings, console or Console(soft_wrap=True))  # soft wrap: printed paths stay copyable
     try:
         return demo.run()
     except (DCSError, TimeoutError) as exc:  # a bounded wait ran out, a save or a push failed: say which, once
-        demo.console.print(f"[red]demo failed:[/] {type(exc).__name__}: {exc}")
+        demo.console.print(f"[red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
         return False

@@ -67,3 +67,21 @@ def test_ctrl_c_during_training_stops_the_stack(tmp_path: Path) -> None:
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted; everything it started is stopped" in rest
     assert leftovers(report) == []
+
+
+def test_without_matplotlib_only_the_png_is_skipped_with_a_clear_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import sys
+
+    from rich.console import Console
+
+    from dcs_tasks.local.demo import Demo, DemoSettings
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    output = io.StringIO()
+    demo = Demo(DemoSettings(steps=60, out=tmp_path), Console(file=output, width=200))
+    assert demo.draw(tmp_path / "timeline.png") is False
+    assert "timeline PNG skipped: matplotlib is not installed (pip install 'dcs[demo]'" in output.getvalue()
+    assert not (tmp_path / "timeline.png").exists()
