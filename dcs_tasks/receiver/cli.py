@@ -1,13 +1,25 @@
-"""`dcs receiver`: run the reference rollout receiver and register it with the coordinator as `rollout`."""
+"""`dcs receiver`: run the reference rollout receiver and register it with the coordinator as `rollout`.
+
+A receiver is a long-running server: a peer that goes away must never end it. So it ignores SIGPIPE (the `dcs`
+entry point restores its default action, so that `dcs ... | head` ends quietly): with the default action, a
+client that gives up on a request (the trainer cancelling the pause/begin calls in flight when it finds an
+engine replaced, a probe's timeout) while the answer is being written killed the receiver, silently, by
+SIGPIPE; ignored, the write fails with EPIPE, which only closes that connection. On SIGTERM/SIGINT it stops
+serving, unregisters and leaves its groups (closing its gloo connections in order) before exiting with 0;
+uvicorn alone would re-raise the signal once its HTTP shutdown ended and skip all of that.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,8 +85,23 @@ def bind_host(host: str | None, advertised: str) -> str:
     return advertised if is_loopback(advertised) or interface_of(advertised) else "0.0.0.0"
 
 
+class ReceiverServer(uvicorn.Server):
+    """uvicorn's server, minus the re-raise of a captured SIGTERM/SIGINT after its graceful shutdown: the
+    signal's default action would end the process before `serve` unregisters and leaves its groups."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            captured: list[int] = getattr(self, "_captured_signals", [])
+            if captured:
+                log.info("stopping on signal %d", captured[-1])
+            captured.clear()
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a client gone mid-answer is EPIPE on its connection, not death
     config = DCSConfig(coordinator_url=args.coordinator_url)
     try:
         advertise = advertised_host(args.host, args.advertise_host or config.advertise_address, config.base_url)
@@ -115,7 +142,7 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
     app = create_receiver_app(receiver, pause_gc=config.sync_pause_gc)
     secure_receiver_app(app, config.token(), config.receiver_max_body_bytes)
     options = guarded_server_options(config.receiver_request_read_timeout_seconds, config.receiver_keep_alive_seconds)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
+    server = ReceiverServer(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
     # every blocking call runs in the default executor: size it so waiting inits never starve digests
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(EXECUTOR_THREADS, "dcs-receiver"))
     api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
@@ -134,3 +161,4 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
             log.warning("unregister failed: %s", exc)
         await api.aclose()
         backend.close()
+        log.info("receiver %s stopped: unregistered, groups left", answer.node_id)
