@@ -20,13 +20,18 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import ActorWaitTimeout, ConfigError, SyncPreconditionError
 from tests.distributed.sync_stack import sync_stack, wait_registered
+from tests.helpers.ports import free_port
 from tests.helpers.procs import REPO, child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
 
 def fwd_config(dcs_config: DCSConfig) -> DCSConfig:
-    return dcs_config.model_copy(update={"comm_timeout_seconds": 30.0, "group_init_timeout_seconds": 30.0})
+    """Short timeouts, and master ports of its own: the default range (11000-) is shared by every test run on
+    this host, and each run's Redis reserves ports only for itself."""
+    base = free_port()
+    update = {"comm_base_port": base, "comm_max_port": min(base + 50, 65535)}
+    return dcs_config.model_copy(update={**update, "comm_timeout_seconds": 30.0, "group_init_timeout_seconds": 30.0})
 
 
 def wait_for_line(path: Path, line: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
