@@ -105,6 +105,14 @@ def test_dockerignore_keeps_the_build_context_small_and_secret_free() -> None:
     assert {".git", ".venv", ".sglang", ".env", "bench/results", "**/__pycache__", ".mypy_cache"} <= patterns
 
 
+def test_every_interpolation_has_a_default_or_is_required() -> None:
+    """`${NAME:-}` (an empty default) reaches the containers literally under podman-compose 1.0.3 (Debian 12):
+    a token of "${DCS_AUTH_TOKEN:-}". Optional values are passed through by name instead (`NAME:` with no value)."""
+    for match in INTERPOLATION.finditer(COMPOSE.read_text()):
+        rest = match["rest"]
+        assert (rest.startswith(":-") and len(rest) > 2) or rest.startswith(":?"), match[0]
+
+
 def test_every_variable_compose_reads_is_documented_in_env_example() -> None:
     used = {m["name"] for m in INTERPOLATION.finditer(COMPOSE.read_text())}
     documented = set(re.findall(r"^#?\s*(DCS_[A-Z0-9_]+)=", (REPO / ".env.example").read_text(), re.MULTILINE))
