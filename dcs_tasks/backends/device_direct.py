@@ -20,7 +20,7 @@ from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequ
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, unpack_views
 from dcs_tasks.backends.process_group import destroy, new_group_within, release_store
 from dcs_tasks.config import BackendType, RoleInfo
-from dcs_tasks.errors import GroupInitError, WeightSyncError
+from dcs_tasks.errors import BackendUnavailable, GroupInitError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class DeviceDirectBackend(CommBackend):
         fusion_threshold_bytes: int = 1024 * 1024,
     ) -> None:
         if backend_type not in (BackendType.GLOO, BackendType.NCCL):
-            raise ValueError(f"DeviceDirectBackend supports gloo and nccl, not {backend_type.value}")
+            raise BackendUnavailable(
+                f"DeviceDirectBackend supports gloo and nccl, not {getattr(backend_type, 'value', backend_type)}"
+            )
         self.backend_type = backend_type
         self.role_info = role_info
         self.timeout_seconds = timeout_seconds
