@@ -99,7 +99,8 @@ def _list(args: argparse.Namespace) -> int:
     from dcs_tasks.errors import CorruptCheckpoint
 
     if not _run_dir(args).is_dir():
-        print(f"dcs ckpt list: run {args.run!r} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
+        what = f"run {args.run!r}" + (f" rank {args.rank}" if args.rank is not None else "")
+        print(f"dcs ckpt list: {what} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
         return 1
     if args.rank is None and rank_dirs(_run_root(args)):
         return _list_ranks(args)

@@ -29,6 +29,7 @@ import mmap
 import os
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,10 @@ def read_dcp_dir(directory: Path) -> dict[str, Any]:
         if _is_tensor_md(md):
             template[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     if template:
-        load(template, storage_reader=_checked_reader(directory, metadata), planner=DefaultLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process reads, as intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            reader = _checked_reader(directory, metadata)
+            load(template, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     values = {k.fqn: v for k, v in metadata.storage_data.items() if k.offset is None}
     for fqn, md in metadata.state_dict_metadata.items():
         if not _is_tensor_md(md):

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import redis
 import torch
 
 from dcs_tasks.checkpoint.format import (
@@ -85,6 +86,10 @@ def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: 
         if verdict is Verdict.BUSY:
             raise CheckpointError(f"step {step} of run {run!r} is being saved right now")
         _Commit(ledger, run, step, token, step_dir).run(layout.files, flat.tensors)
+    except redis.RedisError as exc:
+        raise CheckpointFailed(
+            f"import of step {step} of run {run!r} needs the Redis ledger (DCS_REDIS_URL), which failed: {exc}"
+        ) from exc
     finally:
         client.close()
     return step_dir

@@ -269,3 +269,30 @@ def test_import_then_restore_into_a_live_state(dcs_config: DCSConfig, tmp_path: 
         restored = ckpt.restore(into=target)
     assert restored.state["model"]["0.weight"] is weight and torch.equal(weight, state["model"]["0.weight"])
     assert restored.state["step"] == 3
+
+
+def test_import_obeys_the_ledger_and_needs_redis(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """A step another save has in flight is not written over; without Redis nothing is written at all."""
+    import time
+
+    from dcs_tasks.checkpoint.format import ManifestDraft
+
+    config = ckpt_config(dcs_config, tmp_path)
+    source = tmp_path / "dcp"
+    dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(source), no_dist=True)
+    client = sync_client(config)
+    try:
+        draft = ManifestDraft(run="busy", step=2, tensors={}, structure={"k": "v", "v": None}, created_at=time.time())
+        ledger = StepLedger(client, Keys(config.namespace))
+        assert ledger.begin("busy", 2, "trainer-token", 1, draft, abandoned_after=600).value == "write"
+        done = dcs_ckpt(config, "import", "--run", "busy", "--step", "2", "--from", str(source), "--format", "dcp")
+        assert done.returncode == 1 and "step 2 of run 'busy' is being saved right now" in done.stderr
+        assert ledger.read("busy", 2).token == "trainer-token"  # the trainer's attempt is untouched
+    finally:
+        client.close()
+    assert not (Path(config.checkpoint_dir) / "busy" / "step-000000002").exists()
+
+    offline = config.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    done = dcs_ckpt(offline, "import", "--run", "off", "--step", "1", "--from", str(source), "--format", "dcp")
+    assert done.returncode == 1 and "needs the Redis ledger" in done.stderr
+    assert not (Path(config.checkpoint_dir) / "off").exists()
