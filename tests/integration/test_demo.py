@@ -31,7 +31,9 @@ def test_dcs_demo_passes_and_leaves_nothing_running(tmp_path: Path) -> None:
     assert "demo passed" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] is True
-    assert summary["killed_at_step"] >= 39 and summary["restored_step"] == 36  # saves every 6 steps, kill at 39
+    # saves every 6 steps, SIGKILL once step 39 is reported: the trainer resumes from the newest save before it
+    assert summary["killed_at_step"] >= 39 and summary["save_every"] == 6
+    assert 36 <= summary["restored_step"] <= summary["killed_at_step"] and summary["restored_step"] % 6 == 0
     assert summary["resumed_bit_exact"] is True
     assert summary["receivers_match"] is True
     assert summary["saves"] >= 10 and summary["stall_p50_ms"] > 0 and summary["durable_p50_ms"] > 0
