@@ -24,6 +24,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
 log = logging.getLogger(__name__)
+REQUEST_TIMEOUT_SECONDS = 10.0
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("save", "load", "send", "recv")
 _LATENCY_HELP = {
@@ -158,6 +159,8 @@ class MetricsServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_SECONDS  # a client that sends nothing does not hold its thread
+
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
