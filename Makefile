@@ -51,7 +51,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: install redis-bin
-	$(BIN)/python examples/demo.py
+	$(BIN)/dcs demo
 
 bench: install redis-bin
 	$(BIN)/python bench/coordinator_load.py
