@@ -237,7 +237,7 @@ class LocalStack:
             "FLOWER_PURGE_OFFLINE_WORKERS": "60",
         }
         env = child_environ(self.config.to_env(), extra)
-        argv = ["-m", "celery", "-A", "dcs_tasks.local.flower_app", "flower"]
+        argv = ["-m", "celery", "-A", "workers.celery", "flower"]
         service = Service("flower", [sys.executable, *argv], env, self.logs / "flower.log").start()
         self.services.append(service)
         return service
