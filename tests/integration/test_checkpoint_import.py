@@ -296,3 +296,28 @@ def test_import_obeys_the_ledger_and_needs_redis(dcs_config: DCSConfig, tmp_path
     done = dcs_ckpt(offline, "import", "--run", "off", "--step", "1", "--from", str(source), "--format", "dcp")
     assert done.returncode == 1 and "needs the Redis ledger" in done.stderr
     assert not (Path(config.checkpoint_dir) / "off").exists()
+
+
+def test_a_failed_import_is_failed_in_the_ledger_and_can_be_retried(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    source = tmp_path / "dcp"
+    state = {"model": {"w": torch.arange(6.0)}, "step": 4}
+    dcp.save(state, checkpoint_id=str(source), no_dist=True)
+    blocker = Path(config.checkpoint_dir) / "retry" / "step-000000004"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")  # the step's files cannot be written: the import fails mid-way
+    args = ("import", "--run", "retry", "--step", "4", "--from", str(source), "--format", "dcp")
+    done = dcs_ckpt(config, *args)
+    assert done.returncode == 1 and "Not a directory" in done.stderr
+    client = sync_client(config)
+    try:
+        failed = StepLedger(client, Keys(config.namespace)).read("retry", 4)
+        assert failed.status is StepStatus.FAILED and "import failed" in failed.reason
+    finally:
+        client.close()
+    assert not (blocker.parent / "latest").exists()
+
+    blocker.unlink()
+    assert dcs_ckpt(config, *args).returncode == 0  # a FAILED step may be written again
+    with Checkpointer("retry", config) as ckpt:
+        assert torch.equal(ckpt.restore(step=4).state["model"]["w"], torch.arange(6.0))
