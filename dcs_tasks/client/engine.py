@@ -178,6 +178,9 @@ class CheckpointEngineClient:
         answer = await self._api.register(self.role_info)
         self.role_info = self.role_info.model_copy(update={"rank": answer.rank})
         self._beats = HeartbeatLoop(self._api, self.role_info, cfg.heartbeat_interval_seconds).start()
+        from dcs_tasks.checkpoint.telemetry import serve_trainer_metrics
+
+        serve_trainer_metrics(cfg)  # DCS_TRAINER_METRICS_PORT: a weight-sync-only trainer serves its metrics too
         self._build_updaters()
         log.info("registered as %s", answer.node_id)
 
