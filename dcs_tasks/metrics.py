@@ -1,4 +1,4 @@
-"""DCS metrics with the seed's names, on prometheus-client.
+"""DCS metrics with the original design's names, on prometheus-client.
 
 Each `MetricsCollector` owns its `CollectorRegistry`, so several collectors (tests, embedded services)
 never collide. `get_metrics()` returns the process-wide one, created on first use.

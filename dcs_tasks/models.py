@@ -1,7 +1,7 @@
 """Pydantic bodies of the coordinator's HTTP API, shared by the server and its clients.
 
 Both sides validate with these models, so a field renamed here is renamed everywhere. The shapes follow
-the seed's API models (RegisterRequest, RegisterResponse, HeartbeatResponse, TopologyResponse,
+the original design's API models (RegisterRequest, RegisterResponse, HeartbeatResponse, TopologyResponse,
 GroupRanksResponse, weight meta) with typed fields instead of bare dicts.
 """
 

@@ -7,7 +7,7 @@ rewritten, and a redelivered commit that finds its manifest already on disk keep
 pure function of the ledger, so its bytes would not change anyway).
 
 Metrics (recorded here, where the save becomes durable, once per committed step): `dcs_ckpt_commit_seconds`
-(this task's work) and the seed-named `dcs_save_latency_seconds` / `dcs_bytes_saved_total` /
+(this task's work) and the originally named `dcs_save_latency_seconds` / `dcs_bytes_saved_total` /
 `dcs_save_operations_total`, whose latency runs from the save's begin in the ledger to this commit.
 """
 

@@ -78,6 +78,7 @@ async def clear_weight_meta(store: WeightMetaDep) -> ClearWeightMetaResponse:
     operation_id="clear_weight_meta_get",
 )
 async def clear_weight_meta_get(store: WeightMetaDep) -> ClearWeightMetaResponse:
-    """The seed's GET form of POST /clear_weight_meta, kept for scripts. It changes state, so it needs the token
-    when one is set, and without a token it refuses cross-site browser requests (403); prefer POST."""
+    """The original design's GET form of POST /clear_weight_meta, kept for scripts (docs/seed_compat.md). It
+    changes state, so it needs the token when one is set, and without a token it refuses cross-site browser
+    requests (403); prefer POST."""
     return await clear_weight_meta(store)

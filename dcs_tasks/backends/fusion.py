@@ -164,9 +164,9 @@ def sglang_layout(specs: Iterable[TensorSpec]) -> FusionLayout:
 
 
 class TensorFusion:
-    """The seed's fusion API: fuse small tensors into one buffer to cut per-message overhead.
+    """The original design's fusion API: fuse small tensors into one buffer to cut per-message overhead.
 
-    `should_fuse` follows the seed: more than one tensor and at least `threshold_bytes` in total.
+    `should_fuse` follows the original design: more than one tensor and at least `threshold_bytes` in total.
     """
 
     def __init__(self, threshold_bytes: int = 1024 * 1024, alignment: int = ALIGNMENT) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoint metrics, registered next to the seed-named ones in `dcs_tasks.metrics.get_metrics()`.
+"""Checkpoint metrics, registered next to the originally named ones in `dcs_tasks.metrics.get_metrics()`.
 
 Each number is recorded in the process where its work happens (docs/operations.md, "Metrics"):
 

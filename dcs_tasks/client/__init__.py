@@ -1,5 +1,5 @@
 """Clients of DCS services. `CoordinatorAPI` talks to the coordinator over HTTP; `CheckpointEngineClient` and
-`create_client` (the seed's trainer/engine client) load lazily, with torch."""
+`create_client` (the original design's trainer/engine client) load lazily, with torch."""
 
 from typing import Any
 

@@ -1,4 +1,4 @@
-"""`CheckpointEngineClient`: the trainer's / engine's handle on DCS (the seed's client/engine.py).
+"""`CheckpointEngineClient`: the trainer's / engine's handle on DCS (the original design's client/engine.py).
 
 It wires parts, it does not implement them: a `CoordinatorAPI` (registration, heartbeats, topology), a
 `DeviceDirectBackend` (groups, broadcasts), a `RolloutUpdater` (actor -> rollout), an `ActorFwdSender` /
@@ -43,7 +43,7 @@ RECEIVING_ROLES = ("actor_fwd", "reference")
 
 
 def _state_of(model: Any) -> dict[str, torch.Tensor]:
-    """`model.state_dict()`; for a sequence of model chunks (the seed's `model`), their union."""
+    """`model.state_dict()`; for a sequence of model chunks (the original design's `model`), their union."""
     if model is None:
         raise WeightSyncError("this client has no model to push weights from")
     chunks = model if isinstance(model, Sequence) else [model]
@@ -103,7 +103,7 @@ class CheckpointEngineClient:
         self._background: asyncio.Task[None] | None = None
         self._checkpointer: Any = None
 
-    # --- properties (the seed's) ----------------------------------------------------------------
+    # --- properties (the original design's) ----------------------------------------------------------------
     @property
     def role(self) -> str:
         return self.role_info.role_name
@@ -358,7 +358,7 @@ async def create_client(**kwargs: Any) -> CheckpointEngineClient:
 
 @contextlib.asynccontextmanager
 async def _held(lock: Any, timeout: float) -> AsyncIterator[None]:
-    """Hold the seed's `lock` (an asyncio lock, or a threading/multiprocessing one, taken off the event loop)
+    """Hold the original design's `lock` (an asyncio lock, or a threading/multiprocessing one, taken off the event loop)
     for the length of a weight update, so updates guarded by one lock never overlap. None: no lock.
     DCSTimeoutError when it is not free within `timeout`; a cancelled wait never leaves it taken."""
     if lock is None:

@@ -48,7 +48,7 @@ def test_persist_and_commit_latency_are_exported_by_the_worker(dcs_config: DCSCo
 
 
 def test_trainer_gauges_follow_staging_memory_and_saves_in_flight(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    """The seed's dcs_memory_buffer_usage_bytes and dcs_pending_operations move with the trainer's staging
+    """The original design's dcs_memory_buffer_usage_bytes and dcs_pending_operations move with the trainer's staging
     pool and its saves, and return to where they were once the checkpointer closes."""
     from dcs_tasks.metrics import get_metrics
 

@@ -2,7 +2,7 @@
 `python -m tests.multihost.sync_trainer COORDINATOR_URL [IP]`.
 
 A `CheckpointEngineClient` configured from the `DCS_*` environment with every address at its default (or
-`ip=IP`, the seed's argument). Driven by JSON lines on stdin, one JSON answer per line on stdout:
+`ip=IP`, the original design's argument). Driven by JSON lines on stdin, one JSON answer per line on stdout:
 
   {"op": "state", "seed": S}                 {"digest": {name: sha256}} of the weights of seed S
   {"op": "update", "seed": S}                load seed S's weights and push them to the rollout engines;

@@ -1,4 +1,4 @@
-"""The seed's import paths work, and importing the packages stays light (torch loads on first use)."""
+"""The original design's import paths work, and importing the packages stays light (torch loads on first use)."""
 
 from __future__ import annotations
 

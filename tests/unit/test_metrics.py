@@ -1,4 +1,4 @@
-"""MetricsCollector: the seed's metric names, values a user reads back, and prometheus multiprocess mode."""
+"""MetricsCollector: the original design's metric names, values a user reads back, and prometheus multiprocess mode."""
 
 from __future__ import annotations
 
