@@ -98,27 +98,23 @@ def export_hf(
     config_path: Path | None = None,
 ) -> ExportResult:
     """Write step `step` (default: the newest committed step) of the run in `run_dir` to `out_dir` as a
-    Hugging Face directory. CheckpointNotFound when the step does not exist, CorruptCheckpoint when it does
-    not verify, CheckpointError for a prefix that selects nothing, names that clash, DTensor shards, a
-    multi-rank run, or an `out_dir` that already holds weights."""
+    Hugging Face directory. CheckpointNotFound when the step does not exist (or, in a multi-rank run, not
+    every rank committed it), CorruptCheckpoint when it does not verify, CheckpointError for a prefix that
+    selects nothing, names that clash, DTensor shards, or an `out_dir` that already holds weights."""
     if tied not in TIED_MODES:
         raise CheckpointError(f"tied must be one of {TIED_MODES}, not {tied!r}")
-    multi = bool(rank_dirs(run_dir))
-    step_dir, manifest = _committed_step(run_dir, step) if not multi else (None, None)
-    shards = _complete_step(run_dir, step) if multi else None
-    if shards is not None:
-        manifest = shards.manifests[0]
-    assert manifest is not None
+    shards = _complete_step(run_dir, step) if rank_dirs(run_dir) else None
+    step_dir, manifest = _committed_step(run_dir, step) if shards is None else (None, shards.manifests[0])
     picks, dropped = _select(manifest, normalise_prefix(prefix), tied)
+    _check_out_dir(out_dir)
+    config = _read_config(config_path) if config_path is not None else None
     gathered = _gather(shards, picks) if shards is not None else None
     specs = [_spec(p, manifest) if gathered is None else TensorSpec.of(p.name, gathered[p.stored]) for p in picks]
     layout = plan_layout(specs, max_shard_bytes)
     single = len(layout.files) == 1
     tensor_bytes = sum(slot.end - slot.begin for f in layout.files for slot in f.slots)
     names = [SINGLE_FILE] if single else [f.name for f in layout.files]
-    _check_out_dir(out_dir)
     make_dirs_durable(out_dir)
-    config = _read_config(config_path) if config_path is not None else None
     if gathered is not None:
         _write_gathered(gathered, picks, layout, out_dir, names)
     else:
