@@ -125,8 +125,10 @@ def test_export_shards_with_an_index_and_tied_copy_loads_strictly(dcs_config: DC
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save_step(config, tmp_path, "sharded", state, step=3)
 
+    model.config.save_pretrained(tmp_path / "cfg")  # --config copies it next to the weights
     out = tmp_path / "hf"
-    done = dcs_ckpt(config, "export", "--run", "sharded", "--step", "3", "--out", str(out), "--max-shard-size", "200KB")
+    args = ("--run", "sharded", "--step", "3", "--out", str(out), "--max-shard-size", "200KB")
+    done = dcs_ckpt(config, "export", *args, "--config", str(tmp_path / "cfg" / "config.json"))
     assert done.returncode == 0, done.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
@@ -134,7 +136,6 @@ def test_export_shards_with_an_index_and_tied_copy_loads_strictly(dcs_config: DC
     assert sorted(set(index["weight_map"].values())) == shards
     assert set(index["weight_map"]) == set(expected) - {"lm_head.weight"}
     assert index["metadata"]["total_size"] == sum(t.nbytes for k, t in expected.items() if k != "lm_head.weight")
-    model.config.save_pretrained(out)
     assert_bit_exact(expected, transformers.AutoModelForCausalLM.from_pretrained(out).state_dict())
 
     # --tied copy: every key is written, so plain torch can load it strictly without transformers' tying
@@ -178,6 +179,11 @@ def test_export_names_what_is_wrong(dcs_config: DCSConfig, tmp_path: Path) -> No
     assert dcs_ckpt(config, "export", "--run", "plain", "--out", str(tmp_path / "d")).returncode == 0
     done = dcs_ckpt(config, "export", "--run", "plain", "--out", str(tmp_path / "d"))
     assert done.returncode == 1 and "already holds ['model.safetensors']" in done.stderr
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    done = dcs_ckpt(
+        config, "export", "--run", "plain", "--out", str(tmp_path / "e"), "--config", str(tmp_path / "bad.json")
+    )
+    assert done.returncode == 1 and "is not a JSON object" in done.stderr and not (tmp_path / "e").exists()
 
 
 def test_export_of_a_multi_rank_run_joins_the_shards(dcs_config: DCSConfig, tmp_path: Path) -> None:
