@@ -542,12 +542,7 @@ def restore_step(
     source = RangeReader(verify)
     structure = shards.manifests[local].structure
     if into is None:
-        out: dict[str, torch.Tensor] = {}
-        for name in cat.pieces:
-            box = default_box(cat, name, rank, world_size)
-            out[name] = torch.empty(_size(box), dtype=CODE_DTYPES[cat.dtypes[name]])
-            fill_box(cat, name, box, out[name], source)
-        return unflatten_state(structure, out), source.bytes_read
+        return unflatten_state(structure, _read_all(cat, rank, world_size, source)), source.bytes_read
     flat = flatten_state(into)
     for name, (box, dest) in plan_targets(cat, flat, rank, world_size, strict).items():
         fill_box(cat, name, box, dest, source)
@@ -555,6 +550,26 @@ def restore_step(
         return into, source.bytes_read
     originals = {name: flat.dtensors[name].source if name in flat.dtensors else t for name, t in flat.tensors.items()}
     return unflatten_state(structure, originals), source.bytes_read
+
+
+def _read_all(cat: Catalog, rank: int, world_size: int, source: RangeReader) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in cat.pieces:
+        box = default_box(cat, name, rank, world_size)
+        out[name] = torch.empty(_size(box), dtype=CODE_DTYPES[cat.dtypes[name]])
+        fill_box(cat, name, box, out[name], source)
+    return out
+
+
+def read_flat(
+    shards: StepShards, *, rank: int = 0, world_size: int = 1, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """Stored tensor name -> tensor, as rank `rank` of `world_size` restores it without a target: DTensors
+    whole, `sharding=` tensors this rank's `tensor_split` part, the rest from the local source rank. With
+    the defaults: every tensor of any complete step (plain, `sharding=` or DTensor) as one trainer sees it
+    (e.g. for exporting). Reads like `restore_step` (chunk-verified where chunk checksums exist)."""
+    local = rank if rank < shards.world_size else 0
+    return _read_all(catalog(shards, local), rank, world_size, RangeReader(verify))
 
 
 def bytes_read_total() -> int:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint import dtensor, sharded
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StateMismatch
 from tests.checkpoint_support import as_bytes, ckpt_config, start_worker, training_state
@@ -76,3 +77,5 @@ def test_a_partial_target_after_resharding(config: DCSConfig) -> None:
     with Checkpointer("split", config, rank=1, world_size=3) as ckpt:
         assert ckpt.restore(into=target, strict=False).state is target
     assert torch.equal(target["model"]["w"], torch.tensor_split(full, 3)[1])
+    step = sharded.complete_steps(Path(config.checkpoint_dir) / "split")[7]
+    assert torch.equal(dtensor.read_flat(step)["model/w"], full)  # as one trainer sees it (export)
