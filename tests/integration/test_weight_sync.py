@@ -91,9 +91,10 @@ async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSCo
             await client.stop()
 
 
-def counter(exposition: bytes, name: str) -> float:
-    """The value of an unlabelled sample in Prometheus text exposition."""
-    for line in exposition.decode().splitlines():
+def counter(exposition: bytes | str, name: str) -> float:
+    """The value of an unlabelled sample in Prometheus text exposition (as served, or as exported: a str)."""
+    text = exposition.decode() if isinstance(exposition, bytes) else exposition
+    for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exported")
