@@ -104,12 +104,19 @@ import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint a
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
                         timeout=__import__("datetime").timedelta(seconds=60))
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 torch.manual_seed(100 + rank)
+mesh = init_device_mesh("cpu", (2,))
+split = distribute_tensor(torch.arange(42.0).reshape(7, 6), mesh, [Shard(0)])  # rows 0-3 on rank 0, 4-6 on 1
 state = {"model": {"shared.weight": torch.arange(12.0).reshape(3, 4),        # replicated: saved once
-                   f"rank{rank}.weight": torch.randn(5, rank + 2)},          # each rank's own key
+                   f"rank{rank}.weight": torch.randn(5, rank + 2),           # each rank's own key
+                   "split.weight": split},                                    # one chunk per rank
          "step": 11}
 dcp.save(state, checkpoint_id=sys.argv[3])
+state["model"]["split.weight"] = split.to_local()
 torch.save(state, sys.argv[3] + f".expected{rank}.pt")
+dist.barrier()  # neither rank tears the group down while the other still uses it
 dist.destroy_process_group()
 """
 
@@ -119,10 +126,18 @@ def test_import_dcp_saved_by_two_gloo_ranks(dcs_config: DCSConfig, tmp_path: Pat
     source = tmp_path / "dcp2"
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), port, str(source)], env=env) for r in range(2)
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(r), port, str(source)],
+            env=env,
+            stdout=logs[r].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
     ]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     assert sorted(p.name for p in source.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
     done = dcs_ckpt(config, "import", "--run", "two", "--step", "1", "--from", str(source), "--format", "dcp")
@@ -135,10 +150,12 @@ def test_import_dcp_saved_by_two_gloo_ranks(dcs_config: DCSConfig, tmp_path: Pat
             "shared.weight": ranks[0]["model"]["shared.weight"],
             "rank0.weight": ranks[0]["model"]["rank0.weight"],
             "rank1.weight": ranks[1]["model"]["rank1.weight"],
+            "split.weight": torch.cat([ranks[0]["model"]["split.weight"], ranks[1]["model"]["split.weight"]]),
         },
         "step": 11,
     }
     assert restored.state["step"] == 11
+    assert torch.equal(expected["model"]["split.weight"], torch.arange(42.0).reshape(7, 6))
     assert sorted(restored.state["model"]) == sorted(expected["model"])
     for key, tensor in expected["model"].items():
         assert torch.equal(restored.state["model"][key], tensor), key
