@@ -13,16 +13,15 @@ Metrics (recorded here, where the save becomes durable, once per committed step)
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import time
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest, manifest_bytes, step_dir_name
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest, manifest_bytes
 from dcs_tasks.checkpoint.fsio import write_bytes_durably
+from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.ledger import StepStatus, Verdict
 from dcs_tasks.checkpoint.models import CommitRequest
-from dcs_tasks.checkpoint.reader import read_latest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save
 from dcs_tasks.errors import CheckpointFailed
 from workers.persist import ledger
@@ -30,7 +29,6 @@ from workers.runtime import runtime
 from workers.trust import trusted_step_dir
 
 log = logging.getLogger(__name__)
-LATEST_LOCK_NAME = ".latest.lock"
 
 
 def commit(req: CommitRequest, task_id: str) -> Verdict:
@@ -70,14 +68,3 @@ def remove_stray_temps(step_dir: Path) -> None:
     """Delete temp files left by persist attempts that died mid-write (every file is durable by now)."""
     for tmp in step_dir.glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
-
-
-def move_latest(run_dir: Path, step: int, tag: str) -> None:
-    """Point `latest` at `step` unless it already names a newer step (under a lock: commits of two steps
-    may run at once in different worker processes)."""
-    with open(run_dir / LATEST_LOCK_NAME, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        current = read_latest(run_dir)
-        if current is not None and current >= step:
-            return
-        write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)

@@ -52,7 +52,7 @@ def temp_path(final: Path, tag: str) -> Path:
     return final.with_name(f".{final.name}.{tag}.tmp")
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_all(fd: int, data: memoryview) -> None:
     pos, size = 0, len(data)
     while pos < size:
         with data[pos:] as rest:  # views over an mmap must be released, or it cannot be closed
@@ -93,7 +93,7 @@ def durable_file(final: Path, tag: str, direct: bool = False) -> Iterator[int]:
 
 def write_bytes_durably(final: Path, data: bytes, tag: str) -> None:
     with durable_file(final, tag) as fd:
-        _write_all(fd, memoryview(data))
+        write_all(fd, memoryview(data))
 
 
 def stream_region(
@@ -125,12 +125,12 @@ def _to_buffered(fd: int) -> None:
 def _write_chunk(fd: int, piece: memoryview) -> None:
     """Write `piece`; under O_DIRECT the aligned head goes direct and an unaligned tail goes buffered."""
     if not _is_direct(fd):
-        _write_all(fd, piece)
+        write_all(fd, piece)
         return
     aligned = len(piece) - len(piece) % DIRECT_ALIGN
     try:
         with piece[:aligned] as head:
-            _write_all(fd, head)
+            write_all(fd, head)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -139,7 +139,7 @@ def _write_chunk(fd: int, piece: memoryview) -> None:
     if aligned < len(piece):
         _to_buffered(fd)
         with piece[aligned:] as tail:
-            _write_all(fd, tail)
+            write_all(fd, tail)
 
 
 def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None) -> None:

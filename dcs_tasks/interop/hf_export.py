@@ -36,7 +36,7 @@ import torch
 
 from dcs_tasks.checkpoint.fastread import Target, read_scatter
 from dcs_tasks.checkpoint.format import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
-from dcs_tasks.checkpoint.fsio import durable_file, make_dirs_durable, write_bytes_durably
+from dcs_tasks.checkpoint.fsio import durable_file, make_dirs_durable, write_all, write_bytes_durably
 from dcs_tasks.checkpoint.reader import load_manifest, load_tensors, step_dirs
 from dcs_tasks.checkpoint.sharded import (
     StepShards,
@@ -173,17 +173,11 @@ def _write_gathered(
     with contextlib.ExitStack() as stack:
         for f, name in zip(layout.files, names, strict=True):
             fd = stack.enter_context(durable_file(out_dir / name, "dcs-export"))
-            _write_all(fd, memoryview(hf_header(f.slots)))
+            write_all(fd, memoryview(hf_header(f.slots)))
             for slot in f.slots:
                 if slot.end > slot.begin:
                     data = tensors[stored_of[slot.spec.name]].contiguous().reshape(-1).view(torch.uint8)
-                    _write_all(fd, data.numpy().data)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.write(fd, data[pos:])
+                    write_all(fd, data.numpy().data)
 
 
 def _select(manifest: Manifest, prefix: str, tied: str) -> tuple[list[_Pick], dict[str, str]]:

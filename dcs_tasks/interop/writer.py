@@ -13,7 +13,6 @@ step directory (never a committed one) is removed. Memory: one file of the layou
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import time
@@ -25,7 +24,6 @@ import redis
 import torch
 
 from dcs_tasks.checkpoint.format import (
-    LATEST_NAME,
     MANIFEST_NAME,
     FileEntry,
     FileLayout,
@@ -38,10 +36,10 @@ from dcs_tasks.checkpoint.format import (
     step_dir_name,
     tensor_index,
 )
-from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region, write_bytes_durably
+from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import validate_run_name, validate_step
-from dcs_tasks.checkpoint.reader import read_latest
 from dcs_tasks.checkpoint.sharded import rank_dirs
 from dcs_tasks.checkpoint.structure import flatten_state
 from dcs_tasks.checkpoint.validate import check_manifest
@@ -49,8 +47,6 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-
-LATEST_LOCK_NAME = ".latest.lock"  # the lock `workers.commit.move_latest` takes: one lock for every committer
 
 
 def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Path:
@@ -149,32 +145,16 @@ def write_file(step_dir: Path, f: FileLayout, tensors: dict[str, torch.Tensor], 
     stream it to `step_dir/f.name` with the persist writer; returns its entry with the checksum."""
     fd = os.memfd_create("dcs-import", os.MFD_CLOEXEC)
     try:
-        _write_all(fd, memoryview(f.header))
+        write_all(fd, memoryview(f.header))
         pos = 0
         for slot in f.slots:
             if slot.begin != pos:
                 raise CheckpointFailed(f"layout of {f.name} has a gap before {slot.spec.name!r}")
             if slot.end > slot.begin:
                 src = tensors[slot.spec.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                _write_all(fd, src.numpy().data)
+                write_all(fd, src.numpy().data)
             pos = slot.end
         checksum = stream_region(Path(f"/proc/self/fd/{fd}"), 0, f.size, step_dir / f.name, tag)
     finally:
         os.close(fd)
     return FileEntry(name=f.name, size=f.size, checksum=checksum)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.write(fd, data[pos:])
-
-
-def move_latest(run_dir: Path, step: int, tag: str) -> None:
-    """Point `latest` at `step` unless it names a newer step, under the lock every committer takes."""
-    with open(run_dir / LATEST_LOCK_NAME, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        current = read_latest(run_dir)
-        if current is not None and current >= step:
-            return
-        write_bytes_durably(run_dir / LATEST_NAME, f"{step_dir_name(step)}\n".encode(), tag)
