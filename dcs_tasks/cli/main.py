@@ -36,9 +36,16 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+# Long-running commands keep Python's SIGPIPE handling (ignored: a client that hangs up mid-answer fails that
+# one connection with EPIPE); the default action would kill a server on the first abandoned answer.
+SERVERS = frozenset({"coordinator", "worker", "receiver", "engine", "up", "demo"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dcs ... | head` ends quietly
     args_list = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args_list if not a.startswith("-")), None)
+    if chosen not in SERVERS:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dcs ckpt list | head` ends quietly
     parser = _build_parser(args_list)
     args = parser.parse_args(args_list)
     func = getattr(args, "func", None)
