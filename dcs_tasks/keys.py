@@ -118,6 +118,16 @@ class Keys:
         """K monotonically increasing epoch of a group name."""
         return self._k("group", group_name, "epoch")
 
+    def bootstrap_request(self, request_id: str) -> str:
+        """K epoch given to one bootstrap request (task id or the client's request id; TTL): a redelivered
+        or re-sent bootstrap gets the same epoch, hence the same group record and master port."""
+        return self._k("group", "bootstrap", request_id)
+
+    def join_claim(self, join_id: str) -> str:
+        """K claim of one engine join (TTL): "sending" while its POST is in flight, then the JoinResult JSON,
+        so a redelivered join never POSTs /init_weights_update_group a second time."""
+        return self._k("group", "join", join_id)
+
     # --- workers --------------------------------------------------------------------------------
     def worker_presence(self, queue: str) -> str:
         """K present while a worker consumes `queue` (TTL refreshed by the worker)."""

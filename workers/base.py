@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from celery import Task
+from pydantic import BaseModel, ValidationError
 
 from dcs_tasks.errors import DCSError, InvalidTaskPayload
 from dcs_tasks.metrics import get_metrics
@@ -38,12 +39,23 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 NEVER_RETRY: tuple[type[BaseException], ...] = (InvalidTaskPayload,)
+M = TypeVar("M", bound=BaseModel)
 RETRY_ERROR = "task_retry"
 FAILED_ERROR = "task_failed"
 
 
 class RedeliveryLimitExceeded(DCSError):
     """A task was delivered more often than `max_redeliveries` (its process kept dying)."""
+
+
+def parse_payload(model: type[M], payload: Any, task: str) -> M:
+    """`payload` as `model`, or InvalidTaskPayload naming each bad field (never the raw input): a malformed
+    payload fails at once and is never retried."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
+        raise InvalidTaskPayload(f"{task} payload refused: {problems[:2000]}") from None
 
 
 def backoff_seconds(retries: int, base: float, cap: float) -> float:

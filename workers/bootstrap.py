@@ -1,32 +1,60 @@
 """Group bootstrap on the trainer's host: master-port reservation, group records, engine joins, teardown.
 
 A master port is taken from `comm_base_port..comm_max_port` only if (1) `SET NX` of its reservation key
-succeeds (TTL `PORT_RESERVATION_TTL_SECONDS`, value = group name) and (2) it binds on the master address
-right now. So no two groups, of any run, share a host:port while reserved. `release_port` deletes the key
-only if it still names the group (Lua compare-and-delete), so a late destroy cannot free a port that was
-re-reserved by another group.
+succeeds (value = group name) and (2) it binds on the master address right now. So no two groups, of any run,
+share a host:port while reserved. `release_port` deletes the key only if it still names the group (Lua
+compare-and-delete), so a late destroy cannot free a port that was re-reserved by another group.
+
+Idempotent under redelivery (docs/reliability.md, "Weight-sync bootstrap tasks"): a bootstrap is keyed by its
+request id (the client's, else the task id). `claim_epoch` gives every delivery of one request the same epoch,
+so the same group name and record; `group_port` records the reserved port in that record in the same Lua
+script that reserves it, so a delivery killed anywhere after it finds the port there instead of reserving a
+second one; each join is sent once per engine (`join:<node>` in the record) under a deterministic task id, and
+`join_once` claims the join before POSTing, so no engine gets `/init_weights_update_group` twice for one group
+(a second one re-initialises SGLang's group and is refused by `dcs receiver`).
+
+Lifecycle of the record (`GroupStatus`): BOOTSTRAPPING -> READY once every engine answered its join ->
+DESTROYED at teardown, which also releases the port. The record and the port reservation live `bootstrap_ttl`
+while bootstrapping (a bootstrap the trainer gave up on frees them by itself), then `GROUP_RECORD_TTL_SECONDS`
+and `PORT_RESERVATION_TTL_SECONDS` once READY (the backstop when no teardown comes).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
+from collections.abc import Callable
 
 import httpx
 import redis
 
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import PortAllocationError
+from dcs_tasks.errors import PortAllocationError, WeightSyncError
 from dcs_tasks.keys import Keys
 from dcs_tasks.sync.engine_protocol import auth_headers
-from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, GroupStatus, JoinOutcome, JoinRequest, JoinResult
+from dcs_tasks.sync.models import (
+    BootstrapRequest,
+    BootstrapResult,
+    DestroyRequest,
+    EngineEndpoint,
+    GroupStatus,
+    InitWeightsUpdateGroupRequest,
+    JoinOutcome,
+    JoinRequest,
+    JoinResult,
+)
 
 log = logging.getLogger(__name__)
 
 PORT_RESERVATION_TTL_SECONDS = 6 * 3600
 GROUP_RECORD_TTL_SECONDS = 7 * 24 * 3600
+DESTROYED_RECORD_TTL_SECONDS = 24 * 3600
+PAUSE_ENV = "DCS_BOOTSTRAP_PAUSE_SECONDS"
+"""Fault tests only: seconds `bootstrap_group` sleeps after reserving the port, before sending joins."""
+JOIN_SENDING = "sending"
 
 # KEYS[1] = reservation key; ARGV[1] = group name that must own it. Returns 1 if deleted.
 _RELEASE_LUA = """
@@ -35,6 +63,136 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+# KEYS[1] = bootstrap request key, KEYS[2] = epoch counter; ARGV[1] = TTL. The request's epoch, drawn once.
+_EPOCH_LUA = """
+local epoch = redis.call('GET', KEYS[1])
+if epoch then return tonumber(epoch) end
+epoch = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], epoch, 'EX', ARGV[1])
+return epoch
+"""
+
+# KEYS[1] = group record; ARGV[1] = TTL, then field/value pairs. Creates the record unless it exists; returns
+# its status.
+_OPEN_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status then return status end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return redis.call('HGET', KEYS[1], 'status')
+"""
+
+# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = port, ARGV[3] = TTL.
+# The port already recorded (> 0), 0 if this port is taken, -1 if reserved and recorded now.
+_RESERVE_LUA = """
+local have = redis.call('HGET', KEYS[2], 'master_port')
+if have then return tonumber(have) end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[2], 'master_port', ARGV[2], 'port_checked', '0')
+return -1
+"""
+
+# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = port. Undo _RESERVE_LUA.
+_UNRESERVE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('HGET', KEYS[2], 'master_port') == ARGV[2] then
+  redis.call('HDEL', KEYS[2], 'master_port', 'port_checked')
+end
+return 0
+"""
+
+# KEYS[1] = group record; ARGV[1] = node id ('' for none), ARGV[2] = now, ARGV[3] = record TTL once READY.
+# Counts a joined engine once; turns a BOOTSTRAPPING record READY when every engine joined. 1 when it did.
+_JOINED_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[1] ~= '' and redis.call('HSETNX', KEYS[1], 'joined:' .. ARGV[1], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'joined_count', 1)
+end
+if redis.call('HGET', KEYS[1], 'status') ~= 'bootstrapping' then return 0 end
+local joined = tonumber(redis.call('HGET', KEYS[1], 'joined_count') or '0')
+if joined < tonumber(redis.call('HGET', KEYS[1], 'engines') or '0') then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'ready', 'ready_at', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = TTL. Extends our reservation.
+_EXTEND_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS[1] = group record; ARGV[1] = now, ARGV[2] = reason, ARGV[3] = TTL. Marks an existing record DESTROYED
+# (once: the first reason stays).
+_DESTROYED_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HGET', KEYS[1], 'status') == 'destroyed' then return 1 end
+redis.call('HSET', KEYS[1], 'status', 'destroyed', 'destroyed_at', ARGV[1], 'destroy_reason', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class GroupAlreadyDestroyed(WeightSyncError):
+    """A bootstrap delivered again after its group was torn down: it is not formed a second time."""
+
+
+SendJoin = Callable[[str, JoinRequest], None]
+"""Enqueues one join under the given task id (the Celery task passes its app's `send_task`)."""
+
+
+def bootstrap(
+    client: redis.Redis, keys: Keys, config: DCSConfig, request: BootstrapRequest, request_id: str, send: SendJoin
+) -> BootstrapResult:
+    """Epoch, record, master port, one join per engine: the same at every delivery of `request_id`."""
+    ttl = bootstrap_ttl(config)
+    epoch = claim_epoch(client, keys, request_id, request.group_prefix, ttl)
+    group = group_name_of(request.group_prefix, epoch)
+    status = open_group(client, keys, group, epoch, request, config.host_name, request_id, ttl)
+    if status is GroupStatus.DESTROYED:
+        reason = _text(client.hget(keys.group(group), "destroy_reason"))
+        raise GroupAlreadyDestroyed(f"group {group} of bootstrap {request_id} was already destroyed ({reason})")
+    port = group_port(client, keys, config, request.master_address, group, ttl)
+    fault_pause()
+    join_ids = []
+    for engine in request.plan.engines:
+        task_id = join_id(request_id, engine.node_id)
+        if not join_sent(client, keys, group, engine.node_id):  # sent by a delivery before this one
+            send(task_id, _join_request(request, engine, group, port, config.group_init_timeout_seconds))
+            mark_join_sent(client, keys, group, engine.node_id, task_id)
+        join_ids.append(task_id)
+    if not request.plan.engines:
+        mark_joined(client, keys, group, None, config.host_name, port)
+    return BootstrapResult(
+        group_name=group,
+        epoch=epoch,
+        master_address=request.master_address,
+        master_port=port,
+        world_size=request.plan.world_size,
+        join_task_ids=join_ids,
+    )
+
+
+def _join_request(
+    request: BootstrapRequest, engine: EngineEndpoint, group: str, port: int, timeout: float
+) -> JoinRequest:
+    body = InitWeightsUpdateGroupRequest(
+        master_address=request.master_address,
+        master_port=port,
+        rank_offset=engine.rank_offset,
+        world_size=request.plan.world_size,
+        group_name=group,
+        backend=request.backend,
+    )
+    return JoinRequest(engine=engine, body=body, timeout_seconds=timeout)
+
+
+def bootstrap_ttl(config: DCSConfig) -> int:
+    """Seconds a bootstrap's epoch, join claims and (until READY) its port reservation live: twice the
+    visibility timeout, so they outlive every redelivery of the task (a redelivery comes at the latest one
+    visibility timeout after the delivery that died)."""
+    return int(config.visibility_timeout_seconds * 2)
 
 
 def port_binds(address: str, port: int) -> bool:
@@ -57,36 +215,151 @@ def reserve_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: st
         if port_binds(address, port):
             return port
         client.delete(key)
-    raise PortAllocationError(
-        f"no free master port in {config.comm_base_port}-{config.comm_max_port} on host {host} ({address}): every "
-        "port is reserved in Redis or bound; destroy idle groups or widen DCS_COMM_BASE_PORT/DCS_COMM_MAX_PORT"
-    )
+    raise _exhausted(config, address)
 
 
 def release_port(client: redis.Redis, keys: Keys, host: str, port: int, group_name: str) -> bool:
     return bool(client.eval(_RELEASE_LUA, 1, keys.port_reservation(host, port), group_name))
 
 
-def record_group(
-    client: redis.Redis, keys: Keys, group_name: str, epoch: int, request: BootstrapRequest, port: int, host: str
-) -> None:
-    """H group record: members, epoch, master address; readable by operators and by `destroy`."""
+def claim_epoch(client: redis.Redis, keys: Keys, request_id: str, group_prefix: str, ttl: int) -> int:
+    """The epoch of bootstrap request `request_id`: drawn from the prefix's counter at its first delivery and
+    the same at every later one (Lua, so two deliveries at once get one epoch too)."""
+    key = keys.bootstrap_request(request_id)
+    return int(client.eval(_EPOCH_LUA, 2, key, keys.group_epoch(group_prefix), ttl))
+
+
+def group_name_of(group_prefix: str, epoch: int) -> str:
+    return f"{group_prefix}-e{epoch}"
+
+
+def open_group(
+    client: redis.Redis,
+    keys: Keys,
+    group_name: str,
+    epoch: int,
+    request: BootstrapRequest,
+    host: str,
+    request_id: str,
+    ttl: int,
+) -> GroupStatus:
+    """Create the group's H record (members, epoch, master address; status BOOTSTRAPPING; TTL `ttl` until
+    READY) unless a delivery before this one did; returns its status (a redelivery may find it READY or
+    DESTROYED)."""
     key = keys.group(group_name)
-    members = [e.model_dump(mode="json") for e in request.plan.engines]
-    client.hset(
-        key,
-        mapping={
-            "epoch": epoch,
-            "host": host,
-            "master_address": request.master_address,
-            "master_port": port,
-            "world_size": request.plan.world_size,
-            "members": json.dumps(members),
-            "status": GroupStatus.BOOTSTRAPPING.value,
-            "created_at": time.time(),
-        },
+    fields: dict[str, str | int | float] = {
+        "epoch": epoch,
+        "request_id": request_id,
+        "host": host,
+        "master_address": request.master_address,
+        "world_size": request.plan.world_size,
+        "engines": len(request.plan.engines),
+        "members": json.dumps([e.model_dump(mode="json") for e in request.plan.engines]),
+        "status": GroupStatus.BOOTSTRAPPING.value,
+        "created_at": time.time(),
+    }
+    args = [str(item) for pair in fields.items() for item in pair]
+    status = client.eval(_OPEN_LUA, 1, key, ttl, *args)
+    return GroupStatus(_text(status))
+
+
+def group_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str, group_name: str, ttl: int) -> int:
+    """The group's master port: the one its record holds (a redelivery), else a newly reserved one.
+
+    A recorded port is re-checked for binding only while `port_checked` is "0" (the delivery that reserved it
+    died before checking). Once checked it is returned as is: the trainer may already be listening on it."""
+    record = keys.group(group_name)
+    for _ in range(config.comm_max_port - config.comm_base_port + 2):
+        recorded, checked = client.hmget(record, ["master_port", "port_checked"])
+        if recorded is None:
+            return _reserve_into(client, keys, config, address, group_name, ttl)
+        port = int(recorded)
+        if _text(checked) == "1":
+            return port
+        if port_binds(address, port):
+            client.hset(record, "port_checked", "1")
+            return port
+        client.eval(_UNRESERVE_LUA, 2, keys.port_reservation(config.host_name, port), record, group_name, port)
+    raise PortAllocationError(f"group {group_name}: no recorded master port binds on {address}")
+
+
+def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: str, group_name: str, ttl: int) -> int:
+    """`reserve_port`, recording the port in the group's record in the same Lua script that reserves it."""
+    host, record = config.host_name, keys.group(group_name)
+    for port in range(config.comm_base_port, config.comm_max_port + 1):
+        key = keys.port_reservation(host, port)
+        got = int(client.eval(_RESERVE_LUA, 2, key, record, group_name, port, ttl))
+        if got > 0:  # another delivery of this request recorded one meanwhile
+            return group_port(client, keys, config, address, group_name, ttl)
+        if got == 0:
+            continue
+        if port_binds(address, port):
+            client.hset(record, "port_checked", "1")
+            return port
+        client.eval(_UNRESERVE_LUA, 2, key, record, group_name, port)
+    raise _exhausted(config, address)
+
+
+def _exhausted(config: DCSConfig, address: str) -> PortAllocationError:
+    return PortAllocationError(
+        f"no free master port in {config.comm_base_port}-{config.comm_max_port} on host {config.host_name} "
+        f"({address}): every port is reserved in Redis or bound; destroy idle groups or widen "
+        "DCS_COMM_BASE_PORT/DCS_COMM_MAX_PORT"
     )
-    client.expire(key, GROUP_RECORD_TTL_SECONDS)
+
+
+def join_id(request_id: str, node_id: str) -> str:
+    """The task id of one engine's join: the same at every delivery of the bootstrap that sends it."""
+    return f"{request_id}-join-{node_id}"
+
+
+def join_sent(client: redis.Redis, keys: Keys, group_name: str, node_id: str) -> bool:
+    return client.hget(keys.group(group_name), f"join:{node_id}") is not None
+
+
+def mark_join_sent(client: redis.Redis, keys: Keys, group_name: str, node_id: str, task_id: str) -> None:
+    client.hset(keys.group(group_name), f"join:{node_id}", task_id)
+
+
+def mark_joined(
+    client: redis.Redis, keys: Keys, group_name: str, node_id: str | None, host: str, port: int | None = None
+) -> bool:
+    """Count `node_id` as joined (once); when every engine has, BOOTSTRAPPING -> READY and the port reservation
+    gets its long TTL. `node_id` None only checks (a group without engines is READY at once)."""
+    record = keys.group(group_name)
+    args = (node_id or "", time.time(), GROUP_RECORD_TTL_SECONDS)
+    ready = bool(client.eval(_JOINED_LUA, 1, record, *args))
+    if ready:
+        if port is None:
+            port = int(_text(client.hget(record, "master_port")) or 0)
+        if port:
+            key = keys.port_reservation(host, port)
+            client.eval(_EXTEND_LUA, 2, key, record, group_name, PORT_RESERVATION_TTL_SECONDS)
+        log.info("group %s is ready", group_name)
+    return ready
+
+
+def group_status(client: redis.Redis, keys: Keys, group_name: str) -> GroupStatus | None:
+    value = _text(client.hget(keys.group(group_name), "status"))
+    return GroupStatus(value) if value else None
+
+
+def fault_pause() -> None:
+    """Sleep `DCS_BOOTSTRAP_PAUSE_SECONDS` (fault tests: a worker killed here has reserved a port and sent no
+    join). Unset, empty or malformed: no pause."""
+    try:
+        seconds = float(os.environ.get(PAUSE_ENV) or 0)
+    except ValueError:
+        return
+    if seconds > 0:
+        log.warning("%s=%g: pausing the bootstrap before its joins", PAUSE_ENV, seconds)
+        time.sleep(min(seconds, 3600.0))
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
@@ -128,10 +401,49 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
     )
 
 
+def join_once(
+    client: redis.Redis, keys: Keys, request: JoinRequest, task_id: str | None, host: str, ttl: int, token: str | None
+) -> JoinResult:
+    """`join_engine`, at most once per join task id: the claim is taken before the POST and holds the result
+    after it, so a redelivered join answers what the first one got (or, when the first died mid-POST, success
+    unconfirmed: a second `/init_weights_update_group` would re-initialise SGLang's group, and the trainer's
+    own rendezvous proves whether the engine is in). A successful join is counted in the group record."""
+    group = request.body.group_name
+    node = request.engine.node_id
+    claim = keys.join_claim(task_id) if task_id else None
+    if claim is not None and not client.set(claim, JOIN_SENDING, nx=True, ex=ttl):
+        result = _claimed_result(client.get(claim), node, group)
+    else:
+        result = join_engine(request, token)
+        if claim is not None:
+            client.set(claim, result.model_dump_json(), ex=ttl)
+    if result.success:
+        mark_joined(client, keys, group, node, host, request.body.master_port)
+    return result
+
+
+def _claimed_result(value: object, node: str, group: str) -> JoinResult:
+    text = _text(value)
+    if text and text != JOIN_SENDING:
+        return JoinResult.model_validate_json(text)
+    log.warning("join of %s to %s was sent by a delivery that died; not sent again", node, group)
+    return JoinResult(
+        node_id=node,
+        success=True,
+        message=f"join of {node} to {group} was sent by an earlier delivery that died; not sent again (the "
+        "trainer's rendezvous confirms it)",
+    )
+
+
 def destroy_group(
     client: redis.Redis, keys: Keys, request: DestroyRequest, timeout: float = 10.0, token: str | None = None
 ) -> int:
-    """Best-effort engine teardown, then port release and record removal; returns engines that answered."""
+    """Best-effort engine teardown, then port release; the record turns DESTROYED (kept
+    `DESTROYED_RECORD_TTL_SECONDS` for operators). Returns the engines that answered; a group already
+    DESTROYED (a redelivered destroy) is not torn down again."""
+    if group_status(client, keys, request.group_name) is GroupStatus.DESTROYED:
+        release_port(client, keys, request.host, request.master_port, request.group_name)
+        return 0
     answered = 0
     for engine in request.engines:
         try:
@@ -145,5 +457,28 @@ def destroy_group(
         except httpx.HTTPError as exc:
             log.info("engine %s did not answer destroy of %s: %s", engine.node_id, request.group_name, exc)
     release_port(client, keys, request.host, request.master_port, request.group_name)
-    client.delete(keys.group(request.group_name))
+    mark_destroyed(client, keys, request.group_name, "destroyed by its trainer")
     return answered
+
+
+def mark_destroyed(client: redis.Redis, keys: Keys, group_name: str, reason: str) -> bool:
+    """DESTROYED with `reason` (an absent record stays absent); True if the record existed."""
+    record = keys.group(group_name)
+    args = (time.time(), reason[:500], DESTROYED_RECORD_TTL_SECONDS)
+    return bool(client.eval(_DESTROYED_LUA, 1, record, *args))
+
+
+def abandon_bootstrap(
+    client: redis.Redis, keys: Keys, host: str, request_id: str, group_prefix: str, reason: str
+) -> str | None:
+    """A bootstrap that failed for good: release its port and mark its record DESTROYED (its trainer never
+    learned the group, so no teardown will come). Returns the group name, None if it drew no epoch."""
+    epoch = _text(client.get(keys.bootstrap_request(request_id)))
+    if not epoch:
+        return None
+    group = group_name_of(group_prefix, int(epoch))
+    port = _text(client.hget(keys.group(group), "master_port"))
+    if port:
+        release_port(client, keys, host, int(port), group)
+    mark_destroyed(client, keys, group, f"bootstrap failed: {reason}")
+    return group

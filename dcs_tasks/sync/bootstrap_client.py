@@ -1,23 +1,28 @@
 """Trainer side of group bootstrap: enqueue the bootstrap task, join as rank 0, retry with backoff.
 
-Call order: `form_group(plan)` -> (updates) -> `release(group)`. A group counts as formed only from what
-SGLang's protocol gives: every engine's `POST /init_weights_update_group` answered success (SGLang answers
-only after each of its TP ranks built the group) and the trainer's own group construction completed within
-`group_init_timeout_seconds` (for gloo that constructor connects the full mesh, so it completes only once
-every engine rank connected). For NCCL see `dcs_tasks.backends.process_group` (the first broadcast proves it).
-Timeouts and port collisions are retried `max_retries` times with exponential backoff, then raise
-`GroupInitError` / `PortAllocationError` naming what failed; when the trainer's own construction failed too,
-the error carries its reason and every engine's, and blames the trainer when it failed by itself (e.g. its
-master port taken: the engines, left without a master, are victims), not by waiting for or losing its
-members. Failures no retry can fix raise at once, before any join is sent: a backend that cannot run in this
-process (`check_backend`: NCCL without CUDA, a missing device, an unknown backend -> `BackendUnavailable`)
-and a loopback master address with an engine on another address (`LoopbackAddressError`).
+Call order: `form_group(plan)` -> (updates) -> `release(group)`. Each attempt sends its bootstrap with a
+fresh request id (also its task id), so a redelivered bootstrap task returns that attempt's group again
+instead of forming another (workers/bootstrap.py); `release` turns the group record DESTROYED.
+
+A group counts as formed only from what SGLang's protocol gives: every engine's `POST
+/init_weights_update_group` answered success (SGLang answers only after each of its TP ranks built the group)
+and the trainer's own group construction completed within `group_init_timeout_seconds` (for gloo that
+constructor connects the full mesh, so it completes only once every engine rank connected). For NCCL see
+`dcs_tasks.backends.process_group` (the first broadcast proves it). Timeouts and port collisions are retried
+`max_retries` times with exponential backoff, then raise `GroupInitError` / `PortAllocationError` naming what
+failed; when the trainer's own construction failed too, the error carries its reason and every engine's, and
+blames the trainer when it failed by itself (e.g. its master port taken: the engines, left without a master,
+are victims), not by waiting for or losing its members. Failures no retry can fix raise at once, before any
+join is sent: a backend that cannot run in this process (`check_backend`: NCCL without CUDA, a missing device,
+an unknown backend -> `BackendUnavailable`) and a loopback master address with an engine on another address
+(`LoopbackAddressError`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -89,14 +94,16 @@ class GroupBootstrapper:
         raise kind(f"group formation failed after {self.config.max_retries + 1} attempts: {last}", last.member)
 
     async def _form_once(self, plan: GroupPlan) -> ActiveGroup:
+        request_id = uuid.uuid4().hex  # one per attempt: every delivery of it forms the same group
         request = BootstrapRequest(
             group_prefix=self.group_prefix,
             master_address=self.master_address,
             plan=plan,
             backend=self.backend.backend_type,
+            request_id=request_id,
         )
         result = BootstrapResult.model_validate(
-            await self._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
+            await self._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"), task_id=request_id)
         )
         spec = GroupSpec(
             result.group_name,
@@ -152,10 +159,13 @@ class GroupBootstrapper:
                 )
         return sorted(failures, key=lambda f: f[0])
 
-    async def _run_task(self, name: TaskName, payload: dict[str, Any]) -> Any:
+    async def _run_task(self, name: TaskName, payload: dict[str, Any], task_id: str | None = None) -> Any:
+        """Send the task and wait for its result. It expires when this wait does: a delivery that comes later
+        (a killed worker's task, restored) is dropped by the worker, not run for a trainer that gave up."""
         timeout = self.config.group_init_timeout_seconds
         try:
-            sent = self.celery.send_task(name.value, args=[payload], queue=node_queue(self.config.host_name))
+            queue = node_queue(self.config.host_name)
+            sent = self.celery.send_task(name.value, args=[payload], queue=queue, task_id=task_id, expires=timeout)
             return await asyncio.to_thread(sent.get, timeout=timeout)
         except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses the builtin
             raise GroupInitError(

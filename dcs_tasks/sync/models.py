@@ -173,6 +173,9 @@ class BootstrapRequest(BaseModel):
     master_address: str
     plan: GroupPlan
     backend: BackendType = BackendType.GLOO
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Idempotency key (default: the task id): every delivery of one request gets the same epoch, master port
+    and join tasks, so a redelivered or re-sent bootstrap forms no second group."""
 
 
 class BootstrapResult(BaseModel):
@@ -218,5 +221,11 @@ class DestroyRequest(BaseModel):
 
 
 class GroupStatus(str, enum.Enum):
+    """Lifecycle of a group record: BOOTSTRAPPING (epoch and master port reserved, joins sent) -> READY (every
+    engine answered its join) -> DESTROYED (torn down, port released; the record stays a while for operators).
+    A group that never forms goes from BOOTSTRAPPING to DESTROYED (the trainer's teardown, or a bootstrap task
+    that failed for good)."""
+
     BOOTSTRAPPING = "bootstrapping"
+    READY = "ready"
     DESTROYED = "destroyed"
