@@ -194,7 +194,9 @@ class DCSConfig(BaseSettings):
     tcp_nodelay: bool = True
     """TCP_NODELAY on a receiver's HTTP socket (off costs a 40 ms delayed ACK per request)."""
     tensor_fusion_threshold: int = Field(default=1 * MiB, ge=0)
-    """TensorFusion.should_fuse: fuse more than one tensor once their total reaches this many bytes."""
+    """Point-to-point `send`/`recv` of a tensor dict (the original design's API): more than one tensor totalling
+    at least this many bytes travel as one fused message, others one message per tensor (both ends need the same
+    value). Weight updates always travel in fused buckets (`bucket_size_bytes`)."""
     bucket_size_bytes: int = Field(default=256 * MiB, ge=1024)
     """Largest fused bucket of a weight update; bigger tensors travel alone."""
     sync_pause_gc: bool = True

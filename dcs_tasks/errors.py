@@ -40,8 +40,15 @@ class RankConflict(CoordinatorError):
     """The rank is now held by another node (409): this node was presumed dead and replaced; re-register."""
 
 
-class RedisUnavailable(DCSError):
-    """Redis could not be reached within the configured socket timeout."""
+# --- tensors (both paths) ------------------------------------------------------------------------
+class InvalidTensorSpec(DCSError, ValueError):
+    """A tensor's description (name, dtype, shape, size) is inconsistent; the message names the tensor."""
+
+
+class UnsupportedDtype(InvalidTensorSpec):
+    """A tensor's dtype cannot travel this path: not in DCS's dtype table at all, or (complex128) not storable
+    in a safetensors checkpoint. The message names the tensor and the dtype; `dcs_tasks/tensors.py` has the
+    table of what each path carries."""
 
 
 # --- checkpoints --------------------------------------------------------------------------------

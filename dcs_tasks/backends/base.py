@@ -1,4 +1,4 @@
-"""The communication backend interface (the seed's `backends/base.py`).
+"""The communication backend interface (the original design's `backends/base.py`).
 
 Call order, per process: `create_group(spec)` (every member, concurrently; rank 0 hosts the store) ->
 `register_peer(...)` (optional, names members in errors) -> any number of `broadcast`/`broadcast_async`/
@@ -36,7 +36,9 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class SendRequest:
-    """Point-to-point send of a tensor dict to `dst_rank` of `group_name` (fused into one message)."""
+    """The original design's point-to-point send of a tensor dict to `dst_rank` of `group_name`: one fused message
+    or one per tensor, as `TensorFusion.should_fuse` decides (`DeviceDirectBackend.send`). Weight updates do not
+    use it (they broadcast); it is kept, and tested, for code written against the original."""
 
     tensor_dict: Mapping[str, torch.Tensor]
     dst_rank: int
@@ -47,7 +49,8 @@ class SendRequest:
 
 @dataclass(frozen=True)
 class RecvRequest:
-    """Point-to-point receive from `src_rank`; `metadata["specs"]` lists the expected `TensorSpec`s in order."""
+    """The original design's point-to-point receive from `src_rank`; `metadata["specs"]` lists the expected
+    `dcs_tasks.tensors.TensorSpec`s in send order (the receiver learns the dtypes and shapes from it)."""
 
     src_rank: int
     tensor_names: tuple[str, ...]
@@ -132,7 +135,7 @@ class CommBackend(abc.ABC):
 
     @abc.abstractmethod
     def send(self, request: SendRequest) -> CommHandle:
-        """Send `request.tensor_dict` to one rank."""
+        """Send `request.tensor_dict` to one rank (the original design's point-to-point API)."""
 
     @abc.abstractmethod
     def recv(self, request: RecvRequest) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -17,13 +18,24 @@ import torch
 import torch.distributed as dist
 
 from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest
-from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, unpack_views
+from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, unpack_views
 from dcs_tasks.backends.process_group import destroy, new_group_within, release_store
 from dcs_tasks.config import BackendType, RoleInfo
-from dcs_tasks.errors import BackendUnavailable, GroupInitError, WeightSyncError
+from dcs_tasks.errors import BackendUnavailable, GroupInitError, InvalidTensorSpec, WeightSyncError
 from dcs_tasks.metrics import get_metrics
+from dcs_tasks.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
+
+# Table dtypes (dcs_tasks/tensors.py) a transport cannot broadcast as themselves: torch raises "Invalid scalar
+# type" (gloo, torch 2.13, measured) or has no NCCL type for them (torch's NCCL type table has no unsigned type
+# wider than 8 bits; not run: no GPU here). They travel as their bytes: a broadcast moves bytes, the receiver
+# views them the same way, and fused buckets are uint8 anyway. tests/distributed/test_sync_dtypes.py sends each
+# of them one broadcast per tensor over gloo.
+_AS_BYTES: dict[BackendType, frozenset[torch.dtype]] = {
+    BackendType.GLOO: frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64}),
+    BackendType.NCCL: frozenset({torch.uint16, torch.uint32, torch.uint64}),
+}
 
 
 class _WorkSlot:
@@ -161,6 +173,8 @@ class DeviceDirectBackend(CommBackend):
 
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
         group = self._group(group_name)
+        if tensor.dtype in _AS_BYTES.get(group.spec.backend, frozenset()) and tensor.is_contiguous():
+            tensor = tensor.reshape(-1).view(torch.uint8)  # the same memory: a receive still lands in place
         try:
             work = dist.broadcast(tensor, src=src, group=group.process_group(), async_op=True)
         except Exception as exc:
@@ -168,28 +182,66 @@ class DeviceDirectBackend(CommBackend):
         return self._handle(group, "broadcast", work)
 
     def send(self, request: SendRequest) -> CommHandle:
+        """The original design's point-to-point send: one fused message when `TensorFusion.should_fuse` says so
+        (more than one tensor and >= `fusion_threshold_bytes` in total), else one message per tensor, in dict
+        order, each the tensor's bytes. `recv` decides the same way from its specs, so both ends need the same
+        threshold (`DCSConfig.tensor_fusion_threshold`)."""
         group = self._group(request.group_name or "")
-        buffer, _ = self._fusion.fuse(dict(request.tensor_dict))
+        tensors = dict(request.tensor_dict)
+        if self._fusion.should_fuse(tensors):
+            messages = [self._fusion.fuse(tensors)[0]]
+        else:
+            messages = [_as_bytes(t) for name, t in tensors.items() if TensorSpec.of(name, t).nbytes]
+        works: list[Any] = []
         try:
-            work = dist.isend(buffer, dst=request.dst_rank, group=group.process_group())
+            for message in messages:
+                works.append(dist.isend(message, dst=request.dst_rank, group=group.process_group()))
         except Exception as exc:
             raise self._failure(group, "send", exc) from exc
-        handle = self._handle(group, "send", work)
+        handle = self._handle_all(group, "send", works)
         if not request.async_op:
             handle.wait()
         return handle
 
     def recv(self, request: RecvRequest) -> dict[str, torch.Tensor]:
+        """Receive what a matching `send` sent; `request.metadata["specs"]` lists its `TensorSpec`s in order."""
         group = self._group(request.group_name or "")
-        specs: list[TensorSpec] = list(request.metadata["specs"])
-        layout = FusionLayout.build(specs)
-        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+        specs: list[TensorSpec] = list(request.metadata.get("specs") or [])
+        if not specs and request.tensor_names:
+            raise InvalidTensorSpec(
+                f"recv of {list(request.tensor_names)[:8]} needs metadata['specs'] (their TensorSpecs, in send order)"
+            )
+        targets, result = self._recv_targets(specs)
+        works: list[Any] = []
         try:
-            work = dist.irecv(buffer, src=request.src_rank, group=group.process_group())
+            for target in targets:
+                works.append(dist.irecv(target, src=request.src_rank, group=group.process_group()))
         except Exception as exc:
             raise self._failure(group, "recv", exc) from exc
-        self._handle(group, "recv", work).wait()
-        return unpack_views(buffer, layout)
+        self._handle_all(group, "recv", works).wait()
+        return result()
+
+    def _recv_targets(
+        self, specs: list[TensorSpec]
+    ) -> tuple[list[torch.Tensor], Callable[[], dict[str, torch.Tensor]]]:
+        """The buffers `recv` receives into (one fused buffer, or one per non-empty tensor) and how to read the
+        tensors back from them."""
+        if self._fusion.should_fuse_specs(specs):
+            layout = FusionLayout.build(specs, self._fusion.alignment)
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            return [buffer[: layout.wire_bytes]], lambda: unpack_views(buffer, layout)
+        raw = {s.name: torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in specs}
+
+        def tensors() -> dict[str, torch.Tensor]:
+            return {s.name: raw[s.name].view(s.torch_dtype).view(s.shape) for s in specs}
+
+        return [t for t in raw.values() if t.numel()], tensors
+
+    def _handle_all(self, group: _Group, op: str, works: list[Any]) -> CommHandle:
+        """One handle over several works (a send of several messages): done when each is."""
+        handles = [self._handle(group, op, work) for work in works]
+        works.clear()
+        return CommHandle(lambda: [h.wait() for h in handles], lambda: all(h.is_complete for h in handles))
 
     def _handle(self, group: _Group, op: str, work: Any) -> CommHandle:
         timeout = timedelta(seconds=self.timeout_seconds)
@@ -223,3 +275,9 @@ class DeviceDirectBackend(CommBackend):
             f"(members: {peers}): {exc}",
             member=None,
         )
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view when it is contiguous): what a point-to-point message
+    carries, so that every dtype of the table travels, bit-exact, whatever the transport knows of it."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -9,69 +9,24 @@ dtype, NaN payloads and negative zeros included.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+# The dtype table and the tensor description live in dcs_tasks.tensors (shared with checkpoints); these names
+# stay importable from here for the receiver and for code written against the original design.
+from dcs_tasks.tensors import TensorSpec as TensorSpec
+from dcs_tasks.tensors import dtype_name as dtype_name
+from dcs_tasks.tensors import info_named
+from dcs_tasks.tensors import parse_dtype as parse_dtype
+
 ALIGNMENT = 64
 SGLANG_ALIGNMENT = 1  # SGLang's flattened_bucket: tensors back to back, each offset a multiple of its itemsize
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> `"float32"` (the spelling SGLang's HTTP API uses)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """`"float32"` or `"torch.float32"` -> `torch.float32`; ValueError for an unknown name."""
-    key = name.removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; known: {sorted(_DTYPES)}")
-    return _DTYPES[key]
 
 
 def _align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, dtype and shape of one tensor: what crosses the wire ahead of its bytes."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * parse_dtype(self.dtype).itemsize
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
 
 
 @dataclass(frozen=True)
@@ -105,15 +60,17 @@ class FusionLayout:
         with SGLang's message, as no view of it can exist."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        layout = cls.build(
-            (TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)), alignment
+        specs = (  # the wire speaks DCS names only ("float32"), never safetensors codes
+            TensorSpec(n, info_named(d, n).name, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
         )
+        layout = cls.build(specs, alignment)
         for spec, offset in zip(layout.specs, layout.offsets, strict=True):
-            dtype = parse_dtype(spec.dtype)
             if any(dim < 0 for dim in spec.shape):
                 raise ValueError(f"Negative dimension in received tensor {spec.name}: {list(spec.shape)}")
-            if offset % dtype.itemsize:
-                raise ValueError(f"Unaligned received tensor {spec.name}: byte offset {offset}, dtype {dtype}")
+            if offset % spec.itemsize:
+                raise ValueError(
+                    f"Unaligned received tensor {spec.name}: byte offset {offset}, dtype {spec.torch_dtype}"
+                )
         return layout
 
     @property
@@ -139,7 +96,7 @@ def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, 
         raise ValueError(f"buffer must be uint8 with >= {layout.total_bytes} bytes")
     for spec, offset in zip(layout.specs, layout.offsets, strict=True):
         src = tensors[spec.name]
-        if dtype_name(src.dtype) != spec.dtype or tuple(src.shape) != spec.shape:
+        if src.dtype != spec.torch_dtype or tuple(src.shape) != spec.shape:
             raise ValueError(f"tensor {spec.name!r} is {src.dtype}{tuple(src.shape)}, layout says {spec}")
         if spec.nbytes:
             raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -152,14 +109,14 @@ def unpack_views(buffer: torch.Tensor, layout: FusionLayout) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     for spec, offset in zip(layout.specs, layout.offsets, strict=True):
         raw = buffer[offset : offset + spec.nbytes]
-        out[spec.name] = raw.view(parse_dtype(spec.dtype)).view(spec.shape)
+        out[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
     return out
 
 
 def sglang_layout(specs: Iterable[TensorSpec]) -> FusionLayout:
     """SGLang's flattened-bucket layout of `specs`, ordered by itemsize (largest first, stable) so that every
     tensor's byte offset is a multiple of its itemsize, as SGLang's receiver requires."""
-    ordered = sorted(specs, key=lambda spec: -parse_dtype(spec.dtype).itemsize)
+    ordered = sorted(specs, key=lambda spec: -spec.itemsize)
     return FusionLayout.build(ordered, SGLANG_ALIGNMENT)
 
 
@@ -167,6 +124,9 @@ class TensorFusion:
     """The original design's fusion API: fuse small tensors into one buffer to cut per-message overhead.
 
     `should_fuse` follows the original design: more than one tensor and at least `threshold_bytes` in total.
+    `DeviceDirectBackend.send`/`recv` (point-to-point) ask it, with `DCSConfig.tensor_fusion_threshold`, whether
+    a tensor dict travels as one fused message or one message per tensor. Weight updates do not: they always
+    travel in fused buckets of `bucket_size_bytes` (`plan_buckets`).
     """
 
     def __init__(self, threshold_bytes: int = 1024 * 1024, alignment: int = ALIGNMENT) -> None:
@@ -174,8 +134,11 @@ class TensorFusion:
         self.alignment = alignment
 
     def should_fuse(self, tensor_dict: Mapping[str, torch.Tensor]) -> bool:
-        total = sum(t.numel() * t.element_size() for t in tensor_dict.values())
-        return len(tensor_dict) > 1 and total >= self.threshold_bytes
+        return self.should_fuse_specs([TensorSpec.of(n, t) for n, t in tensor_dict.items()])
+
+    def should_fuse_specs(self, specs: Sequence[TensorSpec]) -> bool:
+        """`should_fuse` from the description alone: what a receiver knows before any bytes arrive."""
+        return len(specs) > 1 and sum(s.nbytes for s in specs) >= self.threshold_bytes
 
     def layout_of(self, tensor_dict: Mapping[str, torch.Tensor]) -> FusionLayout:
         return FusionLayout.build((TensorSpec.of(n, t) for n, t in tensor_dict.items()), self.alignment)

@@ -22,7 +22,11 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from dcs_tasks.errors import StagingError
+# The dtype table and the tensor description are shared with weight sync (dcs_tasks.tensors); the checkpoint
+# readers import the code <-> dtype maps from here.
+from dcs_tasks.tensors import CODE_DTYPES as CODE_DTYPES
+from dcs_tasks.tensors import DTYPE_CODES as DTYPE_CODES
+from dcs_tasks.tensors import TensorSpec as TensorSpec
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -32,25 +36,6 @@ CHUNK_ALGORITHM = "xxh3_64"
 SUM_CHUNK_BYTES = 256 * 1024  # granularity of the per-tensor chunk checksums that partial reads verify
 DATA_ALIGN = 64
 REGION_ALIGN = 4096
-
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-CODE_DTYPES: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def step_dir_name(step: int) -> str:
@@ -69,21 +54,6 @@ def chunk_sum(data: Any) -> str:
 def new_hasher() -> Any:
     """The streaming checksum used for every file (xxh3_128: >10 GB/s, so it hides behind the I/O)."""
     return xxhash.xxh3_128()
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        code = DTYPE_CODES.get(tensor.dtype)
-        if code is None:
-            raise StagingError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-        return cls(name, code, tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
 
 @dataclass(frozen=True)
@@ -132,7 +102,7 @@ def _header_bytes(slots: list[TensorSlot]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "dcs"}}
     for slot in slots:
         header[slot.spec.name] = {
-            "dtype": slot.spec.dtype,
+            "dtype": slot.spec.code,
             "shape": list(slot.spec.shape),
             "data_offsets": [slot.begin, slot.end],
         }
@@ -154,8 +124,9 @@ def _group(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
 
 
 def plan_layout(specs: list[TensorSpec], shard_bytes: int) -> Layout:
-    """Assign tensors to files of at most `shard_bytes` of data (a bigger tensor gets a file of its own)."""
-    ordered = sorted(specs, key=lambda s: -_itemsize(s.dtype))
+    """Assign tensors to files of at most `shard_bytes` of data (a bigger tensor gets a file of its own). The
+    layout's specs are spelled in safetensors codes; UnsupportedDtype names a tensor a checkpoint cannot store."""
+    ordered = sorted((spec.checkpoint() for spec in specs), key=lambda s: -s.itemsize)
     groups = _group(ordered, shard_bytes)
     files: list[FileLayout] = []
     offset = 0
@@ -170,10 +141,6 @@ def plan_layout(specs: list[TensorSpec], shard_bytes: int) -> Layout:
         offset += -(-size // REGION_ALIGN) * REGION_ALIGN
     digest = hashlib.sha256(b"".join(f.header for f in files)).hexdigest()[:32]
     return Layout(files=tuple(files), signature=digest)
-
-
-def _itemsize(code: str) -> int:
-    return torch.empty((), dtype=CODE_DTYPES[code]).element_size()
 
 
 class FileEntry(BaseModel):
@@ -256,7 +223,7 @@ def tensor_index(layout: Layout) -> dict[str, TensorEntry]:
     return {
         slot.spec.name: TensorEntry(
             file=f.name,
-            dtype=slot.spec.dtype,
+            dtype=slot.spec.code,
             shape=list(slot.spec.shape),
             offsets=(f.data_start + slot.begin, f.data_start + slot.end),
         )
@@ -282,4 +249,5 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
-    return [TensorSpec.of(name, t) for name, t in tensors.items()]
+    """The checkpoint specs (safetensors codes) of `tensors`; UnsupportedDtype names one that cannot be stored."""
+    return [TensorSpec.of(name, t).checkpoint() for name, t in tensors.items()]

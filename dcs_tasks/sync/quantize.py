@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from dcs_tasks.backends.fusion import TensorSpec, dtype_name, parse_dtype
 from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.tensors import TensorSpec, dtype_name, info_named, parse_dtype
 
 
 def wire_spec(spec: TensorSpec, config: QuantizationConfig | None) -> TensorSpec:
     """The spec a tensor has on the wire under `config`."""
-    if config is None or spec.dtype not in config.source_dtypes:
+    if config is None or spec.dtype_name not in config.source_dtypes:
         return spec
-    return TensorSpec(spec.name, dtype_name(parse_dtype(config.dtype)), spec.shape)
+    return TensorSpec(spec.name, info_named(config.dtype, spec.name).name, spec.shape)
 
 
 def to_wire(tensor: torch.Tensor, config: QuantizationConfig | None) -> torch.Tensor:

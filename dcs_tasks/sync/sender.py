@@ -26,13 +26,13 @@ from dcs_tasks.backends.fusion import (
     ALIGNMENT,
     SGLANG_ALIGNMENT,
     FusionLayout,
-    TensorSpec,
     pack_into,
     plan_buckets,
     sglang_layout,
 )
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire, wire_spec
+from dcs_tasks.tensors import TensorSpec
 
 # Tensors this big are sent from their own memory in a bucket of their own: copying them into a flat
 # buffer costs more CPU than the extra HTTP round trip of one more bucket (~ms).
