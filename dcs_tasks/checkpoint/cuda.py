@@ -33,14 +33,6 @@ def pin(buf: StagingBuffer) -> None:
         _registered[ptr] = size
 
 
-def unpin(buf: StagingBuffer) -> None:
-    if buf.view is None:
-        return
-    ptr = buf.view.data_ptr()
-    if _registered.pop(ptr, None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
 def copy_from_device(buf: StagingBuffer, layout: Layout, tensors: dict[str, torch.Tensor], pinned: bool) -> None:
     """Stage device tensors: side-stream non-blocking copies, then wait for them (see the module contract)."""
     if pinned:

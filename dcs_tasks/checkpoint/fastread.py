@@ -284,11 +284,6 @@ def _consume(chunk: _Chunk, future: Future[list[memoryview]], progress: Progress
         progress(chunk.f.entry.name, chunk.end, chunk.f.size)
 
 
-def read_whole(path: Path, entry: FileEntry, verify: bool, progress: Progress | None = None) -> mmap.mmap:
-    """The file's bytes at the start of a fresh mapping; CorruptCheckpoint names the file."""
-    return read_many([(path, entry)], verify, progress)[0]
-
-
 def read_many(files: list[tuple[Path, FileEntry]], verify: bool, progress: Progress | None = None) -> list[mmap.mmap]:
     """Each file's bytes in its own fresh mapping (same order)."""
     opened = [_File(path, entry, checked_size(path, entry)) for path, entry in files]
