@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import ResultSet
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
@@ -86,6 +87,8 @@ class GroupBootstrapper:
                 return await self._form_once(plan)
             except (GroupInitError, PortAllocationError) as exc:
                 last = exc
+                if attempt == self.config.max_retries:
+                    break  # no wait after the last attempt
                 delay = min(self.config.retry_delay_seconds * 2**attempt, self.config.retry_backoff_max_seconds)
                 log.warning("group formation attempt %d failed (%s); retrying in %.1fs", attempt + 1, exc, delay)
                 await asyncio.sleep(delay)
@@ -167,7 +170,7 @@ class GroupBootstrapper:
             queue = node_queue(self.config.host_name)
             sent = self.celery.send_task(name.value, args=[payload], queue=queue, task_id=task_id, expires=timeout)
             return await asyncio.to_thread(sent.get, timeout=timeout)
-        except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses the builtin
+        except (TimeoutError, CeleryTimeoutError) as exc:  # Celery 5's TimeoutError is not the builtin's subclass
             raise GroupInitError(
                 f"no `dcs worker` on host {self.config.host_name} ran {name.value} within {timeout:g}s; "
                 "start one (`dcs worker`) on the trainer's host"

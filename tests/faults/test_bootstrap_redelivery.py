@@ -19,9 +19,10 @@ import pytest
 import redis
 import torch
 
-from dcs_tasks.celery_app import node_queue
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import GroupInitError
 from dcs_tasks.keys import Keys
 from dcs_tasks.receiver.weights import tensor_sha256
 from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, EngineEndpoint, GroupPlan, JoinRequest
@@ -237,3 +238,36 @@ def test_destroy_ends_the_lifecycle_once_and_a_failed_bootstrap_is_destroyed(dcs
     assert abandon_bootstrap(client, keys, host, "req-2", "m-actor0", "boom") == failed.group_name
     assert client.hgetall(keys.group(failed.group_name))["destroy_reason"] == "bootstrap failed: boom"
     assert reservations(client, keys, host) == {}
+
+
+async def test_a_bootstrap_the_trainer_gave_up_on_is_dropped_not_run(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """No worker while the trainer waits: its bootstrap expires with the wait, so the worker started later
+    drops it (no epoch drawn, no port reserved, no join sent) instead of forming a group nobody uses."""
+    config = dcs_config.model_copy(update={"group_init_timeout_seconds": 3.0, "max_retries": 0})
+    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
+    keys, host = Keys(config.namespace), config.host_name
+    coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
+    config = config.model_copy(update={"coordinator_url": coordinator.url})
+    receiver = ReceiverProcess(config, coordinator.url, 0, tmp_path / "receiver.log")
+    late = WorkerProcess(config, tmp_path / "worker.log", concurrency=2, pool="threads")
+    trainer = CheckpointEngineClient(
+        coordinator_url=coordinator.url, role="actor", rank=0, model=Tiny(), model_name="tiny", config=config
+    )
+    try:
+        receiver.start()
+        await trainer.start()
+        with pytest.raises(GroupInitError, match="no `dcs worker`"):
+            await trainer.update_weights_for_rollout(rollout_only=True)
+        late.start()
+        queue = node_queue(host)
+        ping = make_celery(config).send_task(TaskName.PING.value, queue=queue)  # queued behind the bootstrap
+        await asyncio.to_thread(ping.get, timeout=30)
+        assert "Discarding revoked task: dcs.sync.bootstrap_group" in late.log_tail(10**6)  # expired
+        assert client.get(keys.group_epoch(GROUP_PREFIX)) is None
+        assert reservations(client, keys, host) == {}
+        assert client.keys(keys.join_claim("*")) == []
+    finally:
+        await trainer.stop()
+        receiver.stop()
+        late.terminate()
+        coordinator.stop()
