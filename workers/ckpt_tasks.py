@@ -14,33 +14,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from celery import shared_task
-from pydantic import BaseModel, ValidationError
 
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
 from dcs_tasks.checkpoint.models import CommitRequest, FailedTask, PersistRequest, RetentionRequest
 from dcs_tasks.checkpoint.telemetry import record_error
-from dcs_tasks.errors import InvalidTaskPayload
-from workers.base import DCSTask
+from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
 from workers.retention import retain
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse(model: type[M], payload: Any, task: str) -> M:
-    """`payload` as `model`, or InvalidTaskPayload naming each bad field (never the raw input)."""
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
-        raise InvalidTaskPayload(f"{task} payload refused: {problems[:2000]}") from None
 
 
 def _step_dir_of(payload: Any) -> object:
@@ -84,7 +72,7 @@ class CommitTask(DCSTask):
 @shared_task(name=TaskName.PERSIST.value, base=PersistTask, bind=True)
 def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
     """Persist one staged file; the call that completes the step's files enqueues the commit."""
-    req = parse(PersistRequest, payload, self.name)
+    req = parse_payload(PersistRequest, payload, self.name)
     verdict = persist(req, str(self.request.id))
     if verdict is Verdict.COMMIT:
         body = CommitRequest(ref=req.ref, retention=req.retention)
@@ -95,7 +83,7 @@ def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
 @shared_task(name=TaskName.COMMIT.value, base=CommitTask, bind=True)
 def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
-    req = parse(CommitRequest, payload, self.name)
+    req = parse_payload(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
     if verdict is Verdict.WRITE and req.retention.active:
         body = RetentionRequest(run=req.ref.run, run_dir=str(Path(req.ref.step_dir).parent), policy=req.retention)
@@ -106,4 +94,4 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
 @shared_task(name=TaskName.RETENTION.value, base=DCSTask, bind=True)
 def apply_retention(self: DCSTask, payload: dict[str, Any]) -> list[int]:
     """Delete the steps the run's retention policy lets go; returns them."""
-    return retain(parse(RetentionRequest, payload, self.name))
+    return retain(parse_payload(RetentionRequest, payload, self.name))
