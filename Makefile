@@ -64,6 +64,7 @@ bench: install redis-bin
 	$(BIN)/python bench/coordinator_load.py
 	$(BIN)/python bench/fleet_heartbeats.py
 	$(BIN)/python bench/save.py
+	$(BIN)/python bench/reshard.py
 	$(BIN)/python bench/weight_sync.py
 	$(BIN)/python bench/task_latency.py
 
