@@ -17,13 +17,13 @@
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any, TypeVar
 
 import redis
 from celery import Task
 from pydantic import BaseModel, ValidationError
 
+from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.errors import DCSError, InvalidTaskPayload
 from dcs_tasks.metrics import get_metrics
 from workers.runtime import runtime
@@ -59,9 +59,9 @@ def parse_payload(model: type[M], payload: Any, task: str) -> M:
 
 
 def backoff_seconds(retries: int, base: float, cap: float) -> float:
-    """Exponential backoff with equal jitter: in [d/2, d] where d = min(cap, base * 2**retries)."""
-    delay = min(cap, base * (2**retries))
-    return delay / 2 + random.uniform(0, delay / 2)
+    """Exponential backoff with equal jitter: in [d/2, d] where d = min(cap, base * 2**retries)
+    (`dcs_tasks.backoff.backoff_delay`, kept under this name for callers of the task base)."""
+    return backoff_delay(retries, base, cap, "equal")
 
 
 class DCSTask(Task):

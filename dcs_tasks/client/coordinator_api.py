@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
-from redis.backoff import EqualJitterBackoff
 
+from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound, RankConflict
 from dcs_tasks.models import (
@@ -56,6 +56,8 @@ from dcs_tasks.models import (
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 KEEPALIVE_EXPIRY_S = 15.0
+RETRY_BASE_S = 0.05  # first retry after CoordinatorUnavailable waits ~0.05-0.1 s (equal jitter) ...
+RETRY_CAP_S = 1.0  # ... doubling up to 0.5-1 s
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 # The coordinator remembers an append's key for 60 s (coordinator/weight_meta.py APPEND_MARKER_TTL_MS): an
@@ -108,7 +110,6 @@ class CoordinatorAPI:
         self.timeout = timeout
         self.retry_for_s = retry_for_s
         self.retries = 0  # attempts repeated after CoordinatorUnavailable, over this client's life
-        self._backoff = EqualJitterBackoff(cap=1.0, base=0.05)
         # idle connections are kept longer than the 5 s heartbeat interval (and shorter than the coordinator's
         # DCS_COORDINATOR_KEEP_ALIVE_SECONDS): each beat reuses its connection instead of a new TCP handshake
         limits = httpx.Limits(max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_S)
@@ -163,7 +164,7 @@ class CoordinatorAPI:
                     raise
                 failures += 1
                 self.retries += 1
-                delay = min(self._backoff.compute(failures), left)
+                delay = min(backoff_delay(failures, RETRY_BASE_S, RETRY_CAP_S, "equal"), left)
                 log.info("%s at %s: %s; retry %d in %.2fs", what, self.base_url, exc, failures, delay)
                 await asyncio.sleep(delay)
 

@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.errors import BackendUnavailable, GroupInitError, PortAllocationError, WeightSyncError
@@ -89,7 +90,9 @@ class GroupBootstrapper:
                 last = exc
                 if attempt == self.config.max_retries:
                     break  # no wait after the last attempt
-                delay = min(self.config.retry_delay_seconds * 2**attempt, self.config.retry_backoff_max_seconds)
+                delay = backoff_delay(
+                    attempt, self.config.retry_delay_seconds, self.config.retry_backoff_max_seconds, "none"
+                )
                 log.warning("group formation attempt %d failed (%s); retrying in %.1fs", attempt + 1, exc, delay)
                 await asyncio.sleep(delay)
         assert last is not None

@@ -30,6 +30,7 @@ import httpx
 import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
+from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
@@ -289,7 +290,7 @@ class RolloutUpdater:
         for attempt in range(config.max_retries + 1):
             if attempt:
                 await asyncio.sleep(
-                    min(config.retry_delay_seconds * 2 ** (attempt - 1), config.retry_backoff_max_seconds)
+                    backoff_delay(attempt - 1, config.retry_delay_seconds, config.retry_backoff_max_seconds, "none")
                 )
             try:
                 return await all_or_first_error(*(self.engines.probe(e, PROBE_TIMEOUT_SECONDS) for e in endpoints))
