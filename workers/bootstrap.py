@@ -34,6 +34,7 @@ import redis
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
 from dcs_tasks.keys import Keys
+from dcs_tasks.lua import LuaScript
 from dcs_tasks.sync.engine_protocol import auth_headers
 from dcs_tasks.sync.models import (
     BootstrapRequest,
@@ -133,6 +134,16 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
+# each loaded once per Redis, then run by SHA (dcs_tasks/lua.py)
+_RELEASE = LuaScript(_RELEASE_LUA)
+_EPOCH = LuaScript(_EPOCH_LUA)
+_OPEN = LuaScript(_OPEN_LUA)
+_RESERVE = LuaScript(_RESERVE_LUA)
+_UNRESERVE = LuaScript(_UNRESERVE_LUA)
+_JOINED = LuaScript(_JOINED_LUA)
+_EXTEND = LuaScript(_EXTEND_LUA)
+_DESTROYED = LuaScript(_DESTROYED_LUA)
+
 
 class GroupAlreadyDestroyed(WeightSyncError):
     """A bootstrap delivered again after its group was torn down: it is not formed a second time."""
@@ -219,14 +230,14 @@ def reserve_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: st
 
 
 def release_port(client: redis.Redis, keys: Keys, host: str, port: int, group_name: str) -> bool:
-    return bool(client.eval(_RELEASE_LUA, 1, keys.port_reservation(host, port), group_name))
+    return bool(_RELEASE(client, [keys.port_reservation(host, port)], [group_name]))
 
 
 def claim_epoch(client: redis.Redis, keys: Keys, request_id: str, group_prefix: str, ttl: int) -> int:
     """The epoch of bootstrap request `request_id`: drawn from the prefix's counter at its first delivery and
     the same at every later one (Lua, so two deliveries at once get one epoch too)."""
     key = keys.bootstrap_request(request_id)
-    return int(client.eval(_EPOCH_LUA, 2, key, keys.group_epoch(group_prefix), ttl))
+    return int(_EPOCH(client, [key, keys.group_epoch(group_prefix)], [ttl]))
 
 
 def group_name_of(group_prefix: str, epoch: int) -> str:
@@ -259,7 +270,7 @@ def open_group(
         "created_at": time.time(),
     }
     args = [str(item) for pair in fields.items() for item in pair]
-    status = client.eval(_OPEN_LUA, 1, key, ttl, *args)
+    status = _OPEN(client, [key], [ttl, *args])
     return GroupStatus(_text(status))
 
 
@@ -279,7 +290,7 @@ def group_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str,
         if port_binds(address, port):
             client.hset(record, "port_checked", "1")
             return port
-        client.eval(_UNRESERVE_LUA, 2, keys.port_reservation(config.host_name, port), record, group_name, port)
+        _UNRESERVE(client, [keys.port_reservation(config.host_name, port), record], [group_name, port])
     raise PortAllocationError(f"group {group_name}: no recorded master port binds on {address}")
 
 
@@ -288,7 +299,7 @@ def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: s
     host, record = config.host_name, keys.group(group_name)
     for port in range(config.comm_base_port, config.comm_max_port + 1):
         key = keys.port_reservation(host, port)
-        got = int(client.eval(_RESERVE_LUA, 2, key, record, group_name, port, ttl))
+        got = int(_RESERVE(client, [key, record], [group_name, port, ttl]))
         if got > 0:  # another delivery of this request recorded one meanwhile
             return group_port(client, keys, config, address, group_name, ttl)
         if got == 0:
@@ -296,7 +307,7 @@ def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: s
         if port_binds(address, port):
             client.hset(record, "port_checked", "1")
             return port
-        client.eval(_UNRESERVE_LUA, 2, key, record, group_name, port)
+        _UNRESERVE(client, [key, record], [group_name, port])
     raise _exhausted(config, address)
 
 
@@ -328,13 +339,13 @@ def mark_joined(
     gets its long TTL. `node_id` None only checks (a group without engines is READY at once)."""
     record = keys.group(group_name)
     args = (node_id or "", time.time(), GROUP_RECORD_TTL_SECONDS)
-    ready = bool(client.eval(_JOINED_LUA, 1, record, *args))
+    ready = bool(_JOINED(client, [record], args))
     if ready:
         if port is None:
             port = int(_text(client.hget(record, "master_port")) or 0)
         if port:
             key = keys.port_reservation(host, port)
-            client.eval(_EXTEND_LUA, 2, key, record, group_name, PORT_RESERVATION_TTL_SECONDS)
+            _EXTEND(client, [key, record], [group_name, PORT_RESERVATION_TTL_SECONDS])
         log.info("group %s is ready", group_name)
     return ready
 
@@ -465,7 +476,7 @@ def mark_destroyed(client: redis.Redis, keys: Keys, group_name: str, reason: str
     """DESTROYED with `reason` (an absent record stays absent); True if the record existed."""
     record = keys.group(group_name)
     args = (time.time(), reason[:500], DESTROYED_RECORD_TTL_SECONDS)
-    return bool(client.eval(_DESTROYED_LUA, 1, record, *args))
+    return bool(_DESTROYED(client, [record], args))
 
 
 def abandon_bootstrap(
