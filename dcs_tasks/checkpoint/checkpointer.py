@@ -227,6 +227,10 @@ class Checkpointer:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
+    def _unfinished(self) -> tuple[int, ...]:
+        """Steps saved by this checkpointer that are not yet committed or failed (skipped saves never start)."""
+        return tuple(sorted(p.step for p in self._pending if not p.skipped))
+
     def _reap(self) -> None:
         for pending in list(self._pending):
             try:
@@ -429,22 +433,24 @@ class Checkpointer:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> tuple[int, ...]:
-        """Wait for in-flight saves to finish with their staging buffers (at most `timeout` seconds, default
-        `visibility_timeout_seconds`: the longest a sent persist task can take to come back after a worker
-        crash), then free the buffers. Returns the steps still in flight then; their staging files are left
-        in place for the workers (deleting them would lose the save), and an error names them."""
+        """Wait for in-flight saves to be committed or failed and done with their staging buffers (at most
+        `timeout` seconds, default `visibility_timeout_seconds`: the longest a sent persist task can take to come
+        back after a worker crash), then free the buffers. So a `restore()` or `list()` after `close()` sees
+        every save that committed. Returns the steps not final by then; the staging files of those still
+        being persisted are left in place for the workers (deleting them would lose the save), and an error
+        names them."""
         limit = self.config.visibility_timeout_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
-        while self._pool.in_flight() and time.monotonic() < deadline:
+        while (self._pool.in_flight() or self._unfinished()) and time.monotonic() < deadline:
             self._reap()
-            time.sleep(0.01)
+            time.sleep(0.02)
         self._dispatcher.shutdown(wait=True)
         self._reap()
-        unfinished = tuple(sorted(p.step for p in self._pending if not p.released and not p.skipped))
+        unfinished = self._unfinished()
         if unfinished:
             log.error(
-                "closing run %r with steps %s still being persisted after %gs; their staging files stay for the "
-                "workers (check them with `dcs ckpt list`)",
+                "closing run %r with steps %s not committed after %gs; the staging files of those still being "
+                "persisted stay for the workers (check them with `dcs ckpt list`)",
                 self._shard_run,
                 unfinished,
                 limit,
