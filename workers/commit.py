@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest, manifest_bytes
-from dcs_tasks.checkpoint.fsio import write_bytes_durably
+from dcs_tasks.checkpoint.fsio import remove_stray_temps, write_bytes_durably
 from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.ledger import StepStatus, Verdict
 from dcs_tasks.checkpoint.models import CommitRequest
@@ -62,9 +62,3 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
         size = path.stat().st_size if path.is_file() else -1
         if size != entry.size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.size}")
-
-
-def remove_stray_temps(step_dir: Path) -> None:
-    """Delete temp files left by persist attempts that died mid-write (every file is durable by now)."""
-    for tmp in step_dir.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)

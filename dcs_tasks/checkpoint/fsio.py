@@ -48,8 +48,17 @@ def make_dirs_durable(path: Path) -> None:
         fsync_dir(directory.parent)
 
 
+TEMP_GLOB = ".*.tmp"  # matches every `temp_path` (and nothing a reader opens: final names never start with ".")
+
+
 def temp_path(final: Path, tag: str) -> Path:
     return final.with_name(f".{final.name}.{tag}.tmp")
+
+
+def remove_stray_temps(directory: Path) -> None:
+    """Delete temp files left by writes that died mid-way (call once every final file is durable)."""
+    for tmp in directory.glob(TEMP_GLOB):
+        tmp.unlink(missing_ok=True)
 
 
 def write_all(fd: int, data: memoryview) -> None:

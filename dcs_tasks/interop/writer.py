@@ -36,7 +36,13 @@ from dcs_tasks.checkpoint.format import (
     step_dir_name,
     tensor_index,
 )
-from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.fsio import (
+    make_dirs_durable,
+    remove_stray_temps,
+    stream_region,
+    write_all,
+    write_bytes_durably,
+)
 from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import validate_run_name, validate_step
@@ -123,8 +129,7 @@ class _Commit:
         files = [state.files[name] for name in sorted(state.files)]
         manifest = Manifest(**state.manifest_draft().model_dump(), files=files)
         check_manifest(manifest, self.step_dir / MANIFEST_NAME)  # what restore will check, before it is visible
-        for tmp in self.step_dir.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+        remove_stray_temps(self.step_dir)
         write_bytes_durably(self.step_dir / MANIFEST_NAME, manifest_bytes(manifest), self.task_id)
         move_latest(self.step_dir.parent, self.step, self.task_id)
         self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.COMMITTED)
