@@ -327,9 +327,13 @@ class TopologyManager:
             return None
         return self._parse(role, str(rank), raw)
 
+    def peer_role_of(self, role: str, peer_role: str | None = None) -> str | None:
+        """`peer_role` if given, else the configured mapping of `role` (None: no mapping)."""
+        return peer_role or self.config.get_peer_role(role)
+
     async def get_peer(self, role: str, rank: int, peer_role: str | None = None) -> RoleInfo | None:
         """The live node of the same rank in `peer_role` (default: the configured mapping of `role`)."""
-        target = peer_role or self.config.get_peer_role(role)
+        target = self.peer_role_of(role, peer_role)
         if target is None:
             return None
         return await self.get_node(target, rank)

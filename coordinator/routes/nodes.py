@@ -194,10 +194,10 @@ async def peer(
     peer_role: Annotated[str | None, Query(min_length=1, max_length=64, pattern=ROLE_PATTERN)] = None,
 ) -> RoleInfo:
     """The live node of the same rank in `peer_role`, default the configured mapping of `role`."""
-    target = peer_role or topology.config.get_peer_role(role)
+    target = topology.peer_role_of(role, peer_role)  # resolved here too: each 404 names what was missing
     if target is None:
         raise HTTPException(status_code=404, detail=f"role {role!r} has no peer role mapping; pass peer_role")
-    found = await topology.get_node(target, rank)
+    found = await topology.get_peer(role, rank, target)
     if found is None:
         raise not_found(target, rank, what="peer")
     return found
