@@ -23,7 +23,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -369,7 +369,30 @@ class CoordinatorAPI:
         return await self._call("POST", "/clear_weight_meta", ClearWeightMetaResponse)
 
 
-class HeartbeatLoop:
+class _BackgroundLoop:
+    """A loop run as one background asyncio task: `start()` (idempotent) and `stop()` (cancels and waits)."""
+
+    _task: asyncio.Task[None] | None = None
+
+    def _task_name(self) -> str:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=self._task_name())
+        return self
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class HeartbeatLoop(_BackgroundLoop):
     """Beats for one node every `interval` seconds in a background asyncio task until `stop()`.
 
     Beats are fenced (see `CoordinatorAPI.heartbeat`: the identity from registering through the same `api`,
@@ -393,16 +416,8 @@ class HeartbeatLoop:
         self.lost: RankConflict | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> HeartbeatLoop:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"dcs-heartbeat-{self.info.node_id}")
-        return self
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    def _task_name(self) -> str:
+        return f"dcs-heartbeat-{self.info.node_id}"
 
     async def beat_once(self) -> None:
         """One beat; raises RankConflict when the rank now belongs to another node."""
@@ -427,7 +442,7 @@ class HeartbeatLoop:
             await asyncio.sleep(self.interval)
 
 
-class FleetHeartbeatLoop:
+class FleetHeartbeatLoop(_BackgroundLoop):
     """Beats for many registered nodes every `interval` seconds from one background task, with one
     `POST /heartbeats` per 2,048 nodes instead of one request per node (a host agent holding many nodes).
 
@@ -448,16 +463,8 @@ class FleetHeartbeatLoop:
         self.lost: list[str] = []  # node ids fenced out
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> FleetHeartbeatLoop:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="dcs-fleet-heartbeat")
-        return self
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    def _task_name(self) -> str:
+        return "dcs-fleet-heartbeat"
 
     async def beat_once(self) -> None:
         """One beat of every node; re-registers the unknown ones, drops the fenced-out ones."""
