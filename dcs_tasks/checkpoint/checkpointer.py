@@ -33,12 +33,10 @@ from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     ChunkSums,
     Layout,
-    ManifestDraft,
-    library_versions,
+    draft_of,
     plan_layout,
     specs_of,
     step_dir_name,
-    tensor_index,
 )
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
 from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
@@ -263,14 +261,12 @@ class Checkpointer:
         dims: dict[str, int],
         chunks: ChunkSums | None,
     ) -> StepRef:
-        draft = ManifestDraft(
-            run=self.run,
-            step=step,
-            tensors=tensor_index(layout),
-            structure=flat.structure,
-            metadata=metadata,
-            created_at=time.time(),
-            versions=library_versions(),
+        draft = draft_of(
+            self.run,
+            step,
+            layout,
+            flat.structure,
+            metadata,
             rank=self.rank,
             world_size=self.world_size,
             sharded_dims=dims,

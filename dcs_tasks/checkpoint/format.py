@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,23 @@ def tensor_index(layout: Layout) -> dict[str, TensorEntry]:
         for f in layout.files
         for slot in f.slots
     }
+
+
+def draft_of(
+    run: str, step: int, layout: Layout, structure: dict[str, Any], metadata: dict[str, Any], **extra: Any
+) -> ManifestDraft:
+    """The draft of a step about to be written from `layout` (tensor index, now, library versions); `extra`:
+    the multi-rank fields (rank, world_size, sharded_dims, dtensors, chunks)."""
+    return ManifestDraft(
+        run=run,
+        step=step,
+        tensors=tensor_index(layout),
+        structure=structure,
+        metadata=metadata,
+        created_at=time.time(),
+        versions=library_versions(),
+        **extra,
+    )
 
 
 def library_versions() -> dict[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,11 @@ from dcs_tasks.checkpoint.format import (
     FileEntry,
     FileLayout,
     Manifest,
-    ManifestDraft,
-    library_versions,
+    draft_of,
     manifest_bytes,
     plan_layout,
     specs_of,
     step_dir_name,
-    tensor_index,
 )
 from dcs_tasks.checkpoint.fsio import (
     make_dirs_durable,
@@ -69,15 +66,7 @@ def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: 
         raise CheckpointError(f"step {step} of run {run!r} is already committed in {step_dir}")
     flat = flatten_state(state)
     layout = plan_layout(specs_of(flat.tensors), config.file_shard_bytes)
-    draft = ManifestDraft(
-        run=run,
-        step=step,
-        tensors=tensor_index(layout),
-        structure=flat.structure,
-        metadata=metadata,
-        created_at=time.time(),
-        versions=library_versions(),
-    )
+    draft = draft_of(run, step, layout, flat.structure, metadata)
     token = uuid.uuid4().hex
     client = sync_client(config, decode_responses=False)
     try:
