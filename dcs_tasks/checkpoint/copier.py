@@ -12,7 +12,9 @@ import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-CHUNK_BYTES = 64 * 1024 * 1024
+from dcs_tasks.checkpoint.iosizes import COPY_CHUNK_BYTES
+
+CHUNK_BYTES = COPY_CHUNK_BYTES
 
 _libc = ctypes.CDLL(None)
 _memmove = _libc.memmove

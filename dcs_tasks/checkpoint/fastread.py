@@ -35,17 +35,19 @@ from typing import Any
 
 import torch
 
+from dcs_tasks.checkpoint import iosizes
 from dcs_tasks.checkpoint.format import CODE_DTYPES, FileEntry, TensorEntry, new_hasher
+from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
+from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES
 from dcs_tasks.errors import CorruptCheckpoint
 
-CHUNK_BYTES = 32 * 1024 * 1024
+CHUNK_BYTES = READ_CHUNK_BYTES
 IO_THREADS = 4
 WINDOW = IO_THREADS + 2  # chunks read ahead of the hashing thread (also the number of bounce buffers)
 HUGE_PAGE = 2 * 1024 * 1024
 HUGE_FROM = 8 * 1024 * 1024  # smaller files get plain pages (a 2 MiB page for a few KiB is waste)
-DIRECT_ALIGN = 4096
-O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECT: int = iosizes.O_DIRECT  # module attributes: tests patch them here
+O_NOFOLLOW: int = iosizes.O_NOFOLLOW
 CACHED_ENOUGH = 0.5  # files at least this much in the page cache are read buffered (a copy beats the disk)
 
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, file size)

@@ -20,11 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dcs_tasks.checkpoint import iosizes
 from dcs_tasks.checkpoint.format import new_hasher
+from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
+from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
 
-CHUNK_BYTES = 16 * 1024 * 1024
-DIRECT_ALIGN = 4096
-O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+CHUNK_BYTES = WRITE_CHUNK_BYTES
+O_DIRECT: int = iosizes.O_DIRECT  # a module attribute: tests patch it here
 
 
 def fsync_dir(path: Path) -> None:
