@@ -57,7 +57,7 @@ def _unstageable() -> list[tuple[str, Callable[[], torch.Tensor], str]]:
         ("bsr", lambda: dense.to_sparse_bsr((1, 2)), "layout torch.sparse_bsr"),
         ("quantized", lambda: torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), "quantized"),
         ("meta", lambda: torch.empty(3, 4, device="meta"), "meta tensor"),
-        ("complex", lambda: torch.randn(3, dtype=torch.complex64), "dtype torch.complex64"),
+        ("complex", lambda: torch.randn(3, dtype=torch.complex128), "dtype torch.complex128"),
         ("lazy", lambda: torch.nn.UninitializedParameter(), "not initialized"),
         ("fake", _fake_tensor, "FakeTensor is a tensor subclass"),
     ]
