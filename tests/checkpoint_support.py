@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 
 from dcs_tasks.config import DCSConfig
-from tests.helpers.procs import WorkerProcess
+from tests.helpers.procs import WorkerProcess, child_env
 
 
 def training_state(seed: int = 0, width: int = 64) -> dict[str, Any]:
@@ -82,3 +84,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def dcs_ckpt(config: DCSConfig, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`dcs ckpt ARGS --dir <checkpoint_dir>` as a user runs it; it never ends in a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(config),
+        check=False,
+    )
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    return done

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,7 @@ import torch
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
-from tests.checkpoint_support import ckpt_config, start_worker
-from tests.helpers.procs import REPO, child_env
+from tests.checkpoint_support import ckpt_config, dcs_ckpt, start_worker
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 
@@ -59,20 +56,6 @@ def save_step(config: DCSConfig, tmp_path: Path, run: str, state: dict[str, Any]
     finally:
         worker.terminate()
     return Path(info.path)
-
-
-def dcs_ckpt(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=child_env(config),
-        check=False,
-    )
-    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
-    return done
 
 
 def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

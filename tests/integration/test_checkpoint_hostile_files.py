@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -35,8 +34,7 @@ from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
-from tests.helpers.procs import REPO, child_env
+from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
 from tests.helpers.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -142,20 +140,6 @@ def restore_falls_back(config: DCSConfig, run: str = RUN, **kwargs: Any) -> tupl
     assert restored.step == 1, text
     assert "checkpoint step 2 is corrupt" in text, text
     return restored, text
-
-
-def dcs_ckpt(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(config),
-        check=False,
-    )
-    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
-    return done
 
 
 def write_secret(tmp_path: Path) -> Path:

@@ -26,25 +26,11 @@ from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from tests.checkpoint_support import assert_same_state, ckpt_config
+from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.procs import REPO
 
 pytestmark = pytest.mark.integration
-
-
-def dcs_ckpt(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=child_env(config),
-        check=False,
-    )
-    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
-    return done
 
 
 def trainer_state(seed: int = 0) -> dict[str, Any]:
