@@ -58,7 +58,7 @@ def commit(req: CommitRequest, task_id: str) -> Verdict:
 
 def check_files(step_dir: Path, manifest: Manifest) -> None:
     for entry in manifest.files:
-        path = step_dir / entry.name
+        path = entry.stored_path(step_dir)
         size = path.stat().st_size if path.is_file() else -1
         if size != entry.size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.size}")

@@ -152,6 +152,11 @@ class FileEntry(BaseModel):
     checksum: str
     algorithm: str = CHECKSUM_ALGORITHM
 
+    def stored_path(self, step_dir: Path) -> Path:
+        """Where this file's bytes lie on disk for the step at `step_dir`. Every reader resolves a file
+        through here, so a format change of where or how bytes are stored changes this one place."""
+        return step_dir / self.name
+
 
 class TensorEntry(BaseModel):
     """Where a tensor is: `offsets` are absolute byte positions inside `file`."""

@@ -69,7 +69,7 @@ def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = 
     """Check every file of a committed step against its size, safetensors header and checksum (memory: 6
     chunks of scratch)."""
     check_files(step_dir, manifest)
-    read_scatter([(step_dir / f.name, f, []) for f in manifest.files], True, progress)
+    read_scatter([(f.stored_path(step_dir), f, []) for f in manifest.files], True, progress)
 
 
 def load_tensors(
@@ -94,7 +94,7 @@ def load_tensors(
         if end > begin:
             dest = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
             targets[entry.file].append((begin, end, dest))
-    read_scatter([(step_dir / f.name, f, targets[f.name]) for f in manifest.files], verify)
+    read_scatter([(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files], verify)
     with torch.no_grad():
         for name, target in into.items():
             if tensors[name] is not target:
@@ -106,7 +106,7 @@ def _load_whole_files(step_dir: Path, manifest: Manifest, verify: bool) -> dict[
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    mappings = read_many([(step_dir / f.name, f) for f in manifest.files], verify)
+    mappings = read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
     loaded: dict[str, torch.Tensor] = {}
     for f, mapping in zip(manifest.files, mappings, strict=True):
         loaded.update(tensors_over(mapping, by_file[f.name]))

@@ -263,7 +263,7 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
     for f in manifest.files:
-        path = step_dir / f.name
+        path = f.stored_path(step_dir)
         fd = open_regular(path)
         try:
             size = os.fstat(fd).st_size

@@ -295,7 +295,7 @@ def _write_files(
                 continue  # a tied copy (filled below) or an empty tensor
             first_out[pick.stored] = pick.name
             targets.setdefault(entry.file, []).append((entry.offsets[0], entry.offsets[1], views[pick.name]))
-        files = [(step_dir / f.name, f, targets[f.name]) for f in manifest.files if f.name in targets]
+        files = [(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files if f.name in targets]
         read_scatter(files, verify=True)
         for name, stored in stored_of.items():
             if stored in first_out and first_out[stored] != name:
