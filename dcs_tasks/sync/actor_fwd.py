@@ -28,12 +28,12 @@ import torch
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout
-from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import BackendType
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPreconditionError, WeightSyncError
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
-from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.sender import BucketSender
 
 log = logging.getLogger(__name__)
