@@ -193,7 +193,7 @@ class CheckpointEngineClient:
             plan=GroupPlan(world_size=1, engines=()),
             backend=self.backend_type,
         )
-        raw = await self._bootstrapper._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
+        raw = await self._bootstrapper.run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
         result = BootstrapResult.model_validate(raw)
         self.role_info.metadata.update(
             master_address=result.master_address, master_port=result.master_port, pp_group_name=result.group_name
