@@ -93,7 +93,7 @@ async def drive(target: str, port: int, pid: int, connections: int, duration: fl
 
 # --- orchestration -------------------------------------------------------------------------------
 async def register_nodes(url: str) -> None:
-    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.coordinator_api import CoordinatorAPI
 
     async with CoordinatorAPI(url) as api:
         for rank in range(NODES):

@@ -107,6 +107,8 @@ class CommHandle:
 class CommBackend(abc.ABC):
     """A transport for tensor broadcasts between the members of named groups."""
 
+    backend_type: BackendType  # the torch.distributed backend its groups use (gloo: CPU tensors, nccl: CUDA)
+    device_id: int | None  # the CUDA device of an nccl backend (None: the current one)
     timeout_seconds: float
 
     @abc.abstractmethod

@@ -105,16 +105,7 @@ class DeviceDirectBackend(CommBackend):
         if self.backend_type is BackendType.NCCL and self.device_id is not None:
             torch.cuda.set_device(self.device_id)
         try:
-            pg = new_group_within(
-                spec.backend.value,
-                spec.master_address,
-                spec.master_port,
-                spec.world_size,
-                spec.rank,
-                spec.group_name,
-                self.group_init_timeout_seconds,
-                self.timeout_seconds,
-            )
+            pg = new_group_within(spec, self.group_init_timeout_seconds, self.timeout_seconds)
         except Exception as exc:  # torch raises DistStoreError, RuntimeError, ValueError, TimeoutError
             raise GroupInitError(
                 f"group {spec.group_name!r} (tcp://{spec.master_address}:{spec.master_port}, world "

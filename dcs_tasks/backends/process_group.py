@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from dcs_tasks.backends.base import GroupSpec
+
 _MASTERS: dict[tuple[str, int], tuple[dist.TCPStore, int]] = {}
 _MASTERS_LOCK = threading.Lock()
 
@@ -93,17 +95,8 @@ def destroy(pg: dist.ProcessGroup) -> None:
         c10d._world.pg_group_ranks.pop(pg, None)
 
 
-def new_group_within(
-    backend: str,
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    rank: int,
-    group_name: str,
-    init_timeout_seconds: float,
-    timeout_seconds: float,
-) -> dist.ProcessGroup:
-    """`new_group`, but given up after `init_timeout_seconds` even where torch would wait for the collective
+def new_group_within(spec: GroupSpec, init_timeout_seconds: float, timeout_seconds: float) -> dist.ProcessGroup:
+    """`new_group` for `spec`, but given up after `init_timeout_seconds` even where torch would wait for the collective
     timeout (the backend's full-mesh connect uses it). The abandoned attempt runs on in a daemon thread and
     destroys its group if it ever forms. Raises TimeoutError when the deadline passes."""
     outcome: dict[str, object] = {}
@@ -113,12 +106,12 @@ def new_group_within(
     def attempt() -> None:
         try:
             pg = new_group(
-                backend,
-                master_address,
-                master_port,
-                world_size,
-                rank,
-                group_name,
+                spec.backend.value,
+                spec.master_address,
+                spec.master_port,
+                spec.world_size,
+                spec.rank,
+                spec.group_name,
                 init_timeout_seconds,
                 timeout_seconds,
             )
@@ -130,16 +123,16 @@ def new_group_within(
             if not abandoned.is_set():
                 return
         destroy(pg)
-        if rank == 0:
-            release_store(master_address, master_port)
+        if spec.rank == 0:
+            release_store(spec.master_address, spec.master_port)
 
-    thread = threading.Thread(target=attempt, name=f"dcs-join-{group_name}", daemon=True)
+    thread = threading.Thread(target=attempt, name=f"dcs-join-{spec.group_name}", daemon=True)
     thread.start()
     thread.join(init_timeout_seconds + 1.0)
     with decided:
         if not outcome:
             abandoned.set()
-            raise TimeoutError(f"group {group_name!r} did not form within {init_timeout_seconds:g}s")
+            raise TimeoutError(f"group {spec.group_name!r} did not form within {init_timeout_seconds:g}s")
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["pg"]  # type: ignore[return-value]

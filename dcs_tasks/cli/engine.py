@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.engine.attach import AttachSettings, EngineAttachment
 from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import ConfigError, DCSError

@@ -1,11 +1,9 @@
-"""Clients of DCS services. `CoordinatorAPI` talks to the coordinator over HTTP; `CheckpointEngineClient` and
-`create_client` (the original design's trainer/engine client) load lazily, with torch."""
+"""The facade trainers import: `CheckpointEngineClient` and `create_client` (the original design's trainer/engine
+client), loaded lazily, with torch. The coordinator's HTTP client is `dcs_tasks.coordinator_api`."""
 
 from typing import Any
 
-from dcs_tasks.client.coordinator_api import CoordinatorAPI, FleetHeartbeatLoop, HeartbeatLoop
-
-__all__ = ["CheckpointEngineClient", "CoordinatorAPI", "FleetHeartbeatLoop", "HeartbeatLoop", "create_client"]
+__all__ = ["CheckpointEngineClient", "create_client"]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,12 +19,11 @@ import torch
 
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
-from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.netaddr import configure_comm_interface, route_address
-from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.actor_fwd import (
     ActorFwdReceiver,
     ActorFwdSender,
@@ -35,6 +34,7 @@ from dcs_tasks.sync.actor_fwd import (
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, check_backend, send_teardown
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
+from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.rollout import RolloutUpdater
 from dcs_tasks.sync.sender import ALONE_BYTES, BucketSender
 
@@ -193,7 +193,7 @@ class CheckpointEngineClient:
             plan=GroupPlan(world_size=1, engines=()),
             backend=self.backend_type,
         )
-        raw = await self._bootstrapper._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
+        raw = await self._bootstrapper.run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"))
         result = BootstrapResult.model_validate(raw)
         self.role_info.metadata.update(
             master_address=result.master_address, master_port=result.master_port, pp_group_name=result.group_name

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import (
     CoordinatorError,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 
 TEXT_RESOURCE = "data/sonnets.txt"
 

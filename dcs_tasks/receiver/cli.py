@@ -26,14 +26,14 @@ from typing import Any
 import uvicorn
 
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
-from dcs_tasks.client.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.errors import ConfigError
 from dcs_tasks.httpguard import guarded_server_options
 from dcs_tasks.netaddr import configure_comm_interface, interface_of, is_loopback, route_address
 from dcs_tasks.receiver.guard import secure_receiver_app
 from dcs_tasks.receiver.server import create_receiver_app
-from dcs_tasks.receiver.weights import WeightReceiver
+from dcs_tasks.sync.receiving import WeightReceiver
 
 log = logging.getLogger(__name__)
 

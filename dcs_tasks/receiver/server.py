@@ -32,7 +32,6 @@ from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.fusion import ALIGNMENT, SGLANG_ALIGNMENT, FusionLayout
 from dcs_tasks.errors import DCSError
 from dcs_tasks.metrics import get_metrics
-from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.engine_protocol import SUPPORTED_VERSIONS
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import (
@@ -44,6 +43,7 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
     WeightsDigest,
 )
+from dcs_tasks.sync.receiving import WeightReceiver
 
 log = logging.getLogger(__name__)
 

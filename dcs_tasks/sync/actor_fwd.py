@@ -25,15 +25,14 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.backends.base import GroupSpec
-from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.backends.base import CommBackend, GroupSpec
 from dcs_tasks.backends.fusion import FusionLayout
-from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.config import BackendType
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPreconditionError, WeightSyncError
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
-from dcs_tasks.receiver.weights import WeightReceiver
 from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.sender import BucketSender
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ async def wait_for_sources(
         await asyncio.sleep(min(poll_seconds, left))
 
 
-async def join_all(backend: DeviceDirectBackend, specs: list[GroupSpec]) -> None:
+async def join_all(backend: CommBackend, specs: list[GroupSpec]) -> None:
     """Join every group concurrently (each rendezvous waits for all its members)."""
     await asyncio.gather(*(asyncio.to_thread(backend.create_group, spec) for spec in specs))
 
@@ -180,7 +179,6 @@ class ActorFwdReceiver:
         """Snapshot the meta log's end *before* the rendezvous barrier, then join every stage's group."""
         self.meta_index = await self.api.weight_meta_end()  # answers are capped: ask for the end itself
         backend = self.receiver.backend
-        assert isinstance(backend, DeviceDirectBackend)
         self.receiver.abort()
         for name in self.group_names:
             backend.destroy_group(name)

@@ -35,8 +35,7 @@ from celery.result import ResultSet
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
-from dcs_tasks.backends.base import GroupSpec
-from dcs_tasks.backends.device_direct import DeviceDirectBackend
+from dcs_tasks.backends.base import CommBackend, GroupSpec
 from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
@@ -65,7 +64,7 @@ class GroupBootstrapper:
     """Forms rollout update groups through the host's Celery worker; this process is rank 0."""
 
     def __init__(
-        self, config: DCSConfig, celery: Celery, backend: DeviceDirectBackend, group_prefix: str, master_address: str
+        self, config: DCSConfig, celery: Celery, backend: CommBackend, group_prefix: str, master_address: str
     ) -> None:
         self.config = config
         self.celery = celery
@@ -109,7 +108,7 @@ class GroupBootstrapper:
             request_id=request_id,
         )
         result = BootstrapResult.model_validate(
-            await self._run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"), task_id=request_id)
+            await self.run_task(TaskName.BOOTSTRAP_GROUP, request.model_dump(mode="json"), task_id=request_id)
         )
         spec = GroupSpec(
             result.group_name,
@@ -165,9 +164,11 @@ class GroupBootstrapper:
                 )
         return sorted(failures, key=lambda f: f[0])
 
-    async def _run_task(self, name: TaskName, payload: dict[str, Any], task_id: str | None = None) -> Any:
-        """Send the task and wait for its result. It expires when this wait does: a delivery that comes later
-        (a killed worker's task, restored) is dropped by the worker, not run for a trainer that gave up."""
+    async def run_task(self, name: TaskName, payload: dict[str, Any], task_id: str | None = None) -> Any:
+        """Send task `name` to this host's worker (its node queue) and wait for its result; `GroupInitError` when
+        no worker runs it in time or the broker is unreachable. It expires when this wait does: a delivery that
+        comes later (a killed worker's task, restored) is dropped by the worker, not run for a trainer that gave
+        up. Besides `form_group`, the client reserves a pp stage's master port with it (a group without engines)."""
         timeout = self.config.group_init_timeout_seconds
         try:
             queue = node_queue(self.config.host_name)

@@ -31,7 +31,7 @@ import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.backoff import backoff_delay
-from dcs_tasks.client.coordinator_api import CoordinatorAPI
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error

@@ -21,7 +21,7 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, TensorSpec, unpack_views
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import WeightSyncError
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 
 
 def payload(seed: int) -> dict[str, torch.Tensor]:

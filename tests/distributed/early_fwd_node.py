@@ -17,7 +17,7 @@ import torch
 
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 
 
 def state() -> dict[str, torch.Tensor]:

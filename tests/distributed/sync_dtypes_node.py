@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dcs_tasks.backends.base import GroupSpec, RecvRequest, SendRequest
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout
-from dcs_tasks.receiver.weights import WeightReceiver, tensor_sha256
+from dcs_tasks.sync.receiving import WeightReceiver, tensor_sha256
 from dcs_tasks.sync.sender import BucketSender
 from dcs_tasks.tensors import TensorSpec
 

@@ -24,8 +24,8 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import GroupInitError
 from dcs_tasks.keys import Keys
-from dcs_tasks.receiver.weights import tensor_sha256
 from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, EngineEndpoint, GroupPlan, JoinRequest
+from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import ReceiverProcess
 from tests.helpers.procs import CoordinatorProcess, WorkerProcess
 from workers.bootstrap import (

@@ -13,7 +13,7 @@ import torch
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import GroupInitError, WeightSyncError
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import ReceiverProcess, sync_stack, wait_registered
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]

@@ -10,8 +10,8 @@ import httpx
 from fastapi import FastAPI
 
 from coordinator.app import create_app
-from dcs_tasks.client import CoordinatorAPI
 from dcs_tasks.config import DCSConfig, TopologyConfig
+from dcs_tasks.coordinator_api import CoordinatorAPI
 
 
 @dataclass

@@ -309,7 +309,7 @@ async def test_metrics_also_export_the_process_collector_once_per_family(coord: 
 
 
 async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs_config: DCSConfig) -> None:
-    from dcs_tasks.client import HeartbeatLoop
+    from dcs_tasks.coordinator_api import HeartbeatLoop
     from dcs_tasks.errors import RankConflict
 
     config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})
@@ -333,7 +333,7 @@ async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs
 async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dcs_config: DCSConfig) -> None:
     import httpx
 
-    from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
+    from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
     from dcs_tasks.errors import RankConflict
 
     config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})

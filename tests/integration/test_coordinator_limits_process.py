@@ -15,8 +15,8 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from dcs_tasks.client import CoordinatorAPI
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.models import WeightMeta
 from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import REPO, CoordinatorProcess

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dcs_tasks.client import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.models import WeightMeta
 from tests.helpers.procs import CoordinatorProcess
 from tests.helpers.redis_server import RedisServer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dcs_tasks.client import CoordinatorAPI
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import CoordinatorUnavailable
 from dcs_tasks.models import WeightMeta
 from tests.helpers.ports import free_port

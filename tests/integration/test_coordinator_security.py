@@ -94,7 +94,7 @@ async def test_token_required_except_healthz_and_metrics(secured: InProcessCoord
 
 
 async def test_wrong_token_in_client_raises_auth_error(secured: InProcessCoordinator) -> None:
-    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.coordinator_api import CoordinatorAPI
 
     transport = httpx.ASGITransport(app=secured.app)
     async with CoordinatorAPI("http://coordinator", "wrong", transport=transport) as api:
@@ -129,7 +129,7 @@ async def test_long_poll_survives_a_redis_restart(coord: InProcessCoordinator, r
 
 
 async def test_coordinator_unreachable_is_coordinator_unavailable() -> None:
-    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.coordinator_api import CoordinatorAPI
     from tests.helpers.ports import free_port
 
     async with CoordinatorAPI(f"http://127.0.0.1:{free_port()}", timeout=2) as api:
@@ -196,7 +196,7 @@ async def test_huge_rank_in_a_query_is_422(coord: InProcessCoordinator) -> None:
 async def test_a_server_that_is_not_a_coordinator_gives_a_typed_error() -> None:
     from fastapi import FastAPI
 
-    from dcs_tasks.client import CoordinatorAPI
+    from dcs_tasks.coordinator_api import CoordinatorAPI
     from dcs_tasks.errors import CoordinatorError
 
     other = FastAPI()

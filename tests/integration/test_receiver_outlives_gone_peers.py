@@ -25,7 +25,7 @@ import torch
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import ReceiverProcess, alive_ranks, auth_headers, sync_stack
 from tests.helpers.ports import free_port
 

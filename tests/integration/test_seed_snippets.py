@@ -27,7 +27,7 @@ import torch
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import DCSError
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import auth_headers, sync_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcs_tasks.client.coordinator_api import CoordinatorAPI
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import LoopbackAddressError
 from tests.distributed.sync_stack import sync_stack
 

@@ -9,7 +9,7 @@ import torch
 
 from dcs_tasks.client.engine import create_client
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import alive_ranks, sync_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -43,8 +43,8 @@ async def test_is_registered_turns_false_when_another_node_takes_the_rank(
 ) -> None:
     import asyncio
 
-    from dcs_tasks.client import CoordinatorAPI
     from dcs_tasks.config import RoleInfo
+    from dcs_tasks.coordinator_api import CoordinatorAPI
 
     with sync_stack(dcs_config, tmp_path) as stack:
         client = await create_client(coordinator_url=stack.url, role="actor", rank=0, model={}, config=stack.config)

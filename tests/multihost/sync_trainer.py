@@ -28,7 +28,7 @@ import torch
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.receiver.weights import tensor_sha256
+from dcs_tasks.sync.receiving import tensor_sha256
 
 TENSORS, ROWS, COLS = 8, 256, 1024  # float32: 8 tensors of 1 MiB, and a bf16 one
 

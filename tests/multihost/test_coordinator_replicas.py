@@ -1,6 +1,6 @@
 """Coordinator replicas behind HAProxy: two `dcs coordinator`s on two hosts, HAProxy on a third, clients in the
 test process. One replica is killed with -9 while 50 nodes register and beat and a weight-meta long-poll waits;
-the clients' bounded retries (dcs_tasks/client/coordinator_api.py) and HAProxy's health checks and redispatch
+the clients' bounded retries (dcs_tasks/coordinator_api.py) and HAProxy's health checks and redispatch
 absorb it: no call fails, no rank is taken twice, the long-poll returns the entry appended after the kill."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dcs_tasks.client import CoordinatorAPI
 from dcs_tasks.config import RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.models import WeightMeta
 from tests.helpers.haproxy import Backend, HAProxy, HAProxyConfig
 from tests.helpers.procs import REPO

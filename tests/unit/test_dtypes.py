@@ -17,7 +17,7 @@ from dcs_tasks.backends.fusion import FusionLayout, TensorFusion
 from dcs_tasks.checkpoint.format import plan_layout, specs_of
 from dcs_tasks.checkpoint.staging import StagingPool, copy_into
 from dcs_tasks.errors import InvalidTensorSpec, UnsupportedDtype
-from dcs_tasks.receiver.security import tensor_bytes
+from dcs_tasks.sync.receive_checks import tensor_bytes
 from dcs_tasks.tensors import (
     CODE_DTYPES,
     DTYPE_CODES,

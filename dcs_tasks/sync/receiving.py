@@ -27,7 +27,7 @@ import torch
 from dcs_tasks.backends.base import CommBackend, GroupSpec
 from dcs_tasks.backends.fusion import ALIGNMENT, FusionLayout, unpack_views
 from dcs_tasks.errors import RequestRejected, WeightSyncError
-from dcs_tasks.receiver.security import check_group_spec, check_tensors
+from dcs_tasks.sync.receive_checks import check_group_spec, check_tensors
 from dcs_tasks.tensors import parse_dtype
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""What a `dcs receiver` checks before it acts on a request: the checks run before any tensor is allocated or
-any connection opened, and a refusal is a `RequestRejected` naming what was wrong (answered 400).
+"""What a `WeightReceiver` (`dcs receiver`'s, an actor_fwd's, a reference's) checks before it acts on a request:
+the checks run before any tensor is allocated or any connection opened, and a refusal is a `RequestRejected`
+naming what was wrong (answered 400 by `dcs receiver`).
 
 Update bodies: every dtype from `fusion`'s table, every shape non-negative with at most `MAX_DIMS` dims, names
 unique, 1..`MAX_NAME_LENGTH` characters and at most `MAX_TENSORS` of them, the total bytes within the update
