@@ -173,8 +173,10 @@ class BucketSender:
         tensor = state[layout.specs[0].name]
         return to_wire(tensor, quant) is tensor and tensor.is_contiguous() and tensor.device == self.device
 
-    def _buffers(self, layouts: list[FusionLayout]) -> list[torch.Tensor]:
-        need = max((lay.total_bytes for lay in layouts), default=0)
+    def _buffers(self, fused: list[FusionLayout]) -> list[torch.Tensor]:
+        """The two flat buffers, big enough for every bucket in `fused` (buckets sent from a tensor's own memory
+        need none: a tensor larger than a bucket does not make them grow)."""
+        need = max((lay.total_bytes for lay in fused), default=0)
         if not self._slots or self._slots[0].numel() < need or self._slots[0].device != self.device:
             self._slots = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._slots
@@ -210,7 +212,7 @@ class BucketSender:
         started = time.perf_counter()
         layouts = self.plan(state, quant)
         tally = _Tally("fused", len(state), len(layouts), started)
-        slots = self._buffers(layouts)
+        slots = self._buffers([lay for lay in layouts if not self._zero_copy(lay, state, quant)])
         queued: collections.deque[_Queued] = collections.deque()
         per: asyncio.Future[None] | None = None
         try:
