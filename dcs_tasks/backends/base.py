@@ -127,9 +127,9 @@ class CommBackend(abc.ABC):
 
     timeout_seconds: float
 
-    @abc.abstractmethod
     def init_process_group(self, spec: GroupSpec) -> None:
         """Join (rank 0: host) the rendezvous of `spec`; bounded by the group-init timeout."""
+        self.create_group(spec)
 
     @abc.abstractmethod
     def create_group(self, spec: GroupSpec) -> None:
@@ -143,9 +143,9 @@ class CommBackend(abc.ABC):
     def register_peer(self, group_name: str, group_rank: int, peer: RoleInfo) -> None:
         """Record which node holds `group_rank`, so that errors can name it."""
 
-    @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
         """Blocking broadcast of `tensor` (in place on receivers) from group rank `src`."""
+        self.broadcast_async(tensor, src, group_name).wait()
 
     @abc.abstractmethod
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:

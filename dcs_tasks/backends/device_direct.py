@@ -87,9 +87,6 @@ class DeviceDirectBackend(CommBackend):
         return torch.device("cpu")
 
     # --- groups ---------------------------------------------------------------------------------
-    def init_process_group(self, spec: GroupSpec) -> None:
-        self.create_group(spec)
-
     def create_group(self, spec: GroupSpec) -> None:
         self.destroy_group(spec.group_name)
         if self.backend_type is BackendType.NCCL and self.device_id is not None:
@@ -158,9 +155,6 @@ class DeviceDirectBackend(CommBackend):
         return group
 
     # --- collectives ----------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
-        self.broadcast_async(tensor, src, group_name).wait()
-
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
         group = self._group(group_name)
         tensor = transport_view(tensor, group.spec.backend)

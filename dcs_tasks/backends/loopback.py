@@ -117,9 +117,6 @@ class LoopbackBackend(CommBackend):
         self._lock = threading.Lock()
 
     # --- groups ---------------------------------------------------------------------------------
-    def init_process_group(self, spec: GroupSpec) -> None:
-        self.create_group(spec)
-
     def create_group(self, spec: GroupSpec) -> None:
         self.destroy_group(spec.group_name)
         group = self.hub._join(spec, self, self.group_init_timeout_seconds)
@@ -158,9 +155,6 @@ class LoopbackBackend(CommBackend):
         return held
 
     # --- collectives ----------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
-        self.broadcast_async(tensor, src, group_name).wait()
-
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
         group, rank = self._held(group_name)
         wire = transport_view(tensor, self.backend_type)

@@ -101,7 +101,7 @@ class _Tally:
     mode: SendMode
     tensors: int
     buckets: int
-    started: float = field(default_factory=time.perf_counter)
+    started: float
     bytes: int = 0
     broadcasts: int = 0
     pack_seconds: float = 0.0

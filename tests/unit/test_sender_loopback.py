@@ -17,7 +17,9 @@ import torch
 from dcs_tasks.backends.base import GroupSpec, RecvRequest, SendRequest
 from dcs_tasks.backends.fusion import ALIGNMENT, SGLANG_ALIGNMENT, FusionLayout
 from dcs_tasks.backends.loopback import LoopbackBackend, LoopbackHub
+from dcs_tasks.client.engine import _record_send
 from dcs_tasks.errors import RequestRejected, WeightSyncError
+from dcs_tasks.metrics import get_metrics
 from dcs_tasks.receiver.weights import WeightReceiver, tensor_sha256
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import relative_error_bound
@@ -251,8 +253,13 @@ def test_point_to_point_send_checks_the_specs() -> None:
         backends[1].recv(RecvRequest(0, ("x",), "p", {"specs": specs[:1]}))
 
 
-def test_update_report_is_what_the_client_metrics_carry() -> None:
+def test_the_client_records_what_the_reports_say_and_returns_their_figures() -> None:
     sent = SendReport("fused", 100, 2, 1, 1, 0.1, 0.2, 0.5)
     merged = UpdateReport(sent, {"engines": 2, "weight_version": 3}).as_dict()
     assert merged["bytes"] == 100 and merged["broadcast_seconds"] == 0.5 and merged["engines"] == 2
     assert UpdateReport(None, {"engines": 0}).as_dict() == {"engines": 0}
+    before = get_metrics().get_all()["counters"]
+    _record_send([UpdateReport(sent), UpdateReport(None, {"engines": 0})])  # nothing sent: nothing recorded
+    after = get_metrics().get_all()["counters"]
+    assert after["bytes_sent"] - before["bytes_sent"] == 100
+    assert after["send_operations"] - before["send_operations"] == 1
