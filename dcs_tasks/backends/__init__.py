@@ -1,8 +1,10 @@
-"""Communication backends: the `CommBackend` interface, tensor fusion and the torch.distributed backend."""
+"""Communication backends: the `CommBackend` interface, tensor fusion, the torch.distributed backend and the
+in-process loopback backend (for tests)."""
 
 from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, plan_buckets
+from dcs_tasks.backends.loopback import LoopbackBackend, LoopbackHub
 from dcs_tasks.tensors import TensorSpec
 
 __all__ = [
@@ -11,6 +13,8 @@ __all__ = [
     "DeviceDirectBackend",
     "FusionLayout",
     "GroupSpec",
+    "LoopbackBackend",
+    "LoopbackHub",
     "RecvRequest",
     "SendRequest",
     "TensorFusion",

@@ -21,6 +21,24 @@ import torch
 
 from dcs_tasks.config import BackendType, RoleInfo
 
+# Table dtypes (dcs_tasks/tensors.py) a transport cannot broadcast as themselves: torch raises "Invalid scalar
+# type" (gloo, torch 2.13, measured) or has no NCCL type for them (torch's NCCL type table has no unsigned type
+# wider than 8 bits; not run: no GPU here). They travel as their bytes: a broadcast moves bytes, the receiver
+# views them the same way, and fused buckets are uint8 anyway. tests/distributed/test_sync_dtypes.py sends each
+# of them one broadcast per tensor over gloo; the loopback backend applies the same rule.
+_AS_BYTES: dict[BackendType, frozenset[torch.dtype]] = {
+    BackendType.GLOO: frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64}),
+    BackendType.NCCL: frozenset({torch.uint16, torch.uint32, torch.uint64}),
+}
+
+
+def transport_view(tensor: torch.Tensor, backend: BackendType) -> torch.Tensor:
+    """`tensor` as `backend` broadcasts it: a contiguous tensor of a dtype it lacks as a uint8 view of the same
+    memory (so a receive still lands in place), any other tensor as it is."""
+    if tensor.dtype in _AS_BYTES.get(backend, frozenset()) and tensor.is_contiguous():
+        return tensor.reshape(-1).view(torch.uint8)
+    return tensor
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -111,9 +129,9 @@ class CommBackend(abc.ABC):
     device_id: int | None  # the CUDA device of an nccl backend (None: the current one)
     timeout_seconds: float
 
-    @abc.abstractmethod
     def init_process_group(self, spec: GroupSpec) -> None:
         """Join (rank 0: host) the rendezvous of `spec`; bounded by the group-init timeout."""
+        self.create_group(spec)
 
     @abc.abstractmethod
     def create_group(self, spec: GroupSpec) -> None:
@@ -127,9 +145,9 @@ class CommBackend(abc.ABC):
     def register_peer(self, group_name: str, group_rank: int, peer: RoleInfo) -> None:
         """Record which node holds `group_rank`, so that errors can name it."""
 
-    @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
         """Blocking broadcast of `tensor` (in place on receivers) from group rank `src`."""
+        self.broadcast_async(tensor, src, group_name).wait()
 
     @abc.abstractmethod
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest
+from dcs_tasks.backends.base import CommBackend, CommHandle, GroupSpec, RecvRequest, SendRequest, transport_view
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion, unpack_views
 from dcs_tasks.backends.process_group import destroy, new_group_within, release_store
 from dcs_tasks.config import BackendType, RoleInfo
@@ -26,16 +26,6 @@ from dcs_tasks.metrics import get_metrics
 from dcs_tasks.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
-
-# Table dtypes (dcs_tasks/tensors.py) a transport cannot broadcast as themselves: torch raises "Invalid scalar
-# type" (gloo, torch 2.13, measured) or has no NCCL type for them (torch's NCCL type table has no unsigned type
-# wider than 8 bits; not run: no GPU here). They travel as their bytes: a broadcast moves bytes, the receiver
-# views them the same way, and fused buckets are uint8 anyway. tests/distributed/test_sync_dtypes.py sends each
-# of them one broadcast per tensor over gloo.
-_AS_BYTES: dict[BackendType, frozenset[torch.dtype]] = {
-    BackendType.GLOO: frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64}),
-    BackendType.NCCL: frozenset({torch.uint16, torch.uint32, torch.uint64}),
-}
 
 
 class _WorkSlot:
@@ -97,9 +87,6 @@ class DeviceDirectBackend(CommBackend):
         return torch.device("cpu")
 
     # --- groups ---------------------------------------------------------------------------------
-    def init_process_group(self, spec: GroupSpec) -> None:
-        self.create_group(spec)
-
     def create_group(self, spec: GroupSpec) -> None:
         self.destroy_group(spec.group_name)
         if self.backend_type is BackendType.NCCL and self.device_id is not None:
@@ -159,13 +146,9 @@ class DeviceDirectBackend(CommBackend):
         return group
 
     # --- collectives ----------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, group_name: str) -> None:
-        self.broadcast_async(tensor, src, group_name).wait()
-
     def broadcast_async(self, tensor: torch.Tensor, src: int, group_name: str) -> CommHandle:
         group = self._group(group_name)
-        if tensor.dtype in _AS_BYTES.get(group.spec.backend, frozenset()) and tensor.is_contiguous():
-            tensor = tensor.reshape(-1).view(torch.uint8)  # the same memory: a receive still lands in place
+        tensor = transport_view(tensor, group.spec.backend)
         try:
             work = dist.broadcast(tensor, src=src, group=group.process_group(), async_op=True)
         except Exception as exc:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.rollout import RolloutUpdater
-from dcs_tasks.sync.sender import ALONE_BYTES, BucketSender
+from dcs_tasks.sync.sender import ALONE_BYTES, BucketSender, UpdateReport
 
 log = logging.getLogger(__name__)
 RECEIVING_ROLES = ("actor_fwd", "reference")
@@ -259,19 +259,20 @@ class CheckpointEngineClient:
         state = _state_of(self.model)
         quant = quantization or self.quantization_config
         started = time.perf_counter()
-        metrics: dict[str, Any] = {}
+        reports: dict[str, UpdateReport] = {}
         try:
             async with _held(self.lock, self.config.comm_timeout_seconds):
                 with paused_gc(self.config.sync_pause_gc):
                     if not actor_fwd_only and self._rollout is not None:
-                        metrics["rollout"] = await self._rollout.update(state, quant)
+                        reports["rollout"] = await self._rollout.update(state, quant)
                     if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
-                        metrics["actor_fwd"] = await self._fwd_sender.update(state, quant)
+                        reports["actor_fwd"] = await self._fwd_sender.update(state, quant)
         except WeightSyncError as exc:
             get_metrics().record_error(type(exc).__name__)
             raise
+        metrics: dict[str, Any] = {part: report.as_dict() for part, report in reports.items()}
         metrics["total_seconds"] = time.perf_counter() - started
-        _record_send(metrics)
+        _record_send(reports.values())
         return metrics
 
     async def init_process_groups_for_actor_fwd_ref(self, rollout_id: int, wait_timeout_s: float | None = None) -> bool:
@@ -338,11 +339,10 @@ class CheckpointEngineClient:
         return self._checkpoints().restore(step, into=target)
 
 
-def _record_send(metrics: Mapping[str, Any]) -> None:
-    for part in ("rollout", "actor_fwd"):
-        sent = metrics.get(part)
-        if isinstance(sent, Mapping) and sent.get("bytes"):
-            get_metrics().record_send(int(sent["bytes"]), float(sent.get("broadcast_seconds", 0.0)))
+def _record_send(reports: Iterable[UpdateReport]) -> None:
+    for report in reports:
+        if report.sent is not None and report.sent.bytes:
+            get_metrics().record_send(report.sent.bytes, report.sent.total_seconds)
 
 
 def _record_recv(weights: Mapping[str, torch.Tensor], seconds: float) -> None:

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -33,7 +32,7 @@ from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPrecondition
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.receiving import WeightReceiver
-from dcs_tasks.sync.sender import BucketSender
+from dcs_tasks.sync.sender import BucketSender, UpdateReport
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +135,9 @@ class ActorFwdSender:
         self.spec = mine
         return True
 
-    async def update(
-        self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None
-    ) -> dict[str, Any]:
+    async def update(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> UpdateReport:
         if self.spec is None:
-            return {"actor_fwd_groups": 0}
+            return UpdateReport(None, {"actor_fwd_groups": 0})
         group_name = self.spec.group_name
 
         async def announce(index: int, layout: FusionLayout, last: bool) -> None:
@@ -152,9 +149,9 @@ class ActorFwdSender:
             )
             await self.api.send_weight_meta(meta)
 
-        stats = await self.sender.send(state, group_name, announce, quant)
+        sent = await self.sender.send_fused(state, group_name, announce, quant)
         await self.api.send_weight_meta(WeightMeta.end())
-        return stats.as_dict()
+        return UpdateReport(sent)
 
 
 class ActorFwdReceiver:

@@ -43,7 +43,7 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
 )
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
-from dcs_tasks.sync.sender import Announce, BucketSender
+from dcs_tasks.sync.sender import Announce, BucketSender, UpdateReport
 
 log = logging.getLogger(__name__)
 BLAME_TIMEOUT_SECONDS = 3.0
@@ -158,10 +158,8 @@ class RolloutUpdater:
         nodes = topology.nodes.get(self.rollout_role, {}).values()
         return sorted((endpoint_of(node) for node in nodes), key=lambda e: e.rank)
 
-    async def update(
-        self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None
-    ) -> dict[str, Any]:
-        """One full update; returns its metrics (bytes, buckets, seconds per phase, GB/s, version).
+    async def update(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> UpdateReport:
+        """One full update; returns what was sent and its metrics (seconds per phase, engines, version).
 
         With a group to reuse, the topology read, the engines' pause + begin and the packing of the first
         bucket run at once: nothing reaches an engine's weights or the wire until the topology confirmed the
@@ -179,7 +177,7 @@ class RolloutUpdater:
         phases["topology_seconds"] = time.perf_counter() - started
         if not endpoints:
             await self._drop_group()
-            return {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0}
+            return UpdateReport(None, {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0})
         rebuilt = await self._ensure_group(endpoints)
         phases["bootstrap_seconds"] = time.perf_counter() - started
         assert self.group is not None
@@ -194,7 +192,7 @@ class RolloutUpdater:
         started: float,
         phases: dict[str, float],
         checked: bool = False,
-    ) -> dict[str, Any]:
+    ) -> UpdateReport:
         """Open the sessions (after confirming the engines from the topology unless `checked`), send, close."""
         version = self.weight_version + 1
         sessions = EngineSessions(self.engines, group.plan.engines)
@@ -203,9 +201,8 @@ class RolloutUpdater:
             if not group.plan.flattened:  # one broadcast per tensor: nothing to pack ahead
                 await asyncio.shield(ready)
             announce = self._announcer(group, version, sessions)
-            stats = await self.sender.send(
-                state, group.result.group_name, announce, quant, flattened=group.plan.flattened, ready=ready
-            )
+            send = self.sender.send_fused if group.plan.flattened else self.sender.send_per_tensor
+            sent = await send(state, group.result.group_name, announce, quant, ready=ready)
             closing = time.perf_counter()
             await sessions.close()
             phases["close_seconds"] = time.perf_counter() - closing
@@ -229,9 +226,8 @@ class RolloutUpdater:
             await sessions.abandon()
             raise
         self.weight_version = version
-        metrics: dict[str, Any] = stats.as_dict()
-        metrics.update(phases)
-        metrics.update(
+        details: dict[str, Any] = dict(phases)
+        details.update(
             engines=len(group.plan.engines),
             weight_version=version,
             group_name=group.result.group_name,
@@ -239,7 +235,7 @@ class RolloutUpdater:
             flattened=group.plan.flattened,
             total_seconds=time.perf_counter() - started,
         )
-        return metrics
+        return UpdateReport(sent, details)
 
     async def _ready(
         self, group: ActiveGroup, sessions: EngineSessions, checked: bool, started: float, phases: dict[str, float]

@@ -8,6 +8,11 @@ the two flat buffers is no longer on the wire, so packing overlaps the queued tr
 broadcast, keeping up to MAX_QUEUED in flight. The two flat buffers are allocated once and reused while
 the layout fits. An optional `ready` future gates the first announcement and broadcast (the caller's
 sessions), so the first bucket is packed while the caller prepares the receivers.
+
+Two modes, one method each on `BucketSender`, sharing the plan, the announcements and the report:
+`send_fused` (one flat broadcast per bucket, as above) and `send_per_tensor` (per bucket: announce, then one
+broadcast per tensor; SGLang's default wire format, for engines without `flattened_bucket`). Both return a
+`SendReport`; the destinations wrap it in an `UpdateReport` that the client reads.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import collections
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -43,31 +48,76 @@ MAX_QUEUED = 8
 Announce = Callable[[int, FusionLayout, bool], Awaitable[None]]
 
 
-@dataclass
-class SendStats:
-    """What one update moved and where the time went (seconds)."""
+SendMode = Literal["fused", "per_tensor"]
 
-    bytes: int = 0
-    tensors: int = 0
-    buckets: int = 0
-    pack_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    total_seconds: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class SendReport:
+    """What one send moved and where the time went (seconds); `bytes` are the tensors' payload bytes on the
+    wire (after quantization, without alignment padding)."""
+
+    mode: SendMode
+    bytes: int
+    tensors: int
+    buckets: int
+    broadcasts: int  # fused: one per bucket; per-tensor: one per tensor
+    pack_seconds: float
+    wait_seconds: float
+    total_seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
-        gbps = self.bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
-        out: dict[str, float | int] = {
+        """The figures a client's metrics carry (`update_weights_for_rollout`'s `metrics["rollout"]`)."""
+        return {
             "bytes": self.bytes,
             "tensors": self.tensors,
             "buckets": self.buckets,
             "pack_seconds": self.pack_seconds,
             "wait_seconds": self.wait_seconds,
             "broadcast_seconds": self.total_seconds,
-            "gb_per_s": gbps,
+            "gb_per_s": self.gb_per_s,
         }
-        out.update(self.phases)
-        return out
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """One destination's update as the client gets it: what the sender moved (None: nothing was sent, e.g. no
+    engine was live) and the destination's own figures (rollout: phases, engines, version, group)."""
+
+    sent: SendReport | None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**(self.sent.as_dict() if self.sent is not None else {}), **self.details}
+
+
+@dataclass
+class _Tally:
+    """A send's running totals, frozen into a `SendReport` at the end."""
+
+    mode: SendMode
+    tensors: int
+    buckets: int
+    started: float
+    bytes: int = 0
+    broadcasts: int = 0
+    pack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def report(self) -> SendReport:
+        return SendReport(
+            self.mode,
+            self.bytes,
+            self.tensors,
+            self.buckets,
+            self.broadcasts,
+            self.pack_seconds,
+            self.wait_seconds,
+            time.perf_counter() - self.started,
+        )
 
 
 @dataclass
@@ -82,7 +132,9 @@ class _Queued:
 
 
 class BucketSender:
-    """Sends state dicts over one group of a backend as rank `src`; keeps its two buffers between updates.
+    """Sends state dicts over one group of a backend as its rank `src`, in one of two modes: `send_fused` (one
+    flat broadcast per bucket) or `send_per_tensor` (one broadcast per tensor, SGLang's default wire format).
+    Both plan the same buckets and announce them the same way; it keeps its two flat buffers between updates.
 
     `sglang=True` lays fused buckets out as SGLang's `flattened_bucket` (no padding, largest itemsize first);
     otherwise DCS's 64-byte-aligned layout (actor_fwd / reference receivers)."""
@@ -94,12 +146,14 @@ class BucketSender:
         bucket_size_bytes: int,
         alone_bytes: int | None = ALONE_BYTES,
         sglang: bool = False,
+        src: int = 0,
     ) -> None:
         self.backend = backend
         self.device = device
         self.bucket_size_bytes = bucket_size_bytes
         self.alone_bytes = alone_bytes
         self.sglang = sglang
+        self.src = src
         self._slots: list[torch.Tensor] = []
 
     def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
@@ -119,8 +173,10 @@ class BucketSender:
         tensor = state[layout.specs[0].name]
         return to_wire(tensor, quant) is tensor and tensor.is_contiguous() and tensor.device == self.device
 
-    def _buffers(self, layouts: list[FusionLayout]) -> list[torch.Tensor]:
-        need = max((lay.total_bytes for lay in layouts), default=0)
+    def _buffers(self, fused: list[FusionLayout]) -> list[torch.Tensor]:
+        """The two flat buffers, big enough for every bucket in `fused` (buckets sent from a tensor's own memory
+        need none: a tensor larger than a bucket does not make them grow)."""
+        need = max((lay.total_bytes for lay in fused), default=0)
         if not self._slots or self._slots[0].numel() < need or self._slots[0].device != self.device:
             self._slots = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._slots
@@ -140,31 +196,23 @@ class BucketSender:
             torch.cuda.current_stream(self.device).synchronize()
         return view
 
-    async def send(
+    async def send_fused(
         self,
         state: Mapping[str, torch.Tensor],
         group_name: str,
         announce: Announce | None = None,
         quant: QuantizationConfig | None = None,
-        src: int = 0,
-        flattened: bool = True,
         ready: asyncio.Future[None] | None = None,
-    ) -> SendStats:
-        """Broadcast every tensor of `state`; receivers learn what comes per bucket (`announce(k, layout,
-        is_last)`, in bucket order, each once the previous one went through; it needs only the layout, so it
-        goes out while its bucket is still being packed). `ready`: nothing is announced or broadcast before it
-        resolves (the first bucket is packed meanwhile); its failure is raised. `flattened=False` sends one
-        broadcast per tensor (SGLang's default wire format; `ready` must be resolved by then).
+    ) -> SendReport:
+        """Broadcast every tensor of `state`, one flat uint8 broadcast per bucket; receivers learn what comes per
+        bucket (`announce(k, layout, is_last)`, in bucket order, each once the previous one went through; it
+        needs only the layout, so it goes out while its bucket is still being packed). `ready`: nothing is
+        announced or broadcast before it resolves (the first bucket is packed meanwhile); its failure is raised.
         """
-        if not flattened:
-            assert announce is not None
-            if ready is not None:
-                await asyncio.shield(ready)
-            return await self.send_per_tensor(state, group_name, announce, quant, src)
-        start = time.perf_counter()
+        started = time.perf_counter()
         layouts = self.plan(state, quant)
-        slots = self._buffers(layouts)
-        stats = SendStats(buckets=len(layouts), tensors=len(state))
+        tally = _Tally("fused", len(state), len(layouts), started)
+        slots = self._buffers([lay for lay in layouts if not self._zero_copy(lay, state, quant)])
         queued: collections.deque[_Queued] = collections.deque()
         per: asyncio.Future[None] | None = None
         try:
@@ -174,7 +222,7 @@ class BucketSender:
                 if slot is not None:
                     fused += 1
                     while any(q.slot == slot for q in queued):  # its buffer is still on the wire
-                        await self._settle(queued.popleft(), stats)
+                        await self._settle(queued.popleft(), tally)
                 previous = queued[-1] if queued else None
                 per = self._announce_in_order(announce, k, layout, len(layouts), previous, ready if k == 0 else None)
                 t0 = time.perf_counter()
@@ -182,21 +230,21 @@ class BucketSender:
                     view = self._pack(slots[0], layout, state, quant)
                 else:
                     view = await asyncio.to_thread(self._pack, slots[slot], layout, state, quant)
-                stats.pack_seconds += time.perf_counter() - t0
+                tally.pack_seconds += time.perf_counter() - t0
                 if k == 0 and ready is not None:
                     await asyncio.shield(ready)
-                queued.append(_Queued(layout, self.backend.broadcast_async(view, src, group_name), per, slot))
+                queued.append(_Queued(layout, self.backend.broadcast_async(view, self.src, group_name), per, slot))
+                tally.broadcasts += 1
                 per = None
                 while len(queued) > MAX_QUEUED:
-                    await self._settle(queued.popleft(), stats)
+                    await self._settle(queued.popleft(), tally)
             while queued:
-                await self._settle(queued.popleft(), stats)
+                await self._settle(queued.popleft(), tally)
         finally:  # on failure: stop announcing; broadcasts still queued end within the group timeout
             await _cancel(per)
             for q in queued:
                 await _cancel(q.announce)
-        stats.total_seconds = time.perf_counter() - start
-        return stats
+        return tally.report()
 
     @staticmethod
     def _announce_in_order(
@@ -223,11 +271,11 @@ class BucketSender:
         return asyncio.ensure_future(after_previous())
 
     @staticmethod
-    async def _settle(queued: _Queued, stats: SendStats) -> None:
+    async def _settle(queued: _Queued, tally: _Tally) -> None:
         t0 = time.perf_counter()
         await _settle(queued.handle.wait_async(), queued.announce)
-        stats.wait_seconds += time.perf_counter() - t0
-        stats.bytes += queued.layout.payload_bytes
+        tally.wait_seconds += time.perf_counter() - t0
+        tally.bytes += queued.layout.payload_bytes
 
     async def send_per_tensor(
         self,
@@ -235,27 +283,30 @@ class BucketSender:
         group_name: str,
         announce: Announce,
         quant: QuantizationConfig | None = None,
-        src: int = 0,
-    ) -> SendStats:
-        """Per bucket: announce, then one async broadcast per tensor in layout order, then wait for all."""
-        start = time.perf_counter()
+        ready: asyncio.Future[None] | None = None,
+    ) -> SendReport:
+        """Per bucket: announce, then one async broadcast per tensor in layout order, then wait for all. `ready`
+        is awaited before anything (there is nothing to pack ahead); its failure is raised."""
+        if ready is not None:
+            await asyncio.shield(ready)
+        started = time.perf_counter()
         layouts = self.plan(state, quant)
-        stats = SendStats(buckets=len(layouts), tensors=len(state))
+        tally = _Tally("per_tensor", len(state), len(layouts), started)
         for k, layout in enumerate(layouts):
             announcing = asyncio.ensure_future(announce(k, layout, k == len(layouts) - 1))
             try:
                 wired = [to_wire(state[s.name], quant).to(self.device).contiguous() for s in layout.specs]
-                handles = [self.backend.broadcast_async(t, src, group_name) for t in wired]
+                handles = [self.backend.broadcast_async(t, self.src, group_name) for t in wired]
+                tally.broadcasts += len(handles)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(h.wait_async() for h in handles), announcing)
-                stats.wait_seconds += time.perf_counter() - t0
+                tally.wait_seconds += time.perf_counter() - t0
             finally:
                 if not announcing.done():
                     announcing.cancel()
                     await asyncio.gather(announcing, return_exceptions=True)
-            stats.bytes += layout.payload_bytes
-        stats.total_seconds = time.perf_counter() - start
-        return stats
+            tally.bytes += layout.payload_bytes
+        return tally.report()
 
 
 async def _settle(broadcast: Awaitable[Any], per: asyncio.Future[None] | None) -> None:

@@ -77,7 +77,8 @@ def send(backend: DeviceDirectBackend, store: dist.TCPStore) -> None:
             }
             store.set(f"v{version}/{k}", json.dumps(meta))
 
-        asyncio.run(sender.send(state, "g", announce, flattened=flattened))
+        push = sender.send_fused if flattened else sender.send_per_tensor
+        asyncio.run(push(state, "g", announce))
     backend.send(SendRequest(state, dst_rank=1, group_name="g"))
     backend.send(SendRequest({n: state[n] for n in PAIR}, dst_rank=1, group_name="g"))
 
