@@ -40,7 +40,7 @@ def _manifest(step: int = 5, source: Any = None) -> Manifest:
 @pytest.mark.parametrize("source", [5, 6, -1, 2**70, 10**30])
 def test_a_reference_must_name_an_earlier_step(source: int) -> None:
     manifest = _manifest(source=source)
-    with pytest.raises(CorruptCheckpoint, match="refers to step .*not an earlier step than 5"):
+    with pytest.raises(CorruptCheckpoint, match=r"refers to step .*not an earlier step than 5"):
         validate.check_manifest(manifest, Path("m.json"))
 
 
