@@ -216,7 +216,7 @@ class Checkpointer:
         """Tensors seen changing between two saves (autograd's in-place version counter or the storage moved),
         sticky: the layout puts them in files of their own, so files of frozen tensors stay byte-equal and
         incremental saves reuse them. A hint only: the worker compares checksums, never trusts this."""
-        seen = {name: (t._version, t.data_ptr()) for name, t in tensors.items()}
+        seen = {name: (_version(t), t.data_ptr()) for name, t in tensors.items()}
         self._moving |= {name for name, mark in seen.items() if self._seen.get(name, mark) != mark}
         self._seen = seen
         return frozenset(self._moving & seen.keys())
@@ -476,6 +476,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _version(t: torch.Tensor) -> int:
+    """Autograd's in-place version counter; -1 for inference tensors, which have none."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
 
 
 def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
