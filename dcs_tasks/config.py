@@ -253,6 +253,8 @@ class DCSConfig(BaseSettings):
     """False: save() returns only once the step is committed (synchronous checkpoints)."""
     pinned_memory: bool = True
     """Register staging buffers as pinned memory for CUDA tensors."""
+    incremental_saves: bool = True
+    """Incremental saves: a file whose bytes equal the previous step's is not written again (referenced)."""
     keep_last: int | None = Field(default=None, ge=1)
     """Retention: keep the newest N committed steps (None: keep all)."""
     keep_every: int | None = Field(default=None, ge=1)

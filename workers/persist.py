@@ -5,6 +5,10 @@ checked against this worker's configured roots first (`workers.trust`): an untru
 with `UntrustedPath` before anything is read, written or claimed. Idempotent: a file already recorded, a
 file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
 duplicate delivery changes no bytes). The task that records the last file starts the commit.
+
+Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.incremental`): before writing, the staged
+region is hashed and compared with the newest earlier committed step's file of the same name and size;
+when equal nothing is written and the earlier entry is recorded with `source_step`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcs_tasks.checkpoint import incremental
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
 from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
@@ -71,27 +76,51 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
         return verdict
     started = time.monotonic()
+    if incremental.is_retired(paths.step_dir):
+        raise CheckpointFailed(
+            f"{paths.step_dir} still holds files that later steps use (a deleted step's); save under a new step"
+        )
+    if req.incremental and paths.step_dir.parent.is_dir():
+        with incremental.refs_lock(paths.step_dir.parent, shared=True):  # retention waits until it is recorded
+            reused = reusable(req, paths)
+            if reused is not None:
+                make_dirs_durable(paths.step_dir)  # the commit writes the manifest there
+                record_persist(time.monotonic() - started)
+                log.info(
+                    "persist %s/%s step %d: bytes equal step %s's, not written",
+                    ref.run,
+                    req.file_name,
+                    ref.step,
+                    reused.source_step,
+                )
+                return finish(req, FileOutcome.OK, file_entry_json(reused)).verdict
     entry = write_file(req, task_id, paths)
     record_persist(time.monotonic() - started)
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
+
+
+def reusable(req: PersistRequest, paths: PersistPaths) -> FileEntry | None:
+    """The newest earlier step's entry for this file when the staged bytes equal it (hashed from the staging
+    file before anything is written), else None."""
+    entry = incremental.candidate(paths.step_dir, req.file_name, req.length)
+    if entry is None:
+        return None
+    fd = _open_staging(paths.staging)
+    try:
+        _check_staged_size(fd, req, paths.staging)
+        checksum = incremental.region_checksum(fd, req.offset, req.length)
+    finally:
+        os.close(fd)
+    return entry if checksum == entry.checksum else None
 
 
 def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
     """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it. The
     staging file is opened once without following symlinks and read through that descriptor."""
     staging = paths.staging
+    fd = _open_staging(staging)
     try:
-        fd = open_staging(staging)
-    except FileNotFoundError as exc:
-        host = runtime().config.host_name
-        raise CheckpointFailed(
-            f"staging file {staging} is not on host {host!r}: the trainer closed or crashed, or it staged it on "
-            "another host (a trainer's node name must be the host it runs on)"
-        ) from exc
-    try:
-        staged_size = os.fstat(fd).st_size
-        if staged_size < req.offset + req.length:
-            raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
+        _check_staged_size(fd, req, staging)
         make_dirs_durable(paths.step_dir)
         throttle = runtime().config.persist_throttle_bytes_per_second
         source = Path(f"/proc/self/fd/{fd}")  # the file just checked, whatever happens to its name meanwhile
@@ -99,6 +128,23 @@ def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEn
     finally:
         os.close(fd)
     return FileEntry(name=req.file_name, size=req.length, checksum=checksum)
+
+
+def _open_staging(staging: Path) -> int:
+    try:
+        return open_staging(staging)
+    except FileNotFoundError as exc:
+        host = runtime().config.host_name
+        raise CheckpointFailed(
+            f"staging file {staging} is not on host {host!r}: the trainer closed or crashed, or it staged it on "
+            "another host (a trainer's node name must be the host it runs on)"
+        ) from exc
+
+
+def _check_staged_size(fd: int, req: PersistRequest, staging: Path) -> None:
+    staged_size = os.fstat(fd).st_size
+    if staged_size < req.offset + req.length:
+        raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
 
 
 def finish(req: PersistRequest, outcome: FileOutcome, value: str) -> FileFinish:
@@ -123,8 +169,9 @@ def remove_partial_step_at(step_dir: object, run: str, step: int) -> None:
 
 
 def remove_partial_step(step_dir: Path) -> None:
-    """Delete a step directory that never got a manifest (a failed save); never a committed one."""
-    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).exists():
+    """Delete a step directory that never got a manifest (a failed save); never a committed one, nor a retired
+    one (a deleted step whose files later steps still use)."""
+    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).exists() and not incremental.is_retired(step_dir):
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(step_dir)
         log.info("removed partial step directory %s", step_dir)

@@ -1,10 +1,11 @@
-"""Retention after a commit: apply the run's policy, sparing steps the ledger still has in flight. The run
-directory must be the run's own under this worker's checkpoint root (`workers.trust`), else UntrustedPath."""
+"""Retention after a commit: apply the run's policy, sparing steps the ledger still has in flight and the files
+they (and kept steps) refer to. The run directory must be the run's own under this worker's checkpoint root
+(`workers.trust`), else UntrustedPath."""
 
 from __future__ import annotations
 
 from dcs_tasks.checkpoint.models import RetentionRequest
-from dcs_tasks.checkpoint.retention import apply_retention
+from dcs_tasks.checkpoint.retention import apply_retention, in_flight_refs
 from workers.persist import ledger
 from workers.runtime import runtime
 from workers.trust import trusted_run_dir
@@ -12,5 +13,5 @@ from workers.trust import trusted_run_dir
 
 def retain(req: RetentionRequest) -> list[int]:
     run_dir = trusted_run_dir(req.run_dir, req.run, runtime().config)
-    in_flight = ledger().in_flight_steps(req.run)
-    return apply_retention(run_dir, req.policy, in_flight)
+    book = ledger()
+    return apply_retention(run_dir, req.policy, book.in_flight_steps(req.run), lambda: in_flight_refs(book, req.run))

@@ -98,6 +98,8 @@ class Checkpointer:
         self._copier = HostCopier(copy_threads)
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
         self._layouts: dict[tuple[Any, ...], Layout] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # tensor -> (version, data_ptr) at the last save
+        self._moving: set[str] = set()
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
         if size_hint_bytes:
@@ -202,12 +204,22 @@ class Checkpointer:
             )
 
     def _layout(self, flat: FlatState) -> Layout:
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in flat.tensors.items())
+        moving = self._moving_tensors(flat.tensors) if self.config.incremental_saves else frozenset()
+        key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in flat.tensors.items()), moving)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = plan_layout(specs_of(flat.tensors), self.config.file_shard_bytes)
+            layout = plan_layout(specs_of(flat.tensors), self.config.file_shard_bytes, moving)
             self._layouts = {key: layout}
         return layout
+
+    def _moving_tensors(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """Tensors seen changing between two saves (autograd's in-place version counter or the storage moved),
+        sticky: the layout puts them in files of their own, so files of frozen tensors stay byte-equal and
+        incremental saves reuse them. A hint only: the worker compares checksums, never trusts this."""
+        seen = {name: (_version(t), t.data_ptr()) for name, t in tensors.items()}
+        self._moving |= {name for name, mark in seen.items() if self._seen.get(name, mark) != mark}
+        self._seen = seen
+        return frozenset(self._moving & seen.keys())
 
     def _acquire(self, nbytes: int, timeout: float | None) -> StagingBuffer | None:
         limit = self.config.task_time_limit_seconds if timeout is None else timeout
@@ -300,6 +312,7 @@ class Checkpointer:
                     offset=f.offset,
                     length=f.size,
                     retention=retention,
+                    incremental=self.config.incremental_saves,
                 )
                 self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
                 sent += 1
@@ -463,6 +476,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _version(t: torch.Tensor) -> int:
+    """Autograd's in-place version counter; -1 for inference tensors, which have none."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
 
 
 def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:

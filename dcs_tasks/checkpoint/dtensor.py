@@ -388,7 +388,8 @@ class RangeReader:
             return torch.empty([b - a for a, b in zip(lo, hi, strict=True)], dtype=dtype)
         span_lo, span_hi = runs[0][0] * chunk, min(runs[-1][1] * chunk, end - begin)
         buf = torch.empty(span_hi - span_lo, dtype=torch.uint8)
-        path = piece.step_dir / entry.file
+        listed = next(f for f in piece.manifest.files if f.name == entry.file)  # validated: it is listed
+        path = listed.stored_path(piece.step_dir)
         fd = open_regular(path)
         try:
             for c0, c1 in runs:

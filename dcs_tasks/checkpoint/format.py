@@ -124,11 +124,14 @@ def _group(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
     return groups
 
 
-def plan_layout(specs: list[TensorSpec], shard_bytes: int) -> Layout:
+def plan_layout(specs: list[TensorSpec], shard_bytes: int, apart: frozenset[str] = frozenset()) -> Layout:
     """Assign tensors to files of at most `shard_bytes` of data (a bigger tensor gets a file of its own). The
-    layout's specs are spelled in safetensors codes; UnsupportedDtype names a tensor a checkpoint cannot store."""
-    ordered = sorted((spec.checkpoint() for spec in specs), key=lambda s: -s.itemsize)
-    groups = _group(ordered, shard_bytes)
+    layout's specs are spelled in safetensors codes; UnsupportedDtype names a tensor a checkpoint cannot store.
+    Tensors named in `apart` (those seen changing between saves) go after the others, in files of their own,
+    so that files of unchanged tensors keep equal bytes from save to save (incremental saves reuse them)."""
+    checked = [spec.checkpoint() for spec in specs]
+    parts = ([s for s in checked if s.name not in apart], [s for s in checked if s.name in apart])
+    groups = [g for part in parts for g in _group(sorted(part, key=lambda s: -s.itemsize), shard_bytes) if g] or [[]]
     files: list[FileLayout] = []
     offset = 0
     for index, group in enumerate(groups):
@@ -151,11 +154,21 @@ class FileEntry(BaseModel):
     size: int = Field(ge=0)
     checksum: str
     algorithm: str = CHECKSUM_ALGORITHM
+    # incremental saves: the bytes were equal to those of an earlier step's same-named file, which holds
+    # them (always the step that physically holds the bytes, never a chain); None: in this step's directory
+    source_step: int | None = None
 
     def stored_path(self, step_dir: Path) -> Path:
         """Where this file's bytes lie on disk for the step at `step_dir`. Every reader resolves a file
         through here, so a format change of where or how bytes are stored changes this one place."""
+        if self.source_step is not None:
+            return step_dir.parent / step_dir_name(self.source_step) / self.name
         return step_dir / self.name
+
+    def referring(self, holder: int) -> FileEntry:
+        """This entry (of step `holder`) as a later step records it when it reuses the bytes: every field
+        copied, `source_step` naming the step that physically holds them."""
+        return self.model_copy(update={"source_step": holder if self.source_step is None else self.source_step})
 
 
 class TensorEntry(BaseModel):

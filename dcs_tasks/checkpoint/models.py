@@ -118,6 +118,7 @@ class PersistRequest(BaseModel):
     offset: Annotated[StrictInt, Field(ge=0)]
     length: Annotated[StrictInt, Field(ge=0)]
     retention: RetentionPolicy = Field(default_factory=lambda: RetentionPolicy())
+    incremental: bool = Field(default=False, description="reuse the newest earlier step's file if the bytes equal")
 
 
 class CommitRequest(BaseModel):

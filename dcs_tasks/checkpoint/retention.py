@@ -6,6 +6,11 @@ sizes (the newest *good* checkpoint survives even if newer ones are damaged), an
 directory of a multi-rank run,
 the newest step every rank committed (a rank that runs ahead never deletes the only restorable step).
 A step is deleted manifest-first, so a reader never sees a half-deleted step as committed.
+
+Incremental saves (`dcs_tasks.checkpoint.incremental`): under the run's exclusive reference lock, a mark
+phase collects every (step, file) a kept step's manifest or an in-flight step's recorded files refer to; a
+deleted step that holds any of them is retired (marker, manifest removed, its other files removed) instead of
+removed, and retired directories are swept again on every run, going once nothing refers to them.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import contextlib
 import logging
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME
-from dcs_tasks.checkpoint.fsio import fsync_dir
+from dcs_tasks.checkpoint.fsio import fsync_dir, write_bytes_durably
+from dcs_tasks.checkpoint.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
+from dcs_tasks.checkpoint.ledger import StepLedger
 from dcs_tasks.checkpoint.models import RetentionPolicy
-from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
+from dcs_tasks.checkpoint.reader import STEP_DIR, load_manifest, step_dirs
 from dcs_tasks.checkpoint.sharded import RANK_DIR, complete_steps
 from dcs_tasks.errors import CorruptCheckpoint
 
@@ -44,7 +52,7 @@ def newest_intact(run_dir: Path) -> int | None:
             manifest = load_manifest(step_dir)
         except CorruptCheckpoint:
             continue
-        if all(_regular_of_size(step_dir / f.name, f.size) for f in manifest.files):
+        if all(_regular_of_size(f.stored_path(step_dir), f.size) for f in manifest.files):
             return step
     return None
 
@@ -67,8 +75,78 @@ def delete_step(step_dir: Path) -> None:
     shutil.rmtree(step_dir, ignore_errors=True)
 
 
-def apply_retention(run_dir: Path, policy: RetentionPolicy, in_flight: set[int]) -> list[int]:
-    """Delete what `policy` lets go in `run_dir`; returns the deleted steps."""
+FileRef = tuple[int, str]  # (step holding the bytes, file name)
+
+
+def retire_step(step_dir: Path, keep: set[str]) -> None:
+    """Delete a step but keep the files named in `keep` (later steps use them): marker first (durably), then
+    the manifest, then the other files; the whole directory when `keep` is empty. Safe to repeat after a
+    crash at any point."""
+    if not keep:
+        delete_step(step_dir)
+        return
+    if not is_retired(step_dir):
+        write_bytes_durably(step_dir / RETIRED_NAME, b"files here are used by later steps\n", "retire")
+    with contextlib.suppress(FileNotFoundError):
+        (step_dir / MANIFEST_NAME).unlink()
+        fsync_dir(step_dir)
+    for child in step_dir.iterdir():
+        if child.name not in keep and child.name != RETIRED_NAME:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    fsync_dir(step_dir)
+
+
+def retired_dirs(run_dir: Path) -> dict[int, Path]:
+    """Retired step directories (marker, no manifest) of `run_dir`."""
+    found = {}
+    for child in run_dir.iterdir() if run_dir.is_dir() else ():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and not child.is_symlink() and is_retired(child):
+            if not (child / MANIFEST_NAME).exists():
+                found[int(match.group(1))] = child
+    return found
+
+
+def in_flight_refs(book: StepLedger, run: str) -> set[FileRef]:
+    """(step, file) of every reference the ledger's in-flight steps of `run` have recorded so far."""
+    refs: set[FileRef] = set()
+    for step in book.in_flight_steps(run):
+        for entry in book.read(run, step).files.values():
+            if entry.source_step is not None:
+                refs.add((entry.source_step, entry.name))
+    return refs
+
+
+def _marked(dirs: dict[int, Path], kept: set[int]) -> set[FileRef]:
+    """Mark phase: what the kept steps' manifests refer to (an unreadable manifest cannot be restored and
+    refers to nothing)."""
+    refs: set[FileRef] = set()
+    for step in kept:
+        with contextlib.suppress(CorruptCheckpoint):
+            refs |= referenced(load_manifest(dirs[step]))
+    return refs
+
+
+def apply_retention(
+    run_dir: Path,
+    policy: RetentionPolicy,
+    in_flight: set[int],
+    in_flight_refs: Callable[[], set[FileRef]] = set,
+) -> list[int]:
+    """Delete what `policy` lets go in `run_dir`; returns the deleted steps. Files that kept steps, or the
+    steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps)."""
+    if not run_dir.is_dir():
+        return []
+    with refs_lock(run_dir, shared=False):
+        return _apply(run_dir, policy, in_flight, in_flight_refs)
+
+
+def _apply(
+    run_dir: Path, policy: RetentionPolicy, in_flight: set[int], in_flight_refs: Callable[[], set[FileRef]]
+) -> list[int]:
     dirs = dict(step_dirs(run_dir))
     protected = set(in_flight)
     good = newest_intact(run_dir)
@@ -79,7 +157,11 @@ def apply_retention(run_dir: Path, policy: RetentionPolicy, in_flight: set[int])
         if complete:
             protected.add(max(complete))
     doomed = steps_to_delete(list(dirs), policy, protected)
+    needed = _marked(dirs, set(dirs) - set(doomed)) | in_flight_refs()
     for step in doomed:
-        delete_step(dirs[step])
-        log.info("retention: deleted %s", dirs[step])
+        keep = {name for s, name in needed if s == step}
+        retire_step(dirs[step], keep)
+        log.info("retention: deleted %s%s", dirs[step], f" (kept {sorted(keep)}: later steps use them)" if keep else "")
+    for step, step_dir in retired_dirs(run_dir).items():
+        retire_step(step_dir, {name for s, name in needed if s == step})
     return doomed

@@ -12,13 +12,17 @@ believed before it is checked, and everything is checked before memory is alloca
   structure decodes (`structure.check_structure`: only what DCS writes); DTensor shard entries name tensors
   and lie inside their global shape (`_check_dtensors`); chunk checksums name tensors, have a bounded chunk
   size and exactly one well-formed checksum per chunk (`_check_chunks`).
+- Incremental references (`FileEntry.source_step`): an integer naming an earlier step (0 <= s < this
+  step); `check_files` requires that step's directory to be a real directory (lstat: not a symlink) and
+  checks the referenced file there like any other, so a missing one is `CorruptCheckpoint` naming it.
 - `check_files`: each listed file is a regular file in the step directory (lstat, opened with O_NOFOLLOW:
   a symlink is refused, never followed) of exactly its recorded size, and its safetensors header (length
   bounded by the file and `MAX_HEADER_BYTES`, valid JSON, every entry's dtype, shape and byte range
   consistent and inside the file) lists exactly the manifest's tensors of that file at the same places.
   Costs one open and one small header read per file: no data bytes are read.
 Every failure is `CorruptCheckpoint` naming the file and the reason. Since names are checked before any
-path is built, nothing outside the step directory is ever opened or stat'ed, so messages cannot reveal
+path is built, nothing outside the step directory (and, for incremental references, the same run's
+earlier step directories) is ever opened or stat'ed, so messages cannot reveal
 anything about files elsewhere.
 """
 
@@ -158,6 +162,11 @@ def _check_files(manifest: Manifest) -> dict[str, int]:
             raise CorruptCheckpoint(f"file {entry.name!r} is listed twice")
         if entry.algorithm != CHECKSUM_ALGORITHM or not CHECKSUM.match(entry.checksum):
             raise CorruptCheckpoint(f"file {entry.name!r} has no {CHECKSUM_ALGORITHM} checksum")
+        source = entry.source_step
+        if source is not None and (isinstance(source, bool) or not 0 <= source < manifest.step):
+            raise CorruptCheckpoint(
+                f"file {entry.name!r} refers to step {_short(source)}, not an earlier step than {manifest.step}"
+            )
         sizes[entry.name] = entry.size
     return sizes
 
@@ -264,6 +273,8 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
         by_file[entry.file][name] = entry
     for f in manifest.files:
         path = f.stored_path(step_dir)
+        if f.source_step is not None:
+            _check_source_dir(path.parent, f.name, f.source_step)
         fd = open_regular(path)
         try:
             size = os.fstat(fd).st_size
@@ -273,6 +284,19 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
                 _check_header(fd, path, size, by_file[f.name])
         finally:
             os.close(fd)
+
+
+def _check_source_dir(source_dir: Path, name: str, step: int) -> None:
+    """An incremental reference's step directory is a real directory (a symlink is never followed)."""
+    try:
+        found = source_dir.lstat()
+    except OSError:
+        found = None
+    if found is None or not stat.S_ISDIR(found.st_mode):
+        why = "does not exist" if found is None else "is not a directory (symlinks are never followed)"
+        raise CorruptCheckpoint(
+            f"file {name!r} refers to step {step}, whose directory {source_dir} {why}", str(source_dir)
+        )
 
 
 def _check_header(fd: int, path: Path, size: int, expected: Mapping[str, TensorEntry]) -> None:

@@ -114,8 +114,17 @@ def _list(args: argparse.Namespace) -> int:
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
-        print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{mark}")
+        print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{_shared(m)}{mark}")
     return 0
+
+
+def _shared(manifest: Any) -> str:
+    """`(N MiB written, M files from earlier steps)` for a step that reuses files (incremental saves)."""
+    shared = [f for f in manifest.files if f.source_step is not None]
+    if not shared:
+        return ""
+    written = (manifest.total_bytes - sum(f.size for f in shared)) / 2**20
+    return f"  ({written:.1f} MiB written, {len(shared)} from earlier steps)"
 
 
 def _list_ranks(args: argparse.Namespace) -> int:
@@ -193,26 +202,36 @@ def _gc(args: argparse.Namespace) -> int:
     if not policy.active:
         print("nothing to do: give --keep-last (or set DCS_KEEP_LAST)", file=sys.stderr)
         return 2
-    deleted = apply_retention(_run_dir(args), policy, _in_flight(config, args.run))
+    deleted = apply_retention(_run_dir(args), policy, *_in_flight(config, args.run))
     print(f"deleted steps: {deleted}" if deleted else "nothing to delete")
     return 0
 
 
-def _in_flight(config: DCSConfig, run: str) -> set[int]:
+def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:
+    """The steps in flight and a reader of the files they refer to (empty when Redis does not answer)."""
     import redis
 
     from dcs_tasks.checkpoint.ledger import StepLedger
+    from dcs_tasks.checkpoint.retention import in_flight_refs
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 
     client = sync_client(config, socket_timeout=2, decode_responses=False)
+    book = StepLedger(client, Keys(config.namespace))
     try:
-        return StepLedger(client, Keys(config.namespace)).in_flight_steps(run)
+        steps = book.in_flight_steps(run)
     except redis.RedisError as exc:
         print(f"warning: Redis unreachable ({exc}); in-flight steps cannot be spared", file=sys.stderr)
-        return set()
-    finally:
         client.close()
+        return set(), set
+
+    def refs() -> Any:
+        try:
+            return in_flight_refs(book, run)
+        finally:
+            client.close()
+
+    return steps, refs
 
 
 def _export(args: argparse.Namespace) -> int:

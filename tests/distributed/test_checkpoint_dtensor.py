@@ -103,7 +103,8 @@ def _child_save(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
                     os.kill(os.getpid(), signal.SIGKILL)
 
                 Impl._send = die  # type: ignore[method-assign]
-            pending = ckpt.save(_state(mesh, job["layout"], step, rank), step)
+            data = job.get("data_step", step)  # a save of unchanged data (incremental saves refer to it)
+            pending = ckpt.save(_state(mesh, job["layout"], data, rank), step)
             pending.wait(timeout=120)
     return {"saved": job["steps"]}
 
@@ -286,6 +287,20 @@ def test_fsdp_and_tp_shards_restore_at_2_3_and_8_ranks(config: DCSConfig, tmp_pa
         slack = 4 * SUM_CHUNK_BYTES
         assert rep["partial_read"] <= rep["partial_local_bytes"] + slack < whole_part, (rank, rep)
         assert rep["partial_rchar"] <= rep["partial_local_bytes"] + slack + 256 * 1024, (rank, rep)
+
+
+def test_an_unchanged_dtensor_step_refers_to_the_earlier_files_and_restores_through_them(
+    config: DCSConfig, tmp_path: Path
+) -> None:
+    job = {"action": "save", "run": "same", "mesh": [4], "layout": "fsdp", "steps": [10, 20], "data_step": 10}
+    run_group(config, tmp_path, "save", 4, **job)
+    for r in range(4):
+        manifest = Path(config.checkpoint_dir) / "same" / f"rank-{r:05d}" / "step-000000020" / "manifest.json"
+        files = json.loads(manifest.read_text())["files"]
+        assert files and all(f.get("source_step") == 10 for f in files), (r, files)
+    # the newest step (20, all references) restored on 3 ranks as Shard(0) and Shard(1): chunk reads follow them
+    reports = run_group(config, tmp_path, "w3", 3, action="restore", run="same", mesh=[3], layout="cross", step=10)
+    check_restored(reports, 10, 4)
 
 
 def test_2d_mesh_2x2_restores_on_1x4(config: DCSConfig, tmp_path: Path) -> None:
