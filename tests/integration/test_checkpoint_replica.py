@@ -173,7 +173,7 @@ def test_multi_rank_step_replicated_per_rank_and_restored_whole_from_the_replica
         assert config.replica_dir is not None
         replica_root = Path(config.replica_dir) / "ranks"
         for rank in range(2):
-            wait_until(lambda r=rank: bool(step_dirs(replica_root / f"rank-{r:05d}")), 120, f"rank {r} replica")
+            wait_until(lambda r=rank: bool(step_dirs(replica_root / f"rank-{r:05d}")), 120, f"rank {rank} replica")
     finally:
         worker.terminate()
     assert "both" in listing(config, "ranks")[7]
