@@ -154,4 +154,5 @@ def replicate_step(self: ReplicateTask, payload: dict[str, Any]) -> dict[str, An
         "replica": str(done.replica_step_dir),
         "copied_bytes": done.copied_bytes,
         "deleted": done.deleted,
+        "seconds": done.seconds,
     }

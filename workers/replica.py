@@ -56,6 +56,7 @@ class ReplicaResult:
     replica_step_dir: Path
     copied_bytes: int  # 0 when a redelivery found the replica complete
     deleted: list[int]  # replica steps retention let go
+    seconds: float
 
 
 def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
@@ -67,7 +68,7 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
     copied = 0
     if not _complete(dst_dir, manifest):
         try:
-            copied = _copy_step(src_dir, dst_dir, manifest, task_id, config.persist_throttle_bytes_per_second)
+            copied = copy_step(src_dir, dst_dir, manifest, task_id, config.persist_throttle_bytes_per_second)
         except OSError as exc:
             if exc.errno in UNWRITABLE:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
@@ -76,9 +77,12 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
     deleted: list[int] = []
     if req.retention.active:
         deleted = apply_retention(dst_dir.parent, req.retention, ledger().in_flight_steps(req.run))
-    record_replica(time.monotonic() - started, copied)
-    log.info("replicated step %d of run %s to %s (%d bytes copied)", req.step, req.run, dst_dir, copied)
-    return ReplicaResult(req.step, dst_dir, copied, deleted)
+    seconds = time.monotonic() - started
+    record_replica(seconds, copied)
+    log.info(
+        "replicated step %d of run %s to %s (%d bytes copied, %.3f s)", req.step, req.run, dst_dir, copied, seconds
+    )
+    return ReplicaResult(req.step, dst_dir, copied, deleted, seconds)
 
 
 def _trusted_dirs(req: ReplicateRequest) -> tuple[Path, Path]:
@@ -122,8 +126,10 @@ def _complete(dst_dir: Path, manifest: Manifest) -> bool:
     return load_manifest(dst_dir).files == manifest.files
 
 
-def _copy_step(src_dir: Path, dst_dir: Path, manifest: Manifest, tag: str, throttle: float | None) -> int:
-    """Copy every file (durably, hashed), verify the replica as read back, then write its manifest last."""
+def copy_step(src_dir: Path, dst_dir: Path, manifest: Manifest, tag: str, throttle: float | None = None) -> int:
+    """Copy every file of the checked primary step `src_dir` to `dst_dir` (durably, hashed), verify the copy as
+    read back, then write its manifest last; returns the bytes copied. No Redis, no `latest` (bench/replica.py
+    times this)."""
     make_dirs_durable(dst_dir)
     copied = sum(_copy_file(entry, src_dir, dst_dir, tag, throttle) for entry in manifest.files)
     try:

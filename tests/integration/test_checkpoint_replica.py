@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.celery_app import make_celery
+from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint.format import step_dir_name
 from dcs_tasks.checkpoint.ledger import StepLedger
 from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs, verify_step
@@ -133,6 +133,12 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
             assert "ReplicaFailed" in str(result.traceback) and "cannot be written" in str(result.traceback)
             wait_until(lambda: "replica of step 1 of run 'ro' failed" in worker.log_tail(20000), 30, "the log line")
             assert "ReplicaFailed" in worker.log_tail(20000)
+            name = step_dir_name(1)  # outside the replica root: elsewhere, and the primary root itself
+            for hostile in (tmp_path / "elsewhere" / "ro" / name, Path(config.checkpoint_dir) / "ro" / name):
+                body = {"run": "ro", "step": 1, "step_dir": str(info.path), "replica_step_dir": str(hostile)}
+                sent = app.send_task(TaskName.REPLICATE.value, args=[body], queue=node_queue(config.host_name))
+                wait_until(lambda sent=sent: sent.state == "FAILURE", 60, "the hostile replicate task to fail")
+                assert "UntrustedPath" in str(sent.traceback), sent.traceback
             ckpt.save(state, step=2).wait(timeout=120)  # later saves are unaffected
             restored = ckpt.restore()
             assert restored.step == 2 and restored.location == "primary"
