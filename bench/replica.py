@@ -4,12 +4,13 @@ One committed step of ~`--size-mb` MiB of fp32 (files of `file_shard_bytes`, 256
 private redis-server and a real `dcs worker` with `replica_dir` set, then:
   task      the `dcs.ckpt.replicate` task's own time per step (its Celery result: check the primary, copy with
             the hash on the same pass, fsync + rename, read the replica back and verify it, manifest, `latest`),
-            medians over `--repeats` saved steps
+            medians over `--repeats` saved steps (the copy then competes with the primary's retention)
   copy_step the same copy + verify in this process (`workers.replica.copy_step`), page cache of the primary
             evicted first, into a fresh directory each time
   plain     `shutil.copyfile` of the same files + fsync + directory fsync (cold primary), and the same plus a
             read-back of the copy with the page cache evicted (what "copy and check" costs without DCS)
-GB/s = step bytes / seconds (1 GB = 1e9 bytes). Writes bench/results/replica.json and prints a summary.
+The three in-process contenders take turns, `--repeats` rounds. GB/s = step bytes / seconds (1 GB = 1e9
+bytes). Writes bench/results/replica.json and prints a summary.
 """
 
 from __future__ import annotations
@@ -97,17 +98,19 @@ def plain_copy(src: Path, dst: Path, read_back: bool) -> None:
                     pass
 
 
-def cold(fn: Any, src: Path, scratch: Path, repeats: int) -> float:
-    """Median seconds of `fn(src, fresh_dir)` with `src` evicted from the page cache before each run."""
-    times = []
+def alternating(contenders: dict[str, Any], src: Path, scratch: Path, repeats: int) -> dict[str, float]:
+    """Median seconds of each `fn(src, fresh_dir)`, contenders taking turns (so a busy spell of a shared
+    machine hits each alike), `src` evicted from the page cache before every run."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
     for i in range(repeats):
-        dst = scratch / f"run-{i}" / src.name
-        drop_cache(src)
-        started = time.perf_counter()
-        fn(src, dst)
-        times.append(time.perf_counter() - started)
-        shutil.rmtree(scratch / f"run-{i}")
-    return statistics.median(times)
+        for name, fn in contenders.items():
+            dst = scratch / f"{name}-{i}" / src.name
+            drop_cache(src)
+            started = time.perf_counter()
+            fn(src, dst)
+            times[name].append(time.perf_counter() - started)
+            shutil.rmtree(dst.parent)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -124,13 +127,15 @@ def main() -> None:
         task, step_dir = through_worker(state, root, args.repeats)
         manifest = load_manifest(step_dir)
         size = manifest.total_bytes
-        scratch = root / "scratch"
+        contenders = {
+            "copy_step_s": lambda s, d: copy_step(s, d, manifest, "bench"),
+            "plain_copy_s": lambda s, d: plain_copy(s, d, False),
+            "plain_copy_read_back_s": lambda s, d: plain_copy(s, d, True),
+        }
         figures = {
             "step_bytes": size,
             "task_s": statistics.median(task),
-            "copy_step_s": cold(lambda s, d: copy_step(s, d, manifest, "bench"), step_dir, scratch, args.repeats),
-            "plain_copy_s": cold(lambda s, d: plain_copy(s, d, False), step_dir, scratch, args.repeats),
-            "plain_copy_read_back_s": cold(lambda s, d: plain_copy(s, d, True), step_dir, scratch, args.repeats),
+            **alternating(contenders, step_dir, root / "scratch", args.repeats),
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
