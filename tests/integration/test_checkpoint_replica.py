@@ -21,6 +21,9 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state, wait_until
+from tests.helpers.ports import free_port
+from tests.helpers.procs import WorkerProcess
+from tests.integration.test_metrics_where_recorded import scrape, value
 from workers.ckpt_tasks import replica_task_id
 
 pytestmark = pytest.mark.integration
@@ -119,8 +122,12 @@ def test_corrupt_primary_file_restores_the_same_step_from_the_replica(dcs_config
 def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: DCSConfig, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_bytes(b"x")  # even root cannot create a directory under a regular file
-    config = replica_config(dcs_config, tmp_path, replica_dir=blocker / "replica")
-    worker = start_worker(config, tmp_path)
+    port = free_port()
+    config = replica_config(
+        dcs_config, tmp_path, replica_dir=blocker / "replica", enable_metrics=True, metrics_port=port
+    )
+    prom = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
+    worker = WorkerProcess(config, tmp_path / "worker.log", env=prom).start()
     state = training_state(seed=4, width=256)
     app = make_celery(config)
     ledger = StepLedger(sync_client(config), Keys(config.namespace))
@@ -133,6 +140,7 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
             assert "ReplicaFailed" in str(result.traceback) and "cannot be written" in str(result.traceback)
             wait_until(lambda: "replica of step 1 of run 'ro' failed" in worker.log_tail(20000), 30, "the log line")
             assert "ReplicaFailed" in worker.log_tail(20000)
+            assert value(scrape(port), "dcs_errors_total", error_type="checkpoint_replica") == 1.0
             name = step_dir_name(1)  # outside the replica root: elsewhere, and the primary root itself
             for hostile in (tmp_path / "elsewhere" / "ro" / name, Path(config.checkpoint_dir) / "ro" / name):
                 body = {"run": "ro", "step": 1, "step_dir": str(info.path), "replica_step_dir": str(hostile)}
