@@ -115,17 +115,18 @@ def _list(args: argparse.Namespace) -> int:
     """One line per step: when, size, files, where it is (primary, replica, both), `<- latest`; a copy whose
     manifest does not check is listed as BAD next to it."""
     from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
-    from dcs_tasks.checkpoint.replicas import where
+    from dcs_tasks.checkpoint.replicas import PRIMARY, where
     from dcs_tasks.checkpoint.sharded import rank_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
     places = [(location, d) for location, d in _locations(args) if d.is_dir()]
+    shown = len(_locations(args)) > 1  # without a replica root: the listing it always had
     if not places:
         what = f"run {args.run!r}" + (f" rank {args.rank}" if args.rank is not None else "")
         print(f"dcs ckpt list: {what} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
         return 1
     if args.rank is None and any(rank_dirs(d) for _, d in places):
-        return _list_ranks(places)
+        return _list_ranks(places, shown)
     latest = max((s for _, d in places if (s := read_latest(d)) is not None), default=None)
     good: dict[int, dict[str, Any]] = {}
     bad: dict[int, dict[str, str]] = {}
@@ -138,22 +139,20 @@ def _list(args: argparse.Namespace) -> int:
     for step in sorted(set(good) | set(bad)):
         damaged = "".join(f"  ({location} BAD: {why})" for location, why in bad.get(step, {}).items())
         if step not in good:
-            print(f"{step:>10}  BAD (not restorable): {damaged.strip()}")
+            print(f"{step:>10}  BAD (not restorable): " + (damaged.strip() if shown else bad[step][PRIMARY]))
             continue
         m = next(iter(good[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
-        place = where(list(good[step]))
-        print(
-            f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files  {place:<7}{mark}{damaged}"
-        )
+        place = f"  {where(list(good[step])):<7}" if shown else ""
+        print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{place}{mark}{damaged}")
     return 0
 
 
-def _list_ranks(places: list[tuple[str, Path]]) -> int:
+def _list_ranks(places: list[tuple[str, Path]], shown: bool) -> int:
     """A multi-rank run: steps every rank committed (restorable) and where, then corrupt steps, then steps some
     rank is missing."""
-    from dcs_tasks.checkpoint.replicas import where
+    from dcs_tasks.checkpoint.replicas import PRIMARY, where
     from dcs_tasks.checkpoint.sharded import StepShards, incomplete_steps, scan_steps
 
     complete: dict[int, dict[str, StepShards]] = {}
@@ -168,10 +167,12 @@ def _list_ranks(places: list[tuple[str, Path]]) -> int:
         shards = next(iter(complete[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(shards.manifests[0].created_at))
         size = sum(m.total_bytes for m in shards.manifests.values()) / 2**20
-        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks  {where(list(complete[step]))}")
+        place = f"  {where(list(complete[step]))}" if shown else ""
+        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks{place}")
     for step, errors in sorted(broken.items()):
         if step not in complete:
-            print(f"{step:>10}  BAD (not restorable): " + "; ".join(f"{loc}: {exc}" for loc, exc in errors.items()))
+            why = "; ".join(f"{loc}: {exc}" for loc, exc in errors.items()) if shown else str(errors[PRIMARY])
+            print(f"{step:>10}  BAD (not restorable): {why}")
     for step, ranks in sorted(incomplete_steps(places[0][1]).items()):
         if step not in broken and step not in complete:
             print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
