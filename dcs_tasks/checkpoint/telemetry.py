@@ -75,9 +75,7 @@ def _stage_metrics() -> _StageMetrics:
                     buckets=LATENCY_BUCKETS,
                     registry=registry,
                 ),
-                replicated=Counter(
-                    "dcs_ckpt_replicated_bytes", "Bytes copied to the replica root", registry=registry
-                ),
+                replicated=Counter("dcs_ckpt_replicated_bytes", "Bytes copied to the replica root", registry=registry),
             )
         return _stages
 
