@@ -29,6 +29,7 @@ class TaskName(str, enum.Enum):
     PERSIST = "dcs.ckpt.persist"
     COMMIT = "dcs.ckpt.commit"
     RETENTION = "dcs.ckpt.retention"
+    REPLICATE = "dcs.ckpt.replicate"
     BOOTSTRAP_GROUP = "dcs.sync.bootstrap_group"
     JOIN_ENGINE = "dcs.sync.join_engine"
     DESTROY_GROUP = "dcs.sync.destroy_group"

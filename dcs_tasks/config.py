@@ -259,6 +259,11 @@ class DCSConfig(BaseSettings):
     """Retention: keep the newest N committed steps (None: keep all)."""
     keep_every: int | None = Field(default=None, ge=1)
     """Retention: also keep every step divisible by N."""
+    replica_dir: Path | None = None
+    """Second storage location (None: no replicas). After each commit the worker copies the step to the same
+    relative path under this root (`<replica_dir>/<run>/step-.../`), verifies it and moves the replica's
+    `latest`; restore falls back to it when the primary step is missing or corrupt; retention prunes both
+    (docs/checkpoints.md, Replicas). Must not be `checkpoint_dir` or inside it."""
     # fault-injection knob: workers write checkpoint files no faster than this (None: full speed)
     persist_throttle_bytes_per_second: float | None = Field(default=None, gt=0)
     """Fault-injection knob: workers write no faster than this."""

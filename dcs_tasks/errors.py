@@ -84,6 +84,12 @@ class StagingError(CheckpointError):
     """The shared-memory staging pool cannot take the state (too big, closed, busy under policy skip)."""
 
 
+class ReplicaFailed(CheckpointError):
+    """Copying a committed step to the replica root (`replica_dir`) failed: the root is not writable, the
+    primary step is gone or does not match its checksums, or the copy does not verify. Only the replica
+    task fails; the primary commit and the trainer's save are unaffected."""
+
+
 class InvalidTaskPayload(CheckpointError, ValueError):
     """A checkpoint task's JSON payload is malformed (bad run name, step, file name or path). A worker
     fails such a task at once and never retries it."""

@@ -1,8 +1,11 @@
-"""Checkpoint tasks (persist, commit, retention): thin Celery wrappers over `workers.persist`,
-`workers.commit` and `workers.retention`. Payloads are the JSON models of `dcs_tasks.checkpoint.models`.
+"""Checkpoint tasks (persist, commit, retention, replicate): thin Celery wrappers over `workers.persist`,
+`workers.commit`, `workers.retention` and `workers.replica`. Payloads are the JSON models of
+`dcs_tasks.checkpoint.models`.
 
 Flow: the trainer sends one persist per file to its host's node queue; the persist that records the last
-file sends the commit to the same queue; the commit sends retention when the run has a policy.
+file sends the commit to the same queue; the commit sends retention when the run has a policy, and, when
+this worker has a `replica_dir`, the replicate task (same queue, task id `replica-<save token>`: one per
+committed save attempt, so the result of a step's replication can be looked up by its token).
 
 Payloads are untrusted: a malformed one fails with `InvalidTaskPayload`, and one naming a path outside this
 worker's roots with `UntrustedPath` (`workers.trust`), at once and never retried. A failed persist or commit
@@ -20,13 +23,21 @@ from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
-from dcs_tasks.checkpoint.models import CommitRequest, FailedTask, PersistRequest, RetentionRequest
+from dcs_tasks.checkpoint.models import (
+    CommitRequest,
+    FailedTask,
+    PersistRequest,
+    ReplicateRequest,
+    RetentionRequest,
+)
 from dcs_tasks.checkpoint.telemetry import record_error
 from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
+from workers.replica import replicate
 from workers.retention import retain
 from workers.runtime import runtime
+from workers.trust import checkpoint_root, replica_root
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +99,60 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     if verdict is Verdict.WRITE and req.retention.active:
         body = RetentionRequest(run=req.ref.run, run_dir=str(Path(req.ref.step_dir).parent), policy=req.retention)
         self.app.send_task(TaskName.RETENTION.value, args=[body.model_dump(mode="json")], queue=_local_queue())
+    if verdict is Verdict.WRITE and runtime().config.replica_dir is not None:
+        _send_replica(self, req)
     return verdict.value
+
+
+def replica_task_id(token: str) -> str:
+    """The replicate task's id for the save attempt `token` (its Celery result is kept under this id)."""
+    return f"replica-{token}"
+
+
+def _send_replica(task: DCSTask, req: CommitRequest) -> None:
+    """Enqueue the replica of a step just committed. A failure to send is logged and counted: the commit
+    stands (the replica is best effort; `dcs ckpt list` shows the step as primary only)."""
+    config, ref = runtime().config, req.ref
+    try:
+        root, replica = checkpoint_root(config), replica_root(config)
+        assert replica is not None
+        target = replica / Path(ref.step_dir).resolve().relative_to(root)
+        body = ReplicateRequest(
+            run=ref.run, step=ref.step, step_dir=ref.step_dir, replica_step_dir=str(target), retention=req.retention
+        )
+        task.app.send_task(
+            TaskName.REPLICATE.value,
+            args=[body.model_dump(mode="json")],
+            queue=_local_queue(),
+            task_id=replica_task_id(ref.token),
+        )
+    except Exception as exc:  # the primary commit is done and must not fail because of its replica
+        record_error("checkpoint_replica")
+        log.error("replica of step %d of run %s not sent: %s: %s", ref.step, ref.run, type(exc).__name__, exc)
 
 
 @shared_task(name=TaskName.RETENTION.value, base=DCSTask, bind=True)
 def apply_retention(self: DCSTask, payload: dict[str, Any]) -> list[int]:
     """Delete the steps the run's retention policy lets go; returns them."""
     return retain(parse_payload(RetentionRequest, payload, self.name))
+
+
+class ReplicateTask(DCSTask):
+    def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
+        record_error("checkpoint_replica")
+        payload = args[0] if args and isinstance(args[0], dict) else {}
+        what = f"step {str(payload.get('step'))[:32]} of run {str(payload.get('run'))[:160]!r}"  # untrusted
+        log.error("replica of %s failed (the primary step stands): %s", what, reason)
+
+
+@shared_task(name=TaskName.REPLICATE.value, base=ReplicateTask, bind=True)
+def replicate_step(self: ReplicateTask, payload: dict[str, Any]) -> dict[str, Any]:
+    """Copy a committed step to the replica root, verify it, move the replica's `latest`, apply retention."""
+    done = replicate(parse_payload(ReplicateRequest, payload, self.name), str(self.request.id))
+    return {
+        "step": done.step,
+        "replica": str(done.replica_step_dir),
+        "copied_bytes": done.copied_bytes,
+        "deleted": done.deleted,
+        "seconds": done.seconds,
+    }

@@ -22,7 +22,7 @@ from dcs_tasks.config import DCSConfig
 log = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.base.DCSTask
-WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "task_retry", "task_failed")
+WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "checkpoint_replica", "task_retry", "task_failed")
 
 
 def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:

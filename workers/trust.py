@@ -7,6 +7,9 @@ here each path is checked against this worker's configuration before anything is
   step of that run: `<root>/<run>/step-N`, or `<root>/<base>/rank-0000r/step-N` for the shard run
   `<base>.rank-0000r`, compared after resolving symlinks and still under the resolved root;
 - a run directory (retention) likewise `<root>/<run>` or `<root>/<base>/rank-0000r`;
+- with `replica_dir` set, the replica root is a trusted root too, for the replica task's target step
+  directory and for retention's run directory (the same layout as under the checkpoint root); persist and
+  commit accept only the checkpoint root;
 - a staging file must be a direct child of the resolved `staging_dir` named like the run's staging
   buffers (`dcs-<namespace>-<run>-<pid>-<hex>-<i>.stage`), and is opened with O_NOFOLLOW as a regular file.
 Anything else raises `UntrustedPath` (never retried; see `workers.base`).
@@ -47,6 +50,17 @@ def checkpoint_root(config: DCSConfig) -> Path:
     return _resolve(Path(config.checkpoint_dir))
 
 
+def replica_root(config: DCSConfig) -> Path | None:
+    """The resolved replica root, or None when replicas are off."""
+    return None if config.replica_dir is None else _resolve(Path(config.replica_dir))
+
+
+def roots_of(config: DCSConfig, replica: bool) -> list[Path]:
+    """The checkpoint root, plus the replica root when `replica` and one is configured."""
+    extra = replica_root(config) if replica else None
+    return [checkpoint_root(config)] + ([extra] if extra is not None else [])
+
+
 def run_dirs(root: Path, run: str) -> list[Path]:
     """Where run `run` may live under `root`: `<root>/<run>`, and for a shard run `<base>.rank-0000r` also
     `<root>/<base>/rank-0000r` (a plain run may carry such a name too)."""
@@ -57,26 +71,31 @@ def run_dirs(root: Path, run: str) -> list[Path]:
     return candidates
 
 
-def _under_root(resolved: Path, root: Path, what: str, given: str) -> None:
-    if resolved == root or not resolved.is_relative_to(root):
-        raise UntrustedPath(f"{what} {given[:256]!r} is outside the checkpoint root {str(root)!r}")
+def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
+    """The root of `roots` that `resolved` lies strictly under, else UntrustedPath."""
+    for root in roots:
+        if resolved != root and resolved.is_relative_to(root):
+            return root
+    names = " or ".join(repr(str(r)) for r in roots)
+    raise UntrustedPath(f"{what} {given[:256]!r} is outside the checkpoint root {names}")
 
 
-def trusted_run_dir(run_dir: str, run: str, config: DCSConfig) -> Path:
-    """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root."""
-    root = checkpoint_root(config)
+def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool = False) -> Path:
+    """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root (or, with
+    `replica`, under its replica root)."""
     resolved = _resolve(_clean(run_dir, "run directory"))
-    _under_root(resolved, root, "run directory", run_dir)
+    root = _one_of(resolved, roots_of(config, replica), "run directory", run_dir)
     if resolved not in [_resolve(c) for c in run_dirs(root, run)]:
         raise UntrustedPath(f"run directory {run_dir[:256]!r} is not where run {run!r} lives under {str(root)!r}")
     return resolved
 
 
-def trusted_step_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> Path:
-    """`step_dir` resolved, when it is step `step` of run `run` under this worker's checkpoint root."""
-    root = checkpoint_root(config)
+def trusted_step_dir(step_dir: str, run: str, step: int, config: DCSConfig, *, root: Path | None = None) -> Path:
+    """`step_dir` resolved, when it is step `step` of run `run` under this worker's checkpoint root (or under
+    `root`, a root from `roots_of`)."""
+    root = checkpoint_root(config) if root is None else root
     resolved = _resolve(_clean(step_dir, "step directory"))
-    _under_root(resolved, root, "step directory", step_dir)
+    _one_of(resolved, [root], "step directory", step_dir)
     if resolved not in [_resolve(c / step_dir_name(step)) for c in run_dirs(root, run)]:
         raise UntrustedPath(
             f"step directory {step_dir[:256]!r} is not where step {step} of run {run!r} lives under {str(root)!r}"

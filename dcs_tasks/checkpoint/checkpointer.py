@@ -14,6 +14,7 @@ size (see `dcs_tasks.checkpoint.sharded`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -28,7 +29,7 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint import cuda, dtensor, reader, sharded
+from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     ChunkSums,
@@ -351,19 +352,31 @@ class Checkpointer:
 
         When the run was saved by several ranks, or this checkpointer has several, only steps every saving
         rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.sharded`).
-        Without `into`, a checkpoint's DTensors come back as whole plain tensors."""
-        if self.world_size > 1 or sharded.rank_dirs(self.run_root):
+        Without `into`, a checkpoint's DTensors come back as whole plain tensors.
+
+        With `replica_dir` set, steps are looked for under both roots: the newest step that verifies in
+        either wins, its primary copy first and the replica when the primary is missing or corrupt (a
+        warning names the corrupt copy); the result's `location` ("primary"/"replica") and `path` say which
+        copy was read (`dcs_tasks.checkpoint.replicas`)."""
+        roots = replicas.run_roots(self.config, self.run)
+        if self.world_size > 1 or any(sharded.rank_dirs(root) for _, root in roots):
             return self._restore_sharded(step, into, verify, strict)
-        dirs = dict(reader.step_dirs(self.run_dir))
+        found = {location: dict(reader.step_dirs(root)) for location, root in roots}
+
+        def load(s: int) -> RestoredCheckpoint:
+            copies = [
+                (location, dirs[s], functools.partial(self._restore_dir, dirs[s], into, verify, strict))
+                for location, dirs in found.items()
+                if s in dirs
+            ]
+            return replicas.load_first_good(s, copies)
+
+        steps = sorted(set().union(*found.values()))
         if step is not None:
-            if step not in dirs:
+            if step not in steps:
                 raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
-            return self._restore_dir(dirs[step], into, verify, strict)
-        return self._newest_that_verifies(
-            list(dirs),
-            lambda s: self._restore_dir(dirs[s], into, verify, strict),
-            f"committed checkpoint in {self.run_dir}",
-        )
+            return load(step)
+        return self._newest_that_verifies(steps, load, f"committed checkpoint in {self.run_dir}")
 
     def _newest_that_verifies(
         self, steps: Sequence[int], load: Callable[[int], RestoredCheckpoint], what: str
@@ -381,24 +394,29 @@ class Checkpointer:
         raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
 
     def _restore_sharded(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        complete, broken = sharded.scan_steps(self.run_root)
+        scans = [
+            (location, root, *sharded.scan_steps(root)) for location, root in replicas.run_roots(self.config, self.run)
+        ]
 
         def load(s: int) -> RestoredCheckpoint:
-            if s in broken:  # a rank's manifest of this step is corrupt: the caller falls back past it
-                raise broken[s]
-            return self._load_sharded(complete[s], into, verify, strict)
+            copies: list[replicas.Copy] = []
+            for location, root, complete, broken in scans:
+                if s in broken:  # a rank's manifest of this step is corrupt in this location
+                    copies.append((location, root, functools.partial(_raise, broken[s])))
+                elif s in complete:
+                    copies.append(
+                        (location, root, functools.partial(self._load_sharded, complete[s], into, verify, strict))
+                    )
+            return replicas.load_first_good(s, copies)
 
+        steps = sorted({s for _, _, complete, broken in scans for s in (*complete, *broken)})
         if step is not None:
-            if step in broken:
-                raise broken[step]
-            if step not in complete:
+            if step not in steps:
                 partial = sharded.incomplete_steps(self.run_root).get(step)
                 detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
                 raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
-            return self._load_sharded(complete[step], into, verify, strict)
-        return self._newest_that_verifies(
-            sorted(set(complete) | set(broken)), load, f"step every rank committed in {self.run_root}"
-        )
+            return load(step)
+        return self._newest_that_verifies(steps, load, f"step every rank committed in {self.run_root}")
 
     def _load_sharded(
         self, shards: sharded.StepShards, into: Any, verify: bool, strict: bool = True
@@ -484,6 +502,10 @@ def _version(t: torch.Tensor) -> int:
         return int(t._version)
     except RuntimeError:
         return -1
+
+
+def _raise(exc: CorruptCheckpoint) -> RestoredCheckpoint:
+    raise exc
 
 
 def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:

@@ -138,6 +138,28 @@ class RetentionRequest(BaseModel):
     policy: RetentionPolicy
 
 
+class ReplicateRequest(BaseModel):
+    """Copy committed step `step` of `run` from `step_dir` (under the checkpoint root) to `replica_step_dir`
+    (the same relative path under the replica root), verify it, move the replica's `latest`, then apply
+    `retention` to the replica's run directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: RunName
+    step: Step
+    step_dir: AbsolutePath
+    replica_step_dir: AbsolutePath
+    retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
+
+    @model_validator(mode="after")
+    def _dirs_name_step(self) -> ReplicateRequest:
+        name = step_dir_name(self.step)
+        for path in (self.step_dir, self.replica_step_dir):
+            if os.path.basename(path) != name:
+                raise ValueError(f"step directory {path[:256]!r} of step {self.step} must end in {name!r}")
+        return self
+
+
 class StepIdentity(BaseModel):
     """The ledger identity (run, step, token) read from a payload that failed validation, so that the
     worker can still fail that step in the ledger; its paths are ignored, never used."""

@@ -56,11 +56,15 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class RestoredCheckpoint:
-    """What `restore` returns: the step, the rebuilt state and the user metadata given to `save`."""
+    """What `restore` returns: the step, the rebuilt state and the user metadata given to `save`, and which
+    copy it came from: `location` "primary" (under `checkpoint_dir`) or "replica" (under `replica_dir`),
+    `path` the step directory read (multi-rank: the run directory holding the ranks' step directories)."""
 
     step: int
     state: Any
     metadata: dict[str, Any]
+    location: str = "primary"
+    path: Path | None = None
 
 
 class PendingCheckpoint:

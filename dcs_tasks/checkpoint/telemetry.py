@@ -6,7 +6,8 @@ Each number is recorded in the process where its work happens (docs/operations.m
   training loop), `dcs_load_*` / `dcs_bytes_loaded_total` (restores), `dcs_memory_buffer_usage_bytes` and
   `dcs_pending_operations` (saves not yet seen committed or failed, `pending.IN_FLIGHT`). A trainer serves
   them on `metrics_host`:`trainer_metrics_port` when that setting is non-zero (`DCS_TRAINER_METRICS_PORT`).
-- worker (`dcs worker`): `dcs_ckpt_persist_seconds` (one file), `dcs_ckpt_commit_seconds` (one commit) and
+- worker (`dcs worker`): `dcs_ckpt_persist_seconds` (one file), `dcs_ckpt_commit_seconds` (one commit),
+  `dcs_ckpt_replica_seconds` / `dcs_ckpt_replicated_bytes_total` (replicas, when `replica_dir` is set) and
   the durable save itself: `dcs_save_latency_seconds` (from the save's begin in the ledger, right after
   staging, to its commit), `dcs_bytes_saved_total`, `dcs_save_operations_total`; `dcs_errors_total`.
 
@@ -37,6 +38,8 @@ class _StageMetrics:
     staged: Counter
     persist: Histogram
     commit: Histogram
+    replica: Histogram
+    replicated: Counter
 
 
 _stages: _StageMetrics | None = None
@@ -66,6 +69,13 @@ def _stage_metrics() -> _StageMetrics:
                     buckets=LATENCY_BUCKETS,
                     registry=registry,
                 ),
+                replica=Histogram(
+                    "dcs_ckpt_replica_seconds",
+                    "Worker time to copy, verify and publish one step's replica",
+                    buckets=LATENCY_BUCKETS,
+                    registry=registry,
+                ),
+                replicated=Counter("dcs_ckpt_replicated_bytes", "Bytes copied to the replica root", registry=registry),
             )
         return _stages
 
@@ -93,6 +103,13 @@ def record_persist(seconds: float) -> None:
 
 def record_commit(seconds: float) -> None:
     _stage_metrics().commit.observe(seconds)
+
+
+def record_replica(seconds: float, nbytes: int) -> None:
+    """Worker: one step replicated (`nbytes` copied; 0 when a redelivery found it done)."""
+    stages = _stage_metrics()
+    stages.replica.observe(seconds)
+    stages.replicated.inc(nbytes)
 
 
 def record_load(seconds: float, nbytes: int) -> None:

@@ -2,7 +2,9 @@
 
 `verify` checks every step's manifest, files and safetensors headers and re-reads every file against its
 checksum, prints progress on large files, one line per step, and exits 1 if any step is bad (naming the
-file and the reason). `list` and `inspect` report a step whose manifest does not check as BAD, never with a
+file and the reason). With a replica root (`--replica-dir` or DCS_REPLICA_DIR) `list` says where each step
+is (primary, replica, both), `verify` checks both copies and `gc` prunes both.
+`list` and `inspect` report a step whose manifest does not check as BAD, never with a
 traceback (manifests are untrusted input: `dcs_tasks.checkpoint.validate`).
 `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
 DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
@@ -38,6 +40,9 @@ def register(sub: Any) -> None:
         p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
         p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
         p.add_argument("--rank", type=int, default=None, help="one rank's part of a multi-rank run")
+        p.add_argument(
+            "--replica-dir", type=Path, default=None, help="replica root (default: DCS_REPLICA_DIR; none if unset)"
+        )
         p.set_defaults(func=func)
         if name in ("verify", "inspect"):
             p.add_argument("--step", type=int, default=None, help="one step (default: all / the newest)")
@@ -93,28 +98,55 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return root / rank_dir_name(args.rank) if args.rank is not None else root
 
 
+def _locations(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(location, run directory or rank directory) of the primary and, when a replica root is set, the replica."""
+    from dcs_tasks.checkpoint.replicas import PRIMARY, REPLICA
+    from dcs_tasks.checkpoint.sharded import rank_dir_name
+
+    found = [(PRIMARY, _run_dir(args))]
+    replica = args.replica_dir if args.replica_dir is not None else DCSConfig().replica_dir
+    if replica is not None:
+        run = Path(replica) / args.run
+        found.append((REPLICA, run / rank_dir_name(args.rank) if args.rank is not None else run))
+    return found
+
+
 def _list(args: argparse.Namespace) -> int:
+    """One line per step: when, size, files, where it is (primary, replica, both), `<- latest`; a copy whose
+    manifest does not check is listed as BAD next to it."""
     from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
+    from dcs_tasks.checkpoint.replicas import PRIMARY, where
     from dcs_tasks.checkpoint.sharded import rank_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
-    if not _run_dir(args).is_dir():
+    places = [(location, d) for location, d in _locations(args) if d.is_dir()]
+    shown = len(_locations(args)) > 1  # without a replica root: the listing it always had
+    if not places:
         what = f"run {args.run!r}" + (f" rank {args.rank}" if args.rank is not None else "")
         print(f"dcs ckpt list: {what} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
         return 1
-    if args.rank is None and rank_dirs(_run_root(args)):
-        return _list_ranks(args)
-    run_dir = _run_dir(args)
-    latest = read_latest(run_dir)
-    for step, step_dir in step_dirs(run_dir):
-        try:
-            m = load_manifest(step_dir)
-        except CorruptCheckpoint as exc:
-            print(f"{step:>10}  BAD (not restorable): {exc}")
+    if args.rank is None and any(rank_dirs(d) for _, d in places):
+        return _list_ranks(places, shown)
+    latest = max((s for _, d in places if (s := read_latest(d)) is not None), default=None)
+    good: dict[int, dict[str, Any]] = {}
+    bad: dict[int, dict[str, str]] = {}
+    for location, run_dir in places:
+        for step, step_dir in step_dirs(run_dir):
+            try:
+                good.setdefault(step, {})[location] = load_manifest(step_dir)
+            except CorruptCheckpoint as exc:
+                bad.setdefault(step, {})[location] = str(exc)
+    for step in sorted(set(good) | set(bad)):
+        damaged = "".join(f"  ({location} BAD: {why})" for location, why in bad.get(step, {}).items())
+        if step not in good:
+            print(f"{step:>10}  BAD (not restorable): " + (damaged.strip() if shown else bad[step][PRIMARY]))
             continue
+        m = next(iter(good[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
-        print(f"{step:>10}  {when}  {m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{_shared(m)}{mark}")
+        place = f"  {where(list(good[step])):<7}" if shown else ""
+        size = f"{m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{_shared(m)}"
+        print(f"{step:>10}  {when}  {size}{place}{mark}{damaged}")
     return 0
 
 
@@ -127,43 +159,57 @@ def _shared(manifest: Any) -> str:
     return f"  ({written:.1f} MiB written, {len(shared)} from earlier steps)"
 
 
-def _list_ranks(args: argparse.Namespace) -> int:
-    """A multi-rank run: steps every rank committed (restorable), then corrupt steps, then steps some rank is
-    missing."""
-    from dcs_tasks.checkpoint.sharded import incomplete_steps, scan_steps
+def _list_ranks(places: list[tuple[str, Path]], shown: bool) -> int:
+    """A multi-rank run: steps every rank committed (restorable) and where, then corrupt steps, then steps some
+    rank is missing."""
+    from dcs_tasks.checkpoint.replicas import PRIMARY, where
+    from dcs_tasks.checkpoint.sharded import StepShards, incomplete_steps, scan_steps
 
-    root = _run_root(args)
-    complete, broken = scan_steps(root)
-    for step, shards in complete.items():
+    complete: dict[int, dict[str, StepShards]] = {}
+    broken: dict[int, dict[str, Exception]] = {}
+    for location, root in places:
+        ok, damaged = scan_steps(root)
+        for step, shards in ok.items():
+            complete.setdefault(step, {})[location] = shards
+        for step, exc in damaged.items():
+            broken.setdefault(step, {})[location] = exc
+    for step in sorted(complete):
+        shards = next(iter(complete[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(shards.manifests[0].created_at))
         size = sum(m.total_bytes for m in shards.manifests.values()) / 2**20
-        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks")
-    for step, exc in sorted(broken.items()):
-        print(f"{step:>10}  BAD (not restorable): {exc}")
-    for step, ranks in sorted(incomplete_steps(root).items()):
-        if step not in broken:
+        place = f"  {where(list(complete[step]))}" if shown else ""
+        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks{place}")
+    for step, errors in sorted(broken.items()):
+        if step not in complete:
+            why = "; ".join(f"{loc}: {exc}" for loc, exc in errors.items()) if shown else str(errors[PRIMARY])
+            print(f"{step:>10}  BAD (not restorable): {why}")
+    for step, ranks in sorted(incomplete_steps(places[0][1]).items()):
+        if step not in broken and step not in complete:
             print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Every step (or `--step`): manifest, files, headers and checksums; one line per step, 1 if any is bad."""
+    """Every step (or `--step`) in every location: manifest, files, headers and checksums; one line per step
+    and copy, 1 if any is bad."""
     from dcs_tasks.checkpoint.reader import load_manifest, step_dirs, verify_step
     from dcs_tasks.errors import CorruptCheckpoint
 
-    dirs = [(s, d) for s, d in step_dirs(_run_dir(args)) if args.step is None or s == args.step]
-    if not dirs:
+    places = _locations(args)
+    found = [(loc, s, d) for loc, run_dir in places for s, d in step_dirs(run_dir) if args.step in (None, s)]
+    if not found:
         print(f"no committed checkpoint found in {_run_dir(args)}", file=sys.stderr)
         return 1
     bad = 0
-    for step, step_dir in dirs:
+    for location, step, step_dir in sorted(found, key=lambda f: (f[1], f[0])):
+        name = f"step {step}" + (f" ({location})" if len(places) > 1 else "")
         try:
             verify_step(step_dir, load_manifest(step_dir), progress=_progress)
         except CorruptCheckpoint as exc:
-            print(f"step {step}: BAD: {exc}", file=sys.stderr)
+            print(f"{name}: BAD: {exc}", file=sys.stderr)
             bad += 1
             continue
-        print(f"step {step}: ok")
+        print(f"{name}: ok")
     return 1 if bad else 0
 
 
@@ -202,8 +248,14 @@ def _gc(args: argparse.Namespace) -> int:
     if not policy.active:
         print("nothing to do: give --keep-last (or set DCS_KEEP_LAST)", file=sys.stderr)
         return 2
-    deleted = apply_retention(_run_dir(args), policy, *_in_flight(config, args.run))
-    print(f"deleted steps: {deleted}" if deleted else "nothing to delete")
+    in_flight, refs = _in_flight(config, args.run)
+    places = _locations(args)
+    for location, run_dir in places:
+        if location != places[0][0] and not run_dir.is_dir():
+            continue
+        deleted = apply_retention(run_dir, policy, in_flight, refs)
+        prefix = f"{location}: " if len(places) > 1 else ""  # one root: the output it always had
+        print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
     return 0
 
 

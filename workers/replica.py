@@ -1,0 +1,166 @@
+"""Replicate one committed step to the replica root (`replica_dir`): the `dcs.ckpt.replicate` task's work.
+
+The replica is the same relative tree under another root (`<replica_dir>/<run>/step-.../`, a rank's part
+under `<replica_dir>/<run>/rank-0000r/step-.../`), so a file an incremental step refers to in an earlier
+step (`FileEntry.stored_path`) resolves inside the replica too; such a file is copied there when the
+earlier step was never replicated.
+
+Durable and verified, manifest last: each file is streamed to a temp name (O_DIRECT where the filesystem
+allows it), hashed on the same pass and compared with the manifest's checksum (a primary file that does not
+match is not replicated), fsynced and renamed; then the whole replica step is read back and verified
+(`reader.verify_step`: sizes, headers, checksums of the bytes on the replica's disk); only then is
+`manifest.json` written (temp, fsync, rename) and the replica's `latest` moved forward. A step without its
+manifest does not exist for readers, so a copy cut short (kill -9, power loss) is never restored.
+
+Idempotent under redelivery: a file already at its final name with its size is kept (final names only
+appear after fsync + rename) and verified with the rest; a replica step whose manifest is already there and
+whose files check is not copied again. Retention then applies the run's policy to the replica run directory.
+
+Failures are the replica's alone: `ReplicaFailed` (not writable, primary gone or corrupt, copy does not
+verify) fails this task, never the primary commit; the task logs the reason and counts
+`dcs_errors_total{error_type="checkpoint_replica"}`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest
+from dcs_tasks.checkpoint.fsio import make_dirs_durable, remove_stray_temps, stream_region, write_bytes_durably
+from dcs_tasks.checkpoint.latest import move_latest
+from dcs_tasks.checkpoint.models import ReplicateRequest
+from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.retention import apply_retention
+from dcs_tasks.checkpoint.telemetry import record_replica
+from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
+from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
+from workers.persist import ledger
+from workers.runtime import runtime
+from workers.trust import checkpoint_root, replica_root, trusted_step_dir
+
+log = logging.getLogger(__name__)
+
+# errors that mean "this location cannot be written", not "try again later": the task fails at once
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ELOOP, errno.EISDIR}
+
+
+@dataclass(frozen=True)
+class ReplicaResult:
+    step: int
+    replica_step_dir: Path
+    copied_bytes: int  # 0 when a redelivery found the replica complete
+    deleted: list[int]  # replica steps retention let go
+    seconds: float
+
+
+def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
+    """Copy, verify and publish the replica of `req`'s step; ReplicaFailed names why it could not."""
+    config = runtime().config
+    src_dir, dst_dir = _trusted_dirs(req)
+    started = time.monotonic()
+    manifest = _primary_manifest(src_dir)
+    copied = 0
+    if not _complete(dst_dir, manifest):
+        try:
+            copied = copy_step(src_dir, dst_dir, manifest, task_id, config.persist_throttle_bytes_per_second)
+        except OSError as exc:
+            if exc.errno in UNWRITABLE:
+                raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
+            raise  # transient (ENOSPC, EIO): retried by the task base
+    move_latest(dst_dir.parent, req.step, task_id)
+    deleted: list[int] = []
+    if req.retention.active:
+        deleted = apply_retention(dst_dir.parent, req.retention, ledger().in_flight_steps(req.run))
+    seconds = time.monotonic() - started
+    record_replica(seconds, copied)
+    log.info(
+        "replicated step %d of run %s to %s (%d bytes copied, %.3f s)", req.step, req.run, dst_dir, copied, seconds
+    )
+    return ReplicaResult(req.step, dst_dir, copied, deleted, seconds)
+
+
+def _trusted_dirs(req: ReplicateRequest) -> tuple[Path, Path]:
+    """(primary step dir, replica step dir): each under its own root, at the same relative path."""
+    config = runtime().config
+    replica = replica_root(config)
+    if replica is None:
+        raise ReplicaFailed(f"this worker has no replica_dir: cannot replicate step {req.step} of run {req.run!r}")
+    primary = checkpoint_root(config)
+    if replica == primary or replica.is_relative_to(primary) or primary.is_relative_to(replica):
+        raise ReplicaFailed(f"replica_dir {str(replica)!r} overlaps checkpoint_dir {str(primary)!r}")
+    src_dir = trusted_step_dir(req.step_dir, req.run, req.step, config)
+    dst_dir = trusted_step_dir(req.replica_step_dir, req.run, req.step, config, root=replica)
+    if src_dir.relative_to(primary) != dst_dir.relative_to(replica):
+        raise UntrustedPath(f"replica step directory {req.replica_step_dir[:256]!r} does not mirror {req.step_dir!r}")
+    return src_dir, dst_dir
+
+
+def _primary_manifest(src_dir: Path) -> Manifest:
+    """The primary step's manifest, its files checked (sizes, headers); ReplicaFailed when gone or corrupt."""
+    if not os.path.lexists(src_dir / MANIFEST_NAME):
+        raise ReplicaFailed(f"primary step {src_dir} has no manifest (deleted before it was replicated?)")
+    try:
+        manifest = load_manifest(src_dir)
+        check_files(src_dir, manifest)
+    except CorruptCheckpoint as exc:
+        raise ReplicaFailed(f"primary step is corrupt, not replicated: {exc}") from exc
+    return manifest
+
+
+def _complete(dst_dir: Path, manifest: Manifest) -> bool:
+    """Whether an earlier delivery finished this replica: its manifest is there and its files check."""
+    if not os.path.lexists(dst_dir / MANIFEST_NAME):
+        return False
+    try:
+        check_files(dst_dir, load_manifest(dst_dir))
+    except CorruptCheckpoint as exc:
+        log.warning("replica %s is damaged (%s): copying it again", dst_dir, exc)
+        (dst_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        return False
+    return load_manifest(dst_dir).files == manifest.files
+
+
+def copy_step(src_dir: Path, dst_dir: Path, manifest: Manifest, tag: str, throttle: float | None = None) -> int:
+    """Copy every file of the checked primary step `src_dir` to `dst_dir` (durably, hashed), verify the copy as
+    read back, then write its manifest last; returns the bytes copied. No Redis, no `latest` (bench/replica.py
+    times this)."""
+    make_dirs_durable(dst_dir)
+    copied = sum(_copy_file(entry, src_dir, dst_dir, tag, throttle) for entry in manifest.files)
+    try:
+        verify_step(dst_dir, manifest)
+    except CorruptCheckpoint as exc:
+        if exc.path and Path(exc.path).is_relative_to(dst_dir.parent):
+            Path(exc.path).unlink(missing_ok=True)  # a redelivery copies it again
+        raise ReplicaFailed(f"replica of {src_dir.name} does not verify after copying: {exc}") from exc
+    remove_stray_temps(dst_dir)
+    write_bytes_durably(dst_dir / MANIFEST_NAME, read_small(src_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES), tag)
+    return copied
+
+
+def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttle: float | None) -> int:
+    """Copy one file's stored bytes unless already there; returns the bytes copied."""
+    src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
+    size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
+    if _regular_of_size(dst, size):
+        return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified below
+    if dst.parent != dst_dir:
+        make_dirs_durable(dst.parent)  # an incremental reference into a step not replicated itself
+    digest = stream_region(src, 0, size, dst, tag, throttle)
+    if getattr(entry, "compression", None) is None and digest != entry.checksum:
+        dst.unlink(missing_ok=True)
+        raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
+    return size
+
+
+def _regular_of_size(path: Path, size: int) -> bool:
+    try:
+        found = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_size == size
