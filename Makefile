@@ -66,6 +66,7 @@ bench: install redis-bin
 	$(BIN)/python bench/save.py
 	$(BIN)/python bench/reshard.py
 	$(BIN)/python bench/incremental.py
+	$(BIN)/python bench/replica.py
 	$(BIN)/python bench/weight_sync.py
 	$(BIN)/python bench/task_latency.py
 
