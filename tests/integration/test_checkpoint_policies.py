@@ -8,11 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.celery_app import make_celery, node_queue
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import CheckpointFailed, StagingError
+from dcs_tasks.keys import Keys
 from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
+from tests.helpers.ports import free_port
 from tests.helpers.procs import REPO, child_env
 
 pytestmark = pytest.mark.integration
@@ -33,7 +37,7 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_confi
     try:
         with Checkpointer("skip", config) as ckpt:
             first = ckpt.save(state, step=1)
-            buf_ptr = ckpt._pool.buffers[0].view.data_ptr()  # type: ignore[union-attr]
+            buf_ptr = ckpt.staging_buffers[0].view.data_ptr()  # type: ignore[union-attr]
             second = ckpt.save(state, step=2)
             assert second.skipped and second.done()
             with pytest.raises(CheckpointFailed, match="skipped"):
@@ -43,7 +47,7 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_confi
             assert not third.skipped
             third.wait(60)
             assert [i.step for i in ckpt.list()] == [1, 3]
-            assert ckpt._pool.buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
+            assert ckpt.staging_buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
             assert len(list(Path(config.staging_dir).glob("*.stage"))) == 1
     finally:
         worker.terminate()
@@ -63,6 +67,36 @@ def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: 
             second.wait(60)
     finally:
         worker.terminate()
+
+
+def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """The broker is unreachable (a real Celery app pointed at a port nothing listens on): the save fails with
+    the reason, its one buffer is free again for the next save, and the failed save, polled afterwards,
+    does not hand back the buffer that next save now holds."""
+    config = ckpt_config(dcs_config, tmp_path, staging_buffers=1, staging_policy=StagingPolicy.SKIP)
+    dead = make_celery(config.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
+    dead.conf.task_publish_retry = False
+    presence = Keys(config.namespace).worker_presence(node_queue(config.host_name))
+    client = redis.Redis.from_url(config.redis_url)
+    client.set(presence, "1", ex=120)  # no worker is needed: nothing is ever sent
+    state = training_state()
+    try:
+        with Checkpointer("nosend", config, celery_app=dead) as ckpt:
+            failed = ckpt.save(state, step=1)
+            with pytest.raises(CheckpointFailed, match="could not enqueue persist tasks of step 1"):
+                failed.wait(60)
+            assert failed.released
+            held = ckpt.save(state, step=2)  # the freed buffer, held by this save's (failing) dispatch
+            assert not held.skipped
+            failed.poll()  # ending the first save's lease again hands nothing back
+            with pytest.raises(CheckpointFailed, match="step 2"):
+                held.wait(60)
+            assert held.released and ckpt.close(timeout=10) == ()
+    finally:
+        client.delete(presence)
+        client.close()
 
 
 def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Path) -> None:
