@@ -101,6 +101,7 @@ class Checkpointer:
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
+        self._closed: tuple[int, ...] | None = None  # close()'s answer, once closed
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
             self._gauges.memory(self._pool.mapped_bytes())
@@ -438,7 +439,9 @@ class Checkpointer:
         back after a worker crash), then free the buffers. So a `restore()` or `list()` after `close()` sees
         every save that committed. Returns the steps not final by then; the staging files of those still
         being persisted are left in place for the workers (deleting them would lose the save), and an error
-        names them."""
+        names them. Closing again returns the same steps at once."""
+        if self._closed is not None:
+            return self._closed
         limit = self.config.visibility_timeout_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         while (self._pool.in_flight() or self._unfinished()) and time.monotonic() < deadline:
@@ -460,6 +463,7 @@ class Checkpointer:
         self._gauges.pending(0)
         self._copier.close()
         self._redis.close()
+        self._closed = unfinished
         return unfinished
 
     def __enter__(self) -> Checkpointer:

@@ -16,8 +16,8 @@ from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import CheckpointFailed, StagingError
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
-from tests.helpers.ports import free_port
 from tests.helpers.procs import REPO, child_env
+from tests.helpers.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -72,31 +72,40 @@ def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: 
 def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
     dcs_config: DCSConfig, tmp_path: Path
 ) -> None:
-    """The broker is unreachable (a real Celery app pointed at a port nothing listens on): the save fails with
-    the reason, its one buffer is free again for the next save, and the failed save, polled afterwards,
-    does not hand back the buffer that next save now holds."""
+    """The broker (a real redis-server, on its own port) is down: the save fails with the reason and its one
+    buffer is free again. The broker comes back: the next save holds that buffer while its tasks wait for a
+    worker, and the failed save, polled again, does not hand back the buffer the next save now holds."""
     config = ckpt_config(dcs_config, tmp_path, staging_buffers=1, staging_policy=StagingPolicy.SKIP)
-    dead = make_celery(config.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
-    dead.conf.task_publish_retry = False
+    broker = RedisServer(tmp_path / "broker", appendonly=False)  # not started yet: nothing listens on its port
+    app = make_celery(config.model_copy(update={"redis_url": broker.url}))
+    app.conf.update(task_publish_retry=False, result_backend=None)
     presence = Keys(config.namespace).worker_presence(node_queue(config.host_name))
     client = redis.Redis.from_url(config.redis_url)
-    client.set(presence, "1", ex=120)  # no worker is needed: nothing is ever sent
+    client.set(presence, "1", ex=300)  # the persist tasks are never consumed: no worker is needed
     state = training_state()
     try:
-        with Checkpointer("nosend", config, celery_app=dead) as ckpt:
+        ckpt = Checkpointer("nosend", config, celery_app=app)
+        try:
             failed = ckpt.save(state, step=1)
             with pytest.raises(CheckpointFailed, match="could not enqueue persist tasks of step 1"):
                 failed.wait(60)
-            assert failed.released
-            held = ckpt.save(state, step=2)  # the freed buffer, held by this save's (failing) dispatch
+            wait_until(lambda: failed.poll() is not None and failed.released, 30, "the failed save's buffer")
+            broker.start()
+            held = ckpt.save(state, step=2)  # sent; queued for a worker that never comes: in flight
             assert not held.skipped
-            failed.poll()  # ending the first save's lease again hands nothing back
-            with pytest.raises(CheckpointFailed, match="step 2"):
-                held.wait(60)
-            assert held.released and ckpt.close(timeout=10) == ()
+            wait_until(lambda: held.poll() is not None and broker.client().llen(node_queue(config.host_name)) > 0,
+                       30, "step 2's tasks in the broker")  # fmt: skip
+            failed.poll()
+            assert ckpt.save(state, step=3).skipped  # the only buffer is still step 2's
+            assert not held.released and not held.done()
+        finally:
+            unfinished = ckpt.close(timeout=1)
+        assert unfinished == (2,)  # its staging file stays for a worker
+        assert ckpt.close() == (2,)  # closing again answers at once (not after the visibility timeout)
     finally:
         client.delete(presence)
         client.close()
+        broker.stop()
 
 
 def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Path) -> None:
