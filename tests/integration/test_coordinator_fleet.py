@@ -20,6 +20,7 @@ from dcs_tasks.coordinator_api import KEEPALIVE_EXPIRY_S, FleetHeartbeatLoop
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import MAX_BATCH_NODES, BeatOutcome
 from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.waiting import eventually
 from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
 
 pytestmark = pytest.mark.integration
@@ -141,7 +142,8 @@ async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records
     assert await topology.unregister("actor", 1)
     assert r.hget(keys.role_identities("actor"), "10.0.0.1:9000") is None
     await topology.register(node(3, 9003))
-    await asyncio.sleep(0.3)  # everyone's TTL ran out
+    beats = [keys.heartbeat("actor", rank) for rank in (0, 3)]
+    await eventually(lambda: r.exists(*beats) == 0, 15, "everyone's heartbeat TTL (0.2 s) to run out")
     await topology.sweep_dead_nodes(0.0)
     assert r.hlen(keys.role_identities("actor")) == 0 and r.hlen(keys.role_owners("actor")) == 0
     # records written before the identity index existed: the owners hash is scanned, the rank kept
