@@ -63,7 +63,8 @@ def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: 
             with pytest.raises(StagingError, match="still being persisted"):
                 ckpt.save(state, step=2, timeout=0.2)
             second = ckpt.save(state, step=3, timeout=60)  # blocks until step 1 released its buffer
-            assert first.released and second.stall_seconds > 0.3 > first.stall_seconds
+            # the throttled persist of step 1 takes ~1 s; a loaded machine only makes the wait longer
+            assert first.released and second.stall_seconds > max(0.3, first.stall_seconds)
             second.wait(60)
     finally:
         worker.terminate()
