@@ -1,10 +1,13 @@
 """Lua scripts of the topology: each multi-key change is one atomic script with documented KEYS/ARGV.
 
+Each is a `dcs_tasks.lua.LuaScript` (EVALSHA, reloaded after NOSCRIPT): `await SCRIPT.run_async(client, keys, args)`.
 The scripts build per-rank heartbeat keys as `prefix .. rank` from a prefix given by
 `Keys.heartbeat_role_prefix(role)`, so they are for a standalone (or Sentinel) Redis, as Celery's broker is.
 """
 
 from __future__ import annotations
+
+from dcs_tasks.lua import LuaScript
 
 # Register a node and make it alive.
 # KEYS[1] role_nodes(role)  H rank -> RoleInfo JSON
@@ -33,7 +36,8 @@ from __future__ import annotations
 # it, i.e. records went behind the scripts' back) and the smallest registered rank whose node is dead: dead
 # nodes are looked for among node_beats entries older than half the TTL (a live node beats more often),
 # each checked for its heartbeat key. So registering N nodes is O(N), not O(N^2).
-REGISTER = """
+REGISTER = LuaScript(
+    """
 local rank = tonumber(ARGV[2])
 local kind = 0
 local ident = ARGV[3]
@@ -112,6 +116,7 @@ if redis.call("ZSCORE", KEYS[3], ARGV[1]) == false then
 end
 return {rank, kind}
 """
+)
 
 # Refresh a registered node's heartbeat in one round trip.
 # KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)  KEYS[4] node_beats
@@ -120,7 +125,8 @@ return {rank, kind}
 # ARGV[5] node_beats member "role:rank"
 # Returns 1 when the beat is recorded (a dead node comes back alive), 0 when (role, rank) is not registered,
 # -1 when the rank is now held by another identity (the caller was presumed dead and replaced).
-HEARTBEAT = """
+HEARTBEAT = LuaScript(
+    """
 if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
   return 0
 end
@@ -131,6 +137,7 @@ redis.call("SET", KEYS[2], ARGV[3], "PX", ARGV[2])
 redis.call("ZADD", KEYS[4], ARGV[3], ARGV[5])
 return 1
 """
+)
 
 # Refresh many nodes' heartbeats in one call (POST /heartbeats): per node exactly what HEARTBEAT does.
 # KEYS[1] node_beats
@@ -138,7 +145,8 @@ return 1
 # ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
 # ARGV[6..] triples: role, rank, identity ("" = unfenced)
 # Returns one code per triple, in order: 1 beat recorded, 0 not registered, -1 rank held by another identity.
-HEARTBEAT_MANY = """
+HEARTBEAT_MANY = LuaScript(
+    """
 local out = {}
 local beats = {}
 for i = 6, #ARGV, 3 do
@@ -164,6 +172,7 @@ if #beats > 0 then
 end
 return out
 """
+)
 
 # Remove a node.
 # KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
@@ -174,7 +183,8 @@ return out
 # The role leaves `roles` with its last node (a later registration appends it to the order again).
 # Returns 1 when the node was registered and is removed, 0 when it was not registered, -1 (nothing removed)
 # when the rank is now held by another identity: a replaced node shutting down must not remove its successor.
-UNREGISTER = """
+UNREGISTER = LuaScript(
+    """
 if redis.call("HEXISTS", KEYS[1], ARGV[1]) == 0 then
   return 0
 end
@@ -197,6 +207,7 @@ if redis.call("HLEN", KEYS[1]) == 0 then
 end
 return 1
 """
+)
 
 # Remove nodes dead for longer than the retention, and each role with its last node.
 # KEYS[1] node_beats  KEYS[2] roles
@@ -205,7 +216,8 @@ return 1
 # ARGV[6] role_identities prefix  ARGV[7] role_rank_hint prefix
 # Returns how many node_beats entries were processed (== ARGV[2]: call again). A node that beats again in
 # time (its heartbeat key exists) is kept; its next beat puts it back into node_beats.
-SWEEP_DEAD_NODES = """
+SWEEP_DEAD_NODES = LuaScript(
+    """
 local stale = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", ARGV[1], "LIMIT", 0, tonumber(ARGV[2]))
 for _, member in ipairs(stale) do
   redis.call("ZREM", KEYS[1], member)
@@ -230,12 +242,14 @@ for _, member in ipairs(stale) do
 end
 return #stale
 """
+)
 
 # Drop roles without any node record from the role order, a bounded slice per call (roles left behind by
 # data written before roles went with their last node, or by hand).
 # KEYS[1] roles  ARGV[1] first position of the slice  ARGV[2] slice length  ARGV[3] role_nodes prefix
 # Returns {position to continue from (0: wrapped around), roles removed}.
-PRUNE_EMPTY_ROLES = """
+PRUNE_EMPTY_ROLES = LuaScript(
+    """
 local start = tonumber(ARGV[1])
 local roles = redis.call("ZRANGE", KEYS[1], start, start + tonumber(ARGV[2]) - 1)
 local removed = 0
@@ -251,13 +265,15 @@ if #roles < tonumber(ARGV[2]) then
 end
 return {nxt, removed}
 """
+)
 
 # A consistent snapshot of several roles.
 # KEYS[i]  role_nodes(role_i)
 # ARGV[i]  heartbeat key prefix of role_i
 # Returns, per role, a flat list {rank, RoleInfo JSON, heartbeat PTTL, ...}; PTTL -2 = dead (no key).
 # A key that is not a hash (corrupt) gives {"!" .. its type} instead, so one bad key does not fail the read.
-SNAPSHOT = """
+SNAPSHOT = LuaScript(
+    """
 local out = {}
 for i = 1, #KEYS do
   local kind = redis.call("TYPE", KEYS[i])["ok"]
@@ -279,6 +295,7 @@ for i = 1, #KEYS do
 end
 return out
 """
+)
 
 # Append one weight-meta entry at most once per append id, trim the log to its bound, wake long-polls.
 # KEYS[1] weight_meta()  L of entries
@@ -288,7 +305,8 @@ return out
 # ARGV[4] most entries kept (0: all)
 # Returns the entry's absolute index + 1; a repeat of the same append id (redis-py retries a command whose
 # reply was lost to a timeout or reset) returns the first answer and adds nothing.
-APPEND_WEIGHT_META = """
+APPEND_WEIGHT_META = LuaScript(
+    """
 local done = redis.call("GET", KEYS[2])
 if done then
   return tonumber(done)
@@ -305,6 +323,7 @@ redis.call("SET", KEYS[2], base + length, "PX", ARGV[3])
 redis.call("PUBLISH", ARGV[2], "append")
 return base + length
 """
+)
 
 # Read a bounded slice of the weight-meta log from an absolute index.
 # KEYS[1] weight_meta()  KEYS[2] weight_meta_base()
@@ -312,7 +331,8 @@ return base + length
 # (the first entry is always returned, so a reader always progresses)
 # Returns {base, length of the list, entries from max(index, base)}; the log's absolute end is base + length.
 # Entries are fetched in small chunks, so one call never copies more than the caps (plus one chunk).
-READ_WEIGHT_META = """
+READ_WEIGHT_META = LuaScript(
+    """
 local base = tonumber(redis.call("GET", KEYS[2]) or "0")
 local length = redis.call("LLEN", KEYS[1])
 local start = tonumber(ARGV[1]) - base
@@ -336,10 +356,12 @@ while start < length and #out < limit do
 end
 return {base, length, out}
 """
+)
 
 # Empty the weight-meta log, keeping indices absolute: the base moves past the dropped entries.
 # KEYS[1] weight_meta()  KEYS[2] weight_meta_base()   Returns how many entries were dropped.
-CLEAR_WEIGHT_META = """
+CLEAR_WEIGHT_META = LuaScript(
+    """
 local n = redis.call("LLEN", KEYS[1])
 if n > 0 then
   redis.call("DEL", KEYS[1])
@@ -347,3 +369,4 @@ if n > 0 then
 end
 return n
 """
+)

@@ -129,20 +129,13 @@ class TopologyManager:
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
-        self._register = redis.register_script(scripts.REGISTER)
-        self._heartbeat = redis.register_script(scripts.HEARTBEAT)
-        self._heartbeat_many = redis.register_script(scripts.HEARTBEAT_MANY)
-        self._unregister = redis.register_script(scripts.UNREGISTER)
-        self._snapshot = redis.register_script(scripts.SNAPSHOT)
-        self._sweep = redis.register_script(scripts.SWEEP_DEAD_NODES)
-        self._prune_roles = redis.register_script(scripts.PRUNE_EMPTY_ROLES)
         self._prune_from = 0  # where the next role prune continues (a hint: any value is correct)
 
     # --- writes ---------------------------------------------------------------------------------
     async def register(self, info: RoleInfo) -> Registration:
         """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
         keys, argv, identity = self._register_call(info)
-        rank, kind = await self._register(keys=keys, args=argv)
+        rank, kind = await scripts.REGISTER.run_async(self.redis, keys, argv)
         return Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
 
     async def register_many(self, infos: list[RoleInfo]) -> list[Registration]:
@@ -150,7 +143,7 @@ class TopologyManager:
         calls = [self._register_call(info) for info in infos]
         async with self.redis.pipeline(transaction=False) as pipe:
             for keys, argv, _ in calls:
-                await self._register(keys=keys, args=argv, client=pipe)
+                await scripts.REGISTER.run_async(pipe, keys, argv)
             answers = await pipe.execute()
         return [
             Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
@@ -189,7 +182,9 @@ class TopologyManager:
         """
         now = time.time()
         keys, member = self._heartbeat_keys(role, rank)
-        found = int(await self._heartbeat(keys=keys, args=[str(rank), self._ttl_arg, repr(now), identity, member]))
+        found = int(
+            await scripts.HEARTBEAT.run_async(self.redis, keys, [str(rank), self._ttl_arg, repr(now), identity, member])
+        )
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} was presumed dead", 409)
         return now if found else None
@@ -207,7 +202,7 @@ class TopologyManager:
         ]
         for role, rank, identity in beats:
             argv += (role, str(rank), identity)
-        codes = await self._heartbeat_many(keys=[self.keys.node_beats()], args=argv)
+        codes = await scripts.HEARTBEAT_MANY.run_async(self.redis, [self.keys.node_beats()], argv)
         return now, [int(c) for c in codes]
 
     def _heartbeat_keys(self, role: str, rank: int) -> tuple[list[str], str]:
@@ -241,7 +236,7 @@ class TopologyManager:
             self.keys.role_identities(role),
             self.keys.role_rank_hint(role),
         ]
-        found = int(await self._unregister(keys=keys, args=[str(rank), identity, role]))
+        found = int(await scripts.UNREGISTER.run_async(self.redis, keys, [str(rank), identity, role]))
         if found < 0:
             raise RankConflict(f"{role}_{rank} is now held by another node; {identity} may not remove it", 409)
         return bool(found)
@@ -260,7 +255,9 @@ class TopologyManager:
         ]
         total = 0
         while True:
-            done = int(await self._sweep(keys=keys, args=[repr(cutoff), _SWEEP_BATCH, *prefixes]))
+            done = int(
+                await scripts.SWEEP_DEAD_NODES.run_async(self.redis, keys, [repr(cutoff), _SWEEP_BATCH, *prefixes])
+            )
             total += done
             if done < _SWEEP_BATCH:
                 break
@@ -270,7 +267,7 @@ class TopologyManager:
     async def prune_empty_roles(self) -> int:
         """Drop up to one batch of roles that have no node record from the role order; returns how many."""
         args: list[str | int] = [self._prune_from, _SWEEP_BATCH, self.keys.role_nodes_prefix()]
-        nxt, removed = await self._prune_roles(keys=[self.keys.roles()], args=args)
+        nxt, removed = await scripts.PRUNE_EMPTY_ROLES.run_async(self.redis, [self.keys.roles()], args)
         self._prune_from = int(nxt)
         return int(removed)
 
@@ -286,7 +283,7 @@ class TopologyManager:
             return TopologySnapshot(roles=order)
         keys = [self.keys.role_nodes(r) for r in wanted]
         argv = [self.keys.heartbeat_role_prefix(r) for r in wanted]
-        raw = await self._snapshot(keys=keys, args=argv)
+        raw = await scripts.SNAPSHOT.run_async(self.redis, keys, argv)
         snap = TopologySnapshot(roles=order)
         for role, key, flat in zip(wanted, keys, raw, strict=True):
             if len(flat) % 3:  # {"!<type>"}: the key is not a hash

@@ -225,9 +225,6 @@ class WeightMetaStore:
         self.notifier = notifier
         self.max_entries = max_entries
         self.limits = limits or ReadLimits()
-        self._append = redis.register_script(scripts.APPEND_WEIGHT_META)
-        self._read = redis.register_script(scripts.READ_WEIGHT_META)
-        self._clear = redis.register_script(scripts.CLEAR_WEIGHT_META)
         self.shared = SharedReads(self._fetch)
 
     async def append(self, meta: WeightMeta | str, append_id: str | None = None) -> int:
@@ -244,14 +241,16 @@ class WeightMetaStore:
             APPEND_MARKER_TTL_MS,
             self.max_entries,
         ]
-        return int(await self._append(keys=keys, args=args))
+        return int(await scripts.APPEND_WEIGHT_META.run_async(self.redis, keys, args))
 
     def _count(self, limit: int | None) -> int:
         return self.limits.max_entries if limit is None else min(limit, self.limits.max_entries)
 
     async def _fetch(self, index: int, count: int) -> Answer:
         keys = [self.keys.weight_meta(), self.keys.weight_meta_base()]
-        base, length, raw = await self._read(keys=keys, args=[index, count, self.limits.max_bytes])
+        base, length, raw = await scripts.READ_WEIGHT_META.run_async(
+            self.redis, keys, [index, count, self.limits.max_bytes]
+        )
         first = max(index, int(base))
         entries = [WeightMeta.model_validate_json(item) for item in raw]
         end = int(base) + int(length)
@@ -285,7 +284,11 @@ class WeightMetaStore:
 
     async def clear(self) -> int:
         """Empty the log (indices keep counting); returns how many entries it held."""
-        return int(await self._clear(keys=[self.keys.weight_meta(), self.keys.weight_meta_base()]))
+        return int(
+            await scripts.CLEAR_WEIGHT_META.run_async(
+                self.redis, [self.keys.weight_meta(), self.keys.weight_meta_base()]
+            )
+        )
 
     async def length(self) -> int:
         return int(await self.redis.llen(self.keys.weight_meta()))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import torch
 
 from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess, child_env
+from tests.helpers.waiting import wait_until as wait_until  # re-exported for the checkpoint tests
 
 
 def training_state(seed: int = 0, width: int = 64) -> dict[str, Any]:
@@ -76,14 +75,6 @@ def ckpt_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConfig:
 
 def start_worker(config: DCSConfig, tmp_path: Path, name: str = "worker", concurrency: int = 2) -> WorkerProcess:
     return WorkerProcess(config, tmp_path / f"{name}.log", concurrency=concurrency).start()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def dcs_ckpt(config: DCSConfig, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -42,7 +42,7 @@ from dcs_tasks.checkpoint.format import (
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
 from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into, staging_prefix
+from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into, staging_prefix
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
@@ -97,12 +97,14 @@ class Checkpointer:
             prefix=staging_prefix(self.config.namespace, self._shard_run),
         )
         self._copier = HostCopier(copy_threads)
+        self._device = cuda.DeviceStager()  # one side stream per device, reused by every save
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # tensor -> (version, data_ptr) at the last save
         self._moving: set[str] = set()
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
+        self._closed: tuple[int, ...] | None = None  # close()'s answer, once closed
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
             self._gauges.memory(self._pool.mapped_bytes())
@@ -137,8 +139,8 @@ class Checkpointer:
             raise CheckpointError("a state holding DTensors records its own placements; save it without sharding=")
         dims = sharded.check_sharding(sharding or {}, flat.tensors)
         layout = self._layout(flat)
-        buf = self._acquire(layout.nbytes, timeout)
-        if buf is None:
+        lease = self._acquire(layout.nbytes, timeout)
+        if lease is None:
             return PendingCheckpoint(
                 self.run,
                 step,
@@ -147,14 +149,11 @@ class Checkpointer:
                 stall_seconds=time.perf_counter() - started,
                 skipped=True,
             )
-        try:
-            self._stage(buf, layout, flat)
-            chunks = self._chunk_sums(buf, layout) if flat.dtensors else None
+        with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
+            self._stage(lease.buffer, layout, flat)
+            chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
             ref = self._begin(step, layout, flat, metadata or {}, dims, chunks)
-        except BaseException:
-            self._pool.release(buf)
-            raise
-        dispatch = self._dispatcher.submit(self._send, ref, buf, layout)  # off the trainer's critical path
+            dispatch = self._dispatcher.submit(self._send, ref, lease, layout)  # off the trainer's critical path
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -162,7 +161,7 @@ class Checkpointer:
             ledger=self._ledger,
             step_dir=self._step_dir(step),
             stall_seconds=stall,
-            on_finished=lambda: self._pool.release(buf),
+            lease=lease,
             dispatch=dispatch,
         )
         self._pending.append(pending)
@@ -172,6 +171,11 @@ class Checkpointer:
         if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
             pending.wait(timeout=self.config.visibility_timeout_seconds)
         return pending
+
+    @property
+    def staging_buffers(self) -> list[StagingBuffer]:
+        """This checkpointer's staging buffers, for inspection (path, capacity, `pinned`); do not write them."""
+        return self._pool.buffers
 
     def reserve(self, state: Any) -> None:
         """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop)."""
@@ -222,15 +226,15 @@ class Checkpointer:
         self._seen = seen
         return frozenset(self._moving & seen.keys())
 
-    def _acquire(self, nbytes: int, timeout: float | None) -> StagingBuffer | None:
+    def _acquire(self, nbytes: int, timeout: float | None) -> BufferLease | None:
         limit = self.config.task_time_limit_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         delay = 0.001
         while True:
             self._reap()
-            buf = self._pool.try_acquire(nbytes)
-            if buf is not None or self.config.staging_policy is StagingPolicy.SKIP:
-                return buf
+            lease = self._pool.lease(nbytes)
+            if lease is not None or self.config.staging_policy is StagingPolicy.SKIP:
+                return lease
             if time.monotonic() >= deadline:
                 raise StagingError(
                     f"all {self.config.staging_buffers} staging buffers are still being persisted after {limit}s"
@@ -255,7 +259,7 @@ class Checkpointer:
     def _stage(self, buf: StagingBuffer, layout: Layout, flat: FlatState) -> None:
         buf.write_headers(layout)
         if torch.cuda.is_available() and cuda.has_cuda_tensors(flat.tensors):
-            cuda.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
+            self._device.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
         else:
             copy_into(buf, layout, flat.tensors, copier=self._copier)
 
@@ -298,9 +302,10 @@ class Checkpointer:
             )
         return ref
 
-    def _send(self, ref: StepRef, buf: StagingBuffer, layout: Layout) -> None:
+    def _send(self, ref: StepRef, lease: BufferLease, layout: Layout) -> None:
         """Enqueue one persist task per file (dispatcher thread). On failure the pending save fails with the
-        reason; the buffer is released only when no task went out (a sent task may still read it)."""
+        reason; the lease ends here only when no task went out (a sent task may still read the buffer; the
+        pending save ends it once the step is FAILED)."""
         queue = node_queue(self.config.host_name)
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
         sent = 0
@@ -309,7 +314,7 @@ class Checkpointer:
                 request = PersistRequest(
                     ref=ref,
                     file_name=f.name,
-                    staging_path=str(buf.path),
+                    staging_path=str(lease.buffer.path),
                     offset=f.offset,
                     length=f.size,
                     retention=retention,
@@ -322,7 +327,7 @@ class Checkpointer:
             with contextlib.suppress(redis.RedisError):  # else a later save of this step waits for the takeover
                 self._ledger.abandon(ref.run, ref.step, ref.token, reason)
             if sent == 0:
-                self._pool.release(buf)
+                lease.release()
             raise CheckpointFailed(reason) from exc
 
     def _step_dir(self, step: int) -> Path:
@@ -465,7 +470,9 @@ class Checkpointer:
         back after a worker crash), then free the buffers. So a `restore()` or `list()` after `close()` sees
         every save that committed. Returns the steps not final by then; the staging files of those still
         being persisted are left in place for the workers (deleting them would lose the save), and an error
-        names them."""
+        names them. Closing again returns the same steps at once."""
+        if self._closed is not None:
+            return self._closed
         limit = self.config.visibility_timeout_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         while (self._pool.in_flight() or self._unfinished()) and time.monotonic() < deadline:
@@ -487,6 +494,7 @@ class Checkpointer:
         self._gauges.pending(0)
         self._copier.close()
         self._redis.close()
+        self._closed = unfinished
         return unfinished
 
     def __enter__(self) -> Checkpointer:

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from dcs_tasks.checkpoint import ledger_scripts as lua
 from dcs_tasks.checkpoint.format import FileEntry, ManifestDraft
 from dcs_tasks.keys import Keys
 
@@ -51,91 +52,6 @@ class Verdict(str, enum.Enum):
     STALE = "stale"  # the task belongs to another save attempt (or the state expired)
     BUSY = "busy"  # begin(): the step is still in flight
     COMMITTED = "committed"  # begin(): the step is already committed
-
-
-# ARGV: token, nfiles, draft, started (trainer clock), step, abandoned_before: a PERSISTING step begun before
-# that time is taken over (its trainer died before sending its tasks, or they can no longer be running)
-_BEGIN = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'committed' then return 'committed' end
-if st == 'committing' then return 'busy' end
-if st == 'persisting' and tonumber(redis.call('HGET', KEYS[1], 'started') or '0') >= tonumber(ARGV[6]) then
-  return 'busy'
-end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'status', 'persisting', 'token', ARGV[1], 'nfiles', ARGV[2], 'finished', 0,
-           'ok', 0, 'draft', ARGV[3], 'started', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
-return 'write'
-"""
-
-# ARGV: token, reason, step, ttl.  PERSISTING -> FAILED for a save whose persist tasks could not all be sent.
-_ABANDON = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
-if redis.call('HGET', KEYS[1], 'status') ~= 'persisting' then return 'closed' end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'reason', ARGV[2])
-redis.call('ZREM', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 'ok'
-"""
-
-_CLAIM_FILE = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
-if redis.call('HEXISTS', KEYS[1], 'done:' .. ARGV[2]) == 1 then return 'done' end
-if redis.call('HGET', KEYS[1], 'status') ~= 'persisting' then return 'closed' end
-local owner = redis.call('HGET', KEYS[1], 'claim:' .. ARGV[2])
-if owner and owner ~= ARGV[3] then return 'claimed' end
-redis.call('HSET', KEYS[1], 'claim:' .. ARGV[2], ARGV[3])
-return 'write'
-"""
-
-# ARGV: token, file, outcome, value (FileEntry JSON or reason), step, ttl
-_FINISH_FILE = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'stale', 0, 0, ''} end
-local nfiles = tonumber(redis.call('HGET', KEYS[1], 'nfiles'))
-if redis.call('HSETNX', KEYS[1], 'done:' .. ARGV[2], ARGV[3]) == 0 then
-  return {'done', tonumber(redis.call('HGET', KEYS[1], 'finished')), nfiles, redis.call('HGET', KEYS[1], 'status')}
-end
-local finished = redis.call('HINCRBY', KEYS[1], 'finished', 1)
-local st = redis.call('HGET', KEYS[1], 'status')
-local verdict = 'ok'
-if ARGV[3] == 'ok' then
-  redis.call('HSET', KEYS[1], 'file:' .. ARGV[2], ARGV[4])
-  local ok = redis.call('HINCRBY', KEYS[1], 'ok', 1)
-  if st == 'persisting' and ok == nfiles then
-    redis.call('HSET', KEYS[1], 'status', 'committing')
-    st = 'committing'
-    verdict = 'commit'
-  end
-elseif ARGV[3] == 'failed' and st == 'persisting' then
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'reason', ARGV[4])
-  redis.call('ZREM', KEYS[2], ARGV[5])
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
-  st = 'failed'
-end
-return {verdict, finished, nfiles, st}
-"""
-
-_CLAIM_COMMIT = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'committed' then return 'done' end
-if st ~= 'committing' then return 'closed' end
-local owner = redis.call('HGET', KEYS[1], 'commit_owner')
-if owner and owner ~= ARGV[2] then return 'claimed' end
-redis.call('HSET', KEYS[1], 'commit_owner', ARGV[2])
-return 'write'
-"""
-
-# ARGV: token, new status (committed|failed), reason, step, ttl
-_FINISH_COMMIT = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
-if redis.call('HGET', KEYS[1], 'status') ~= 'committing' then return 'closed' end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'reason', ARGV[3])
-redis.call('ZREM', KEYS[2], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return 'ok'
-"""
 
 
 @dataclass(frozen=True)
@@ -174,12 +90,6 @@ class StepLedger:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self._client = client
         self._keys = keys
-        self._begin = client.register_script(_BEGIN)
-        self._claim_file = client.register_script(_CLAIM_FILE)
-        self._finish_file = client.register_script(_FINISH_FILE)
-        self._claim_commit = client.register_script(_CLAIM_COMMIT)
-        self._finish_commit = client.register_script(_FINISH_COMMIT)
-        self._abandon = client.register_script(_ABANDON)
 
     def _k(self, run: str, step: int) -> list[str]:
         return [self._keys.ckpt_state(run, step), self._keys.ckpt_inflight(run)]
@@ -191,27 +101,27 @@ class StepLedger:
         `abandoned_after` seconds after it began: then it is taken over (its tasks see a stale token)."""
         before = f"{draft.created_at - abandoned_after:.6f}"
         args: list[str | int] = [token, nfiles, draft.model_dump_json(), f"{draft.created_at:.6f}", step, before]
-        return Verdict(_s(self._begin(keys=self._k(run, step), args=args)))
+        return Verdict(_s(lua.BEGIN(self._client, self._k(run, step), args)))
 
     def abandon(self, run: str, step: int, token: str, reason: str) -> Verdict:
         """Fail a PERSISTING attempt whose tasks were not all sent (so `finish_file` would never close it)."""
         args: list[str | int] = [token, reason, step, STATE_TTL_SECONDS]
-        return Verdict(_s(self._abandon(keys=self._k(run, step), args=args)))
+        return Verdict(_s(lua.ABANDON(self._client, self._k(run, step), args)))
 
     def claim_file(self, run: str, step: int, token: str, name: str, task_id: str) -> Verdict:
-        return Verdict(_s(self._claim_file(keys=self._k(run, step), args=[token, name, task_id])))
+        return Verdict(_s(lua.CLAIM_FILE(self._client, self._k(run, step), [token, name, task_id])))
 
     def finish_file(self, run: str, step: int, token: str, name: str, outcome: FileOutcome, value: str) -> FileFinish:
         args: list[str | int] = [token, name, outcome.value, value, step, STATE_TTL_SECONDS]
-        verdict, finished, nfiles, status = self._finish_file(keys=self._k(run, step), args=args)
+        verdict, finished, nfiles, status = lua.FINISH_FILE(self._client, self._k(run, step), args)
         return FileFinish(Verdict(_s(verdict)), int(finished), int(nfiles), _status(_s(status)))
 
     def claim_commit(self, run: str, step: int, token: str, task_id: str) -> Verdict:
-        return Verdict(_s(self._claim_commit(keys=self._k(run, step), args=[token, task_id])))
+        return Verdict(_s(lua.CLAIM_COMMIT(self._client, self._k(run, step), [token, task_id])))
 
     def finish_commit(self, run: str, step: int, token: str, status: StepStatus, reason: str = "") -> Verdict:
         args: list[str | int] = [token, status.value, reason, step, STATE_TTL_SECONDS]
-        return Verdict(_s(self._finish_commit(keys=self._k(run, step), args=args)))
+        return Verdict(_s(lua.FINISH_COMMIT(self._client, self._k(run, step), args)))
 
     def read(self, run: str, step: int) -> StepState:
         raw: dict[Any, Any] = self._client.hgetall(self._keys.ckpt_state(run, step))

@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ import redis
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.reader import load_manifest
+from dcs_tasks.checkpoint.staging import BufferLease
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
 
@@ -70,8 +70,9 @@ class RestoredCheckpoint:
 class PendingCheckpoint:
     """A save in flight. `stall_seconds` is what the trainer paid; `wait()` blocks until commit.
 
-    Polls the step's Redis ledger. `on_finished` is called once, when every persist task of the save has
-    reached a final outcome (the staging buffer may then be reused).
+    Polls the step's Redis ledger. Holds the save's staging-buffer `lease` and ends it once every persist task
+    of the save has reached a final outcome (the buffer may then be reused); a lease ends only once, whoever
+    ends it (this handle, the dispatcher when no task went out, or the checkpointer's close).
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class PendingCheckpoint:
         step_dir: Path,
         stall_seconds: float,
         skipped: bool = False,
-        on_finished: Callable[[], None] | None = None,
+        lease: BufferLease | None = None,
         dispatch: Future[None] | None = None,
     ) -> None:
         self.run = run
@@ -92,7 +93,7 @@ class PendingCheckpoint:
         self.stall_seconds = stall_seconds
         self.skipped = skipped
         self._ledger = ledger
-        self._on_finished = on_finished
+        self._lease = lease
         self._dispatch = dispatch
         self._status: StepStatus | None = None
         self._reason = ""
@@ -105,22 +106,21 @@ class PendingCheckpoint:
     @property
     def released(self) -> bool:
         """True once every persist task finished, so the staging buffer was handed back."""
-        return self._on_finished is None
+        return self._lease is None or self._lease.released
 
     def poll(self) -> StepStatus | None:
         """Refresh from Redis (one round trip); returns the step status. Releases the buffer when allowed."""
         if self._ledger is None:
             return self._status
-        if self._status in (StepStatus.COMMITTED, StepStatus.FAILED) and self._on_finished is None:
+        if self._status in FINAL and self.released:
             return self._status
         status, finished, nfiles, reason = self._ledger.progress(self.run, self.step)
         all_finished = bool(nfiles) and finished >= nfiles
         # tasks never sent never finish: once such a save is FAILED the sent ones stop at their claim (one
         # already writing may still read the buffer, into a file of this failed step that never commits)
         unsent = status is StepStatus.FAILED and self._dispatch_error() is not None
-        if self._on_finished is not None and (all_finished or unsent):
-            callback, self._on_finished = self._on_finished, None
-            callback()
+        if self._lease is not None and (all_finished or unsent):
+            self._lease.release()  # a no-op when it already ended
         self._status, self._reason = status, reason
         if status in FINAL:
             IN_FLIGHT.discard(self)
@@ -147,7 +147,7 @@ class PendingCheckpoint:
             if error is not None:
                 raise CheckpointFailed(str(error)) from error
             status = self._poll_quietly()
-            if status is StepStatus.COMMITTED and self._on_finished is None:
+            if status is StepStatus.COMMITTED and self.released:
                 return self._info()
             if status is StepStatus.FAILED:
                 raise CheckpointFailed(f"checkpoint step {self.step} of run {self.run!r} failed: {self._reason}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,22 +121,31 @@ def _destination(name: str, entry: TensorEntry, into: dict[str, torch.Tensor] | 
     return torch.empty(entry.shape, dtype=CODE_DTYPES[entry.dtype])
 
 
-def check_targets(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
+TensorShapes = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+"""Tensor name -> (dtype, shape): what a checkpoint (or its resharded part) holds."""
+
+
+def manifest_shapes(manifest: Manifest) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of every tensor `manifest` lists."""
+    return {name: (CODE_DTYPES[e.dtype], tuple(e.shape)) for name, e in manifest.tensors.items()}
+
+
+def check_targets(have: Manifest | TensorShapes, targets: Mapping[str, torch.Tensor], note: str = "") -> None:
     """`into=` must hold exactly the checkpoint's tensors with the same shapes and dtypes (StateMismatch
-    names the first tensor that differs), checked before anything is read."""
-    missing = [name for name in targets if name not in manifest.tensors]
+    names the first tensor that differs), checked before anything is read or written. `have`: a manifest,
+    or the (dtype, shape) of each tensor (a resharded restore's; `note` says so in the message)."""
+    shapes = manifest_shapes(have) if isinstance(have, Manifest) else have
+    missing = [name for name in targets if name not in shapes]
     if missing:
         raise StateMismatch(f"checkpoint has no tensor {missing[0]!r} that the target state holds")
-    extra = [name for name in manifest.tensors if name not in targets]
+    extra = [name for name in shapes if name not in targets]
     if extra:
         raise StateMismatch(f"checkpoint tensor {extra[0]!r} has no counterpart in the target state")
     for name, dst in targets.items():
-        entry = manifest.tensors[name]
-        dtype = CODE_DTYPES[entry.dtype]
-        if tuple(dst.shape) != tuple(entry.shape) or dst.dtype != dtype:
+        dtype, shape = shapes[name]
+        if tuple(dst.shape) != shape or dst.dtype != dtype:
             raise StateMismatch(
-                f"tensor {name!r}: checkpoint has {dtype} {tuple(entry.shape)}, "
-                f"target has {dst.dtype} {tuple(dst.shape)}"
+                f"tensor {name!r}: checkpoint has {dtype} {shape}{note}, target has {dst.dtype} {tuple(dst.shape)}"
             )
 
 

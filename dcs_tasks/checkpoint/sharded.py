@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from dcs_tasks.checkpoint.format import Manifest
-from dcs_tasks.checkpoint.reader import load_manifest, step_dirs
-from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from dcs_tasks.checkpoint.reader import check_targets, load_manifest, step_dirs
+from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
 
 RANK_DIR = re.compile(r"^rank-(\d{5})$")
 
@@ -216,19 +216,9 @@ def assemble(
 
 def fill(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copy the restored `tensors` into the caller's `targets` (restore(into=)), after checking that both hold
-    the same names, shapes and dtypes (StateMismatch names the first difference; nothing is written then)."""
-    for name, target in targets.items():
-        source = tensors.get(name)
-        if source is None:
-            raise StateMismatch(f"checkpoint has no tensor {name!r} that the target state holds")
-        if tuple(source.shape) != tuple(target.shape) or source.dtype != target.dtype:
-            raise StateMismatch(
-                f"tensor {name!r}: checkpoint resharded to {source.dtype} {tuple(source.shape)} for this rank, "
-                f"target has {target.dtype} {tuple(target.shape)}"
-            )
-    extra = [name for name in tensors if name not in targets]
-    if extra:
-        raise StateMismatch(f"checkpoint tensor {extra[0]!r} has no counterpart in the target state")
+    the same names, shapes and dtypes (`reader.check_targets`; nothing is written on a mismatch)."""
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    check_targets(shapes, targets, note=" (resharded for this rank)")
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name])

@@ -5,9 +5,12 @@ file; the worker maps the same file and streams regions to disk. Buffers are cre
 (fallocate + populate) ahead of use and kept across saves, so the trainer's stall is one copy into
 resident memory (DESIGN invariant 8). A buffer grows only when a bigger layout arrives.
 
-Ownership: `acquire()` hands a FREE buffer to one save; the buffer stays IN_FLIGHT until the caller
-`release()`s it, which the checkpointer does once every persist task of that save has finished
-(success or failure). The pool never frees a buffer a worker may still read.
+Ownership: `StagingPool.lease()` hands a FREE buffer to one save as a `BufferLease`; the buffer stays
+IN_FLIGHT until that lease ends, exactly once, whichever comes first: every persist task of the save has
+finished (success or failure), the save failed before any task went out, an exception inside `with lease:`,
+or the pool closing. A lease that ended cannot hand back a buffer a later save holds, and the pool never
+frees a buffer a worker may still read. A buffer's CUDA pinning (`pinning`) is undone before its mapping
+goes away (grown, closed).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import Layout
+from dcs_tasks.checkpoint.pinning import HostPinner, Pin
 from dcs_tasks.errors import StagingError
 from dcs_tasks.process import pid_alive
 
@@ -48,6 +52,19 @@ class StagingBuffer:
     layout_signature: str | None = None
     _map: mmap.mmap | None = None
     view: torch.Tensor | None = None
+    _pin: Pin | None = None  # the CUDA page-locking of the current mapping, if tried
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the current mapping is registered with CUDA as page-locked memory."""
+        return self._pin is not None and self._pin.pinned
+
+    def pin(self, pinner: HostPinner) -> bool:
+        """Page-lock the current mapping (once per mapping; a refusal is logged and not retried)."""
+        assert self.view is not None
+        if self._pin is None:
+            self._pin = Pin(self.view.data_ptr(), self.view.numel())
+        return self._pin.register(pinner)
 
     def ensure(self, nbytes: int) -> None:
         """Make the buffer at least `nbytes` long, resident and mapped (no-op when it already is)."""
@@ -57,8 +74,8 @@ class StagingBuffer:
         self._unmap()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, size)
             try:
+                os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise StagingError(f"cannot reserve {size} bytes of staging memory in {self.path}: {exc}") from exc
@@ -86,6 +103,9 @@ class StagingBuffer:
             self.path.unlink()
 
     def _unmap(self) -> None:
+        if self._pin is not None:  # unpin while the memory is still mapped
+            self._pin.unregister()
+            self._pin = None
         self.view = None
         if self._map is not None:
             with contextlib.suppress(BufferError):
@@ -136,6 +156,7 @@ class StagingPool:
         self._buffers = [StagingBuffer(directory / f"{prefix}-{os.getpid()}-{token}-{i}.stage") for i in range(count)]
         self._lock = threading.Lock()
         self._closed = False
+        self._leases: dict[int, BufferLease] = {}  # id -> lease, while it holds its buffer
 
     @property
     def buffers(self) -> list[StagingBuffer]:
@@ -148,8 +169,8 @@ class StagingPool:
                 if buf.state is BufferState.FREE:
                     buf.ensure(nbytes)
 
-    def try_acquire(self, nbytes: int) -> StagingBuffer | None:
-        """A free buffer of at least `nbytes` marked IN_FLIGHT, or None when every buffer is in flight."""
+    def lease(self, nbytes: int) -> BufferLease | None:
+        """A free buffer of at least `nbytes`, held by the returned lease; None when every buffer is in flight."""
         with self._lock:
             if self._closed:
                 raise StagingError("the staging pool is closed")
@@ -158,16 +179,19 @@ class StagingPool:
                 return None
             buf = max(free, key=lambda b: (b.capacity >= nbytes, b.capacity))
             buf.state = BufferState.IN_FLIGHT
-        try:
+            lease = BufferLease(self, buf)
+            self._leases[id(lease)] = lease
+        with lease:  # a buffer that cannot grow goes straight back
             buf.ensure(nbytes)
-        except BaseException:
-            self.release(buf)
-            raise
-        return buf
+        return lease
 
-    def release(self, buf: StagingBuffer) -> None:
+    def _end(self, lease: BufferLease) -> bool:
+        """End `lease` (True) unless it already ended (False); its buffer is FREE again."""
         with self._lock:
-            buf.state = BufferState.FREE
+            if self._leases.pop(id(lease), None) is None:
+                return False
+            lease.buffer.state = BufferState.FREE
+            return True
 
     def mapped_bytes(self) -> int:
         """Bytes of staging memory this pool holds (the capacity of every buffer)."""
@@ -179,15 +203,49 @@ class StagingPool:
             return sum(b.state is BufferState.IN_FLIGHT for b in self._buffers)
 
     def close(self, keep_in_flight: bool = False) -> None:
-        """Unmap every buffer and delete its file; with `keep_in_flight`, the files of buffers still in flight
-        stay (a worker has yet to read them; a later trainer of the run removes them once this one is dead)."""
+        """End every lease, unmap every buffer and delete its file; with `keep_in_flight`, the files of buffers
+        still leased stay (a worker has yet to read them; a later trainer of the run removes them once this
+        one is dead). A lease's own `release()` after this is a no-op."""
         with self._lock:
             self._closed = True
+            leased = {id(lease.buffer) for lease in self._leases.values()}
+            self._leases.clear()
             for buf in self._buffers:
-                if keep_in_flight and buf.state is BufferState.IN_FLIGHT:
+                if keep_in_flight and id(buf) in leased:
                     buf._unmap()
                 else:
                     buf.close()
+                buf.state = BufferState.FREE
+
+
+class BufferLease:
+    """One save's hold on a staging buffer, from `StagingPool.lease()` until it ends (`release()`).
+
+    It ends exactly once: later `release()` calls, from any thread, do nothing, so a save that already gave
+    its buffer back can never free it under the save that holds it now. `with lease:` ends it when the block
+    raises (the save never got as far as handing the buffer to its persist tasks) and keeps it otherwise.
+    """
+
+    def __init__(self, pool: StagingPool, buffer: StagingBuffer) -> None:
+        self._pool = pool
+        self.buffer = buffer
+
+    @property
+    def released(self) -> bool:
+        """True once the lease ended (its buffer handed back, or the pool closed)."""
+        with self._pool._lock:
+            return id(self) not in self._pool._leases
+
+    def release(self) -> bool:
+        """Hand the buffer back; True the first time, False when the lease had already ended."""
+        return self._pool._end(self)
+
+    def __enter__(self) -> BufferLease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None:
+            self.release()
 
 
 def _raw_bytes_are_values(src: torch.Tensor) -> bool:

@@ -223,12 +223,13 @@ class ActorFwdReceiver:
                 )
                 received += 1
         self.receiver.commit(version)
-        self._apply()
+        self.apply_weights()
         return version
 
-    def _apply(self) -> None:
-        """Copy the committed weights into `model`. The names must match the model's state dict exactly: a
-        silent partial load (strict=False) would leave the model on old weights with no error."""
+    def apply_weights(self) -> None:
+        """Copy the receiver's committed weights into `model` (`recv_weight` does it after each commit). The
+        names must match the model's state dict exactly: a silent partial load (strict=False) would leave the
+        model on old weights with no error."""
         if self.model is None:
             return
         with torch.no_grad():

@@ -14,11 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs, verify_step
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
+from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.redis_server import RedisServer
@@ -97,11 +100,14 @@ def test_redis_restart_mid_save_then_new_saves_complete(
 
 
 def _presence(ckpt: Checkpointer) -> bool:
+    """Whether a live worker announces itself on this host's node queue (what `save()` checks first)."""
+    client = redis.Redis.from_url(ckpt.config.redis_url)
     try:
-        ckpt._require_worker()
-    except Exception:
+        return bool(client.exists(Keys(ckpt.config.namespace).worker_presence(node_queue(ckpt.config.host_name))))
+    except redis.RedisError:
         return False
-    return True
+    finally:
+        client.close()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ class InProcessCoordinator:
     app: FastAPI
     api: CoordinatorAPI  # typed client, token from the config
     http: httpx.AsyncClient  # raw client without any token, for malformed requests
+    authed: httpx.AsyncClient  # raw client with the config's token: malformed requests past the auth check
 
 
 @asynccontextmanager
@@ -30,8 +31,15 @@ async def in_process_coordinator(
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         api = CoordinatorAPI("http://coordinator", config.token(), timeout=10.0, transport=transport)
-        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", timeout=10.0) as http:
+        token = config.token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://coordinator", timeout=10.0) as http,
+            httpx.AsyncClient(
+                transport=transport, base_url="http://coordinator", timeout=10.0, headers=headers
+            ) as authed,
+        ):
             try:
-                yield InProcessCoordinator(app=app, api=api, http=http)
+                yield InProcessCoordinator(app=app, api=api, http=http, authed=authed)
             finally:
                 await api.aclose()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import cuda as ckpt_cuda
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
 
@@ -34,8 +33,10 @@ def test_cuda_state_round_trip_and_weights_may_change_after_save(dcs_config: DCS
             for tensor in state.values():  # the documented wait point: save() returned, weights may change
                 tensor.add_(1.0)
             pending.wait(60)
-            buf = ckpt._pool.buffers[0]
-            assert buf.view is not None and buf.view.data_ptr() in ckpt_cuda._registered  # pinned once
+            (buf,) = [b for b in ckpt.staging_buffers if b.capacity]
+            assert buf.pinned  # cudaHostRegister'ed (once per mapping), unregistered at close
+            ckpt.save(state, step=2).wait(60)  # the same pinned buffer again
+            assert buf.pinned
             restored = ckpt.restore(step=1)
             assert_same_state({k: v.cpu() for k, v in expected.items()}, restored.state)
             into = {k: torch.zeros_like(v) for k, v in state.items()}

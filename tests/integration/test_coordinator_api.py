@@ -13,6 +13,7 @@ from dcs_tasks.errors import CoordinatorError, NodeNotFound
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import HealthStatus, WeightMeta
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.waiting import eventually
 from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
 
 pytestmark = pytest.mark.integration
@@ -104,13 +105,11 @@ async def test_heartbeat_expiry_drops_node_and_health_lists_it(dcs_config: DCSCo
 
 
 async def test_dead_nodes_rank_is_reused_by_a_new_node(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
     async with in_process_coordinator(config) as c:
         await c.api.register(node("rollout", port=1))
         await c.api.register(node("rollout", port=2))
-        await asyncio.sleep(0.3)
-        await c.api.heartbeat("rollout", 1)
-        await asyncio.sleep(0.25)  # rank 0 expired, rank 1 alive
+        await _kill_one(c, ("rollout", 0), [("rollout", 0), ("rollout", 1)])  # rank 0 expired, rank 1 alive
         replacement = await c.api.register(node("rollout", port=3))
         assert replacement.rank == 0
         assert (await c.api.node("rollout", 0)).port == 3
@@ -148,17 +147,20 @@ async def test_global_rank_follows_configured_role_order(dcs_config: DCSConfig) 
 
 
 async def _kill_one(c: InProcessCoordinator, dead: tuple[str, int], nodes: list[tuple[str, int]]) -> None:
-    """Let `dead` expire (TTL 0.4 s) while every other node of `nodes` keeps beating."""
-    for _ in range(3):
-        await asyncio.sleep(0.2)
+    """Let `dead` expire (its heartbeat TTL) while every other node of `nodes` keeps beating (bounded wait)."""
+
+    async def expired() -> bool:
         for role, rank in nodes:
             if (role, rank) != dead:
                 await c.api.heartbeat(role, rank)
+        return bool((await c.api.health()).dead_nodes)
+
+    await eventually(expired, 30, f"{dead[0]}_{dead[1]}'s heartbeat to expire", interval=0.1)
     assert (await c.api.health()).dead_nodes == [f"{dead[0]}_{dead[1]}"]
 
 
 async def test_a_dead_nodes_gap_never_makes_global_ranks_collide(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
     nodes = [("actor", r) for r in range(3)] + [("rollout", r) for r in range(2)]
     async with in_process_coordinator(config) as c:
         for i, (role, rank) in enumerate(nodes):
@@ -177,7 +179,7 @@ async def test_a_dead_nodes_gap_never_makes_global_ranks_collide(dcs_config: DCS
 
 
 async def test_a_dead_actor_fwd_keeps_its_group_slot(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.4})
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
     nodes = [("actor", 0)] + [("actor_fwd", r) for r in range(3)] + [("reference", 0)]
     async with in_process_coordinator(config) as c:
         for i, (role, rank) in enumerate(nodes):
@@ -255,15 +257,15 @@ async def test_long_poll_wakes_on_append_without_polling_redis(
 ) -> None:
     client = redis_server.client()
     client.config_resetstat()
-    waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=10))
-    await asyncio.sleep(1.5)
+    waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=30))
+    await asyncio.sleep(1.5)  # the behaviour under test: 1.5 s of waiting costs no reads of the list
     assert not waiter.done()
     lranges = int(client.info("commandstats").get("cmdstat_lrange", {}).get("calls", 0))
     assert lranges <= 2, f"long-poll read the list {lranges} times while waiting"
     start = time.monotonic()
     await coord.api.send_weight_meta(WeightMeta.end())
-    batch = await asyncio.wait_for(waiter, 5)
-    assert batch.entries == [WeightMeta.end()] and time.monotonic() - start < 1.0
+    batch = await asyncio.wait_for(waiter, 10)
+    assert batch.entries == [WeightMeta.end()] and time.monotonic() - start < 10  # woken, not its 30 s timeout
 
 
 async def test_long_poll_returns_empty_at_its_timeout(coord: InProcessCoordinator) -> None:
@@ -271,7 +273,7 @@ async def test_long_poll_returns_empty_at_its_timeout(coord: InProcessCoordinato
     batch = await coord.api.recv_weight_meta(5, wait_timeout_s=0.5)
     elapsed = time.monotonic() - start
     assert batch.entries == [] and batch.next_index == 5
-    assert 0.45 <= elapsed < 3.0
+    assert 0.45 <= elapsed < 10  # it waited out its timeout (and not the 30 s of the HTTP client)
 
 
 async def test_debug_topology_shows_dead_and_alive(coord: InProcessCoordinator) -> None:
@@ -316,14 +318,14 @@ async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs
     async with in_process_coordinator(config) as c:
         old = node("rollout", port=1)
         await c.api.register(old)
-        await asyncio.sleep(0.4)  # presumed dead
+        await eventually(lambda: _dead(c), 15, "rollout_0's heartbeat TTL to run out")  # presumed dead
         assert (await c.api.register(node("rollout", port=2))).rank == 0  # the replacement takes rank 0
         with pytest.raises(RankConflict, match="rollout_0") as info:
             await c.api.heartbeat("rollout", 0, ip="10.0.0.1", port=1)
         assert info.value.status_code == 409
         await c.api.heartbeat("rollout", 0, ip="10.0.0.1", port=2)  # the holder beats fine
         loop = HeartbeatLoop(c.api, old.model_copy(update={"rank": 0}), interval=0.05).start()
-        await asyncio.sleep(0.3)
+        await eventually(lambda: loop.lost, 15, "the loop to stop on the conflict")
         assert isinstance(loop.lost, RankConflict) and loop.beats == 0
         await loop.stop()
         held = (await c.api.debug_topology()).nodes["rollout"][0].info  # dead or alive: the old node did not
@@ -341,7 +343,7 @@ async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dc
         assert (await c.api.register(node("actor", port=5000))).identity == "10.0.0.1:5000"
         old = await c.api.register(node("trainer"))  # port 0: no address to tell two trainers apart
         assert old.rank == 0 and old.identity.startswith("anon:")
-        await asyncio.sleep(0.4)  # presumed dead
+        await eventually(lambda: _dead(c), 15, "trainer_0's heartbeat TTL to run out")  # presumed dead
         transport = httpx.ASGITransport(app=c.app)
         async with CoordinatorAPI("http://coordinator", transport=transport) as other_host:
             new = await other_host.register(node("trainer"))
@@ -349,7 +351,7 @@ async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dc
             with pytest.raises(RankConflict, match="trainer_0"):
                 await c.api.heartbeat("trainer", 0)  # the old node's client sends its identity unasked
             loop = HeartbeatLoop(c.api, node("trainer", rank=0), interval=0.05).start()
-            await asyncio.sleep(0.3)
+            await eventually(lambda: loop.lost, 15, "the loop to stop on the conflict")
             assert isinstance(loop.lost, RankConflict) and loop.beats == 0
             await loop.stop()
             await other_host.heartbeat("trainer", 0)  # the holder beats fine
@@ -368,3 +370,7 @@ async def test_issued_identity_header_is_validated(coord: InProcessCoordinator) 
     assert other.status_code == 409 and "trainer_0" in other.json()["detail"]
     bad = await coord.http.get("/heartbeat", params=params, headers={"X-DCS-Node": "anon:xyz"})
     assert bad.status_code == 422 and "X-DCS-Node" in bad.json()["detail"]
+
+
+async def _dead(c: InProcessCoordinator) -> list[str]:
+    return (await c.api.health()).dead_nodes

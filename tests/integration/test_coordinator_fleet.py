@@ -20,6 +20,7 @@ from dcs_tasks.coordinator_api import KEEPALIVE_EXPIRY_S, FleetHeartbeatLoop
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import MAX_BATCH_NODES, BeatOutcome
 from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.waiting import eventually
 from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
 
 pytestmark = pytest.mark.integration
@@ -48,9 +49,8 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
     await asyncio.sleep(0.05)
-    other = await coord.api.register(node(2, 7999))  # another node took rank 2: our identity is fenced out
-    assert other.rank == 2
-    api._identities[("actor", 2)] = "10.0.0.1:7002"
+    other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
+    assert other.json()["rank"] == 2  # our client's identity for rank 2 (7002) is now fenced out
     outcomes = await api.heartbeat_many([("actor", 0), ("actor", 1), ("actor", 2), ("actor", 9), ("nobody", 0)])
     ok, nf, conflict = BeatOutcome.OK, BeatOutcome.NOT_FOUND, BeatOutcome.CONFLICT
     assert outcomes == [ok, ok, conflict, nf, nf]
@@ -62,7 +62,7 @@ async def test_batch_beats_answer_per_node_like_single_beats(
 
 
 async def test_batch_beats_refuse_bad_input_with_named_errors(coord: InProcessCoordinator) -> None:
-    http = coord.api._http  # with the token, if any
+    http = coord.authed  # with the token, if any
     bad_identity = {"beats": [{"role": "actor", "rank": 0, "identity": "10.0.0.1:7000"}, {"role": "a", "rank": 1,
                     "identity": "10.0.0.1:99999"}]}  # fmt: skip
     answer = await http.post("/heartbeats", json=bad_identity)
@@ -84,7 +84,7 @@ async def test_register_batch_applies_each_registration_in_order(coord: InProces
     for _ in range(40):
         deep = {"d": deep}
     body = {"nodes": [node(None, 7200).model_dump(), {**node(None, 7201).model_dump(), "metadata": deep}]}
-    answer = await api._http.post("/register_batch", json=body)
+    answer = await coord.authed.post("/register_batch", json=body)
     assert answer.status_code == 422 and "body.nodes.1.metadata" in answer.json()["detail"]
     assert sorted((await api.topology("actor")).nodes["actor"]) == [0, 1, 2, 5]  # nothing of the refused batch
 
@@ -111,7 +111,7 @@ async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs
     before, each rank-less registration scanned the role, and 5,000 of them took 16 s of Redis."""
     client = make_redis(dcs_config)
     keys = Keys(dcs_config.namespace)
-    topology = TopologyManager(client, keys, TopologyConfig(), 1.0)
+    topology = TopologyManager(client, keys, TopologyConfig(), 60.0)  # nobody expires while the test runs
     r = raw_redis(dcs_config)
     await topology.register_many([node(None, 8000 + i) for i in range(300)])
     r.config_resetstat()
@@ -120,10 +120,8 @@ async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs
     assert int(r.info("commandstats")["cmdstat_hexists"]["calls"]) < 5 * 100
     assert await topology.unregister("actor", 7)
     assert (await topology.register(node(None, 9000))).rank == 7  # an unregistered hole first
-    alive = [("actor", rank, "") for rank in range(400) if rank != 42]
-    await asyncio.sleep(0.7)
-    await topology.heartbeat_many(alive)
-    await asyncio.sleep(0.45)  # 42's key expired (TTL 1 s); the others beat 0.45 s ago
+    r.delete(keys.heartbeat("actor", 42))  # 42 died: its heartbeat key expired and its last beat is old
+    r.zadd(keys.node_beats(), {"actor:42": time.time() - 120})
     assert (await topology.register(node(None, 9001))).rank == 42  # a dead node's rank next
     assert (await topology.register(node(None, 9002))).rank == 400
     r.delete(keys.role_nodes("actor"))  # records gone behind the scripts' back: the search starts over
@@ -144,7 +142,8 @@ async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records
     assert await topology.unregister("actor", 1)
     assert r.hget(keys.role_identities("actor"), "10.0.0.1:9000") is None
     await topology.register(node(3, 9003))
-    await asyncio.sleep(0.3)  # everyone's TTL ran out
+    beats = [keys.heartbeat("actor", rank) for rank in (0, 3)]
+    await eventually(lambda: r.exists(*beats) == 0, 15, "everyone's heartbeat TTL (0.2 s) to run out")
     await topology.sweep_dead_nodes(0.0)
     assert r.hlen(keys.role_identities("actor")) == 0 and r.hlen(keys.role_owners("actor")) == 0
     # records written before the identity index existed: the owners hash is scanned, the rank kept
@@ -163,8 +162,8 @@ async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(coord:
     loop = FleetHeartbeatLoop(api, infos, interval=0.05)
     await loop.beat_once()
     assert loop.beats == 3 and loop.lost == []
-    await api.unregister("actor", 1)  # forgotten (an operator, a flushed Redis): re-registered with its rank
-    api._identities[("actor", 1)] = "10.0.0.1:7301"
+    gone = await coord.authed.delete("/unregister", params={"role": "actor", "rank": 1})  # an operator forgot it:
+    assert gone.status_code == 200  # the node (whose client still holds its identity) re-registers with its rank
     await coord.http.post("/register", json=node(2, 7999).model_dump())  # rank 2 taken by another node
     loop.start()
     deadline = time.monotonic() + 10

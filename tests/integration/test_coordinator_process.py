@@ -9,12 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.models import WeightMeta
 from tests.helpers.procs import CoordinatorProcess
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,8 +62,11 @@ async def test_two_coordinators_on_one_redis_answer_alike(
             assert sorted(r.rank for r in answers) == list(range(20))
             assert await a.topology() == await b.topology()
             assert await a.global_rank("rollout", 7) == await b.global_rank("rollout", 7) == 7
+            client = redis.Redis.from_url(dcs_config.redis_url)
+            client.config_resetstat()
             waiter = asyncio.create_task(b.recv_weight_meta(0, wait_timeout_s=10))
-            await asyncio.sleep(0.3)
+            await eventually(lambda: _script_calls(client) >= 1, 15, "B's first (empty) read")  # B now waits
+            client.close()
             await a.send_weight_meta(WeightMeta.end())  # appended through A, wakes the long-poll on B
             assert (await asyncio.wait_for(waiter, 5)).entries == [WeightMeta.end()]
     finally:
@@ -126,8 +131,8 @@ async def test_heartbeat_loop_keeps_a_node_alive_until_stopped(dcs_config: DCSCo
             assert (await api.health()).dead_nodes == []
             await loop.stop()
             assert loop.beats >= 5 and loop.failures == 0
-            await asyncio.sleep(1.2)
-            assert (await api.health()).dead_nodes == ["actor_0"]
+            dead = await eventually(lambda: _dead_nodes(api), 15, "actor_0's TTL to run out once the loop stopped")
+            assert dead == ["actor_0"]
     finally:
         proc.stop()
 
@@ -200,3 +205,12 @@ async def test_an_unexpected_failure_answers_500_as_json_naming_it_without_secre
     detail = response.json()["detail"]
     assert "GET /boom" in detail and "RuntimeError" in detail
     assert "pw-in-url" not in detail and "tok-in-a-bug" not in detail and "u:***@" in detail
+
+
+async def _dead_nodes(api: CoordinatorAPI) -> list[str]:
+    return (await api.health()).dead_nodes
+
+
+def _script_calls(client: redis.Redis) -> int:
+    """EVALSHA calls the server counted since the last CONFIG RESETSTAT (a weight-meta read is one)."""
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))

@@ -7,11 +7,14 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import redis
 from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.errors import AuthError, CoordinatorUnavailable
+from dcs_tasks.keys import Keys
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.waiting import eventually
 from tests.integration.coordinator_support import InProcessCoordinator, in_process_coordinator
 
 pytestmark = pytest.mark.integration
@@ -117,15 +120,25 @@ async def test_redis_down_is_503_then_recovers(coord: InProcessCoordinator, redi
     assert (await coord.api.topology()).nodes["actor"][0].rank == 0
 
 
-async def test_long_poll_survives_a_redis_restart(coord: InProcessCoordinator, redis_server: RedisServer) -> None:
+async def test_long_poll_survives_a_redis_restart(
+    coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
+) -> None:
     redis_server.restart()
-    await asyncio.sleep(1.0)  # the notifier resubscribes
+    client = redis_server.client()
+    channel = Keys(dcs_config.namespace).weight_meta_channel()
+    await eventually(lambda: dict(client.pubsub_numsub(channel)).get(channel, 0) >= 1, 15, "the resubscription")
     waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=10))
-    await asyncio.sleep(0.3)
+    await eventually(lambda: _script_calls(client) >= 1, 15, "the long-poll's first (empty) read")  # now waiting
     from dcs_tasks.models import WeightMeta
 
     await coord.api.send_weight_meta(WeightMeta.end())
     assert (await asyncio.wait_for(waiter, 5)).entries == [WeightMeta.end()]
+    client.close()
+
+
+def _script_calls(client: redis.Redis) -> int:
+    """EVALSHA calls the server counted (the weight-meta reads are one script each)."""
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 async def test_coordinator_unreachable_is_coordinator_unavailable() -> None:

@@ -177,11 +177,11 @@ def test_actor_fwd_receiver_refuses_weights_whose_names_do_not_match_its_model()
     receiver = WeightReceiver(DeviceDirectBackend())
     fwd = ActorFwdReceiver(api=None, receiver=receiver, timeout_seconds=1, model=model)  # type: ignore[arg-type]
     receiver.weights = {"weight": torch.ones(2, 3), "bias": torch.zeros(2)}
-    fwd._apply()
+    fwd.apply_weights()
     assert torch.equal(model.weight, torch.ones(2, 3))
     receiver.weights = {"module.weight": torch.full((2, 3), 2.0), "bias": torch.ones(2)}
     with pytest.raises(WeightSyncError, match=r"missing \['weight'\].*unexpected \['module.weight'\]"):
-        fwd._apply()
+        fwd.apply_weights()
 
 
 def test_active_connections_gauge_counts_the_groups_held() -> None:

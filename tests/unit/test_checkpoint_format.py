@@ -34,8 +34,9 @@ def _every_dtype() -> dict[str, torch.Tensor]:
 def _stage(tmp_path: Path, tensors: dict[str, torch.Tensor], shard: int) -> tuple[Path, list[tuple[str, int, int]]]:
     layout = plan_layout(specs_of(tensors), shard)
     pool = StagingPool(tmp_path / "shm", 1, "t")
-    buf = pool.try_acquire(layout.nbytes)
-    assert buf is not None
+    lease = pool.lease(layout.nbytes)
+    assert lease is not None
+    buf = lease.buffer
     buf.write_headers(layout)
     copy_into(buf, layout, tensors)
     assert buf.view is not None
@@ -109,13 +110,14 @@ def test_pool_reuses_buffers_and_removes_orphans_of_dead_trainers(tmp_path: Path
     pool = StagingPool(directory, 2, "t")
     assert not orphan.exists() and other_run.exists()
     other_run.unlink()
-    first = pool.try_acquire(10_000)
-    second = pool.try_acquire(10_000)
-    assert first is not None and second is not None and pool.try_acquire(1) is None  # bounded: 2 buffers
-    ptr = first.view.data_ptr()  # type: ignore[union-attr]
-    pool.release(first)
-    again = pool.try_acquire(5_000)
-    assert again is first and again.view.data_ptr() == ptr  # type: ignore[union-attr]  # same mapping
+    first = pool.lease(10_000)
+    second = pool.lease(10_000)
+    assert first is not None and second is not None and pool.lease(1) is None  # bounded: 2 buffers
+    ptr = first.buffer.view.data_ptr()  # type: ignore[union-attr]
+    first.release()
+    again = pool.lease(5_000)
+    assert again is not None and again.buffer is first.buffer  # same buffer, same mapping
+    assert again.buffer.view.data_ptr() == ptr  # type: ignore[union-attr]
     pool.close()
     assert list(directory.iterdir()) == []
 

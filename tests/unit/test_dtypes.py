@@ -84,8 +84,10 @@ def test_dcs_staged_files_open_with_safetensors_bit_exact(row: DtypeInfo, tmp_pa
     layout = plan_layout(specs_of(tensors), 1 << 20)
     pool = StagingPool(tmp_path / "shm", 1, "t")
     try:
-        buf = pool.try_acquire(layout.nbytes)
-        assert buf is not None and buf.view is not None
+        lease = pool.lease(layout.nbytes)
+        assert lease is not None
+        buf = lease.buffer
+        assert buf.view is not None
         buf.write_headers(layout)
         copy_into(buf, layout, tensors)
         (f,) = layout.files

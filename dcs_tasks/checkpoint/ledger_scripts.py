@@ -1,0 +1,104 @@
+"""Lua scripts of the checkpoint step ledger (`dcs_tasks.checkpoint.ledger`): each fenced transition of a
+step is one script, run by SHA through `dcs_tasks.lua`. KEYS[1] is the step's state hash, KEYS[2] the run's
+in-flight set (`StepLedger._k`).
+"""
+
+from __future__ import annotations
+
+from dcs_tasks.lua import LuaScript
+
+# ARGV: token, nfiles, draft, started (trainer clock), step, abandoned_before: a PERSISTING step begun before
+# that time is taken over (its trainer died before sending its tasks, or they can no longer be running)
+BEGIN = LuaScript(
+    """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'committed' then return 'committed' end
+if st == 'committing' then return 'busy' end
+if st == 'persisting' and tonumber(redis.call('HGET', KEYS[1], 'started') or '0') >= tonumber(ARGV[6]) then
+  return 'busy'
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'persisting', 'token', ARGV[1], 'nfiles', ARGV[2], 'finished', 0,
+           'ok', 0, 'draft', ARGV[3], 'started', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
+return 'write'
+"""
+)
+
+# ARGV: token, reason, step, ttl.  PERSISTING -> FAILED for a save whose persist tasks could not all be sent.
+ABANDON = LuaScript(
+    """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+if redis.call('HGET', KEYS[1], 'status') ~= 'persisting' then return 'closed' end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'reason', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 'ok'
+"""
+)
+
+CLAIM_FILE = LuaScript(
+    """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+if redis.call('HEXISTS', KEYS[1], 'done:' .. ARGV[2]) == 1 then return 'done' end
+if redis.call('HGET', KEYS[1], 'status') ~= 'persisting' then return 'closed' end
+local owner = redis.call('HGET', KEYS[1], 'claim:' .. ARGV[2])
+if owner and owner ~= ARGV[3] then return 'claimed' end
+redis.call('HSET', KEYS[1], 'claim:' .. ARGV[2], ARGV[3])
+return 'write'
+"""
+)
+
+# ARGV: token, file, outcome, value (FileEntry JSON or reason), step, ttl
+FINISH_FILE = LuaScript(
+    """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'stale', 0, 0, ''} end
+local nfiles = tonumber(redis.call('HGET', KEYS[1], 'nfiles'))
+if redis.call('HSETNX', KEYS[1], 'done:' .. ARGV[2], ARGV[3]) == 0 then
+  return {'done', tonumber(redis.call('HGET', KEYS[1], 'finished')), nfiles, redis.call('HGET', KEYS[1], 'status')}
+end
+local finished = redis.call('HINCRBY', KEYS[1], 'finished', 1)
+local st = redis.call('HGET', KEYS[1], 'status')
+local verdict = 'ok'
+if ARGV[3] == 'ok' then
+  redis.call('HSET', KEYS[1], 'file:' .. ARGV[2], ARGV[4])
+  local ok = redis.call('HINCRBY', KEYS[1], 'ok', 1)
+  if st == 'persisting' and ok == nfiles then
+    redis.call('HSET', KEYS[1], 'status', 'committing')
+    st = 'committing'
+    verdict = 'commit'
+  end
+elseif ARGV[3] == 'failed' and st == 'persisting' then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'reason', ARGV[4])
+  redis.call('ZREM', KEYS[2], ARGV[5])
+  redis.call('EXPIRE', KEYS[1], ARGV[6])
+  st = 'failed'
+end
+return {verdict, finished, nfiles, st}
+"""
+)
+
+CLAIM_COMMIT = LuaScript(
+    """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'committed' then return 'done' end
+if st ~= 'committing' then return 'closed' end
+local owner = redis.call('HGET', KEYS[1], 'commit_owner')
+if owner and owner ~= ARGV[2] then return 'claimed' end
+redis.call('HSET', KEYS[1], 'commit_owner', ARGV[2])
+return 'write'
+"""
+)
+
+# ARGV: token, new status (committed|failed), reason, step, ttl
+FINISH_COMMIT = LuaScript(
+    """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+if redis.call('HGET', KEYS[1], 'status') ~= 'committing' then return 'closed' end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'reason', ARGV[3])
+redis.call('ZREM', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 'ok'
+"""
+)
