@@ -71,8 +71,8 @@ def test_primary_step_deleted_restores_bit_exact_from_the_replica(dcs_config: DC
             primary_dir = Path(config.checkpoint_dir) / "rep" / step_dir_name(2)
             manifest = load_manifest(replica_dir)
             verify_step(replica_dir, manifest)
-            for f in manifest.files:  # the same bytes as the primary's
-                assert (replica_dir / f.name).read_bytes() == (primary_dir / f.name).read_bytes()
+            for f in manifest.files:  # the same bytes as the primary's, wherever each lies (step 1 too)
+                assert f.stored_path(replica_dir).read_bytes() == f.stored_path(primary_dir).read_bytes()
             assert read_latest(replica_dir.parent) == 2
             lines = listing(config, "rep")
             assert "both" in lines[1] and "both" in lines[2] and "latest" in lines[2]
