@@ -29,6 +29,7 @@ from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint import cuda, dtensor, reader, sharded
+from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     ChunkSums,
@@ -44,7 +45,7 @@ from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, Rest
 from dcs_tasks.checkpoint.staging import StagingBuffer, StagingPool, copy_into, staging_prefix
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
-from dcs_tasks.config import DCSConfig, StagingPolicy
+from dcs_tasks.config import CheckpointCompression, DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
     CheckpointFailed,
@@ -290,6 +291,7 @@ class Checkpointer:
         reason; the buffer is released only when no task went out (a sent task may still read it)."""
         queue = node_queue(self.config.host_name)
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
+        compression = compression_spec(self.config)
         sent = 0
         try:
             for f in layout.files:
@@ -300,6 +302,7 @@ class Checkpointer:
                     offset=f.offset,
                     length=f.size,
                     retention=retention,
+                    compression=compression,
                 )
                 self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
                 sent += 1
@@ -463,6 +466,17 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def compression_spec(config: DCSConfig) -> CompressionSpec | None:
+    """What the workers are asked to do with each file of a save (they compress; the trainer never does)."""
+    if config.checkpoint_compression is CheckpointCompression.NONE:
+        return None
+    return CompressionSpec(
+        codec=config.checkpoint_compression.value,
+        level=config.checkpoint_compression_level,
+        min_saving=config.checkpoint_compression_min_saving,
+    )
 
 
 def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
