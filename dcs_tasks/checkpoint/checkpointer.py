@@ -291,9 +291,9 @@ class Checkpointer:
         reason; the buffer is released only when no task went out (a sent task may still read it)."""
         queue = node_queue(self.config.host_name)
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
-        compression = compression_spec(self.config)
         sent = 0
         try:
+            compression = compression_spec(self.config)
             for f in layout.files:
                 request = PersistRequest(
                     ref=ref,
@@ -470,10 +470,11 @@ class Checkpointer:
 
 def compression_spec(config: DCSConfig) -> CompressionSpec | None:
     """What the workers are asked to do with each file of a save (they compress; the trainer never does)."""
-    if config.checkpoint_compression is CheckpointCompression.NONE:
+    codec = CheckpointCompression(config.checkpoint_compression)  # model_copy(update=...) does not validate
+    if codec is CheckpointCompression.NONE:
         return None
     return CompressionSpec(
-        codec=config.checkpoint_compression.value,
+        codec=codec.value,
         level=config.checkpoint_compression_level,
         min_saving=config.checkpoint_compression_min_saving,
     )
