@@ -13,7 +13,7 @@ hash + zstd, temp, fsync, rename) at each `--levels` level with `--threads` zstd
 (`stream_region`, O_DIRECT); then read back verified by restore's reader (`fastread.read_many`, page cache
 evicted first). Throughputs count the uncompressed bytes.
 Part 2 (`end_to_end`, a private redis-server and a real `dcs worker` with `--workers` processes): the whole
-state saved with and without compression (median of `--repeats` saves to the durable commit, after a
+state saved with and without compression (at `--level`) (median of `--repeats` saves to the durable commit, after a
 warm-up) and restored (median of `--repeats`, page cache evicted before each, bit-exact checked).
 Writes bench/results/compression.json and prints a summary.
 """
@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import start_redis, start_worker, stop
+from bench.save import drop_cache
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint import fastread
 from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
@@ -93,16 +94,6 @@ def flat_bytes(tensors: dict[str, torch.Tensor], limit: int) -> bytes:
     return b"".join(out)
 
 
-def evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float, Any]:
     """(wall seconds, result); appends the CPU seconds of this process (all threads) to `cpu` when given."""
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -131,7 +122,7 @@ def codec(category: str, data: bytes, root: Path, levels: list[int], threads: in
                 seconds, entry = timed(write, write_cpu)
                 writes.append(seconds)
                 path = entry.stored_path(root)
-                evict([path])
+                drop_cache(root)  # only this file is there
                 seconds, maps = timed(partial(fastread.read_many, [(path, entry)], verify=True), read_cpu)
                 assert maps[0][: len(data)] == data
                 reads.append(seconds)
@@ -192,10 +183,9 @@ def _save_and_restore(config: DCSConfig, state: dict[str, Any], repeats: int) ->
                 durable.append(time.perf_counter() - start)
                 stalls.append(pending.stall_seconds)
         step_dir = Path(config.checkpoint_dir) / run / f"step-{repeats:09d}"
-        files = [p for p in step_dir.iterdir() if p.name != "manifest.json"]
         restores = []
         for _ in range(repeats):
-            evict(files)
+            drop_cache(step_dir)
             seconds, restored = timed(lambda: ckpt.restore(step=repeats))
             restores.append(seconds)
         for part, tensors in state.items():
@@ -222,7 +212,9 @@ def main() -> None:
     parser.add_argument("--int-mb", type=int, default=96)
     parser.add_argument("--file-mb", type=int, default=256, help="bytes of each category in the codec part")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--level", type=int, default=1, help="zstd level of the end-to-end part")
     parser.add_argument("--threads", type=int, default=1, help="zstd threads per file (the worker setting)")
+    parser.add_argument("--parts", nargs="+", default=["codec", "end_to_end"], choices=["codec", "end_to_end"])
     parser.add_argument("--workers", type=int, default=2, help="`dcs worker` processes (files in parallel)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where files are written (default: a temp dir)")
@@ -232,16 +224,17 @@ def main() -> None:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "codec": {}}
     results["load_average_at_start"] = os.getloadavg()
     try:
-        for category, tensors in state.items():
+        for category, tensors in state.items() if "codec" in args.parts else ():
             data = flat_bytes(tensors, args.file_mb * MiB)
             results["codec"][category] = codec(category, data, root, args.levels, args.threads, args.repeats)
             report_codec(category, results["codec"][category])
-        results["end_to_end"] = end_to_end(state, root, args.workers, args.repeats, args.levels[-1], args.threads)
+        if "end_to_end" in args.parts:
+            results["end_to_end"] = end_to_end(state, root, args.workers, args.repeats, args.level, args.threads)
+            report_end_to_end(results["end_to_end"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))
-    report_end_to_end(results["end_to_end"])
 
 
 def report_codec(category: str, r: dict[str, Any]) -> None:

@@ -267,9 +267,9 @@ class DCSConfig(BaseSettings):
     checkpoint_compression: CheckpointCompression = CheckpointCompression.NONE
     """Per-file compression of checkpoint files: none, or zstd. The worker compresses while it persists (never in
     save()'s stall); restore, verify and export read either kind transparently."""
-    checkpoint_compression_level: int = Field(default=3, ge=-7, le=19)
-    """zstd level of compressed checkpoint files (-7..19: higher is smaller and slower to write; reading speed
-    hardly depends on it)."""
+    checkpoint_compression_level: int = Field(default=1, ge=-7, le=19)
+    """zstd level of compressed checkpoint files (-7..19). Default 1: on bf16 weights, AdamW moments and
+    token ids level 3 was 1.4-3x slower to write for the same or a smaller ratio (bench/compression.py)."""
     checkpoint_compression_min_saving: float = Field(default=0.05, ge=0.0, le=1.0)
     """A file is compressed only when a sample of it (8 pieces of 128 KiB spread over the file) shrinks by at
     least this fraction at the level; otherwise it is written as it is (0: always compress)."""

@@ -57,7 +57,7 @@ class CompressionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     codec: Literal["zstd"] = "zstd"
-    level: Annotated[StrictInt, Field(ge=MIN_LEVEL, le=MAX_LEVEL)] = 3
+    level: Annotated[StrictInt, Field(ge=MIN_LEVEL, le=MAX_LEVEL)] = 1
     min_saving: float = Field(default=0.05, ge=0.0, le=1.0, allow_inf_nan=False)
 
 

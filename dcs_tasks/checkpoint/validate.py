@@ -47,6 +47,7 @@ from dcs_tasks.checkpoint.format import (
     CODE_DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     TensorEntry,
 )
@@ -122,6 +123,16 @@ def open_regular(path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptCheckpoint(f"checkpoint file {path} is not a regular file", str(path))
+    return fd
+
+
+def open_stored(path: Path, entry: FileEntry) -> int:
+    """`open_regular(path)`, which must have the entry's `disk_size` bytes (CorruptCheckpoint otherwise)."""
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if size != entry.disk_size:
+        os.close(fd)
+        raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {entry.disk_size}", str(path))
     return fd
 
 
@@ -271,13 +282,9 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
         by_file[entry.file][name] = entry
     for f in manifest.files:
         path = f.stored_path(step_dir)
-        fd = open_regular(path)
+        fd = open_stored(path, f)
+        size = f.disk_size
         try:
-            size = os.fstat(fd).st_size
-            if size != f.disk_size:
-                raise CorruptCheckpoint(
-                    f"checkpoint file {path} has {size} bytes, manifest says {f.disk_size}", str(path)
-                )
             with _reading(path):
                 if f.compression:
                     check_frame(fd, path, f)

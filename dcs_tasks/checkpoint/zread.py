@@ -22,7 +22,7 @@ from pathlib import Path
 from dcs_tasks.checkpoint import fastread
 from dcs_tasks.checkpoint.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format import FileEntry, new_hasher
-from dcs_tasks.checkpoint.validate import open_regular
+from dcs_tasks.checkpoint.validate import open_stored
 from dcs_tasks.errors import CorruptCheckpoint
 
 Land = Callable[[int, int], list[memoryview]]  # (begin, end) of the file -> destination views in order
@@ -32,13 +32,8 @@ RawScatter = Callable[[list[tuple[Path, FileEntry, list[fastread.Target]]], bool
 
 def decode(path: Path, entry: FileEntry, verify: bool, land: Land, progress: fastread.Progress | None) -> None:
     """Decompress the whole file into `land`'s views, checking size, frame, end and (`verify`) checksum."""
-    fd = open_regular(path)
+    fd = open_stored(path, entry)
     try:
-        stored = os.fstat(fd).st_size
-        if stored != entry.disk_size:
-            raise CorruptCheckpoint(
-                f"checkpoint file {path} has {stored} bytes, manifest says {entry.disk_size}", str(path)
-            )
         check_frame(fd, path, entry)
         decoder = Decoder(fd, path, entry)
         hasher = new_hasher() if verify else None
