@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.reader import load_manifest
+from dcs_tasks.checkpoint.retention import newest_intact
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
@@ -88,6 +89,7 @@ def test_compressed_steps_restore_bit_exact_everywhere(config: DCSConfig, tmp_pa
         assert (step_dir(config, 2) / (f.name + ".zst")).stat().st_size == f.stored_size
         assert not (step_dir(config, 2) / f.name).exists()
     assert manifest.stored_bytes < manifest.total_bytes - 1_000_000  # ids: 2 MiB of values < 32000
+    assert newest_intact(step_dir(config, 2).parent) == 2  # retention finds the .zst files intact
     with Checkpointer(RUN, config) as ckpt:
         assert_same_state(state_of(2), ckpt.restore().state)
         assert_same_state(state_of(1), ckpt.restore(step=1).state)
