@@ -67,6 +67,7 @@ bench: install redis-bin
 	$(BIN)/python bench/reshard.py
 	$(BIN)/python bench/incremental.py
 	$(BIN)/python bench/replica.py
+	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/weight_sync.py
 	$(BIN)/python bench/task_latency.py
 

@@ -60,5 +60,5 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
     for entry in manifest.files:
         path = entry.stored_path(step_dir)
         size = path.stat().st_size if path.is_file() else -1
-        if size != entry.size:
-            raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.size}")
+        if size != entry.disk_size:
+            raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")

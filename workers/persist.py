@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint import incremental
+from dcs_tasks.checkpoint.compression import write_region
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
-from dcs_tasks.checkpoint.fsio import make_dirs_durable, stream_region
+from dcs_tasks.checkpoint.fsio import make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_persist
@@ -115,19 +116,33 @@ def reusable(req: PersistRequest, paths: PersistPaths) -> FileEntry | None:
 
 
 def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
-    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it. The
-    staging file is opened once without following symlinks and read through that descriptor."""
+    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it, zstd-
+    compressed when the request asks and the bytes shrink (`compression.write_region`). The staging file is
+    opened once without following symlinks and read through that descriptor."""
     staging = paths.staging
     fd = _open_staging(staging)
     try:
         _check_staged_size(fd, req, staging)
         make_dirs_durable(paths.step_dir)
-        throttle = runtime().config.persist_throttle_bytes_per_second
+        config = runtime().config
         source = Path(f"/proc/self/fd/{fd}")  # the file just checked, whatever happens to its name meanwhile
-        checksum = stream_region(source, req.offset, req.length, paths.step_dir / req.file_name, task_id, throttle)
+        final = paths.step_dir / req.file_name
+        threads = config.checkpoint_compression_threads
+        throttle = config.persist_throttle_bytes_per_second
+        entry = write_region(source, req.offset, req.length, final, task_id, req.compression, threads, throttle)
     finally:
         os.close(fd)
-    return FileEntry(name=req.file_name, size=req.length, checksum=checksum)
+    if entry.compression:
+        log.info(
+            "persisted %s of %s step %d: %d bytes as %d %s",
+            req.file_name,
+            req.ref.run,
+            req.ref.step,
+            entry.size,
+            entry.disk_size,
+            entry.compression,
+        )
+    return entry
 
 
 def _open_staging(staging: Path) -> int:

@@ -152,7 +152,7 @@ def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttl
     if dst.parent != dst_dir:
         make_dirs_durable(dst.parent)  # an incremental reference into a step not replicated itself
     digest = stream_region(src, 0, size, dst, tag, throttle)
-    if getattr(entry, "compression", None) is None and digest != entry.checksum:
+    if entry.compression is None and digest != entry.checksum:
         dst.unlink(missing_ok=True)
         raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
     return size

@@ -30,6 +30,7 @@ from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded
+from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
     ChunkSums,
@@ -45,7 +46,7 @@ from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, Rest
 from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into, staging_prefix
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
-from dcs_tasks.config import DCSConfig, StagingPolicy
+from dcs_tasks.config import CheckpointCompression, DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
     CheckpointFailed,
@@ -310,6 +311,7 @@ class Checkpointer:
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
         sent = 0
         try:
+            compression = compression_spec(self.config)
             for f in layout.files:
                 request = PersistRequest(
                     ref=ref,
@@ -319,6 +321,7 @@ class Checkpointer:
                     length=f.size,
                     retention=retention,
                     incremental=self.config.incremental_saves,
+                    compression=compression,
                 )
                 self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
                 sent += 1
@@ -514,6 +517,18 @@ def _version(t: torch.Tensor) -> int:
 
 def _raise(exc: CorruptCheckpoint) -> RestoredCheckpoint:
     raise exc
+
+
+def compression_spec(config: DCSConfig) -> CompressionSpec | None:
+    """What the workers are asked to do with each file of a save (they compress; the trainer never does)."""
+    codec = CheckpointCompression(config.checkpoint_compression)  # model_copy(update=...) does not validate
+    if codec is CheckpointCompression.NONE:
+        return None
+    return CompressionSpec(
+        codec=codec.value,
+        level=config.checkpoint_compression_level,
+        min_saving=config.checkpoint_compression_min_saving,
+    )
 
 
 def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:

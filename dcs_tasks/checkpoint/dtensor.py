@@ -25,7 +25,8 @@ of strided rows, and the chunks any row touches are read (merged into contiguous
 chunk mean most chunks of the span). Every chunk read is checked against its checksum before its bytes are
 used, so a partial read verifies exactly the bytes it reads; bytes not read are not verified. Checkpoints
 without chunk checksums (written before DTensor support, or without DTensors) are read a whole part at a time
-and verified with the file checksums, as `reader.load_tensors` does.
+and verified with the file checksums, as `reader.load_tensors` does; so are pieces in compressed files
+(`dcs_tasks.checkpoint.compression`), whose byte ranges cannot be read in place.
 """
 
 from __future__ import annotations
@@ -362,7 +363,7 @@ class RangeReader:
 
         manifest = piece.manifest
         sums = manifest.chunks.sums.get(name) if manifest.chunks is not None else None
-        if sums is None:
+        if sums is None or _compressed(manifest, piece.entry.file):
             if piece.step_dir not in self._whole:
                 self._whole[piece.step_dir] = reader.load_tensors(piece.step_dir, manifest, verify=self.verify)
                 self._add(manifest.total_bytes)
@@ -405,6 +406,12 @@ class RangeReader:
         first = sum(a * s for a, s in zip(lo, strides, strict=True)) - span_lo // dtype.itemsize
         size = [b - a for a, b in zip(lo, hi, strict=True)]
         return buf.view(dtype).as_strided(size, strides, first)
+
+
+def _compressed(manifest: Manifest, file: str) -> bool:
+    """Whether `file` is stored compressed: its byte ranges cannot be read in place, so the piece comes from
+    the whole part, decompressed once per restore and verified with the file checksums."""
+    return any(f.compression for f in manifest.files if f.name == file)
 
 
 def _check_chunks(view: memoryview, first: int, chunk: int, sums: list[str], path: Path, name: str) -> None:

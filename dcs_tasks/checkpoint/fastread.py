@@ -115,6 +115,37 @@ def anonymous(nbytes: int) -> mmap.mmap:
     return mapping
 
 
+class TargetIndex:
+    """The targets of one file (disjoint), sorted by begin."""
+
+    def __init__(self, targets: list[Target]) -> None:
+        self.targets = sorted(targets, key=lambda t: t[0])
+        self._ends = [end for _, end, _ in self.targets]
+
+    def overlapping(self, begin: int, end: int) -> Iterator[Target]:
+        """The targets that overlap [begin, end), in order (a bisection, not a scan of every target)."""
+        for i in range(bisect.bisect_right(self._ends, begin), len(self.targets)):
+            target = self.targets[i]
+            if target[0] >= end:
+                return
+            yield target
+
+    def pieces(self, scratch: memoryview, begin: int, end: int) -> list[memoryview]:
+        """[begin, end) of the file as destination slices in file order: the targets' own bytes where they
+        overlap it, `scratch` (indexed from `begin`) for the gaps (header, padding)."""
+        out: list[memoryview] = []
+        pos = begin
+        for t_begin, t_end, dest in self.overlapping(begin, end):
+            lo, hi = max(begin, t_begin), min(end, t_end)
+            if lo > pos:
+                out.append(scratch[pos - begin : lo - begin])
+            out.append(dest[lo - t_begin : hi - t_begin])
+            pos = hi
+        if pos < end:
+            out.append(scratch[pos - begin : end - begin])
+        return out
+
+
 @dataclass
 class _File:
     """One open checkpoint file being read."""
@@ -127,19 +158,11 @@ class _File:
     hasher: Any = None
     targets: list[Target] = field(default_factory=list)  # sorted by begin, disjoint
     _refused: int = -1
-    _ends: list[int] = field(default_factory=list)
+    index: TargetIndex = field(init=False)
 
     def __post_init__(self) -> None:
-        self.targets = sorted(self.targets, key=lambda t: t[0])
-        self._ends = [end for _, end, _ in self.targets]
-
-    def overlapping(self, begin: int, end: int) -> Iterator[Target]:
-        """The targets that overlap [begin, end), in order (a bisection, not a scan of every target)."""
-        for i in range(bisect.bisect_right(self._ends, begin), len(self.targets)):
-            target = self.targets[i]
-            if target[0] >= end:
-                return
-            yield target
+        self.index = TargetIndex(self.targets)
+        self.targets = self.index.targets
 
     @property
     def direct(self) -> bool:
@@ -198,22 +221,6 @@ def _pread(f: _File, view: memoryview, begin: int, end: int) -> None:
         if n <= 0:
             raise CorruptCheckpoint(f"checkpoint file {f.path} ended early at byte {begin + done}", str(f.path))
         done += n
-
-
-def _pieces(f: _File, scratch: memoryview, begin: int, end: int) -> list[memoryview]:
-    """[begin, end) of the file as destination slices in file order: the targets' own bytes where they
-    overlap it, `scratch` (indexed from `begin`) for the gaps (header, padding)."""
-    out: list[memoryview] = []
-    pos = begin
-    for t_begin, t_end, dest in f.overlapping(begin, end):
-        lo, hi = max(begin, t_begin), min(end, t_end)
-        if lo > pos:
-            out.append(scratch[pos - begin : lo - begin])
-        out.append(dest[lo - t_begin : hi - t_begin])
-        pos = hi
-    if pos < end:
-        out.append(scratch[pos - begin : end - begin])
-    return out
 
 
 def _preadv_all(f: _File, pieces: list[memoryview], offset: int) -> None:
@@ -287,7 +294,11 @@ def _consume(chunk: _Chunk, future: Future[list[memoryview]], progress: Progress
 
 
 def read_many(files: list[tuple[Path, FileEntry]], verify: bool, progress: Progress | None = None) -> list[mmap.mmap]:
-    """Each file's bytes in its own fresh mapping (same order)."""
+    """Each file's bytes in its own fresh mapping (same order). Compressed files: `zread`."""
+    if any(entry.compression for _, entry in files):
+        from dcs_tasks.checkpoint import zread  # imports this module
+
+        return zread.read_many(files, verify, progress, read_many)
     opened = [_File(path, entry, checked_size(path, entry)) for path, entry in files]
     mappings = [anonymous(f.size + DIRECT_ALIGN) for f in opened]
     views = {id(f): memoryview(m) for f, m in zip(opened, mappings, strict=True)}
@@ -313,7 +324,11 @@ def read_scatter(
     file; disjoint); with no targets this only verifies. Chunks with targets are read buffered with one
     `preadv` into the targets themselves (they are not aligned for O_DIRECT; measured: faster than O_DIRECT
     into a bounce buffer plus a copy), gaps into a scratch slot. If a file fails, earlier targets may
-    already hold its bytes."""
+    already hold its bytes. Compressed files: `zread`."""
+    if any(entry.compression for _, entry, _ in files):
+        from dcs_tasks.checkpoint import zread  # imports this module
+
+        return zread.read_scatter(files, verify, progress, read_scatter)
     opened = [_File(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
     slot_bytes = (
         min(CHUNK_BYTES, max((f.size for f in opened), default=0) + DIRECT_ALIGN) // DIRECT_ALIGN * DIRECT_ALIGN
@@ -326,7 +341,7 @@ def read_scatter(
         if not chunk.f.targets:
             _pread(chunk.f, slot, chunk.begin, chunk.end)
             return [slot[: chunk.end - chunk.begin]]
-        pieces = _pieces(chunk.f, slot, chunk.begin, chunk.end)
+        pieces = chunk.f.index.pieces(slot, chunk.begin, chunk.end)
         _preadv_all(chunk.f, pieces, chunk.begin)
         return pieces
 

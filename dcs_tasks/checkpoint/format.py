@@ -147,7 +147,14 @@ def plan_layout(specs: list[TensorSpec], shard_bytes: int, apart: frozenset[str]
     return Layout(files=tuple(files), signature=digest)
 
 
+COMPRESSED_SUFFIX = {"zstd": ".zst"}  # codec -> suffix of a compressed file's on-disk name
+
+
 class FileEntry(BaseModel):
+    """One file of a step. `size` and `checksum` are those of the safetensors bytes; a compressed file
+    (`compression`, see `dcs_tasks.checkpoint.compression`) holds `stored_size` bytes on disk under
+    `name` + its codec's suffix."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
@@ -157,13 +164,25 @@ class FileEntry(BaseModel):
     # incremental saves: the bytes were equal to those of an earlier step's same-named file, which holds
     # them (always the step that physically holds the bytes, never a chain); None: in this step's directory
     source_step: int | None = None
+    # absent (None) for files stored as they are, and in manifests written before compression existed
+    compression: str | None = None
+    stored_size: int | None = Field(default=None, ge=0)
+
+    @property
+    def stored_name(self) -> str:
+        return self.name + COMPRESSED_SUFFIX.get(self.compression or "", "")
+
+    @property
+    def disk_size(self) -> int:
+        """Bytes of the file on disk: `stored_size` when compressed, else `size`."""
+        return self.stored_size if self.compression and self.stored_size is not None else self.size
 
     def stored_path(self, step_dir: Path) -> Path:
         """Where this file's bytes lie on disk for the step at `step_dir`. Every reader resolves a file
         through here, so a format change of where or how bytes are stored changes this one place."""
         if self.source_step is not None:
-            return step_dir.parent / step_dir_name(self.source_step) / self.name
-        return step_dir / self.name
+            return step_dir.parent / step_dir_name(self.source_step) / self.stored_name
+        return step_dir / self.stored_name
 
     def referring(self, holder: int) -> FileEntry:
         """This entry (of step `holder`) as a later step records it when it reuses the bytes: every field
@@ -236,6 +255,11 @@ class Manifest(ManifestDraft):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the step's files take on disk (less than `total_bytes` when some are compressed)."""
+        return sum(f.disk_size for f in self.files)
 
 
 def tensor_index(layout: Layout) -> dict[str, TensorEntry]:

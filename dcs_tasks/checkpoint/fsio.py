@@ -153,18 +153,28 @@ def _write_chunk(fd: int, piece: memoryview) -> None:
             write_all(fd, tail)
 
 
+def chunk_size(throttle: float | None) -> int:
+    """Bytes per write + hash step: `CHUNK_BYTES`, or small enough to pace a throttled write smoothly."""
+    return CHUNK_BYTES if throttle is None else max(64 * 1024, int(throttle / 20))
+
+
+def pace(started: float, done: int, throttle: float | None) -> None:
+    """Sleep so that `done` bytes since `started` (monotonic) went no faster than `throttle` bytes/s."""
+    if throttle is not None:
+        ahead = done / throttle - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None) -> None:
     started = time.monotonic()
-    chunk = CHUNK_BYTES if throttle is None else max(64 * 1024, int(throttle / 20))
+    chunk = chunk_size(throttle)
     try:
         for pos in range(0, len(view), chunk):
             with view[pos : pos + chunk] as piece:  # released even when the write fails (ENOSPC)
                 hasher.update(piece)
                 _write_chunk(fd, piece)
-            if throttle is not None:
-                ahead = (pos + chunk) / throttle - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
+            pace(started, pos + chunk, throttle)
     finally:
         view.release()
 

@@ -96,7 +96,7 @@ def candidate(step_dir: Path, name: str, size: int) -> FileEntry | None:
         found = held.lstat()
     except OSError:
         return None
-    return reused if stat.S_ISREG(found.st_mode) and found.st_size == size else None
+    return reused if stat.S_ISREG(found.st_mode) and found.st_size == entry.disk_size else None
 
 
 def region_checksum(fd: int, offset: int, length: int) -> str:

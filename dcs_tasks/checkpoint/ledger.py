@@ -161,4 +161,4 @@ def _status(value: str) -> StepStatus | None:
 
 
 def file_entry_json(entry: FileEntry) -> str:
-    return json.dumps(entry.model_dump(mode="json"))
+    return json.dumps(entry.model_dump(mode="json", exclude_none=True))  # plain files: the fields as before

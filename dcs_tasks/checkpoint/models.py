@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.format import step_dir_name
 from dcs_tasks.errors import CheckpointError
 
@@ -108,7 +109,8 @@ class RetentionPolicy(BaseModel):
 
 
 class PersistRequest(BaseModel):
-    """Stream `length` staged bytes at `offset` of `staging_path` into `step_dir/file_name`."""
+    """Stream `length` staged bytes at `offset` of `staging_path` into `step_dir/file_name` (compressed as
+    `compression` asks, `dcs_tasks.checkpoint.compression`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -119,6 +121,7 @@ class PersistRequest(BaseModel):
     length: Annotated[StrictInt, Field(ge=0)]
     retention: RetentionPolicy = Field(default_factory=lambda: RetentionPolicy())
     incremental: bool = Field(default=False, description="reuse the newest earlier step's file if the bytes equal")
+    compression: CompressionSpec | None = None  # None: the file is written as it is
 
 
 class CommitRequest(BaseModel):

@@ -52,7 +52,7 @@ def newest_intact(run_dir: Path) -> int | None:
             manifest = load_manifest(step_dir)
         except CorruptCheckpoint:
             continue
-        if all(_regular_of_size(f.stored_path(step_dir), f.size) for f in manifest.files):
+        if all(_regular_of_size(f.stored_path(step_dir), f.disk_size) for f in manifest.files):
             return step
     return None
 

@@ -11,7 +11,8 @@ believed before it is checked, and everything is checked before memory is alloca
   overlapping another tensor; sharded dimensions name tensors and their dimensions; rank < world size; the
   structure decodes (`structure.check_structure`: only what DCS writes); DTensor shard entries name tensors
   and lie inside their global shape (`_check_dtensors`); chunk checksums name tensors, have a bounded chunk
-  size and exactly one well-formed checksum per chunk (`_check_chunks`).
+  size and exactly one well-formed checksum per chunk (`_check_chunks`); a file's compression is one DCS
+  writes (zstd) with a `stored_size` any zstd frame of its size could have (`compression.stored_size_problem`).
 - Incremental references (`FileEntry.source_step`): an integer naming an earlier step (0 <= s < this
   step); `check_files` requires that step's directory to be a real directory (lstat: not a symlink) and
   checks the referenced file there like any other, so a missing one is `CorruptCheckpoint` naming it.
@@ -19,7 +20,9 @@ believed before it is checked, and everything is checked before memory is alloca
   a symlink is refused, never followed) of exactly its recorded size, and its safetensors header (length
   bounded by the file and `MAX_HEADER_BYTES`, valid JSON, every entry's dtype, shape and byte range
   consistent and inside the file) lists exactly the manifest's tensors of that file at the same places.
-  Costs one open and one small header read per file: no data bytes are read.
+  Costs one open and one small header read per file: no data bytes are read. A compressed file must have
+  its `stored_size`, a zstd frame header recording exactly its `size`, and its header is read by
+  decompressing only the header's bytes (`compression.Decoder`).
 Every failure is `CorruptCheckpoint` naming the file and the reason. Since names are checked before any
 path is built, nothing outside the step directory (and, for incremental references, the same run's
 earlier step directories) is ever opened or stat'ed, so messages cannot reveal
@@ -37,16 +40,18 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dcs_tasks.checkpoint.compression import Decoder, check_frame, stored_size_problem
 from dcs_tasks.checkpoint.format import (
     CHECKSUM_ALGORITHM,
     CHUNK_ALGORITHM,
     CODE_DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     TensorEntry,
 )
@@ -125,6 +130,16 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def open_stored(path: Path, entry: FileEntry) -> int:
+    """`open_regular(path)`, which must have the entry's `disk_size` bytes (CorruptCheckpoint otherwise)."""
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if size != entry.disk_size:
+        os.close(fd)
+        raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {entry.disk_size}", str(path))
+    return fd
+
+
 def check_manifest(manifest: Manifest, path: Path) -> None:
     """Everything the manifest says about itself, checked before any of its files is touched."""
     try:
@@ -167,6 +182,9 @@ def _check_files(manifest: Manifest) -> dict[str, int]:
             raise CorruptCheckpoint(
                 f"file {entry.name!r} refers to step {_short(source)}, not an earlier step than {manifest.step}"
             )
+        problem = stored_size_problem(entry)
+        if problem is not None:
+            raise CorruptCheckpoint(problem)
         sizes[entry.name] = entry.size
     return sizes
 
@@ -275,13 +293,15 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
         path = f.stored_path(step_dir)
         if f.source_step is not None:
             _check_source_dir(path.parent, f.name, f.source_step)
-        fd = open_regular(path)
+        fd = open_stored(path, f)
+        size = f.disk_size
         try:
-            size = os.fstat(fd).st_size
-            if size != f.size:
-                raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {f.size}", str(path))
             with _reading(path):
-                _check_header(fd, path, size, by_file[f.name])
+                if f.compression:
+                    check_frame(fd, path, f)
+                    _check_header(fd, path, f.size, by_file[f.name], Decoder(fd, path, f).read)
+                else:
+                    _check_header(fd, path, size, by_file[f.name])
         finally:
             os.close(fd)
 
@@ -299,8 +319,10 @@ def _check_source_dir(source_dir: Path, name: str, step: int) -> None:
         )
 
 
-def _check_header(fd: int, path: Path, size: int, expected: Mapping[str, TensorEntry]) -> None:
-    header, start = read_header(fd, path, size)
+def _check_header(
+    fd: int, path: Path, size: int, expected: Mapping[str, TensorEntry], read: Callable[[int], bytes] | None = None
+) -> None:
+    header, start = read_header(fd, path, size, read)
     names = set(header) - {"__metadata__"}
     if names != set(expected):
         odd = sorted(names ^ set(expected))[0]
@@ -316,16 +338,21 @@ def _check_header(fd: int, path: Path, size: int, expected: Mapping[str, TensorE
             raise CorruptCheckpoint(f"safetensors header of {path} and the manifest disagree on tensor {name!r}")
 
 
-def read_header(fd: int, path: Path, size: int) -> tuple[dict[str, Any], int]:
+def read_header(
+    fd: int, path: Path, size: int, read: Callable[[int], bytes] | None = None
+) -> tuple[dict[str, Any], int]:
     """The parsed safetensors header of an open file of `size` bytes and where its data starts; every
-    entry's dtype, shape and byte range checked against each other and the file."""
-    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+    entry's dtype, shape and byte range checked against each other and the file. `read(n)`: the file's
+    next n bytes from its start (a compressed file's `Decoder`); default: `pread` of `fd`."""
+    if read is None:
+        read = _sequential_pread(fd)
+    prefix = read(8) if size >= 8 else b""
     if len(prefix) != 8:
         raise CorruptCheckpoint(f"{path} is too short for a safetensors header", str(path))
     (length,) = struct.unpack("<Q", prefix)
     if length > min(size - 8, MAX_HEADER_BYTES):
         raise CorruptCheckpoint(f"{path}: safetensors header length {length} exceeds the file", str(path))
-    raw = os.pread(fd, length, 8)
+    raw = read(length)
     try:
         header = json.loads(raw) if len(raw) == length else None
     except (ValueError, RecursionError):
@@ -337,6 +364,17 @@ def read_header(fd: int, path: Path, size: int) -> tuple[dict[str, Any], int]:
         if name != "__metadata__":
             _check_header_entry(path, name, entry, data)
     return header, 8 + length
+
+
+def _sequential_pread(fd: int) -> Callable[[int], bytes]:
+    pos = [0]
+
+    def read(n: int) -> bytes:
+        data = os.pread(fd, n, pos[0])
+        pos[0] += len(data)
+        return data
+
+    return read
 
 
 def _check_header_entry(path: Path, name: str, entry: Any, data: int) -> None:
