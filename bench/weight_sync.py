@@ -57,9 +57,15 @@ WARMUPS = 2
 BASELINES = ("flat", "per_tensor", "per_tensor_async")
 SGLANG_VERSION = "0.5.23"
 SGLANG_DIR = REPO / ".sglang" / SGLANG_VERSION
-# per-update metrics of the pushes whose medians are reported (seconds; `ready`: after the update started,
-# the engines confirmed and every session open; `close`: end + continue after the last bucket)
-PHASES = ("topology_seconds", "ready_seconds", "pack_seconds", "wait_seconds", "close_seconds")
+# per-update metrics of the pushes whose medians are reported (seconds). `*_at`: after the update started (the
+# latest engine's): paused, begun (session open), ready (engines confirmed and every session open), first / last
+# bucket request sent, ended, continued. Durations: topology read, packing, waiting on broadcasts + answers,
+# the bucket requests (summed), close (end + continue after the last bucket), the sender's whole send.
+PHASES = (
+    "topology_seconds", "paused_at", "begun_at", "ready_seconds", "first_request_at", "last_request_at",
+    "pack_seconds", "wait_seconds", "requests_seconds", "broadcast_seconds", "ended_at", "continued_at",
+    "close_seconds",
+)  # fmt: skip
 TARGETS = {"1 GiB": 0.95, "32 MiB": 0.8}
 SGLANG_ROLE = "rollout_sglang"  # the engines' own role, so each client pushes to its own pair
 
@@ -252,7 +258,7 @@ def start_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> None:
     url, dcs = str(config.coordinator_url), [sys.executable, "-m", "dcs_tasks.cli.main"]
     for rank, (port, proc, log) in enumerate(engines):
         health = f"http://127.0.0.1:{port}/health"
-        _wait(f"SGLang engine {rank}", lambda h=health: httpx.get(h, timeout=2).status_code == 200, proc, log, 300)
+        _wait(f"SGLang engine {rank}", lambda h=health: httpx.get(h, timeout=2).status_code == 200, proc, log, 900)
         cmd = [*dcs, "engine", "attach", "--coordinator-url", url, "--engine-url", f"http://127.0.0.1:{port}"]
         cmd += ["--rank", str(rank), "--role", SGLANG_ROLE]
         attach_log = tmp / f"attach{rank}.log"

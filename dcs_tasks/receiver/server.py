@@ -80,7 +80,8 @@ def _version(body: UpdateWeightsFromDistributedRequest) -> int | None:
 
 def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest) -> int:
     """Receive the bucket `body` announces (one flat broadcast in SGLang's layout, or one per tensor), recording
-    metrics; returns the version staged."""
+    metrics, and commit the update when `body` is its last bucket (`flush_cache`; in the same worker-thread
+    call: one thread hand-off less before the answer); returns the version staged."""
     started = time.perf_counter()
     flattened = body.load_format == SGLANG_FLAT_FORMAT
     if body.load_format not in (None, SGLANG_FLAT_FORMAT):
@@ -89,6 +90,8 @@ def _receive(receiver: WeightReceiver, body: UpdateWeightsFromDistributedRequest
     version = receiver.receive_bucket(*bucket, body.group_name, _version(body), flattened, SGLANG_ALIGNMENT)
     nbytes = FusionLayout.from_wire(*bucket, ALIGNMENT).payload_bytes
     get_metrics().record_recv(nbytes, time.perf_counter() - started)
+    if body.flush_cache:
+        receiver.commit(version)
     return version
 
 
@@ -163,7 +166,7 @@ def _session_routes(app: FastAPI, receiver: WeightReceiver, state: EngineState) 
     async def begin(request: Request) -> JSONResponse:
         if state.session:
             return _answer(False, "a weight-update session is already open; call end_weight_update() first")
-        await asyncio.to_thread(receiver.abort)  # nothing staged survives from before the session
+        receiver.abort()  # nothing staged survives from before the session (inline: its lock is never held long)
         state.session = True
         return _answer(True, "Success")
 
@@ -171,7 +174,7 @@ def _session_routes(app: FastAPI, receiver: WeightReceiver, state: EngineState) 
     async def end(request: Request) -> JSONResponse:
         if not state.session:
             return _answer(False, "no weight-update session is open; call begin_weight_update() first")
-        await asyncio.to_thread(receiver.abort)  # a partial update (no final bucket) is dropped, never served
+        receiver.abort()  # a partial update (no final bucket) is dropped, never served
         state.session = False
         return _answer(True, "Success")
 
@@ -194,8 +197,6 @@ def _update_route(app: FastAPI, receiver: WeightReceiver, state: EngineState, pa
         try:
             with paused_gc(pause_gc):
                 version = await asyncio.to_thread(_receive, receiver, body)
-                if body.flush_cache:
-                    await asyncio.to_thread(receiver.commit, version)
         except (DCSError, ValueError) as exc:
             get_metrics().record_error(type(exc).__name__)
             log.warning("update failed: %s", exc)

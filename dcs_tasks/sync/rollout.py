@@ -51,12 +51,28 @@ PROBE_TIMEOUT_SECONDS = 10.0  # per /server_info or /model_info read
 CLEANUP_TIMEOUT_SECONDS = 10.0  # per call, when ending sessions / resuming generation after a failure
 
 
+class Marks:
+    """Where one update's time went: `<event>_at` seconds after its start (the latest engine's), and summed
+    `<what>_seconds`; merged into the update's metrics."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.phases[name] = max(self.phases.get(name, 0.0), time.perf_counter() - self.started)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+
 class EngineSessions:
     """The engine-side frame of one update: pause, begin, (buckets), end, continue; `abandon` after a failure."""
 
-    def __init__(self, api: EngineAPI, engines: tuple[EngineEndpoint, ...]) -> None:
+    def __init__(self, api: EngineAPI, engines: tuple[EngineEndpoint, ...], marks: Marks | None = None) -> None:
         self.api = api
         self.engines = engines
+        self.marks = marks or Marks()
         self.paused: list[EngineEndpoint] = []
         self.begun: list[EngineEndpoint] = []
         self.loaded: set[str] = set()  # engines that were sent a bucket (may hold part of this update)
@@ -71,8 +87,10 @@ class EngineSessions:
         if engine.info.pause:
             self.paused.append(engine)  # before the call: a pause cancelled in flight may still have landed
             await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
+            self.marks.mark("paused_at")
         if engine.info.sessions:
             await self._begin(engine)
+            self.marks.mark("begun_at")
 
     async def _begin(self, engine: EngineEndpoint) -> None:
         self.begun.append(engine)  # before the call: a begin cancelled in flight may still have opened one
@@ -95,9 +113,11 @@ class EngineSessions:
         if engine in self.begun:
             await self.api.post(engine, "/end_weight_update", {})
             self.begun.remove(engine)
+            self.marks.mark("ended_at")
         if engine in self.paused:
             await self.api.post(engine, "/continue_generation", {})
             self.paused.remove(engine)
+            self.marks.mark("continued_at")
 
     def forget(self, listed: set[tuple[int, str, int]]) -> None:
         """Drop engines that are not in `listed` ((rank, ip, port)): nothing more is sent to them."""
@@ -166,11 +186,12 @@ class RolloutUpdater:
         same engines and every session is open; when the engines changed, the sessions just opened are closed
         again (no bucket was sent) and the group is rebuilt."""
         started = time.perf_counter()
-        phases: dict[str, float] = {}
+        marks = Marks(started)
+        phases = marks.phases
         current = self.group
         if current is not None and current.plan.flattened and self.sender.backend.has_group(current.result.group_name):
             try:
-                return await self._push(state, quant, current, False, started, phases)
+                return await self._push(state, quant, current, False, marks)
             except _EnginesChanged:
                 await self._drop_group()
         endpoints = await self.endpoints()
@@ -181,7 +202,7 @@ class RolloutUpdater:
         rebuilt = await self._ensure_group(endpoints)
         phases["bootstrap_seconds"] = time.perf_counter() - started
         assert self.group is not None
-        return await self._push(state, quant, self.group, rebuilt, started, phases, checked=True)
+        return await self._push(state, quant, self.group, rebuilt, marks, checked=True)
 
     async def _push(
         self,
@@ -189,14 +210,14 @@ class RolloutUpdater:
         quant: QuantizationConfig | None,
         group: ActiveGroup,
         rebuilt: bool,
-        started: float,
-        phases: dict[str, float],
+        marks: Marks,
         checked: bool = False,
     ) -> UpdateReport:
         """Open the sessions (after confirming the engines from the topology unless `checked`), send, close."""
         version = self.weight_version + 1
-        sessions = EngineSessions(self.engines, group.plan.engines)
-        ready = asyncio.ensure_future(self._ready(group, sessions, checked, started, phases))
+        phases = marks.phases
+        sessions = EngineSessions(self.engines, group.plan.engines, marks)
+        ready = asyncio.ensure_future(self._ready(group, sessions, checked))
         try:
             if not group.plan.flattened:  # one broadcast per tensor: nothing to pack ahead
                 await asyncio.shield(ready)
@@ -233,13 +254,11 @@ class RolloutUpdater:
             group_name=group.result.group_name,
             group_rebuilt=rebuilt,
             flattened=group.plan.flattened,
-            total_seconds=time.perf_counter() - started,
+            total_seconds=time.perf_counter() - marks.started,
         )
         return UpdateReport(sent, details)
 
-    async def _ready(
-        self, group: ActiveGroup, sessions: EngineSessions, checked: bool, started: float, phases: dict[str, float]
-    ) -> None:
+    async def _ready(self, group: ActiveGroup, sessions: EngineSessions, checked: bool) -> None:
         """Resolves once the engines are confirmed (topology) and every session is open; the sender sends no
         request and no byte before. Raises _EnginesChanged / _TopologyUnread (nothing sent yet)."""
         opening = asyncio.ensure_future(sessions.open())
@@ -249,12 +268,13 @@ class RolloutUpdater:
                     endpoints = await self.endpoints()
                 except DCSError as exc:
                     raise _TopologyUnread(exc) from exc
-                phases["topology_seconds"] = phases["bootstrap_seconds"] = time.perf_counter() - started
+                sessions.marks.mark("topology_seconds")
+                sessions.marks.mark("bootstrap_seconds")
                 listed = tuple((e.rank, e.ip, e.port) for e in endpoints)
                 if listed != group.plan.signature:
                     raise _EnginesChanged(set(listed))
             await asyncio.shield(opening)
-            phases["ready_seconds"] = time.perf_counter() - started
+            sessions.marks.mark("ready_seconds")
         finally:
             await _cancel(opening)
 
@@ -317,7 +337,10 @@ class RolloutUpdater:
                 load_format=load_format,
             ).wire()
             sessions.loaded.update(e.node_id for e in engines)
+            sessions.marks.mark("first_request_at" if index == 0 else "last_request_at")
+            t0 = time.perf_counter()
             await all_or_first_error(*(self.engines.post(e, "/update_weights_from_distributed", body) for e in engines))
+            sessions.marks.add("requests_seconds", time.perf_counter() - t0)
 
         return announce
 

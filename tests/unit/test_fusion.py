@@ -100,3 +100,26 @@ def test_tensors_of_alone_bytes_get_their_own_bucket_whose_wire_size_is_the_tens
     buckets = plan_buckets(specs, bucket_size_bytes=1 << 20, alone_bytes=600)
     assert [b.names for b in buckets] == [["a"], ["big"], ["b"]]
     assert buckets[1].wire_bytes == 666 and buckets[1].total_bytes == 704
+
+
+def test_pack_into_a_used_buffer_is_bit_exact_and_zeroes_the_padding() -> None:
+    """Packing (one copy call for the whole bucket) into a buffer that held other bytes: every tensor bit-exact
+    (NaN payloads, -0.0, non-contiguous and empty tensors), the padding between tensors zero (before, it kept
+    whatever the previous bucket left there), nothing past the wire bytes touched."""
+    from dcs_tasks.backends.fusion import sglang_layout
+
+    tensors = _mixed()
+    for layout in (
+        FusionLayout.build([TensorSpec.of(n, t) for n, t in tensors.items()], ALIGNMENT),
+        sglang_layout([TensorSpec.of(n, t) for n, t in tensors.items()]),
+    ):
+        buffer = torch.full((layout.total_bytes + 16,), 0xAB, dtype=torch.uint8)
+        view = pack_into(buffer, layout, tensors)
+        assert view.data_ptr() == buffer.data_ptr() and view.numel() == layout.wire_bytes
+        for name, out in unpack_views(view, layout).items():
+            assert _bits(out) == _bits(tensors[name]), name
+        used = torch.zeros(layout.wire_bytes, dtype=torch.bool)
+        for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+            used[offset : offset + spec.nbytes] = True
+        assert not view[~used].any(), "padding must be zero"
+        assert bool((buffer[layout.wire_bytes :] == 0xAB).all())
