@@ -72,7 +72,11 @@ class SGLangEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 240.0) -> SGLangEngine:
+    def start(self, timeout: float | None = None) -> SGLangEngine:
+        """Start the engine and wait until it is healthy: `timeout`, else DCS_TEST_SGLANG_START_SECONDS, else
+        240 s (an SGLang import takes about a minute on an idle 2-core machine, several under heavy load)."""
+        if timeout is None:
+            timeout = float(os.environ.get("DCS_TEST_SGLANG_START_SECONDS", "240"))
         if not installed(self.version):
             raise RuntimeError(f"SGLang {self.version} is not installed under {SGLANG_ROOT}: run `make sglang-engines`")
         cmd = [sys.executable, "-m", "tests.sglang_engine.serve", "--sglang-dir", str(sglang_dir(self.version))]
