@@ -83,7 +83,9 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.config = config or DCSConfig()
-        self.run_root = (Path(self.config.checkpoint_dir) / run).resolve()
+        # both roots resolved once, here: a restore then touches nothing outside the run directories
+        self._roots = replicas.run_roots(self.config, run)
+        self.run_root = self._roots[0][1]
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
         self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
@@ -366,7 +368,7 @@ class Checkpointer:
         either wins, its primary copy first and the replica when the primary is missing or corrupt (a
         warning names the corrupt copy); the result's `location` ("primary"/"replica") and `path` say which
         copy was read (`dcs_tasks.checkpoint.replicas`)."""
-        roots = replicas.run_roots(self.config, self.run)
+        roots = self._roots
         if self.world_size > 1 or any(sharded.rank_dirs(root) for _, root in roots):
             return self._restore_sharded(step, into, verify, strict)
         found = {location: dict(reader.step_dirs(root)) for location, root in roots}
@@ -403,7 +405,7 @@ class Checkpointer:
 
     def _restore_sharded(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
         scans = [
-            (location, root, *sharded.scan_steps(root)) for location, root in replicas.run_roots(self.config, self.run)
+            (location, root, *sharded.scan_steps(root)) for location, root in self._roots
         ]
 
         def load(s: int) -> RestoredCheckpoint:
