@@ -106,6 +106,8 @@ def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, 
             pieces.append(src.detach().contiguous().reshape(-1).view(torch.uint8))
             cursor = offset + spec.nbytes
     view = buffer[: layout.wire_bytes]
+    if pieces and layout.wire_bytes > cursor:  # trailing padding: cat must fill the view exactly (else it resizes it)
+        pieces.append(torch.zeros(layout.wire_bytes - cursor, dtype=torch.uint8, device=buffer.device))
     if pieces:
         # one copy call for the whole bucket (it runs without the GIL): a Python loop of per-tensor copies cost
         # ~20 us of interpreter per tensor, i.e. most of packing a bucket of small tensors

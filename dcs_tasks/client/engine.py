@@ -272,7 +272,7 @@ class CheckpointEngineClient:
             raise
         metrics: dict[str, Any] = {part: report.as_dict() for part, report in reports.items()}
         metrics["total_seconds"] = time.perf_counter() - started
-        _record_send(reports.values())
+        record_send(reports.values())
         return metrics
 
     async def init_process_groups_for_actor_fwd_ref(self, rollout_id: int, wait_timeout_s: float | None = None) -> bool:
@@ -339,7 +339,8 @@ class CheckpointEngineClient:
         return self._checkpoints().restore(step, into=target)
 
 
-def _record_send(reports: Iterable[UpdateReport]) -> None:
+def record_send(reports: Iterable[UpdateReport]) -> None:
+    """Count the bytes and time of what each report says was sent in `dcs_sync_*` metrics (nothing sent: nothing)."""
     for report in reports:
         if report.sent is not None and report.sent.bytes:
             get_metrics().record_send(report.sent.bytes, report.sent.total_seconds)

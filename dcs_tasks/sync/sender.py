@@ -173,6 +173,11 @@ class BucketSender:
         tensor = state[layout.specs[0].name]
         return to_wire(tensor, quant) is tensor and tensor.is_contiguous() and tensor.device == self.device
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of flat send buffers this sender holds (two, reused by every update; 0 before a fused send)."""
+        return sum(slot.numel() for slot in self._slots)
+
     def _buffers(self, fused: list[FusionLayout]) -> list[torch.Tensor]:
         """The two flat buffers, big enough for every bucket in `fused` (buckets sent from a tensor's own memory
         need none: a tensor larger than a bucket does not make them grow)."""

@@ -17,7 +17,7 @@ import torch
 from dcs_tasks.backends.base import GroupSpec, RecvRequest, SendRequest
 from dcs_tasks.backends.fusion import ALIGNMENT, SGLANG_ALIGNMENT, FusionLayout
 from dcs_tasks.backends.loopback import LoopbackBackend, LoopbackHub
-from dcs_tasks.client.engine import _record_send
+from dcs_tasks.client.engine import record_send
 from dcs_tasks.errors import RequestRejected, WeightSyncError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.sync.models import QuantizationConfig
@@ -170,7 +170,7 @@ def test_a_tensor_larger_than_a_bucket_goes_alone_from_its_own_memory() -> None:
         assert scene.announced[0] == ["big"] and report.buckets == 2  # sent first, while the rest is packed
         scene.assert_received(state)
         # no copy of it: the flat buffers hold the fused bucket only (they used to grow to the big tensor)
-        assert all(slot.numel() <= 1024 for slot in scene.sender._slots)
+        assert scene.sender.buffer_bytes <= 2 * 1024
 
 
 def test_a_non_contiguous_tensor_larger_than_a_bucket_is_packed() -> None:
@@ -259,7 +259,7 @@ def test_the_client_records_what_the_reports_say_and_returns_their_figures() -> 
     assert merged["bytes"] == 100 and merged["broadcast_seconds"] == 0.5 and merged["engines"] == 2
     assert UpdateReport(None, {"engines": 0}).as_dict() == {"engines": 0}
     before = get_metrics().get_all()["counters"]
-    _record_send([UpdateReport(sent), UpdateReport(None, {"engines": 0})])  # nothing sent: nothing recorded
+    record_send([UpdateReport(sent), UpdateReport(None, {"engines": 0})])  # nothing sent: nothing recorded
     after = get_metrics().get_all()["counters"]
     assert after["bytes_sent"] - before["bytes_sent"] == 100
     assert after["send_operations"] - before["send_operations"] == 1
