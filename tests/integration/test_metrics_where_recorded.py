@@ -181,7 +181,10 @@ def test_wait_on_a_save_retention_removed_returns_what_it_committed(dcs_config: 
         assert [i.step for i in infos] == list(range(6))
         assert [i.removed for i in infos] == [True] * 4 + [False] * 2
         assert all(i.metadata == {"s": i.step} and i.files >= 1 for i in infos)
-        assert len({i.nbytes for i in infos}) == 1  # same layout every step: the ledger's bytes match the manifest's
+        # the same tensors every step: the ledger's bytes are the step's; they differ only by header bytes when
+        # the layout moves tensors seen changing into files of their own (incremental saves)
+        sizes = [i.nbytes for i in infos]
+        assert min(sizes) > 0 and max(sizes) - min(sizes) <= 4096, sizes
     finally:
         worker.terminate()
 
