@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from dcs_tasks.checkpoint.fsio import make_dirs_durable, remove_stray_temps, str
 from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.models import ReplicateRequest
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
-from dcs_tasks.checkpoint.retention import apply_retention
+from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
@@ -147,7 +146,7 @@ def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttl
     """Copy one file's stored bytes unless already there; returns the bytes copied."""
     src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
     size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
-    if _regular_of_size(dst, size):
+    if regular_of_size(dst, size):
         return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified below
     if dst.parent != dst_dir:
         make_dirs_durable(dst.parent)  # an incremental reference into a step not replicated itself
@@ -156,11 +155,3 @@ def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttl
         dst.unlink(missing_ok=True)
         raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
     return size
-
-
-def _regular_of_size(path: Path, size: int) -> bool:
-    try:
-        found = path.lstat()
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(found.st_mode) and found.st_size == size

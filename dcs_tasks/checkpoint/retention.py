@@ -52,12 +52,12 @@ def newest_intact(run_dir: Path) -> int | None:
             manifest = load_manifest(step_dir)
         except CorruptCheckpoint:
             continue
-        if all(_regular_of_size(f.stored_path(step_dir), f.disk_size) for f in manifest.files):
+        if all(regular_of_size(f.stored_path(step_dir), f.disk_size) for f in manifest.files):
             return step
     return None
 
 
-def _regular_of_size(path: Path, size: int) -> bool:
+def regular_of_size(path: Path, size: int) -> bool:
     """`path` is a regular file of `size` bytes, not a symlink (restore refuses those, so a step holding one
     is not intact whatever it points at)."""
     try:
