@@ -32,7 +32,7 @@ from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPrecondition
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.receiving import WeightReceiver
-from dcs_tasks.sync.sender import BucketSender, UpdateReport
+from dcs_tasks.sync.sender import ActorFwdDetails, BucketSender, UpdateReport
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class ActorFwdSender:
 
     async def update(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> UpdateReport:
         if self.spec is None:
-            return UpdateReport(None, {"actor_fwd_groups": 0})
+            return UpdateReport(None, ActorFwdDetails(actor_fwd_groups=0))
         group_name = self.spec.group_name
 
         async def announce(index: int, layout: FusionLayout, last: bool) -> None:
@@ -151,7 +151,7 @@ class ActorFwdSender:
 
         sent = await self.sender.send_fused(state, group_name, announce, quant)
         await self.api.send_weight_meta(WeightMeta.end())
-        return UpdateReport(sent)
+        return UpdateReport(sent, ActorFwdDetails(actor_fwd_groups=1))
 
 
 class ActorFwdReceiver:

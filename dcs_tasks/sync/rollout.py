@@ -43,7 +43,7 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
 )
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
-from dcs_tasks.sync.sender import Announce, BucketSender, UpdateReport
+from dcs_tasks.sync.sender import Announce, BucketSender, RolloutDetails, UpdateReport
 
 log = logging.getLogger(__name__)
 BLAME_TIMEOUT_SECONDS = 3.0
@@ -198,7 +198,7 @@ class RolloutUpdater:
         phases["topology_seconds"] = time.perf_counter() - started
         if not endpoints:
             await self._drop_group()
-            return UpdateReport(None, {"engines": 0, "weight_version": self.weight_version, "total_seconds": 0.0})
+            return UpdateReport(None, RolloutDetails(engines=0, weight_version=self.weight_version, total_seconds=0.0))
         rebuilt = await self._ensure_group(endpoints)
         phases["bootstrap_seconds"] = time.perf_counter() - started
         assert self.group is not None
@@ -247,14 +247,14 @@ class RolloutUpdater:
             await sessions.abandon()
             raise
         self.weight_version = version
-        details: dict[str, Any] = dict(phases)
-        details.update(
+        details = RolloutDetails(
             engines=len(group.plan.engines),
             weight_version=version,
+            total_seconds=time.perf_counter() - marks.started,
             group_name=group.result.group_name,
             group_rebuilt=rebuilt,
             flattened=group.plan.flattened,
-            total_seconds=time.perf_counter() - marks.started,
+            phases=dict(phases),
         )
         return UpdateReport(sent, details)
 

@@ -83,15 +83,52 @@ class SendReport:
 
 
 @dataclass(frozen=True)
-class UpdateReport:
-    """One destination's update as the client gets it: what the sender moved (None: nothing was sent, e.g. no
-    engine was live) and the destination's own figures (rollout: phases, engines, version, group)."""
+class RolloutDetails:
+    """A rollout update's own figures: the engines it reached, the version they now serve, the group it used
+    (`group_rebuilt`: formed for this update), and where the time went (`phases`: `<event>_at` and
+    `<what>_seconds` from the update's start; `total_seconds` the whole update)."""
 
-    sent: SendReport | None
-    details: Mapping[str, Any] = field(default_factory=dict)
+    engines: int
+    weight_version: int
+    total_seconds: float
+    group_name: str | None = None
+    group_rebuilt: bool = False
+    flattened: bool = False
+    phases: Mapping[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**(self.sent.as_dict() if self.sent is not None else {}), **self.details}
+        out: dict[str, Any] = dict(self.phases)
+        out.update(engines=self.engines, weight_version=self.weight_version, total_seconds=self.total_seconds)
+        if self.group_name is not None:
+            out.update(group_name=self.group_name, group_rebuilt=self.group_rebuilt, flattened=self.flattened)
+        return out
+
+
+@dataclass(frozen=True)
+class ActorFwdDetails:
+    """An actor_fwd / reference update's own figures: how many groups it went to (0: this actor is not a
+    source this round, nothing was sent)."""
+
+    actor_fwd_groups: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"actor_fwd_groups": self.actor_fwd_groups}
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """One destination's update as the client gets it: what the sender moved (None: nothing was sent, e.g. no
+    engine was live) and the destination's own figures (`RolloutDetails`, `ActorFwdDetails`, or None)."""
+
+    sent: SendReport | None
+    details: RolloutDetails | ActorFwdDetails | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat mapping a client's metrics carry: the send's figures, then the destination's."""
+        out: dict[str, Any] = self.sent.as_dict() if self.sent is not None else {}
+        if self.details is not None:
+            out.update(self.details.as_dict())
+        return out
 
 
 @dataclass

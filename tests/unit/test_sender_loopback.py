@@ -23,7 +23,7 @@ from dcs_tasks.metrics import get_metrics
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import relative_error_bound
 from dcs_tasks.sync.receiving import WeightReceiver, tensor_sha256
-from dcs_tasks.sync.sender import BucketSender, SendReport, UpdateReport
+from dcs_tasks.sync.sender import ActorFwdDetails, BucketSender, RolloutDetails, SendReport, UpdateReport
 from dcs_tasks.tensors import DTYPES, TensorSpec
 
 GROUP = "g"
@@ -255,11 +255,16 @@ def test_point_to_point_send_checks_the_specs() -> None:
 
 def test_the_client_records_what_the_reports_say_and_returns_their_figures() -> None:
     sent = SendReport("fused", 100, 2, 1, 1, 0.1, 0.2, 0.5)
-    merged = UpdateReport(sent, {"engines": 2, "weight_version": 3}).as_dict()
+    details = RolloutDetails(2, 3, 0.7, "g1", group_rebuilt=True, flattened=True, phases={"begin_at": 0.01})
+    merged = UpdateReport(sent, details).as_dict()
     assert merged["bytes"] == 100 and merged["broadcast_seconds"] == 0.5 and merged["engines"] == 2
-    assert UpdateReport(None, {"engines": 0}).as_dict() == {"engines": 0}
+    assert merged["weight_version"] == 3 and merged["group_name"] == "g1" and merged["begin_at"] == 0.01
+    assert merged["total_seconds"] == 0.7 and merged["group_rebuilt"] is True
+    nobody = RolloutDetails(engines=0, weight_version=3, total_seconds=0.0)
+    assert UpdateReport(None, nobody).as_dict() == {"engines": 0, "weight_version": 3, "total_seconds": 0.0}
+    assert UpdateReport(None, ActorFwdDetails(0)).as_dict() == {"actor_fwd_groups": 0}
     before = get_metrics().get_all()["counters"]
-    record_send([UpdateReport(sent), UpdateReport(None, {"engines": 0})])  # nothing sent: nothing recorded
+    record_send([UpdateReport(sent), UpdateReport(None, nobody)])  # nothing sent: nothing recorded
     after = get_metrics().get_all()["counters"]
     assert after["bytes_sent"] - before["bytes_sent"] == 100
     assert after["send_operations"] - before["send_operations"] == 1
