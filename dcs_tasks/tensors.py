@@ -23,58 +23,93 @@ variants, quantized or sub-byte dtypes) is refused by both paths with `Unsupport
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.errors import InvalidTensorSpec, UnsupportedDtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class DtypeInfo:
-    """One row of the table: `code` is None where safetensors (so a checkpoint) cannot store the dtype."""
+    """One row of the table: `code` is None where safetensors (so a checkpoint) cannot store the dtype.
+
+    The table needs no torch: a worker that only moves a checkpoint's bytes reads names, codes and sizes, and
+    does not import it. `torch_dtype` imports torch on first use."""
 
     name: str
-    torch_dtype: torch.dtype
     code: str | None
+    itemsize: int
 
     @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
-
-
-def _row(dtype: torch.dtype, code: str | None) -> DtypeInfo:
-    return DtypeInfo(str(dtype).removeprefix("torch."), dtype, code)
+    def torch_dtype(self) -> torch.dtype:
+        return _torch_dtypes()[self.name]
 
 
 DTYPES: tuple[DtypeInfo, ...] = (
-    _row(torch.float64, "F64"),
-    _row(torch.float32, "F32"),
-    _row(torch.float16, "F16"),
-    _row(torch.bfloat16, "BF16"),
-    _row(torch.int64, "I64"),
-    _row(torch.int32, "I32"),
-    _row(torch.int16, "I16"),
-    _row(torch.int8, "I8"),
-    _row(torch.uint8, "U8"),
-    _row(torch.uint16, "U16"),
-    _row(torch.uint32, "U32"),
-    _row(torch.uint64, "U64"),
-    _row(torch.bool, "BOOL"),
-    _row(torch.float8_e4m3fn, "F8_E4M3"),
-    _row(torch.float8_e5m2, "F8_E5M2"),
-    _row(torch.complex64, "C64"),
-    _row(torch.complex128, None),
+    DtypeInfo("float64", "F64", 8),
+    DtypeInfo("float32", "F32", 4),
+    DtypeInfo("float16", "F16", 2),
+    DtypeInfo("bfloat16", "BF16", 2),
+    DtypeInfo("int64", "I64", 8),
+    DtypeInfo("int32", "I32", 4),
+    DtypeInfo("int16", "I16", 2),
+    DtypeInfo("int8", "I8", 1),
+    DtypeInfo("uint8", "U8", 1),
+    DtypeInfo("uint16", "U16", 2),
+    DtypeInfo("uint32", "U32", 4),
+    DtypeInfo("uint64", "U64", 8),
+    DtypeInfo("bool", "BOOL", 1),
+    DtypeInfo("float8_e4m3fn", "F8_E4M3", 1),
+    DtypeInfo("float8_e5m2", "F8_E5M2", 1),
+    DtypeInfo("complex64", "C64", 8),
+    DtypeInfo("complex128", None, 16),
 )
 _BY_NAME: dict[str, DtypeInfo] = {row.name: row for row in DTYPES}
-_BY_TORCH: dict[torch.dtype, DtypeInfo] = {row.torch_dtype: row for row in DTYPES}
 _BY_CODE: dict[str, DtypeInfo] = {row.code: row for row in DTYPES if row.code is not None}
+# The element size of each safetensors code (what validating a checkpoint file's header needs).
+CODE_ITEMSIZE: dict[str, int] = {code: row.itemsize for code, row in _BY_CODE.items()}
 
-# The checkpoint's view of the table: torch dtype <-> safetensors code, for the dtypes a checkpoint stores.
-DTYPE_CODES: dict[torch.dtype, str] = {row.torch_dtype: row.code for row in DTYPES if row.code is not None}
-CODE_DTYPES: dict[str, torch.dtype] = {row.code: row.torch_dtype for row in DTYPES if row.code is not None}
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """name -> torch dtype for the whole table, built on first use (tests/unit check the sizes against torch)."""
+    import torch
+
+    return {row.name: getattr(torch, row.name) for row in DTYPES}
+
+
+@functools.cache
+def _by_torch() -> dict[torch.dtype, DtypeInfo]:
+    dtypes = _torch_dtypes()
+    return {dtypes[row.name]: row for row in DTYPES}
+
+
+@functools.cache
+def _checkpoint_maps() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
+    dtypes = _torch_dtypes()
+    coded = [row for row in DTYPES if row.code is not None]
+    return {dtypes[r.name]: r.code for r in coded}, {r.code: dtypes[r.name] for r in coded}  # type: ignore[misc]
+
+
+def code_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors code a checkpoint stores (KeyError for any other code)."""
+    return _torch_dtypes()[_BY_CODE[code].name]
+
+
+def __getattr__(name: str) -> Any:
+    """The checkpoint's view of the table, torch dtype <-> safetensors code for the dtypes a checkpoint stores:
+    `DTYPE_CODES` and `CODE_DTYPES`, built (importing torch) on first use."""
+    if name == "DTYPE_CODES":
+        return _checkpoint_maps()[0]
+    if name == "CODE_DTYPES":
+        return _checkpoint_maps()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _about(tensor: str | None) -> str:
@@ -92,7 +127,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def info_of(dtype: torch.dtype, tensor: str | None = None) -> DtypeInfo:
     """The table's row for `dtype`; UnsupportedDtype (naming `tensor`, when given) for a dtype DCS cannot move."""
-    row = _BY_TORCH.get(dtype)
+    row = _by_torch().get(dtype)
     if row is None:
         raise UnsupportedDtype(
             f"{_about(tensor)}dtype {dtype_name(dtype)!r}, which DCS can neither checkpoint nor sync; "

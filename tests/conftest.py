@@ -1,8 +1,14 @@
-"""Shared fixtures: a private redis-server per test (function scope, restartable) and a DCSConfig on it."""
+"""Shared fixtures: each test's Redis and a DCSConfig on it.
+
+`redis_server` is a database of its own on a redis-server shared by the tests of this pytest process (started on
+first use, AOF off); a test marked `@pytest.mark.own_redis` gets a private server it may stop, kill and restart
+instead (AOF, appendfsync always)."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,15 +16,39 @@ import pytest
 
 from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisDB, RedisServer
+
+# Database indexes of the shared server: one per test, never reused within a pytest process.
+SHARED_DATABASES = 16384
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[tuple[RedisServer, Iterator[int]]]:
+    """The redis-server the tests of this pytest process share (one database each)."""
+    workdir = Path(tempfile.mkdtemp(prefix="dcs-shared-redis-"))
+    server = RedisServer(workdir, appendonly=False, databases=SHARED_DATABASES)
+    server.start()
+    yield server, itertools.count(1)
+    server.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
+def redis_server(
+    request: pytest.FixtureRequest, tmp_path: Path, shared_redis: tuple[RedisServer, Iterator[int]]
+) -> Iterator[RedisServer | RedisDB]:
+    if request.node.get_closest_marker("own_redis") is not None:
+        server = RedisServer(tmp_path / "redis")
+        server.start()
+        yield server
+        server.stop()
+        return
+    shared, indexes = shared_redis
+    if shared.proc is None or shared.proc.poll() is not None:
+        raise RuntimeError(f"the shared redis-server on port {shared.port} is gone; see {shared.workdir}/redis.log")
+    database = RedisDB(shared, next(indexes))
+    yield database
+    database.flush()
 
 
 @pytest.fixture
@@ -39,7 +69,7 @@ def worker(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[WorkerProcess]:
     """One live `dcs worker` (prefork, 2 processes) serving node queue `dcs.node.testhost`."""
     proc = WorkerProcess(dcs_config, tmp_path / "worker.log").start()
     yield proc
-    proc.terminate()
+    proc.discard()
 
 
 @pytest.fixture(autouse=True)

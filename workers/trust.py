@@ -22,10 +22,9 @@ import os
 import stat
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format import step_dir_name
+from dcs_tasks.checkpoint.format import staging_name_pattern, staging_prefix, step_dir_name
 from dcs_tasks.checkpoint.models import clean_absolute_path
 from dcs_tasks.checkpoint.sharded import RANK_DIR
-from dcs_tasks.checkpoint.staging import staging_name_pattern, staging_prefix
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath
 

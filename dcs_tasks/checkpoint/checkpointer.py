@@ -38,12 +38,13 @@ from dcs_tasks.checkpoint.format import (
     draft_of,
     plan_layout,
     specs_of,
+    staging_prefix,
     step_dir_name,
 )
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
 from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into, staging_prefix
+from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import CheckpointCompression, DCSConfig, StagingPolicy

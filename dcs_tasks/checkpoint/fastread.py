@@ -31,15 +31,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint import iosizes
-from dcs_tasks.checkpoint.format import CODE_DTYPES, FileEntry, TensorEntry, new_hasher
+from dcs_tasks.checkpoint.format import FileEntry, TensorEntry, new_hasher
 from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.tensors import code_dtype
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: verifying a file's bytes needs none
+    import torch
 
 CHUNK_BYTES = READ_CHUNK_BYTES
 IO_THREADS = 4
@@ -353,11 +355,13 @@ def read_scatter(
 
 def tensors_over(mapping: mmap.mmap, entries: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:
     """One tensor per entry, each with its own storage over its slice of `mapping` (no copy)."""
+    import torch
+
     view = memoryview(mapping)
     out: dict[str, torch.Tensor] = {}
     for name, entry in entries.items():
         begin, end = entry.offsets
-        dtype = CODE_DTYPES[entry.dtype]
+        dtype = code_dtype(entry.dtype)
         if end == begin:
             out[name] = torch.empty(entry.shape, dtype=dtype)
         else:

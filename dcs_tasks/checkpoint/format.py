@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 # The dtype table and the tensor description are shared with weight sync (dcs_tasks.tensors); the checkpoint
-# readers import the code <-> dtype maps from here.
-from dcs_tasks.tensors import CODE_DTYPES as CODE_DTYPES
-from dcs_tasks.tensors import DTYPE_CODES as DTYPE_CODES
+# readers import the code <-> dtype maps from here (built on first use: a worker moving bytes never imports torch).
+from dcs_tasks import tensors as _tensors
 from dcs_tasks.tensors import TensorSpec as TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CODE_DTYPES", "DTYPE_CODES"):
+        return getattr(_tensors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -296,6 +305,7 @@ def library_versions() -> dict[str, str]:
     import platform
 
     import safetensors
+    import torch
 
     return {"torch": torch.__version__, "safetensors": safetensors.__version__, "python": platform.python_version()}
 
@@ -311,3 +321,16 @@ def read_manifest(path: Path) -> Manifest:
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     """The checkpoint specs (safetensors codes) of `tensors`; UnsupportedDtype names one that cannot be stored."""
     return [TensorSpec.of(name, t).checkpoint() for name, t in tensors.items()]
+
+
+# --- staging file names (the trainer writes them, the worker checks a payload's path against them) ----------
+
+
+def staging_prefix(namespace: str, run: str) -> str:
+    """The name prefix of the staging files of `run` (a shard run name in a multi-rank run)."""
+    return f"dcs-{namespace}-{run}"
+
+
+def staging_name_pattern(prefix: str) -> re.Pattern[str]:
+    """Exactly <prefix>-<pid>-<8 hex>-<index>.stage (group 1: the pid): run "exp" never matches "exp-2"'s files."""
+    return re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]{{8}}-\d+\.stage")

@@ -12,13 +12,10 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint.fastread import Progress, Target, read_many, read_scatter, tensors_over
 from dcs_tasks.checkpoint.format import (
-    CODE_DTYPES,
     LATEST_NAME,
     MANIFEST_NAME,
     Manifest,
@@ -27,6 +24,10 @@ from dcs_tasks.checkpoint.format import (
 )
 from dcs_tasks.checkpoint.validate import check_files, read_manifest, read_small
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
+from dcs_tasks.tensors import code_dtype
+
+if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listing and verifying need none
+    import torch
 
 STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)
 
@@ -85,6 +86,8 @@ def load_tensors(
     checksum the caller's tensors hold partial data and CorruptCheckpoint is raised. `manifest` comes from
     `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
     allocated or read."""
+    import torch
+
     check_files(step_dir, manifest)
     if into is None:
         return _load_whole_files(step_dir, manifest, verify)
@@ -115,19 +118,21 @@ def _load_whole_files(step_dir: Path, manifest: Manifest, verify: bool) -> dict[
 
 
 def _destination(name: str, entry: TensorEntry, into: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    import torch
+
     target = into.get(name) if into is not None else None
     if target is not None and target.device.type == "cpu" and target.is_contiguous():
         return target
-    return torch.empty(entry.shape, dtype=CODE_DTYPES[entry.dtype])
+    return torch.empty(entry.shape, dtype=code_dtype(entry.dtype))
 
 
-TensorShapes = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+TensorShapes = Mapping[str, tuple["torch.dtype", tuple[int, ...]]]
 """Tensor name -> (dtype, shape): what a checkpoint (or its resharded part) holds."""
 
 
 def manifest_shapes(manifest: Manifest) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of every tensor `manifest` lists."""
-    return {name: (CODE_DTYPES[e.dtype], tuple(e.shape)) for name, e in manifest.tensors.items()}
+    return {name: (code_dtype(e.dtype), tuple(e.shape)) for name, e in manifest.tensors.items()}
 
 
 def check_targets(have: Manifest | TensorShapes, targets: Mapping[str, torch.Tensor], note: str = "") -> None:

@@ -23,12 +23,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dcs_tasks.checkpoint.format import Manifest
 from dcs_tasks.checkpoint.reader import check_targets, load_manifest, step_dirs
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
+
+if TYPE_CHECKING:  # imported by the functions that make tensors; listing a run's steps (retention) needs none
+    import torch
 
 RANK_DIR = re.compile(r"^rank-(\d{5})$")
 
@@ -196,6 +198,8 @@ def assemble(
 ) -> dict[str, torch.Tensor]:
     """This rank's flat tensors: rank-local ones from `plan.local_source`, sharded ones cut and joined."""
     local = loaded[plan.local_source]
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for name, tensor in local.items():
         if name not in plan.dims:
@@ -219,6 +223,8 @@ def fill(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor
     the same names, shapes and dtypes (`reader.check_targets`; nothing is written on a mismatch)."""
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
     check_targets(shapes, targets, note=" (resharded for this rank)")
+    import torch
+
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name])

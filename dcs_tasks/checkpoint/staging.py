@@ -19,7 +19,6 @@ import contextlib
 import enum
 import mmap
 import os
-import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dcs_tasks.checkpoint.copier import HostCopier
-from dcs_tasks.checkpoint.format import Layout
+from dcs_tasks.checkpoint.format import Layout, staging_name_pattern
 from dcs_tasks.checkpoint.pinning import HostPinner, Pin
 from dcs_tasks.errors import StagingError
 from dcs_tasks.process import pid_alive
@@ -121,16 +120,6 @@ def _prefault(mapping: mmap.mmap, size: int) -> None:
         view = torch.frombuffer(mapping, dtype=torch.uint8)
         view[::PAGE].zero_()
         del view
-
-
-def staging_prefix(namespace: str, run: str) -> str:
-    """The name prefix of the staging files of `run` (a shard run name in a multi-rank run)."""
-    return f"dcs-{namespace}-{run}"
-
-
-def staging_name_pattern(prefix: str) -> re.Pattern[str]:
-    """Exactly <prefix>-<pid>-<8 hex>-<index>.stage (group 1: the pid): run "exp" never matches "exp-2"'s files."""
-    return re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]{{8}}-\d+\.stage")
 
 
 def remove_orphans(directory: Path, prefix: str) -> list[Path]:

@@ -48,15 +48,14 @@ from dcs_tasks.checkpoint.compression import Decoder, check_frame, stored_size_p
 from dcs_tasks.checkpoint.format import (
     CHECKSUM_ALGORITHM,
     CHUNK_ALGORITHM,
-    CODE_DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
     FileEntry,
     Manifest,
     TensorEntry,
 )
-from dcs_tasks.checkpoint.structure import check_structure
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.tensors import CODE_ITEMSIZE
 
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
@@ -68,7 +67,7 @@ CHUNK_SUM = re.compile(r"^[0-9a-f]{16}$", re.ASCII)
 MIN_SUM_CHUNK = 4096  # chunk sizes accepted from a manifest: a multiple of this (every dtype stays aligned)
 MAX_SUM_CHUNK = 1 << 30
 MAX_PLACEMENT = 32  # characters of one recorded placement
-ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in CODE_DTYPES.items()}
+ITEMSIZE: dict[str, int] = CODE_ITEMSIZE
 O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -155,6 +154,8 @@ def check_manifest(manifest: Manifest, path: Path) -> None:
         _check_sharded_dims(manifest)
         _check_dtensors(manifest)
         _check_chunks(manifest)
+        from dcs_tasks.checkpoint.structure import check_structure  # decodes into torch values: imports torch
+
         check_structure(manifest.structure, manifest.tensors.keys())
     except CorruptCheckpoint as exc:
         raise CorruptCheckpoint(f"{path}: {exc}", str(path)) from exc

@@ -113,5 +113,5 @@ def sync_stack(config: DCSConfig, tmp: Path, receivers: int = 0) -> Iterator[Syn
     finally:
         for receiver in stack.receivers:
             receiver.stop()
-        worker.terminate()
+        worker.discard()
         coordinator.stop()

@@ -209,7 +209,7 @@ def config(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
     config = ckpt_config(dcs_config, tmp_path)
     worker = start_worker(config, tmp_path)
     yield config
-    worker.terminate()
+    worker.discard()
 
 
 def run_group(config: DCSConfig, tmp_path: Path, tag: str, world: int, **job: Any) -> dict[int, Any]:

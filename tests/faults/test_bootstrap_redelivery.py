@@ -154,7 +154,7 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
             await trainer.stop()
         receiver.stop()
         slow.kill()
-        fresh.terminate()
+        fresh.discard()
         coordinator.stop()
 
 
@@ -269,5 +269,5 @@ async def test_a_bootstrap_the_trainer_gave_up_on_is_dropped_not_run(dcs_config:
     finally:
         await trainer.stop()
         receiver.stop()
-        late.terminate()
+        late.discard()
         coordinator.stop()

@@ -79,6 +79,7 @@ def test_redelivery_cap_fails_the_save_instead_of_looping(dcs_config: DCSConfig,
         worker.kill()
 
 
+@pytest.mark.own_redis
 def test_redis_restart_mid_save_then_new_saves_complete(
     dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
 ) -> None:

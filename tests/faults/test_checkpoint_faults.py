@@ -57,7 +57,7 @@ def test_corrupt_and_truncated_files_are_named_and_restore_falls_back(dcs_config
             with pytest.raises(CorruptCheckpoint, match="has 100 bytes"):
                 verify_step(info.path, load_manifest(info.path))
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tm
             assert after == before
             verify_step(info.path, load_manifest(info.path))
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def make_redis(config: DCSConfig) -> redis.Redis:
@@ -116,7 +116,7 @@ def test_a_save_whose_trainer_died_before_sending_is_taken_over_later(dcs_config
             ckpt.save(state, step=6).wait(60)  # the attempt begun long ago is taken over
             assert_same_state(state, ckpt.restore(step=6).state)
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_an_abandoned_attempt_fails_and_frees_its_step(dcs_config: DCSConfig) -> None:

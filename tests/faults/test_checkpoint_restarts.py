@@ -43,7 +43,7 @@ def test_sigterm_mid_write_then_new_worker_completes_the_save(dcs_config: DCSCon
             _assert_committed_once(ckpt, pending.step_dir)
             assert_same_state(state, ckpt.restore().state)
         finally:
-            replacement.terminate()
+            replacement.discard()
 
 
 def test_kill_9_of_the_whole_worker_then_new_worker_completes_the_save(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_kill_9_of_the_whole_worker_then_new_worker_completes_the_save(dcs_confi
             assert_same_state(state, ckpt.restore().state)
             assert "left unacknowledged by a dead worker" in replacement.log_tail(100_000)
         finally:
-            replacement.terminate()
+            replacement.discard()
 
 
 def test_close_before_the_save_is_durable_keeps_its_staging_and_the_save_commits(
@@ -88,4 +88,4 @@ def test_close_before_the_save_is_durable_keeps_its_staging_and_the_save_commits
             assert_same_state(state, fresh.restore().state)
         assert pending.step_dir.is_dir()
     finally:
-        worker.terminate()
+        worker.discard()

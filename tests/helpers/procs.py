@@ -121,6 +121,12 @@ class WorkerProcess(DcsProcess):
         """Warm shutdown (SIGTERM): running tasks finish or are restored."""
         self.stop(timeout)
 
+    def discard(self) -> None:
+        """Teardown of a worker whose shutdown the test does not look at: kill -9 of its process group, no
+        warm shutdown (about 3 s of Celery closing its pool and consumer, per worker, saved). Only for a test's
+        end: a task still running is cut, as when a host dies."""
+        self.kill()
+
 
 class CoordinatorProcess(DcsProcess):
     """`dcs coordinator` (uvicorn) on a free port."""

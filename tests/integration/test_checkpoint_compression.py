@@ -59,7 +59,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             for step in (1, 2):
                 ckpt.save(state_of(step), step=step).wait(timeout=120)
     finally:
-        worker.terminate()
+        worker.discard()
         server.stop()
         shutil.rmtree(Path("/dev/shm") / f"dcs-test-{root.name}", ignore_errors=True)
     yield root / "ckpt"

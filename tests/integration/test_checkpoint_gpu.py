@@ -44,4 +44,4 @@ def test_cuda_state_round_trip_and_weights_may_change_after_save(dcs_config: DCS
             assert all(t.is_cuda for t in into.values())
             assert all(torch.equal(into[k], expected[k]) for k in state)
     finally:
-        worker.terminate()
+        worker.discard()

@@ -81,7 +81,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Golden]:
             for c in ranks:
                 c.close()
     finally:
-        worker.terminate()
+        worker.discard()
         server.stop()
         shutil.rmtree(Path("/dev/shm") / f"dcs-test-{root.name}", ignore_errors=True)
     yield Golden(root / "ckpt")

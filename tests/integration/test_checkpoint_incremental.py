@@ -60,7 +60,7 @@ def served(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
     try:
         yield config
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def save_steps(ckpt: Checkpointer, state: dict[str, Any], steps: range) -> dict[int, Any]:

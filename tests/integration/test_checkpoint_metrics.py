@@ -44,7 +44,7 @@ def test_persist_and_commit_latency_are_exported_by_the_worker(dcs_config: DCSCo
         text = scrape()
         assert _sample(text, "dcs_ckpt_persist_seconds_count") == info.files  # one per file, every child summed
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_trainer_gauges_follow_staging_memory_and_saves_in_flight(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -72,4 +72,4 @@ def test_trainer_gauges_follow_staging_memory_and_saves_in_flight(dcs_config: DC
         ckpt.close()
         assert gauge("dcs_memory_buffer_usage_bytes") == memory0 and gauge("dcs_pending_operations") == pending0
     finally:
-        worker.terminate()
+        worker.discard()

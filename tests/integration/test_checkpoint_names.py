@@ -117,4 +117,4 @@ def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
             assert_same_state(state, ckpt.restore().state)
     finally:
         client.close()
-        worker.terminate()
+        worker.discard()

@@ -50,7 +50,7 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_confi
             assert ckpt.staging_buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
             assert len(list(Path(config.staging_dir).glob("*.stage"))) == 1
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: 
             assert first.released and second.stall_seconds > max(0.3, first.stall_seconds)
             second.wait(60)
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
@@ -119,7 +119,7 @@ def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Pat
             wait_until(lambda: [i.step for i in ckpt.list()] == [4, 5, 6], 30, "retention to delete steps 1-3")
             assert ckpt.restore().step == 6
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:

@@ -89,7 +89,7 @@ def test_primary_step_deleted_restores_bit_exact_from_the_replica(dcs_config: DC
             assert "both" in lines[1] and "replica" in lines[2] and "both" not in lines[2]
             assert ckpt.restore(step=1).location == "primary"
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_corrupt_primary_file_restores_the_same_step_from_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
             assert_same_state(state, restored.state)
     finally:
         app.close()
-        worker.terminate()
+        worker.discard()
 
 
 def test_retention_prunes_the_primary_and_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ def config(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
     config = ckpt_config(dcs_config, tmp_path)
     worker = start_worker(config, tmp_path)
     yield config
-    worker.terminate()
+    worker.discard()
 
 
 def zeros_like_model(state: dict[str, Any]) -> dict[str, Any]:

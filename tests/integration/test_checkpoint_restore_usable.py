@@ -30,7 +30,7 @@ def test_restored_rng_state_and_optimizer_load_back(dcs_config: DCSConfig, tmp_p
             ckpt.save(state, step=1).wait(timeout=60)
             restored = ckpt.restore().state
     finally:
-        worker.terminate()
+        worker.discard()
     for tensor in (restored["rng"], *restored["model"].values()):
         assert tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
     torch.set_rng_state(restored["rng"])  # torch reads the storage from its start: a view would break this

@@ -60,4 +60,4 @@ def test_restore_into_existing_tensors_in_place(dcs_config: DCSConfig, tmp_path:
             with pytest.raises(StateMismatch, match=r"model/0\.weight"):
                 ckpt.restore(into=wrong)
     finally:
-        worker.terminate()
+        worker.discard()

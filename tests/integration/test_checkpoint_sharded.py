@@ -78,7 +78,7 @@ def config(dcs_config: DCSConfig, tmp_path: Path) -> Any:
     config = ckpt_config(dcs_config, tmp_path)
     worker = start_worker(config, tmp_path)
     yield config
-    worker.terminate()
+    worker.discard()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])

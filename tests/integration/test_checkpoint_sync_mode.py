@@ -24,4 +24,4 @@ def test_synchronous_save_is_committed_on_return(dcs_config: DCSConfig, tmp_path
             assert [info.step for info in ckpt.list()] == [3]
             assert_same_state(state, ckpt.restore().state)
     finally:
-        worker.terminate()
+        worker.discard()

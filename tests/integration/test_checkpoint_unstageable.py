@@ -34,7 +34,7 @@ def test_dtensor_and_nested_tensor_saves_raise_staging_error_in_a_live_gloo_trai
         cmd = [sys.executable, "-m", "tests.integration.unstageable_trainer", str(free_port()), str(out)]
         proc = subprocess.run(cmd, env=child_env(config), cwd=REPO, capture_output=True, text=True, timeout=180)
     finally:
-        worker.terminate()
+        worker.discard()
     assert proc.returncode == 0, f"the trainer died with {proc.returncode}: {proc.stderr[-3000:]}"
     seen = json.loads(out.read_text())
     assert seen["dtensor"].startswith("UnsupportedPlacement: cannot checkpoint DTensor at 'model/w'"), seen["dtensor"]
@@ -104,7 +104,7 @@ def test_unstageable_tensors_are_refused_by_path_and_odd_views_round_trip(
             ckpt.save(state, step=1).wait(60)  # the refused saves opened nothing
             restored = ckpt.restore(step=1).state
     finally:
-        worker.terminate()
+        worker.discard()
     for name, tensor in state.items():
         expected = tensor.detach().clone(memory_format=torch.contiguous_format).resolve_neg()
         assert restored[name].shape == expected.shape and restored[name].dtype == expected.dtype, name

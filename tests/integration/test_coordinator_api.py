@@ -252,6 +252,7 @@ async def test_weight_meta_log_is_bounded_and_indices_stay_absolute(
         assert (after_clear.first_index, after_clear.entries) == (5, [metas[5]])
 
 
+@pytest.mark.own_redis
 async def test_long_poll_wakes_on_append_without_polling_redis(
     coord: InProcessCoordinator, redis_server: RedisServer
 ) -> None:

@@ -89,6 +89,7 @@ async def test_register_batch_applies_each_registration_in_order(coord: InProces
     assert sorted((await api.topology("actor")).nodes["actor"]) == [0, 1, 2, 5]  # nothing of the refused batch
 
 
+@pytest.mark.own_redis
 async def test_registering_many_nodes_does_not_scan_the_role(dcs_config: DCSConfig) -> None:
     """Each registration finds its identity's rank in O(1): no HGETALL of the owners hash (the old script
     scanned every owner on each registration, so N registrations cost O(N^2) and 10,000 took ~30 s)."""
@@ -106,6 +107,7 @@ async def test_registering_many_nodes_does_not_scan_the_role(dcs_config: DCSConf
     r.close()
 
 
+@pytest.mark.own_redis
 async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs_config: DCSConfig) -> None:
     """The smallest free rank (unregistered, or its node dead) is found without checking every rank below it:
     before, each rank-less registration scanned the role, and 5,000 of them took 16 s of Redis."""

@@ -79,6 +79,7 @@ async def test_a_long_poll_is_not_cut_off_by_the_read_bound(dcs_config: DCSConfi
         coordinator.stop()
 
 
+@pytest.mark.own_redis
 async def test_300_concurrent_long_polls_all_answer_from_a_bounded_redis_pool(
     dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -50,6 +50,7 @@ async def test_real_process_serves_the_api_on_loopback_only(coordinator: Coordin
             pass
 
 
+@pytest.mark.own_redis
 async def test_two_coordinators_on_one_redis_answer_alike(
     dcs_config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path
 ) -> None:
@@ -97,6 +98,7 @@ async def _restart_and_compare(coordinator: CoordinatorProcess) -> None:
         assert (await api.register(RoleInfo(role_name="actor", port=1))).rank == 0
 
 
+@pytest.mark.own_redis
 async def test_redis_restart_keeps_topology_and_ranks(
     dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -105,6 +105,7 @@ async def test_wrong_token_in_client_raises_auth_error(secured: InProcessCoordin
             await api.topology()
 
 
+@pytest.mark.own_redis
 async def test_redis_down_is_503_then_recovers(coord: InProcessCoordinator, redis_server: RedisServer) -> None:
     await coord.api.register(RoleInfo(role_name="actor", rank=0))
     redis_server.stop()
@@ -120,6 +121,7 @@ async def test_redis_down_is_503_then_recovers(coord: InProcessCoordinator, redi
     assert (await coord.api.topology()).nodes["actor"][0].rank == 0
 
 
+@pytest.mark.own_redis
 async def test_long_poll_survives_a_redis_restart(
     coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
 ) -> None:

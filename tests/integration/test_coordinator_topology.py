@@ -43,6 +43,7 @@ async def test_manager_api_of_the_seed(manager: TopologyManager) -> None:
     assert (await manager.check_health()).dead_node_ids() == []
 
 
+@pytest.mark.own_redis
 async def test_topology_survives_redis_kill_9_with_aof(manager: TopologyManager, redis_server: RedisServer) -> None:
     for port in range(1, 4):
         await manager.register(RoleInfo(role_name="rollout", port=port))

@@ -42,6 +42,7 @@ async def poll(http: httpx.AsyncClient, index: int, wait_s: float) -> httpx.Resp
     return await http.get("/recv_weight_meta", params={"index": index, "wait_timeout_s": wait_s})
 
 
+@pytest.mark.own_redis
 async def test_one_append_answers_300_long_polls_with_one_shared_read(
     coord: InProcessCoordinator, dcs_config: DCSConfig
 ) -> None:

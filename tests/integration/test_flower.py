@@ -26,7 +26,7 @@ from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import REPO, WorkerProcess, child_env
 from tests.helpers.redis_server import RedisServer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_redis]  # the Procfile lines use database 0
 
 CLI_TIMEOUT = 120.0
 FLOWER_TIMEOUT = 90.0
@@ -146,7 +146,7 @@ def test_flower_api_lists_the_persist_and_commit_tasks_of_a_real_save(
             time.sleep(0.5)
         assert wanted <= done, f"Flower saw {done}; log: {flower.log()}"
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 @pytest.mark.parametrize(

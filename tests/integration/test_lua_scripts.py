@@ -31,6 +31,7 @@ def _script_calls(client: redis.Redis) -> dict[str, int]:
     return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("eval", "evalsha", "script|load")}
 
 
+@pytest.mark.own_redis
 def test_the_step_ledger_runs_by_sha_and_reloads_after_a_redis_restart(redis_server: RedisServer) -> None:
     client = redis.Redis(port=redis_server.port, socket_timeout=5)
     ledger = StepLedger(client, Keys("lua"))
@@ -48,6 +49,7 @@ def test_the_step_ledger_runs_by_sha_and_reloads_after_a_redis_restart(redis_ser
     client.close()
 
 
+@pytest.mark.own_redis
 async def test_coordinator_scripts_reload_after_a_restart_on_clients_and_pipelines(redis_server: RedisServer) -> None:
     client = aioredis.Redis(port=redis_server.port, socket_timeout=5)
     keys = Keys("lua")

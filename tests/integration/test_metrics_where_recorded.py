@@ -58,7 +58,7 @@ def metrics_worker(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[tuple[DCSC
         wait_until(lambda: _answers(port), 30, "the worker's metrics endpoint")
         yield config, port
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def _answers(port: int) -> bool:
@@ -116,7 +116,7 @@ def test_pending_operations_is_zero_once_wait_returns(dcs_config: DCSConfig, tmp
         ckpt.close()
         assert pending() == base
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_a_trainer_serves_its_metrics_when_asked(
@@ -155,7 +155,7 @@ def test_a_trainer_serves_its_metrics_when_asked(
             urllib.request.urlopen(f"http://{_non_loopback_address()}:{port}/metrics", timeout=2)
     finally:
         stop_trainer_metrics()
-        worker.terminate()
+        worker.discard()
 
 
 def _non_loopback_address() -> str:
@@ -186,7 +186,7 @@ def test_wait_on_a_save_retention_removed_returns_what_it_committed(dcs_config: 
         sizes = [i.nbytes for i in infos]
         assert min(sizes) > 0 and max(sizes) - min(sizes) <= 4096, sizes
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_the_grafana_dashboard_uses_only_exported_metrics(

@@ -67,4 +67,4 @@ def test_the_readme_trainer_resumes_where_its_last_committed_save_left_off(
         resumed_from = trained[0]  # type: ignore[index]
         assert all(torch.equal(resumed_from[k], saved_at_200[k]) for k in saved_at_200)  # bit-exact
     finally:
-        worker.terminate()
+        worker.discard()

@@ -92,7 +92,7 @@ def scene(dcs_config: DCSConfig, tmp_path: Path) -> Any:
     try:
         yield Scene(config, tmp_path, worker)
     finally:
-        worker.terminate()
+        worker.discard()
 
 
 def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Scene) -> None:

@@ -169,3 +169,11 @@ def test_should_fuse_from_specs_agrees_with_the_tensors() -> None:
     for tensors in ({"a": torch.zeros(1000)}, {"a": torch.zeros(200), "b": torch.zeros(200)}, {"a": torch.zeros(10)}):
         specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
         assert fusion.should_fuse_specs(specs) == fusion.should_fuse(tensors)
+
+
+def test_the_table_sizes_are_torchs_and_its_dtypes_are_torchs_own() -> None:
+    for row in DTYPES:
+        assert row.torch_dtype is getattr(torch, row.name)
+        assert row.itemsize == row.torch_dtype.itemsize, row.name
+    assert set(CODE_DTYPES) == {row.code for row in DTYPES if row.code is not None}
+    assert all(DTYPE_CODES[CODE_DTYPES[code]] == code for code in CODE_DTYPES)
