@@ -76,7 +76,11 @@ class CommitTask(DCSTask):
             log.error("commit payload names no step: nothing to fail in the ledger")
             return
         ref = failed.ref
-        ledger().finish_commit(ref.run, ref.step, ref.token, StepStatus.FAILED, f"commit failed: {reason}")
+        # fenced by this task's id: a duplicate commit task failing cannot fail the commit another one claimed
+        task_id = str(self.request.id)
+        ledger().finish_commit(
+            ref.run, ref.step, ref.token, StepStatus.FAILED, f"commit failed: {reason}", task_id=task_id
+        )
         remove_partial_step_at(_step_dir_of(args[0]), ref.run, ref.step)
 
 

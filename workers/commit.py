@@ -49,7 +49,7 @@ def commit(req: CommitRequest, task_id: str) -> Verdict:
     if not final.exists():
         write_bytes_durably(final, manifest_bytes(manifest), task_id)
     move_latest(step_dir.parent, ref.step, task_id)
-    if book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED) is Verdict.OK:
+    if book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED, task_id=task_id) is Verdict.OK:
         record_commit(time.monotonic() - started)
         # durable latency: the trainer's begin (wall clock, this host: node queues are per host) to now
         record_durable_save(manifest.total_bytes, time.time() - manifest.created_at)

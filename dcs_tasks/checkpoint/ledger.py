@@ -7,8 +7,9 @@ Hash `keys.ckpt_state(run, step)` fields: status, token (one per save attempt), 
 whose persist task reached a final outcome), ok, reason, draft (ManifestDraft JSON), `claim:<file>` /
 `commit_owner` (Celery task id allowed to write), `done:<file>` (outcome), `file:<file>` (FileEntry JSON).
 Every transition is one Lua script checking the save token, so a stale task (older attempt) or a
-duplicate delivery (other task id) can neither write a claimed file nor commit twice, and nothing changes
-a COMMITTED step. A redelivery of the SAME task id (acks_late after kill -9) may resume its own claim.
+duplicate delivery (other task id) can neither write a claimed file nor commit twice (nor end a commit
+another task claimed), and nothing changes a COMMITTED step. A redelivery of the SAME task id (acks_late
+after kill -9) may resume its own claim.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class StepLedger:
         return Verdict(_s(lua.CLAIM_FILE(self._client, self._k(run, step), [token, name, task_id])))
 
     def finish_file(self, run: str, step: int, token: str, name: str, outcome: FileOutcome, value: str) -> FileFinish:
+        """Record `name`'s final outcome (once: a second finish of it is DONE). CLOSED, changing nothing, for
+        a file not recorded yet once the step is COMMITTING or COMMITTED (every file of it already is)."""
         args: list[str | int] = [token, name, outcome.value, value, step, STATE_TTL_SECONDS]
         verdict, finished, nfiles, status = lua.FINISH_FILE(self._client, self._k(run, step), args)
         return FileFinish(Verdict(_s(verdict)), int(finished), int(nfiles), _status(_s(status)))
@@ -119,8 +122,14 @@ class StepLedger:
     def claim_commit(self, run: str, step: int, token: str, task_id: str) -> Verdict:
         return Verdict(_s(lua.CLAIM_COMMIT(self._client, self._k(run, step), [token, task_id])))
 
-    def finish_commit(self, run: str, step: int, token: str, status: StepStatus, reason: str = "") -> Verdict:
-        args: list[str | int] = [token, status.value, reason, step, STATE_TTL_SECONDS]
+    def finish_commit(
+        self, run: str, step: int, token: str, status: StepStatus, reason: str = "", *, task_id: str
+    ) -> Verdict:
+        """End a COMMITTING step as COMMITTED or FAILED. CLAIMED, changing nothing, when another task id
+        than `task_id` claimed the commit (`claim_commit`); a commit nobody claimed may still be failed."""
+        if status not in (StepStatus.COMMITTED, StepStatus.FAILED):
+            raise ValueError(f"a commit ends COMMITTED or FAILED, not {status.value}")
+        args: list[str | int] = [token, status.value, reason, step, STATE_TTL_SECONDS, task_id]
         return Verdict(_s(lua.FINISH_COMMIT(self._client, self._k(run, step), args)))
 
     def read(self, run: str, step: int) -> StepState:

@@ -49,16 +49,21 @@ return 'write'
 """
 )
 
-# ARGV: token, file, outcome, value (FileEntry JSON or reason), step, ttl
+# ARGV: token, file, outcome, value (FileEntry JSON or reason), step, ttl.  Once the step is COMMITTING every file
+# is recorded, so a file not recorded yet is none of this attempt's: 'closed', nothing changes.
 FINISH_FILE = LuaScript(
     """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'stale', 0, 0, ''} end
 local nfiles = tonumber(redis.call('HGET', KEYS[1], 'nfiles'))
-if redis.call('HSETNX', KEYS[1], 'done:' .. ARGV[2], ARGV[3]) == 0 then
-  return {'done', tonumber(redis.call('HGET', KEYS[1], 'finished')), nfiles, redis.call('HGET', KEYS[1], 'status')}
-end
-local finished = redis.call('HINCRBY', KEYS[1], 'finished', 1)
 local st = redis.call('HGET', KEYS[1], 'status')
+if redis.call('HEXISTS', KEYS[1], 'done:' .. ARGV[2]) == 1 then
+  return {'done', tonumber(redis.call('HGET', KEYS[1], 'finished')), nfiles, st}
+end
+if st == 'committing' or st == 'committed' then
+  return {'closed', tonumber(redis.call('HGET', KEYS[1], 'finished')), nfiles, st}
+end
+redis.call('HSET', KEYS[1], 'done:' .. ARGV[2], ARGV[3])
+local finished = redis.call('HINCRBY', KEYS[1], 'finished', 1)
 local verdict = 'ok'
 if ARGV[3] == 'ok' then
   redis.call('HSET', KEYS[1], 'file:' .. ARGV[2], ARGV[4])
@@ -91,11 +96,14 @@ return 'write'
 """
 )
 
-# ARGV: token, new status (committed|failed), reason, step, ttl
+# ARGV: token, new status (committed|failed), reason, step, ttl, task id.  Another task's claimed commit is
+# refused: a duplicate commit task that fails for good must not fail a commit the owner is writing.
 FINISH_COMMIT = LuaScript(
     """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
 if redis.call('HGET', KEYS[1], 'status') ~= 'committing' then return 'closed' end
+local owner = redis.call('HGET', KEYS[1], 'commit_owner')
+if owner and owner ~= ARGV[6] then return 'claimed' end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'reason', ARGV[3])
 redis.call('ZREM', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[5])

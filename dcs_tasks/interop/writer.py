@@ -121,7 +121,7 @@ class _Commit:
         remove_stray_temps(self.step_dir)
         write_bytes_durably(self.step_dir / MANIFEST_NAME, manifest_bytes(manifest), self.task_id)
         move_latest(self.step_dir.parent, self.step, self.task_id)
-        self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.COMMITTED)
+        self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.COMMITTED, task_id=self.task_id)
 
     def _fail(self, reason: str) -> None:
         with contextlib.suppress(Exception):  # the original error is what the caller must see
@@ -129,7 +129,9 @@ class _Commit:
             if status is StepStatus.PERSISTING:
                 self.ledger.abandon(self.run_name, self.step, self.token, reason[:1000])
             elif status is StepStatus.COMMITTING:
-                self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.FAILED, reason[:1000])
+                self.ledger.finish_commit(
+                    self.run_name, self.step, self.token, StepStatus.FAILED, reason[:1000], task_id=self.task_id
+                )
         if self.step_dir.is_dir() and not (self.step_dir / MANIFEST_NAME).exists():
             shutil.rmtree(self.step_dir, ignore_errors=True)
 

@@ -78,7 +78,7 @@ def persist_all(book: StepLedger, step: int, names: list[str], token: str = TOKE
 
 def commit(book: StepLedger, step: int, token: str = TOKEN, run: str = RUN) -> None:
     assert book.claim_commit(run, step, token, "commit-1") is Verdict.WRITE
-    assert book.finish_commit(run, step, token, StepStatus.COMMITTED) is Verdict.OK
+    assert book.finish_commit(run, step, token, StepStatus.COMMITTED, task_id="commit-1") is Verdict.OK
 
 
 def raw(client: redis.Redis, keys: Keys, step: int, run: str = RUN) -> dict[str, str]:
@@ -258,7 +258,7 @@ def test_a_failed_file_fails_the_step_and_later_files_only_count(
     )
     assert book.progress(RUN, 6) == (StepStatus.FAILED, 3, 3, "persisting b failed: disk full")  # first reason
     assert book.claim_commit(RUN, 6, TOKEN, "commit-1") is Verdict.CLOSED
-    assert book.finish_commit(RUN, 6, TOKEN, StepStatus.COMMITTED) is Verdict.CLOSED
+    assert book.finish_commit(RUN, 6, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.CLOSED
     assert book.progress(RUN, 6)[0] is StepStatus.FAILED
 
 
@@ -285,8 +285,8 @@ def test_a_stale_token_is_refused_by_every_transition_and_changes_nothing(
     assert persist_all_from.verdict is Verdict.COMMIT
     before = raw(client, keys, 8)
     assert book.claim_commit(RUN, 8, OLD_TOKEN, "commit-1") is Verdict.STALE
-    assert book.finish_commit(RUN, 8, OLD_TOKEN, StepStatus.COMMITTED) is Verdict.STALE
-    assert book.finish_commit(RUN, 8, OLD_TOKEN, StepStatus.FAILED, "old attempt") is Verdict.STALE
+    assert book.finish_commit(RUN, 8, OLD_TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.STALE
+    assert book.finish_commit(RUN, 8, OLD_TOKEN, StepStatus.FAILED, "old attempt", task_id="commit-1") is Verdict.STALE
     assert raw(client, keys, 8) == before
     assert book.progress(RUN, 8)[0] is StepStatus.COMMITTING
 
@@ -297,7 +297,7 @@ def test_every_transition_on_an_unknown_or_expired_step_is_stale_and_creates_not
     assert book.claim_file(RUN, 11, TOKEN, "a", "task-1") is Verdict.STALE
     assert book.finish_file(RUN, 11, TOKEN, "a", FileOutcome.OK, "{}").verdict is Verdict.STALE
     assert book.claim_commit(RUN, 11, TOKEN, "commit-1") is Verdict.STALE
-    assert book.finish_commit(RUN, 11, TOKEN, StepStatus.COMMITTED) is Verdict.STALE
+    assert book.finish_commit(RUN, 11, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.STALE
     assert book.abandon(RUN, 11, TOKEN, "gone") is Verdict.STALE
     assert not client.exists(keys.ckpt_state(RUN, 11))
     assert book.in_flight_steps(RUN) == set()
@@ -311,7 +311,7 @@ def test_claim_commit_waits_for_every_file(book: StepLedger, client: redis.Redis
     book.finish_file(RUN, 12, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a")))
     before = raw(client, keys, 12)
     assert book.claim_commit(RUN, 12, TOKEN, "commit-1") is Verdict.CLOSED
-    assert book.finish_commit(RUN, 12, TOKEN, StepStatus.COMMITTED) is Verdict.CLOSED
+    assert book.finish_commit(RUN, 12, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.CLOSED
     assert raw(client, keys, 12) == before
 
 
@@ -324,11 +324,76 @@ def test_the_commit_is_fenced_by_the_task_that_claimed_it(book: StepLedger, clie
     assert book.claim_commit(RUN, 13, TOKEN, "commit-2") is Verdict.CLAIMED  # a second commit task
     assert raw(client, keys, 13) == before
 
-    assert book.finish_commit(RUN, 13, TOKEN, StepStatus.COMMITTED) is Verdict.OK
+    assert book.finish_commit(RUN, 13, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.OK
     assert book.progress(RUN, 13) == (StepStatus.COMMITTED, 1, 1, "")
     assert book.in_flight_steps(RUN) == set()
     assert 0 < ttl(client, keys, 13) <= STATE_TTL_SECONDS
     assert book.read(RUN, 13).files == {"a": entry("a")}  # what the commit builds the manifest from
+
+
+def test_a_commit_claimed_by_one_task_cannot_be_ended_by_another(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    """A second commit task (sent again by a redelivered persist) that fails for good must not fail the step
+    while the task that claimed the commit is writing its manifest: that one's COMMITTED would be refused and
+    the trainer told FAILED about a step whose manifest and `latest` are on disk."""
+    begin(book, 18, ["a"])
+    persist_all(book, 18, ["a"])
+    assert book.claim_commit(RUN, 18, TOKEN, "commit-1") is Verdict.WRITE
+    assert book.claim_commit(RUN, 18, TOKEN, "commit-2") is Verdict.CLAIMED
+    before = raw(client, keys, 18)
+    gave_up = book.finish_commit(RUN, 18, TOKEN, StepStatus.FAILED, "commit failed: redis timeout", task_id="commit-2")
+    assert gave_up is Verdict.CLAIMED
+    assert book.finish_commit(RUN, 18, TOKEN, StepStatus.COMMITTED, task_id="commit-2") is Verdict.CLAIMED
+    assert raw(client, keys, 18) == before
+    assert book.in_flight_steps(RUN) == {18}
+    assert book.finish_commit(RUN, 18, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.OK
+    assert book.progress(RUN, 18) == (StepStatus.COMMITTED, 1, 1, "")
+
+
+def test_a_commit_nobody_claimed_can_still_be_failed(book: StepLedger) -> None:
+    """A commit task that fails for good before its claim (Redis unreachable) still fails the step, so the
+    trainer gets the reason instead of a step left COMMITTING; a later commit task then finds it closed."""
+    begin(book, 19, ["a"])
+    persist_all(book, 19, ["a"])
+    assert book.finish_commit(RUN, 19, TOKEN, StepStatus.FAILED, "commit failed: timeout", task_id="c-2") is Verdict.OK
+    assert book.progress(RUN, 19) == (StepStatus.FAILED, 1, 1, "commit failed: timeout")
+    assert book.claim_commit(RUN, 19, TOKEN, "commit-1") is Verdict.CLOSED
+
+
+@pytest.mark.parametrize("status", [StepStatus.PERSISTING, StepStatus.COMMITTING])
+def test_finish_commit_ends_a_commit_only_as_committed_or_failed(
+    book: StepLedger, client: redis.Redis, keys: Keys, status: StepStatus
+) -> None:
+    begin(book, 20, ["a"])
+    persist_all(book, 20, ["a"])
+    assert book.claim_commit(RUN, 20, TOKEN, "commit-1") is Verdict.WRITE
+    before = raw(client, keys, 20)
+    with pytest.raises(ValueError, match=f"not {status.value}"):
+        book.finish_commit(RUN, 20, TOKEN, status, task_id="commit-1")
+    assert raw(client, keys, 20) == before
+    assert book.in_flight_steps(RUN) == {20}
+
+
+def test_a_file_finished_after_every_file_is_recorded_changes_nothing(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    """Once COMMITTING every file of the attempt is recorded, so a finish for a file not among them (a stray
+    or forged payload with the token) is CLOSED: it adds no entry to the manifest being written, and nothing
+    changes a COMMITTED step."""
+    begin(book, 21, ["a"])
+    persist_all(book, 21, ["a"])
+    for ended in (False, True):
+        if ended:
+            commit(book, 21)
+        before = raw(client, keys, 21)
+        stray = book.finish_file(RUN, 21, TOKEN, "stray", FileOutcome.OK, file_entry_json(entry("stray")))
+        assert (stray.verdict, stray.finished, stray.nfiles) == (Verdict.CLOSED, 1, 1)
+        assert stray.status is (StepStatus.COMMITTED if ended else StepStatus.COMMITTING)
+        failed = book.finish_file(RUN, 21, TOKEN, "stray", FileOutcome.FAILED, "late failure")
+        assert failed.verdict is Verdict.CLOSED
+        assert raw(client, keys, 21) == before
+        assert set(book.read(RUN, 21).files) == {"a"}
 
 
 def test_a_committed_step_refuses_every_further_transition(book: StepLedger, client: redis.Redis, keys: Keys) -> None:
@@ -338,8 +403,8 @@ def test_a_committed_step_refuses_every_further_transition(book: StepLedger, cli
     before = raw(client, keys, 14)
     assert book.claim_commit(RUN, 14, TOKEN, "commit-1") is Verdict.DONE
     assert book.claim_commit(RUN, 14, TOKEN, "commit-2") is Verdict.DONE
-    assert book.finish_commit(RUN, 14, TOKEN, StepStatus.COMMITTED) is Verdict.CLOSED
-    assert book.finish_commit(RUN, 14, TOKEN, StepStatus.FAILED, "too late") is Verdict.CLOSED
+    assert book.finish_commit(RUN, 14, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.CLOSED
+    assert book.finish_commit(RUN, 14, TOKEN, StepStatus.FAILED, "too late", task_id="commit-1") is Verdict.CLOSED
     assert book.abandon(RUN, 14, TOKEN, "too late") is Verdict.CLOSED
     assert book.claim_file(RUN, 14, TOKEN, "a", "persist-a") is Verdict.DONE
     assert book.claim_file(RUN, 14, TOKEN, "other", "persist-other") is Verdict.CLOSED
@@ -353,12 +418,15 @@ def test_a_failed_commit_fails_the_step_with_its_reason(book: StepLedger, client
     begin(book, 15, ["a"])
     persist_all(book, 15, ["a"])
     assert book.claim_commit(RUN, 15, TOKEN, "commit-1") is Verdict.WRITE
-    assert book.finish_commit(RUN, 15, TOKEN, StepStatus.FAILED, "commit failed: file a has 3 bytes") is Verdict.OK
+    assert (
+        book.finish_commit(RUN, 15, TOKEN, StepStatus.FAILED, "commit failed: file a has 3 bytes", task_id="commit-1")
+        is Verdict.OK
+    )
     assert book.progress(RUN, 15) == (StepStatus.FAILED, 1, 1, "commit failed: file a has 3 bytes")
     assert book.in_flight_steps(RUN) == set()
     assert 0 < ttl(client, keys, 15) <= STATE_TTL_SECONDS
     assert book.claim_commit(RUN, 15, TOKEN, "commit-1") is Verdict.CLOSED
-    assert book.finish_commit(RUN, 15, TOKEN, StepStatus.COMMITTED) is Verdict.CLOSED
+    assert book.finish_commit(RUN, 15, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.CLOSED
     assert book.progress(RUN, 15)[0] is StepStatus.FAILED
 
 
