@@ -72,6 +72,11 @@ class CorruptCheckpoint(CheckpointError):
         self.path = path
 
 
+class CorruptLedger(CheckpointError):
+    """A checkpoint step's Redis ledger record holds a value DCS never writes there (edited by hand or damaged);
+    the message names the step, the key and the field. Other steps' records are not affected."""
+
+
 class StateMismatch(CheckpointError):
     """`restore(into=...)` found a tensor whose shape, dtype or presence differs."""
 

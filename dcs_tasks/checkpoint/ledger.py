@@ -9,21 +9,29 @@ whose persist task reached a final outcome), ok, reason, draft (ManifestDraft JS
 Every transition is one Lua script checking the save token, so a stale task (older attempt) or a
 duplicate delivery (other task id) can neither write a claimed file nor commit twice (nor end a commit
 another task claimed), and nothing changes a COMMITTED step. A redelivery of the SAME task id (acks_late
-after kill -9) may resume its own claim.
+after kill -9) may resume its own claim. A record holding what DCS never writes there (an unknown status, a
+counter that is not a number, a file entry that does not parse) raises `CorruptLedger` naming the step and
+the field, before any write; the fencing scripts that only compare the status refuse an unknown one (CLOSED).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from dcs_tasks.checkpoint import ledger_scripts as lua
 from dcs_tasks.checkpoint.format import FileEntry, ManifestDraft
+from dcs_tasks.errors import CorruptLedger
 from dcs_tasks.keys import Keys
+from dcs_tasks.lua import LuaScript
+
+log = logging.getLogger(__name__)
 
 STATE_TTL_SECONDS = 7 * 24 * 3600
 
@@ -102,25 +110,25 @@ class StepLedger:
         `abandoned_after` seconds after it began: then it is taken over (its tasks see a stale token)."""
         before = f"{draft.created_at - abandoned_after:.6f}"
         args: list[str | int] = [token, nfiles, draft.model_dump_json(), f"{draft.created_at:.6f}", step, before]
-        return Verdict(_s(lua.BEGIN(self._client, self._k(run, step), args)))
+        return Verdict(_s(self._run(lua.BEGIN, run, step, args)))
 
     def abandon(self, run: str, step: int, token: str, reason: str) -> Verdict:
         """Fail a PERSISTING attempt whose tasks were not all sent (so `finish_file` would never close it)."""
         args: list[str | int] = [token, reason, step, STATE_TTL_SECONDS]
-        return Verdict(_s(lua.ABANDON(self._client, self._k(run, step), args)))
+        return Verdict(_s(self._run(lua.ABANDON, run, step, args)))
 
     def claim_file(self, run: str, step: int, token: str, name: str, task_id: str) -> Verdict:
-        return Verdict(_s(lua.CLAIM_FILE(self._client, self._k(run, step), [token, name, task_id])))
+        return Verdict(_s(self._run(lua.CLAIM_FILE, run, step, [token, name, task_id])))
 
     def finish_file(self, run: str, step: int, token: str, name: str, outcome: FileOutcome, value: str) -> FileFinish:
         """Record `name`'s final outcome (once: a second finish of it is DONE). CLOSED, changing nothing, for
         a file not recorded yet once the step is COMMITTING or COMMITTED (every file of it already is)."""
         args: list[str | int] = [token, name, outcome.value, value, step, STATE_TTL_SECONDS]
-        verdict, finished, nfiles, status = lua.FINISH_FILE(self._client, self._k(run, step), args)
+        verdict, finished, nfiles, status = self._run(lua.FINISH_FILE, run, step, args)
         return FileFinish(Verdict(_s(verdict)), int(finished), int(nfiles), _status(_s(status)))
 
     def claim_commit(self, run: str, step: int, token: str, task_id: str) -> Verdict:
-        return Verdict(_s(lua.CLAIM_COMMIT(self._client, self._k(run, step), [token, task_id])))
+        return Verdict(_s(self._run(lua.CLAIM_COMMIT, run, step, [token, task_id])))
 
     def finish_commit(
         self, run: str, step: int, token: str, status: StepStatus, reason: str = "", *, task_id: str
@@ -130,36 +138,85 @@ class StepLedger:
         if status not in (StepStatus.COMMITTED, StepStatus.FAILED):
             raise ValueError(f"a commit ends COMMITTED or FAILED, not {status.value}")
         args: list[str | int] = [token, status.value, reason, step, STATE_TTL_SECONDS, task_id]
-        return Verdict(_s(lua.FINISH_COMMIT(self._client, self._k(run, step), args)))
+        return Verdict(_s(self._run(lua.FINISH_COMMIT, run, step, args)))
 
     def read(self, run: str, step: int) -> StepState:
-        raw: dict[Any, Any] = self._client.hgetall(self._keys.ckpt_state(run, step))
+        """The step's record; raises CorruptLedger when its status, a count or a file entry does not parse."""
+        key = self._keys.ckpt_state(run, step)
+        raw: dict[Any, Any] = self._client.hgetall(key)
         data = {_s(k): _s(v) for k, v in raw.items()}
         if not data:
             return StepState(status=None)
-        files = {k[5:]: FileEntry.model_validate_json(v) for k, v in data.items() if k.startswith("file:")}
+        files = {}
+        for name, value in data.items():
+            if name.startswith("file:"):
+                try:
+                    files[name[5:]] = FileEntry.model_validate_json(value)
+                except ValidationError as exc:
+                    raise _corrupt(run, step, f"field {name} of {key} is not a file entry: {value[:64]!r}") from exc
         return StepState(
-            status=_status(data.get("status", "")),
+            status=_known_status(data.get("status", ""), run, step, key),
             token=data.get("token", ""),
             reason=data.get("reason", ""),
-            nfiles=int(data.get("nfiles", 0)),
-            finished=int(data.get("finished", 0)),
+            nfiles=_count(data.get("nfiles", ""), "nfiles", run, step, key),
+            finished=_count(data.get("finished", ""), "finished", run, step, key),
             files=files,
             draft=data.get("draft", ""),
         )
 
     def progress(self, run: str, step: int) -> tuple[StepStatus | None, int, int, str]:
-        """(status, finished, nfiles, reason) in one round trip, for polling."""
-        values = self._client.hmget(self._keys.ckpt_state(run, step), ["status", "finished", "nfiles", "reason"])
+        """(status, finished, nfiles, reason) in one round trip, for polling (CorruptLedger: see `read`)."""
+        key = self._keys.ckpt_state(run, step)
+        values = self._client.hmget(key, ["status", "finished", "nfiles", "reason"])
         status, finished, nfiles, reason = (_s(v) if v is not None else "" for v in values)
-        return _status(status), int(finished or 0), int(nfiles or 0), reason
+        counts = _count(finished, "finished", run, step, key), _count(nfiles, "nfiles", run, step, key)
+        return _known_status(status, run, step, key), counts[0], counts[1], reason
 
     def in_flight_steps(self, run: str) -> set[int]:
-        return {int(_s(s)) for s in self._client.zrange(self._keys.ckpt_inflight(run), 0, -1)}
+        """The steps of `run` begun and not yet committed or failed. A member of the set that is no step number
+        (written by hand) names no step directory, so it is logged and left out."""
+        steps = set()
+        for member in (_s(m) for m in self._client.zrange(self._keys.ckpt_inflight(run), 0, -1)):
+            if member.isascii() and member.isdigit():
+                steps.add(int(member))
+            else:
+                log.warning("%s holds %r, which is no step number: ignored", self._keys.ckpt_inflight(run), member[:64])
+        return steps
+
+    def _run(self, script: LuaScript, run: str, step: int, args: list[str | int]) -> Any:
+        try:
+            return script(self._client, self._k(run, step), args)
+        except redis.ResponseError as exc:
+            message = str(exc)
+            if message.startswith(lua.CORRUPT_PREFIX):  # Redis appends " script: <sha>, on @user_script:<line>."
+                detail = message.removeprefix(lua.CORRUPT_PREFIX).split(" script: ")[0].strip()
+                raise _corrupt(run, step, detail) from exc
+            raise
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value) if value is not None else ""
+
+
+def _count(value: str, name: str, run: str, step: int, key: str) -> int:
+    """A counter of the record (absent: 0); CorruptLedger when it is not a whole number."""
+    if not value:
+        return 0
+    if not (value.isascii() and value.isdigit()):
+        raise _corrupt(run, step, f"field {name} of {key} is not a number: {value[:64]!r}")
+    return int(value)
+
+
+def _known_status(value: str, run: str, step: int, key: str) -> StepStatus | None:
+    """The record's status (absent: None); CorruptLedger when it is none of the four."""
+    status = _status(value)
+    if status is None and value:
+        raise _corrupt(run, step, f"field status of {key} is no step status: {value[:64]!r}")
+    return status
+
+
+def _corrupt(run: str, step: int, detail: str) -> CorruptLedger:
+    return CorruptLedger(f"the ledger record of step {step} of run {run!r} is corrupt: {detail}")
 
 
 def _status(value: str) -> StepStatus | None:

@@ -16,7 +16,7 @@ import redis
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.reader import load_manifest
-from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, DCSTimeoutError
+from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, CorruptLedger, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
 
 if TYPE_CHECKING:  # a reader of checkpoints (`dcs ckpt`) needs no staging, so no torch
@@ -176,7 +176,7 @@ class PendingCheckpoint:
             return True
         try:
             return self._ledger.progress(self.run, self.step)[0] in FINAL
-        except redis.RedisError:
+        except (redis.RedisError, CorruptLedger):  # a scrape must not fail: `wait()` raises a corrupt record
             return False
 
     def _poll_quietly(self) -> StepStatus | None:

@@ -21,6 +21,7 @@ from dcs_tasks.checkpoint.ledger import (
     file_entry_json,
 )
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CorruptLedger
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 
@@ -472,3 +473,113 @@ def test_in_flight_steps_lists_the_open_steps_of_one_run(book: StepLedger) -> No
     persist_all(book, 3, ["a"])  # committing: still in
     assert book.in_flight_steps(RUN) == {3, 4}
     assert book.in_flight_steps("other-run") == {1}
+
+
+# --- hostile or corrupt records ---------------------------------------------------------------------------
+
+
+def corrupt(client: redis.Redis, keys: Keys, step: int, field: str, value: str = "garbage") -> None:
+    client.hset(keys.ckpt_state(RUN, step), field, value)
+
+
+def a_healthy_neighbour_commits(book: StepLedger, step: int) -> None:
+    """Another step of the same run goes through the whole state machine while the corrupt one sits there."""
+    begin(book, step, ["a", "b"])
+    persist_all(book, step, ["a", "b"])
+    commit(book, step)
+    assert book.read(RUN, step).files == {"a": entry("a"), "b": entry("b")}
+    assert book.progress(RUN, step) == (StepStatus.COMMITTED, 2, 2, "")
+
+
+@pytest.mark.parametrize("field", ["nfiles", "finished", "ok"])
+def test_a_garbage_counter_is_refused_before_finish_file_writes_anything(
+    book: StepLedger, client: redis.Redis, keys: Keys, field: str
+) -> None:
+    begin(book, 30, ["a", "b"])
+    book.finish_file(RUN, 30, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a")))
+    corrupt(client, keys, 30, field, "12abc")
+    before = raw(client, keys, 30)
+    for name in ("a", "b"):  # a recorded file and a new one alike: no half-counted file is left behind
+        with pytest.raises(CorruptLedger, match=rf"step 30 of run '{RUN}' is corrupt: field {field} of \S+ is not"):
+            book.finish_file(RUN, 30, TOKEN, name, FileOutcome.OK, file_entry_json(entry(name)))
+    assert raw(client, keys, 30) == before
+    a_healthy_neighbour_commits(book, 31)
+    assert book.in_flight_steps(RUN) == {30}
+
+
+@pytest.mark.parametrize("field", ["nfiles", "finished"])
+def test_read_and_progress_name_a_garbage_count(book: StepLedger, client: redis.Redis, keys: Keys, field: str) -> None:
+    begin(book, 32, ["a"])
+    corrupt(client, keys, 32, field, "-1")
+    expected = rf"step 32 of run '{RUN}' is corrupt: field {field} of {keys.ckpt_state(RUN, 32)} is not a number: '-1'"
+    with pytest.raises(CorruptLedger, match=expected):
+        book.read(RUN, 32)
+    with pytest.raises(CorruptLedger, match=expected):
+        book.progress(RUN, 32)
+    a_healthy_neighbour_commits(book, 33)
+
+
+def test_a_garbage_file_entry_fails_the_read_of_its_step_only(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    begin(book, 34, ["a", "b"])
+    book.finish_file(RUN, 34, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a")))
+    corrupt(client, keys, 34, "file:a", '{"name": "a"}')
+    with pytest.raises(
+        CorruptLedger, match=f"step 34 of run '{RUN}' is corrupt: field file:a of .* is not a file entry"
+    ):
+        book.read(RUN, 34)
+    assert book.progress(RUN, 34) == (StepStatus.PERSISTING, 1, 2, "")  # polling reads no file entry
+    a_healthy_neighbour_commits(book, 35)
+
+
+def test_an_unknown_status_gives_a_clear_error_or_a_refusal_never_a_transition(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    begin(book, 36, ["a"])
+    corrupt(client, keys, 36, "status", "committed-ish")
+    before = raw(client, keys, 36)
+    message = f"step 36 of run '{RUN}' is corrupt: field status of .* is no step status: .?committed-ish"
+    for read in (book.read, book.progress):
+        with pytest.raises(CorruptLedger, match=message):
+            read(RUN, 36)
+    with pytest.raises(CorruptLedger, match=message):  # not taken over: it may have been a committed step
+        book.begin(RUN, 36, "b" * 32, 1, draft(36, time.time() + 10 * AGE), AGE)
+    with pytest.raises(CorruptLedger, match=message):
+        book.finish_file(RUN, 36, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a")))
+    assert book.claim_file(RUN, 36, TOKEN, "a", "task-a") is Verdict.CLOSED
+    assert book.claim_commit(RUN, 36, TOKEN, "commit-1") is Verdict.CLOSED
+    assert book.finish_commit(RUN, 36, TOKEN, StepStatus.COMMITTED, task_id="commit-1") is Verdict.CLOSED
+    assert book.abandon(RUN, 36, TOKEN, "gone") is Verdict.CLOSED
+    assert raw(client, keys, 36) == before
+    a_healthy_neighbour_commits(book, 37)
+
+
+def test_a_garbage_start_time_makes_begin_refuse_clearly(book: StepLedger, client: redis.Redis, keys: Keys) -> None:
+    begin(book, 38, ["a"])
+    corrupt(client, keys, 38, "started", "yesterday")
+    before = raw(client, keys, 38)
+    with pytest.raises(CorruptLedger, match=f"step 38 of run '{RUN}' is corrupt: field started of .* not a number"):
+        book.begin(RUN, 38, "b" * 32, 1, draft(38), AGE)
+    assert raw(client, keys, 38) == before
+    persist_all(book, 38, ["a"])  # the attempt in flight is not harmed: it still commits
+    commit(book, 38)
+    a_healthy_neighbour_commits(book, 39)
+
+
+def test_a_garbage_token_makes_every_task_stale(book: StepLedger, client: redis.Redis, keys: Keys) -> None:
+    begin(book, 40, ["a"])
+    corrupt(client, keys, 40, "token", "forged")
+    before = raw(client, keys, 40)
+    assert book.claim_file(RUN, 40, TOKEN, "a", "task-a") is Verdict.STALE
+    assert book.finish_file(RUN, 40, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a"))).verdict is Verdict.STALE
+    assert book.claim_commit(RUN, 40, TOKEN, "commit-1") is Verdict.STALE
+    assert book.abandon(RUN, 40, TOKEN, "gone") is Verdict.STALE
+    assert raw(client, keys, 40) == before
+    a_healthy_neighbour_commits(book, 41)
+
+
+def test_a_garbage_member_of_the_in_flight_set_is_left_out(book: StepLedger, client: redis.Redis, keys: Keys) -> None:
+    begin(book, 42, ["a"])
+    client.zadd(keys.ckpt_inflight(RUN), {"not-a-step": 1.0, "-3": 2.0})
+    assert book.in_flight_steps(RUN) == {42}
