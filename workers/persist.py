@@ -77,6 +77,11 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
         return verdict
     started = time.monotonic()
+    if (paths.step_dir / MANIFEST_NAME).exists():  # the ledger forgot a committed step: never write into it
+        raise CheckpointFailed(
+            f"{paths.step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
+            "it (expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
+        )
     if incremental.is_retired(paths.step_dir):
         raise CheckpointFailed(
             f"{paths.step_dir} still holds files that later steps use (a deleted step's); save under a new step"

@@ -33,6 +33,7 @@ from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded
 from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
+    MANIFEST_NAME,
     ChunkSums,
     Layout,
     draft_of,
@@ -294,7 +295,13 @@ class Checkpointer:
             dtensors={n: m.entry() for n, m in flat.dtensors.items() if n in flat.tensors} if flat.dtensors else None,
             chunks=chunks,
         )
-        ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(self._step_dir(step)))
+        step_dir = self._step_dir(step)
+        if (step_dir / MANIFEST_NAME).exists():  # committed on disk though the ledger forgot it (expired, lost)
+            raise CheckpointError(
+                f"step {step} of run {self.run!r} is already committed ({step_dir / MANIFEST_NAME} exists); DCS never "
+                "overwrites a committed step: save under a new step"
+            )
+        ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(step_dir))
         abandoned_after = self.config.abandoned_save_seconds()
         verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft, abandoned_after)
         if verdict is Verdict.COMMITTED:
@@ -405,9 +412,7 @@ class Checkpointer:
         raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
 
     def _restore_sharded(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        scans = [
-            (location, root, *sharded.scan_steps(root)) for location, root in self._roots
-        ]
+        scans = [(location, root, *sharded.scan_steps(root)) for location, root in self._roots]
 
         def load(s: int) -> RestoredCheckpoint:
             copies: list[replicas.Copy] = []

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors import safe_open
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import StateMismatch
+from dcs_tasks.errors import CheckpointError, StateMismatch
+from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
 
 pytestmark = pytest.mark.integration
@@ -59,5 +61,25 @@ def test_restore_into_existing_tensors_in_place(dcs_config: DCSConfig, tmp_path:
             wrong = training_state(width=32)
             with pytest.raises(StateMismatch, match=r"model/0\.weight"):
                 ckpt.restore(into=wrong)
+    finally:
+        worker.discard()
+
+
+def test_a_step_committed_on_disk_is_never_saved_again_even_when_the_ledger_forgot_it(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """The ledger's record of a committed step expires (7 days) or goes with Redis's data; the step's directory
+    still holds its manifest. Saving that step again is refused before anything is staged or sent."""
+    config = ckpt_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("kept", config) as ckpt:
+            info = ckpt.save(training_state(seed=1), step=5).wait(timeout=60)
+            files = {p.name: p.read_bytes() for p in Path(info.path).iterdir()}
+            redis.Redis.from_url(config.redis_url).delete(Keys(config.namespace).ckpt_state("kept", 5))
+            with pytest.raises(CheckpointError, match="already committed"):
+                ckpt.save(training_state(seed=2), step=5)
+            assert {p.name: p.read_bytes() for p in Path(info.path).iterdir()} == files
+            assert_same_state(training_state(seed=1), ckpt.restore(5).state)
     finally:
         worker.discard()

@@ -190,3 +190,22 @@ def test_a_trainer_whose_checkpoint_dir_the_worker_does_not_serve_gets_the_reaso
         with pytest.raises(CheckpointFailed, match=r"UntrustedPath: step directory .* is outside the checkpoint root"):
             pending.wait(60)
     assert not (elsewhere / "astray").exists() and not (scene.root / "astray").exists()
+
+
+def test_a_persist_into_a_step_committed_on_disk_is_refused_and_writes_nothing(scene: Scene) -> None:
+    """The ledger forgot a committed step (its record expired, or Redis lost its data) and a new attempt at the
+    same step begins: the worker refuses to write into the committed step's directory."""
+    run, step = "kept", 4
+    step_dir = scene.root / run / f"step-{step:09d}"
+    step_dir.mkdir(parents=True)
+    (step_dir / "manifest.json").write_text('{"committed": "before"}')
+    (step_dir / FILE).write_bytes(b"committed bytes")
+    staging = scene.staging / f"dcs-{scene.config.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
+    staging.write_bytes(b"\x01" * 4096)
+    scene.begin(run, step)
+    result = scene.send(TaskName.PERSIST, persist_payload(run, step, str(step_dir), str(staging)))
+    with pytest.raises(CheckpointFailed, match="already committed"):
+        result.get(timeout=30)
+    scene.failed_with(run, step, "already committed")
+    assert (step_dir / FILE).read_bytes() == b"committed bytes"
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted([FILE, "manifest.json"])
