@@ -9,8 +9,6 @@ without metadata `is_pp_src_rank=True` gets a `SyncPreconditionError` saying wha
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import ActorWaitTimeout, ConfigError, SyncPreconditionError
 from tests.distributed.sync_stack import sync_stack, wait_registered
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import PreloadedProcess, python_module
+from tests.helpers.procs import child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -34,7 +33,7 @@ def fwd_config(dcs_config: DCSConfig) -> DCSConfig:
     return dcs_config.model_copy(update={**update, "comm_timeout_seconds": 30.0, "group_init_timeout_seconds": 30.0})
 
 
-def wait_for_line(path: Path, line: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_for_line(path: Path, line: str, proc: PreloadedProcess, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and line in path.read_text(errors="replace").splitlines():
@@ -48,13 +47,11 @@ def test_an_actor_fwd_that_asks_before_the_actor_registered_waits_then_gets_the_
     dcs_config: DCSConfig, tmp_path: Path
 ) -> None:
     with sync_stack(fwd_config(dcs_config), tmp_path) as stack:
-        procs: dict[str, subprocess.Popen[bytes]] = {}
+        procs: dict[str, PreloadedProcess] = {}
 
         def spawn(role: str) -> None:
-            cmd = [sys.executable, "-m", "tests.distributed.early_fwd_node", role, str(tmp_path / f"{role}.json")]
-            log = (tmp_path / f"{role}.log").open("wb")
-            env = child_env(stack.config)
-            procs[role] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            out, log, env = str(tmp_path / f"{role}.json"), tmp_path / f"{role}.log", child_env(stack.config)
+            procs[role] = python_module("tests.distributed.early_fwd_node", role, out, log=log, env=env)
 
         try:
             spawn("actor_fwd")

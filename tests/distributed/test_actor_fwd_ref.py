@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dcs_tasks.config import DCSConfig
 from tests.distributed.sync_stack import sync_stack
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import python_module
+from tests.helpers.procs import child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -32,10 +31,7 @@ def test_pp2_actors_update_actor_fwd_every_rollout_and_reference_on_its_interval
         procs = []
         for role, rank, pp_rank in nodes:
             out = tmp_path / f"{role}{rank}.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "tests.distributed.fwd_ref_node",
+            args = [
                 "--role",
                 role,
                 "--rank",
@@ -51,10 +47,8 @@ def test_pp2_actors_update_actor_fwd_every_rollout_and_reference_on_its_interval
                 "--out",
                 str(out),
             ]
-            log = (tmp_path / f"{role}{rank}.log").open("wb")
-            procs.append(
-                subprocess.Popen(cmd, env=child_env(stack.config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-            )
+            log = tmp_path / f"{role}{rank}.log"
+            procs.append(python_module("tests.distributed.fwd_ref_node", *args, log=log, env=child_env(stack.config)))
         try:
             codes = [p.wait(timeout=150) for p in procs]
         finally:
@@ -85,10 +79,7 @@ def test_actor_fwd_follows_back_to_back_updates_with_recv_weight_fully_async(
     with sync_stack(config, tmp_path) as stack:
         procs = []
         for role, rank in nodes:
-            cmd = [
-                sys.executable,
-                "-m",
-                "tests.distributed.fwd_ref_node",
+            args = [
                 "--role",
                 role,
                 "--rank",
@@ -103,10 +94,8 @@ def test_actor_fwd_follows_back_to_back_updates_with_recv_weight_fully_async(
                 "--out",
                 str(tmp_path / f"{role}.json"),
             ]
-            log = (tmp_path / f"{role}.log").open("wb")
-            procs.append(
-                subprocess.Popen(cmd, env=child_env(stack.config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-            )
+            log = tmp_path / f"{role}.log"
+            procs.append(python_module("tests.distributed.fwd_ref_node", *args, log=log, env=child_env(stack.config)))
         try:
             codes = [p.wait(timeout=120) for p in procs]
         finally:

@@ -4,15 +4,13 @@ point-to-point send/recv, and a dead peer that fails the broadcast within the ti
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.backend_node import digests, payload
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO
+from tests.helpers.preloaded import python_module
 
 pytestmark = pytest.mark.distributed
 
@@ -21,16 +19,15 @@ def test_groups_buckets_p2p_and_dead_peer(tmp_path: Path) -> None:
     ports = [str(free_port()), str(free_port())]
     outs = [tmp_path / f"rank{r}.json" for r in range(3)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.backend_node", str(r), *ports, str(outs[r])],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        python_module("tests.distributed.backend_node", str(r), *ports, str(outs[r]), log=tmp_path / f"rank{r}.log")
         for r in range(3)
     ]
-    logs = [p.communicate(timeout=120)[0].decode(errors="replace")[-2000:] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], logs
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0, 0], [p.output(2000) for p in procs]
     seen = [json.loads(o.read_text()) for o in outs]
 
     assert all(s["a"] == digests(payload(1)) for s in seen)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -28,7 +27,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
 from tests.checkpoint_support import ckpt_config, start_worker
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import python_module
+from tests.helpers.procs import child_env
 
 pytestmark = pytest.mark.distributed
 
@@ -219,25 +219,20 @@ def run_group(config: DCSConfig, tmp_path: Path, tag: str, world: int, **job: An
     job.update(world=world, port=free_port(), out=str(out))
     job_path = tmp_path / f"{tag}.json"
     job_path.write_text(json.dumps(job))
+    env = child_env(config)
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.test_checkpoint_dtensor", str(job_path), str(r)],
-            cwd=REPO,
-            env=child_env(config),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        python_module(
+            "tests.distributed.test_checkpoint_dtensor", str(job_path), str(r), log=out / f"rank{r}.log", env=env
         )
         for r in range(world)
     ]
     try:
-        logs = [p.communicate(timeout=400)[0].decode(errors="replace")[-3000:] for p in procs]
+        codes = [p.wait(timeout=400) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            p.kill()
     killed = job.get("kill_rank") if job.get("kill_step") else None
-    codes = [p.returncode for p in procs]
-    assert codes == [-signal.SIGKILL if r == killed else 0 for r in range(world)], logs
+    assert codes == [-signal.SIGKILL if r == killed else 0 for r in range(world)], [p.output() for p in procs]
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if r != killed}
 
 

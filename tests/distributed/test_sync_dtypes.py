@@ -5,15 +5,13 @@ original design's point-to-point send/recv, fused and one message per tensor (`t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.sync_dtypes_node import PAIR, digests, payload
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO
+from tests.helpers.preloaded import python_module
 
 pytestmark = pytest.mark.distributed
 
@@ -22,16 +20,15 @@ def test_every_table_dtype_syncs_bit_exact_over_gloo(tmp_path: Path) -> None:
     out = tmp_path / "rank1.json"
     ports = [str(free_port()), str(free_port())]
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.sync_dtypes_node", str(rank), *ports, str(out)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        python_module("tests.distributed.sync_dtypes_node", str(rank), *ports, str(out), log=tmp_path / f"{rank}.log")
         for rank in range(2)
     ]
-    logs = [p.communicate(timeout=180)[0].decode(errors="replace")[-3000:] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], [p.output() for p in procs]
     seen = json.loads(out.read_text())
 
     state = payload()

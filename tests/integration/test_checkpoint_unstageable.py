@@ -5,8 +5,6 @@ SIGSEGV it). Tensors that can be staged, views with odd strides included, come b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +17,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StagingError
 from tests.checkpoint_support import as_bytes, ckpt_config, start_worker
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import python_module
+from tests.helpers.procs import child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -31,11 +30,15 @@ def test_dtensor_and_nested_tensor_saves_raise_staging_error_in_a_live_gloo_trai
     worker = start_worker(config, tmp_path)
     out = tmp_path / "seen.json"
     try:
-        cmd = [sys.executable, "-m", "tests.integration.unstageable_trainer", str(free_port()), str(out)]
-        proc = subprocess.run(cmd, env=child_env(config), cwd=REPO, capture_output=True, text=True, timeout=180)
+        env, log = child_env(config), tmp_path / "trainer.log"
+        trainer = python_module("tests.integration.unstageable_trainer", str(free_port()), str(out), log=log, env=env)
+        try:
+            code = trainer.wait(timeout=180)
+        finally:
+            trainer.kill()
     finally:
         worker.discard()
-    assert proc.returncode == 0, f"the trainer died with {proc.returncode}: {proc.stderr[-3000:]}"
+    assert code == 0, f"the trainer died with {code}: {trainer.output()}"
     seen = json.loads(out.read_text())
     assert seen["dtensor"].startswith("UnsupportedPlacement: cannot checkpoint DTensor at 'model/w'"), seen["dtensor"]
     assert "Partial(sum)" in seen["dtensor"]

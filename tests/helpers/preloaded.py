@@ -1,0 +1,113 @@
+"""`python -m MODULE ARGS` for test processes, without paying torch's import in every one of them.
+
+A rank of a multi-process torch.distributed test is a fresh process that imports torch, torch.distributed and
+DCS before it does anything: 3-5 s of CPU each on a 2-core machine, times 17 ranks in one DTensor test. Here
+they are forked instead from a multiprocessing *forkserver* that imported those modules once per pytest process
+(the forkserver is single-threaded when it forks, and has initialised no process group, no CUDA and no thread
+pool): each child gets its own environment, working directory, argv and log file, runs the module as
+`__main__` with `runpy`, and exits with the module's exit status (a kill -9 shows as -9, as with Popen). The
+child is a new process, so every torch.distributed group, socket and file it makes is its own.
+
+Use it for processes the test only starts, waits for and kills; a process whose command line matters (one that
+re-execs itself, e.g. `dcs worker`) or that must run inside a simulated host stays a `subprocess.Popen`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "dcs_tasks.checkpoint.checkpointer",
+    "dcs_tasks.client.engine",
+    "tests.checkpoint_support",
+]
+
+_context: ForkServerContext | None = None
+
+
+def _forkserver() -> ForkServerContext:
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        _context = context
+    return _context
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """In the forked child: the process `python -m module args` would be, writing to `log`."""
+    os.setsid()  # its own process group, as `start_new_session=True` gives
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class PreloadedProcess:
+    """A started `python -m MODULE ARGS`; the parts of `subprocess.Popen` the tests use."""
+
+    def __init__(self, module: str, args: list[str], log: Path, env: dict[str, str] | None, cwd: Path) -> None:
+        self.log = log
+        self.args = [module, *args]
+        environment = dict(os.environ if env is None else env)
+        self._process = _forkserver().Process(
+            target=_run_module, args=(module, args, environment, str(cwd), str(log)), daemon=False
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        """kill -9 of its process group (whatever it started too); nothing when it has exited."""
+        if self._process.exitcode is None and self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._process.join(10)
+
+    def output(self, tail: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-tail:]
+        except FileNotFoundError:
+            return ""
+
+
+def python_module(
+    module: str, *args: str, log: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> PreloadedProcess:
+    """Start `python -m module args` forked from the preloaded forkserver; stdout and stderr go to `log`."""
+    return PreloadedProcess(module, list(args), log, env, cwd)
