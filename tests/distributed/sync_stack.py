@@ -40,7 +40,7 @@ class ReceiverProcess(DcsProcess):
     def start(self, timeout: float = 30.0) -> ReceiverProcess:
         args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", str(self.rank)]
         args += ["--port", str(self.port), "--role", self.role]
-        self.spawn(*args)
+        self.spawn(*args, preloaded=True)
         try:
             wait_for_port(self.port, timeout)
             wait_registered(self.coordinator_url, self.role, self.rank, timeout, token=self.config.token())

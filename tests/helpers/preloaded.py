@@ -75,7 +75,8 @@ class PreloadedProcess:
             target=_run_module, args=(module, args, environment, str(cwd), str(log)), daemon=False
         )
         self._process.start()
-        self.pid = self._process.pid
+        assert self._process.pid is not None
+        self.pid: int = self._process.pid
 
     @property
     def returncode(self) -> int | None:
@@ -89,6 +90,13 @@ class PreloadedProcess:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None and self.pid is not None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         """kill -9 of its process group (whatever it started too); nothing when it has exited."""

@@ -16,6 +16,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from tests.helpers.ports import free_port, wait_for_port
+from tests.helpers.preloaded import PreloadedProcess, python_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,12 +35,17 @@ class DcsProcess:
     def __init__(self, config: DCSConfig, log_path: Path) -> None:
         self.config = config
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | PreloadedProcess | None = None
 
-    def spawn(self, *args: str, extra_env: dict[str, str] | None = None) -> None:
+    def spawn(self, *args: str, extra_env: dict[str, str] | None = None, preloaded: bool = False) -> None:
+        """`preloaded`: fork it from the forkserver that already imported torch (tests/helpers/preloaded.py),
+        for a command that imports torch (`dcs receiver`) and never re-execs itself (`dcs worker` does)."""
+        env = child_env(self.config, **(extra_env or {}))
+        if preloaded:
+            self.proc = python_module("dcs_tasks.cli.main", *args, log=self.log_path, env=env)
+            return
         cmd = [sys.executable, "-m", "dcs_tasks.cli.main", *args]
         log = self.log_path.open("ab")
-        env = child_env(self.config, **(extra_env or {}))
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
         )

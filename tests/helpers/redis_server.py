@@ -19,9 +19,7 @@ from tests.helpers.ports import free_port
 
 
 class RedisServer:
-    def __init__(
-        self, workdir: Path, *, appendonly: bool = True, port: int | None = None, databases: int = 16
-    ) -> None:
+    def __init__(self, workdir: Path, *, appendonly: bool = True, port: int | None = None, databases: int = 16) -> None:
         self.workdir = workdir
         self.databases = databases
         self.workdir.mkdir(parents=True, exist_ok=True)

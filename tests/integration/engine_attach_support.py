@@ -77,7 +77,7 @@ class ReceiverEngine(DcsProcess):
 
     def start(self, timeout: float = 30.0) -> ReceiverEngine:
         args = ["receiver", "--coordinator-url", self.coordinator_url, "--rank", "0", "--role", self.self_role]
-        self.spawn(*args, "--port", str(self.port))
+        self.spawn(*args, "--port", str(self.port), preloaded=True)
         wait_for_port(self.port, timeout)
         return self
 
