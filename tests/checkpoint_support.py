@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dcs_tasks.config import DCSConfig
+from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.helpers.waiting import wait_until as wait_until  # re-exported for the checkpoint tests
 
@@ -78,15 +78,10 @@ def start_worker(config: DCSConfig, tmp_path: Path, name: str = "worker", concur
 
 
 def dcs_ckpt(config: DCSConfig, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """`dcs ckpt ARGS --dir <checkpoint_dir>` as a user runs it; it never ends in a traceback."""
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(config),
-        check=False,
-    )
+    """`dcs ckpt ARGS --dir <checkpoint_dir>` as a user runs it (a process of its own with the user's environment,
+    forked from the preloaded forkserver); it never ends in a traceback."""
+    workdir = Path(config.checkpoint_dir).parent / "dcs-ckpt-output"
+    argv = ("ckpt", *args, "--dir", str(config.checkpoint_dir))
+    done = run_module("dcs_tasks.cli.main", *argv, workdir=workdir, env=child_env(config), timeout=timeout)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done

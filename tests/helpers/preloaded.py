@@ -20,6 +20,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -45,18 +46,21 @@ def _forkserver() -> ForkServerContext:
     return _context
 
 
-def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
-    """In the forked child: the process `python -m module args` would be, writing to `log`."""
+def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, err: str | None) -> None:
+    """In the forked child: the process `python -m module args` would be, writing to `log` (and its stderr to
+    `err` when given)."""
     os.setsid()  # its own process group, as `start_new_session=True` gives
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    out = os.open(log, flags, 0o644)
+    errors = os.open(err, flags, 0o644) if err is not None else out
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.close(null)
+    os.dup2(errors, 2)
+    for fd in {out, errors, null}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -67,12 +71,15 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
 class PreloadedProcess:
     """A started `python -m MODULE ARGS`; the parts of `subprocess.Popen` the tests use."""
 
-    def __init__(self, module: str, args: list[str], log: Path, env: dict[str, str] | None, cwd: Path) -> None:
+    def __init__(
+        self, module: str, args: list[str], log: Path, env: dict[str, str] | None, cwd: Path, err: Path | None = None
+    ) -> None:
         self.log = log
         self.args = [module, *args]
         environment = dict(os.environ if env is None else env)
+        errors = str(err) if err is not None else None
         self._process = _forkserver().Process(
-            target=_run_module, args=(module, args, environment, str(cwd), str(log)), daemon=False
+            target=_run_module, args=(module, args, environment, str(cwd), str(log), errors), daemon=False
         )
         self._process.start()
         assert self._process.pid is not None
@@ -119,3 +126,21 @@ def python_module(
 ) -> PreloadedProcess:
     """Start `python -m module args` forked from the preloaded forkserver; stdout and stderr go to `log`."""
     return PreloadedProcess(module, list(args), log, env, cwd)
+
+
+def run_module(
+    module: str, *args: str, workdir: Path, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run([python, "-m", module, *args], capture_output=True, text=True)`, forked from the preloaded
+    forkserver: stdout and stderr are collected through files under `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    handle, out_name = tempfile.mkstemp(prefix="out-", dir=workdir)
+    os.close(handle)
+    out, err = Path(out_name), Path(out_name + ".err")
+    proc = PreloadedProcess(module, list(args), out, env, cwd, err)
+    try:
+        code = proc.wait(timeout)
+    finally:
+        proc.kill()
+    stderr = err.read_text(errors="replace") if err.exists() else ""
+    return subprocess.CompletedProcess([module, *args], code, out.read_text(errors="replace"), stderr)
