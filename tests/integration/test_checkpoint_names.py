@@ -4,8 +4,6 @@ bool, float, str) are a CheckpointError naming them, before Redis, the staging p
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import run_module
+from tests.helpers.procs import child_env
 
 pytestmark = pytest.mark.integration
 
@@ -83,9 +82,9 @@ def test_payload_paths_must_be_clean(field: str, value: str) -> None:
 def test_dcs_ckpt_refuses_bad_run_names(action: str, run: str, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
-    cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", action, "--run", run, "--dir", str(root)]
     env = child_env(DCSConfig(checkpoint_dir=root, keep_last=1))
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    argv = ("ckpt", action, "--run", run, "--dir", str(root))
+    proc = run_module("dcs_tasks.cli.main", *argv, workdir=tmp_path / "out", env=env, timeout=60)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "--run" in proc.stderr and "run name" in proc.stderr, proc.stderr
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import CheckpointFailed, StagingError
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import run_module
+from tests.helpers.procs import child_env
 from tests.helpers.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -123,8 +123,8 @@ def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Pat
 
 
 def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args]
-    return subprocess.run(cmd, env=child_env(config), cwd=REPO, capture_output=True, text=True, timeout=120)
+    workdir = Path(config.checkpoint_dir).parent / "cli-output"
+    return run_module("dcs_tasks.cli.main", "ckpt", *args, workdir=workdir, env=child_env(config), timeout=120)
 
 
 def test_cli_list_verify_inspect_gc(dcs_config: DCSConfig, tmp_path: Path) -> None:

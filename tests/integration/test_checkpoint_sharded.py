@@ -4,8 +4,6 @@ restore reshards dim-split tensors to another world size (rank-local tensors fol
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,8 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, StateMismatch
 from tests.checkpoint_support import ckpt_config, start_worker
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import run_module
+from tests.helpers.procs import child_env
 
 pytestmark = pytest.mark.integration
 
@@ -50,15 +49,10 @@ SHARDING = {"model/w": 0, "model/col": 1}
 
 
 def dcs_ckpt(config: DCSConfig, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "ckpt", *args, "--dir", str(config.checkpoint_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(config),
-        check=True,
-    )
+    argv = ("ckpt", *args, "--dir", str(config.checkpoint_dir))
+    workdir = Path(config.checkpoint_dir).parent / "cli-output"
+    done = run_module("dcs_tasks.cli.main", *argv, workdir=workdir, env=child_env(config), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
