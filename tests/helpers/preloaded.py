@@ -50,7 +50,8 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     """In the forked child: the process `python -m module args` would be, writing to `log` (and its stderr to
     `err` when given)."""
     os.setsid()  # its own process group, as `start_new_session=True` gives
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     out = os.open(log, flags, 0o644)

@@ -26,6 +26,16 @@ PR_SET_CHILD_SUBREAPER = 36
 if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
     sys.exit("prctl(PR_SET_CHILD_SUBREAPER) failed")
 report = sys.argv[1]
+# A user's shell starts `dcs` with SIGINT and SIGTERM unblocked and handled by default; a test process may not
+# (a thread of the test runner can have them blocked, and a mask is inherited): start the command as a shell
+# would, and note what this process inherited (read by the tests when a signal seems lost)
+with open("/proc/self/status") as f:
+    inherited = [line.strip() for line in f if line.startswith(("SigBlk", "SigIgn"))]
+with open(report + ".signals", "w") as f:
+    f.write(" ".join(inherited))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 proc = subprocess.Popen(sys.argv[2:])
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda s, _f: proc.send_signal(s))
@@ -82,6 +92,26 @@ def start_reaped(args: list[str], report: Path, env: dict[str, str], cwd: Path) 
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
     )
+
+
+def inherited_signals(report: Path) -> str:
+    """The wrapper's inherited blocked and ignored signal masks (`SigBlk: ... SigIgn: ...`, hex)."""
+    side = report.with_name(report.name + ".signals")
+    return side.read_text() if side.exists() else "(not written)"
+
+
+def interrupt(proc: subprocess.Popen[str], report: Path, timeout: float = 90) -> str:
+    """Ctrl-C: SIGINT to the wrapper (forwarded to the command); the rest of its output once it exited. A
+    command still running after `timeout` fails the test with what the wrapper inherited."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        output = exc.output if isinstance(exc.output, str) else (exc.output or b"").decode(errors="replace")
+        raise AssertionError(
+            f"still running {timeout}s after SIGINT; the wrapper started with {inherited_signals(report)}\n{output}"
+        ) from None
+    return rest
 
 
 def leftovers(report: Path) -> list[dict[str, Any]]:

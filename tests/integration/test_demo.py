@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.procs import REPO
-from tests.integration.local_support import clean_env, kill_wrapper, leftovers, start_reaped
+from tests.integration.local_support import (
+    clean_env,
+    inherited_signals,
+    interrupt,
+    kill_wrapper,
+    leftovers,
+    start_reaped,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -62,11 +68,10 @@ def test_ctrl_c_during_training_stops_the_stack(tmp_path: Path) -> None:
                 break
         assert any(line.startswith("1. training") for line in seen), "".join(seen)
         time.sleep(3)  # the trainer process is up
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=90)
+        rest = interrupt(proc, report)
     finally:
         kill_wrapper(proc)
-    assert proc.returncode == 130, "".join(seen) + rest
+    assert proc.returncode == 130, "".join(seen) + rest + f"\nwrapper started with {inherited_signals(report)}"
     assert "interrupted; everything it started is stopped" in rest
     assert leftovers(report) == []
 

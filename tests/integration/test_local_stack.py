@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import signal
 import stat
 import time
 from pathlib import Path
@@ -12,7 +11,13 @@ import httpx
 import pytest
 
 from tests.helpers.procs import REPO
-from tests.integration.local_support import clean_env, kill_wrapper, leftovers, start_reaped
+from tests.integration.local_support import (
+    clean_env,
+    interrupt,
+    kill_wrapper,
+    leftovers,
+    start_reaped,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,8 +65,7 @@ def test_dcs_up_serves_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert httpx.get(flower.group(1), timeout=10).status_code == 401
         assert httpx.get(flower.group(1), auth=("dcs", token), timeout=10).status_code == 200
 
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=90)
+        rest = interrupt(proc, report)
     finally:
         kill_wrapper(proc)
     assert proc.returncode == 0, rest
