@@ -85,9 +85,9 @@ class TinyModel(nn.Module):
             *path, leaf = name.split(".")
             module: nn.Module = self
             for part in path:
-                if part not in module._modules:
+                if part not in dict(module.named_children()):
                     module.add_module(part, nn.ModuleDict())
-                module = module._modules[part]  # type: ignore[assignment]
+                module = module.get_submodule(part)
             module.register_parameter(leaf, param)
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
