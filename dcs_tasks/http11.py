@@ -201,6 +201,11 @@ class KeepAliveClient:
         self._open: set[_Connection] = set()
         self._closed = False
 
+    @property
+    def open_connections(self) -> int:
+        """Connections open now, idle or carrying a request."""
+        return len(self._open)
+
     @staticmethod
     def accepts(headers: Mapping[str, str]) -> bool:
         """Whether `headers` can be written as they are: ASCII (httpx's default), names without separators,

@@ -26,6 +26,8 @@ it cannot write) goes through httpx. Both raise httpx's exception classes and an
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
+import urllib.request
 from typing import Any
 
 import httpx
@@ -47,6 +49,16 @@ RETRACT_SINCE = Version("0.5.21")
 def auth_headers(token: str | None) -> dict[str, str]:
     """SGLang's API-key header (none without a token)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def sent_direct(url: str) -> bool:
+    """Whether `url` goes straight to its host: the environment names no http or all proxy, or its NO_PROXY
+    covers the host (the standard library's reading of HTTP_PROXY/ALL_PROXY/NO_PROXY, as httpx's). A
+    proxied engine is left to httpx, which sends through the proxy."""
+    proxies = urllib.request.getproxies()
+    if not (proxies.get("http") or proxies.get("all")):
+        return True
+    return bool(urllib.request.proxy_bypass(urllib.parse.urlsplit(url).hostname or ""))
 
 
 def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
@@ -96,14 +108,7 @@ class EngineAPI:
         headers = auth_headers(token)
         self._timeout = timeout_seconds
         self._http = httpx.AsyncClient(timeout=timeout_seconds, headers=headers)
-        self._fast = KeepAliveClient(headers, direct=self._direct) if KeepAliveClient.accepts(headers) else None
-
-    def _direct(self, url: str) -> bool:
-        """Whether httpx would send `url` straight to its host (not through a proxy from the environment)."""
-        try:
-            return self._http._transport_for_url(httpx.URL(url)) is self._http._transport
-        except (AttributeError, httpx.InvalidURL):  # another httpx than the one read: leave proxies to it
-            return False
+        self._fast = KeepAliveClient(headers, direct=sent_direct) if KeepAliveClient.accepts(headers) else None
 
     async def aclose(self) -> None:
         if self._fast is not None:

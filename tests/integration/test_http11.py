@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dcs_tasks.errors import EngineAuthRefused, WeightSyncError
 from dcs_tasks.http11 import KeepAliveClient, Target, encode_json
-from dcs_tasks.sync.engine_protocol import EngineAPI
+from dcs_tasks.sync.engine_protocol import EngineAPI, sent_direct
 from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.rollout import _unreachable
 from tests.helpers.ports import free_port
@@ -113,7 +113,7 @@ async def test_one_connection_is_kept_alive_and_reused(client: KeepAliveClient, 
         assert answer.status_code == 200
         ports.append(answer.json()["port"])
     assert len(set(ports)) == 1, ports
-    assert len(client._open) == 1
+    assert client.open_connections == 1
 
 
 async def test_a_connection_the_server_closed_while_idle_is_replaced(client: KeepAliveClient, server_port: int) -> None:
@@ -121,7 +121,7 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced(client: Kee
     await asyncio.sleep(KEEP_ALIVE + 0.5)  # uvicorn closes it meanwhile
     second = (await client.request("GET", _target(client, server_port, "/port"), 5.0)).json()["port"]
     assert first != second
-    assert len(client._open) == 1
+    assert client.open_connections == 1
 
 
 async def test_large_json_bodies_both_ways_arrive_whole(client: KeepAliveClient, server_port: int) -> None:
@@ -134,7 +134,7 @@ async def test_large_json_bodies_both_ways_arrive_whole(client: KeepAliveClient,
     big = await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0)
     assert len(big.json()["data"]) == 3_000_000
     again = await client.request("GET", _target(client, server_port, "/port"), 5.0)  # the same connection after
-    assert again.status_code == 200 and len(client._open) == 1
+    assert again.status_code == 200 and client.open_connections == 1
 
 
 def test_the_body_is_encoded_byte_for_byte_as_httpx_does() -> None:
@@ -148,7 +148,7 @@ async def test_a_chunked_answer_is_read_and_the_connection_reused(client: KeepAl
     answer = await client.request("GET", _target(client, server_port, "/chunked"), 5.0)
     assert answer.json() == {"a": [1, 2, 3], "b": "y" * 70000}
     await client.request("GET", _target(client, server_port, "/port"), 5.0)
-    assert len(client._open) == 1
+    assert client.open_connections == 1
 
 
 async def test_calls_at_once_to_one_origin_do_not_wait_for_each_other(
@@ -169,13 +169,13 @@ async def test_a_read_timeout_is_bounded_and_a_cancelled_call_leaves_no_connecti
     with pytest.raises(httpx.ReadTimeout):
         await client.request("GET", _target(client, server_port, "/slow?s=3"), 0.3)
     assert time.monotonic() - started < 1.0
-    assert not client._open  # its connection is closed: a late answer must not be read as the next one's
+    assert client.open_connections == 0  # its connection is closed: a late answer must not be read as the next one's
     call = asyncio.ensure_future(client.request("GET", _target(client, server_port, "/slow?s=3"), 5.0))
     await asyncio.sleep(0.1)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert not client._open
+    assert client.open_connections == 0
     assert (await client.request("GET", _target(client, server_port, "/port"), 5.0)).status_code == 200
 
 
@@ -187,13 +187,13 @@ def test_what_it_does_not_handle_is_left_to_httpx(monkeypatch: pytest.MonkeyPatc
     assert http.target("http://[::1]:8/x") == Target("::1", 8, b"/x", b"[::1]:8")
     assert not KeepAliveClient.accepts({"Authorization": "Bearer a\r\nX: y"})
     assert not KeepAliveClient.accepts({"Authorization": "Bearer é"})
+    assert sent_direct("http://127.0.0.1:30000/health")  # no proxy in the environment
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     monkeypatch.setenv("NO_PROXY", "10.0.0.7")
-    api = EngineAPI("k", 5.0)  # reads the environment as httpx does
-    assert api._fast is not None
-    assert api._fast.target("http://127.0.0.1:30000/health") is None  # httpx would go through the proxy
-    assert api._fast.target("http://10.0.0.7:30000/health") is not None
-    assert EngineAPI("bad\ntoken", 5.0)._fast is None
+    proxied = KeepAliveClient({"Authorization": "Bearer k"}, direct=sent_direct)  # as EngineAPI builds it
+    assert proxied.target("http://127.0.0.1:30000/health") is None  # httpx sends it through the proxy
+    assert proxied.target("http://10.0.0.7:30000/health") is not None
+    assert not KeepAliveClient.accepts({"Authorization": "Bearer bad\ntoken"})  # EngineAPI leaves it to httpx
 
 
 class RawServer:
