@@ -69,6 +69,7 @@ bench: install redis-bin
 	$(BIN)/python bench/replica.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/weight_sync.py
+	$(BIN)/python bench/http_roundtrip.py
 	$(BIN)/python bench/task_latency.py
 
 clean:

@@ -8,8 +8,8 @@ its kept-alive client (`fast`) and with it turned off (`httpx`):
   frame_packing    the same frame while a 32 MiB bucket of 300 tensors is packed in a worker thread (as
                    `BucketSender.send_fused` does), and how long that packing took meanwhile (`pack_alone`:
                    without the frame)
-Medians of --repeats; writes bench/results/http_roundtrip.json. Wrap it in `flock /tmp/dcs-heavy.lock`
-on a shared machine.
+Medians of --repeats; writes bench/results/http_roundtrip.json. Run it on an otherwise idle machine: the
+figures are a few milliseconds, and any other load moves them.
 """
 
 from __future__ import annotations
