@@ -95,6 +95,7 @@ def _child_save(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     from dcs_tasks import Checkpointer
     from dcs_tasks.checkpoint.checkpointer import Checkpointer as Impl
 
+    states: dict[int, Any] = {}  # data step -> the state: unchanged data is the same tensors, as a model's are
     with Checkpointer(job["run"], rank=rank, world_size=job["world"]) as ckpt:
         for step in job["steps"]:
             if step == job.get("kill_step") and rank == job.get("kill_rank"):
@@ -104,7 +105,9 @@ def _child_save(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
 
                 Impl._send = die  # type: ignore[method-assign]
             data = job.get("data_step", step)  # a save of unchanged data (incremental saves refer to it)
-            pending = ckpt.save(_state(mesh, job["layout"], data, rank), step)
+            if data not in states:
+                states[data] = _state(mesh, job["layout"], data, rank)
+            pending = ckpt.save(states[data], step)
             pending.wait(timeout=120)
     return {"saved": job["steps"]}
 
