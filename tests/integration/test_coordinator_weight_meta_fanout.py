@@ -5,6 +5,7 @@ encodings per append."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -38,6 +39,21 @@ def redis_calls(r: redis.Redis) -> dict[str, int]:
     return {name: int(stat["calls"]) for name, stat in r.info("commandstats").items()}
 
 
+async def _reads_settled(r: redis.Redis, timeout: float = 20.0) -> None:
+    """Wait until the server has run no script for 0.6 s: every poll that was going to read has read (a fixed
+    sleep was not enough on a loaded machine, and late first reads were counted as the append's)."""
+    last, quiet_since = -1, time.monotonic()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        count = redis_calls(r).get("cmdstat_evalsha", 0)
+        if count != last:
+            last, quiet_since = count, time.monotonic()
+        elif time.monotonic() - quiet_since >= 0.6:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the long-polls kept reading for {timeout}s")
+
+
 async def poll(http: httpx.AsyncClient, index: int, wait_s: float) -> httpx.Response:
     return await http.get("/recv_weight_meta", params={"index": index, "wait_timeout_s": wait_s})
 
@@ -49,7 +65,7 @@ async def test_one_append_answers_300_long_polls_with_one_shared_read(
     r = redis.Redis.from_url(dcs_config.redis_url, decode_responses=True)
     await coord.api.send_weight_meta(meta("before"))
     polls = [asyncio.create_task(poll(coord.http, 1, 30.0)) for _ in range(POLLS)]
-    await asyncio.sleep(1.0)  # every poll read index 1 (empty) and waits for the append
+    await _reads_settled(r)  # every poll read index 1 (empty) and waits for the append
     assert not any(p.done() for p in polls)
     r.config_resetstat()
     await coord.api.send_weight_meta(meta("new"))
@@ -64,8 +80,9 @@ async def test_one_append_answers_300_long_polls_with_one_shared_read(
     # exactly the bytes FastAPI sends for the route's response_model
     assert answers[0].content == JSONResponse(jsonable_encoder(batch)).body
     assert answers[0].headers["content-type"] == "application/json"
-    # the append (1 script) and a few shared reads; before, every poll ran its own read script (301)
-    assert calls.get("cmdstat_evalsha", 0) <= 5, calls
+    # the append (1 script) and a few shared reads (more batches on a loaded machine); before, every poll ran
+    # its own read script (301)
+    assert calls.get("cmdstat_evalsha", 0) <= 10, calls
     assert sum(calls.values()) <= 40, calls
     r.close()
 
