@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -24,6 +22,7 @@ from dcs_tasks.sync.engine_protocol import EngineAPI, sent_direct
 from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.rollout import _unreachable
 from tests.helpers.ports import free_port
+from tests.helpers.uvicorn_thread import uvicorn_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -77,20 +76,8 @@ def _app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def server_port() -> Iterator[int]:
-    chosen = free_port()
-    config = uvicorn.Config(
-        _app(), host="127.0.0.1", port=chosen, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="http11-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield chosen
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_in_thread(_app(), "http11-uvicorn", lifespan="off", timeout_keep_alive=KEEP_ALIVE) as port:
+        yield port
 
 
 @pytest.fixture

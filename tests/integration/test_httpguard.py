@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from dcs_tasks.httpguard import guarded_server_options
-from tests.helpers.ports import free_port
+from tests.helpers.uvicorn_thread import uvicorn_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -34,18 +32,8 @@ async def _slow(request: Request) -> PlainTextResponse:
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     app = Starlette(routes=[Route("/", _slow)])
-    chosen = free_port()
-    options = guarded_server_options(READ_BOUND, KEEP_ALIVE)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=chosen, log_level="warning", **options))
-    thread = threading.Thread(target=server.run, name="guarded-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield chosen
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_in_thread(app, "guarded-uvicorn", **guarded_server_options(READ_BOUND, KEEP_ALIVE)) as chosen:
+        yield chosen
 
 
 def _closed_after(sock: socket.socket, give_up_s: float) -> tuple[bytes, float | None]:
