@@ -15,6 +15,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +55,11 @@ TEMP_GLOB = ".*.tmp"  # matches every `temp_path` (and nothing a reader opens: f
 
 
 def temp_path(final: Path, tag: str) -> Path:
-    return final.with_name(f".{final.name}.{tag}.tmp")
+    """A temp name of `final`'s that no other writer uses, even one with the same `tag`: a redelivered task
+    keeps its task id, and the redelivery can run while the first delivery (or a second redelivery) still
+    writes. Two writers sharing one temp file truncate each other's bytes, and the first to rename it would
+    publish an inode the other is still truncating and writing (a short final file, seen in CI)."""
+    return final.with_name(f".{final.name}.{tag}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
 def remove_stray_temps(directory: Path) -> None:
@@ -71,7 +76,7 @@ def write_all(fd: int, data: memoryview) -> None:
 
 
 def _open_temp(tmp: Path, direct: bool) -> int:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a temp name is never reused
     if direct and O_DIRECT:
         try:
             return os.open(tmp, flags | O_DIRECT, 0o644)
