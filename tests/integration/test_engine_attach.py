@@ -97,6 +97,10 @@ def test_a_dead_engine_leaves_the_topology_and_is_registered_again_when_back(
         gone_after = wait_for("rollout_0 gone", lambda: 0 not in rollout_nodes(coordinator.url, TOKEN), 30, 0.05)
         bound = config.heartbeat_timeout_seconds + config.heartbeat_interval_seconds
         assert gone_after <= bound + 0.5, f"gone after {gone_after:.2f}s, bound {bound}s (+0.5 s polling slack)"
+        # the attach unregisters once /health has failed for --down-after (the heartbeat timeout), counted from
+        # its first failed probe: up to one interval after the topology dropped the node. An engine back before
+        # that only gets its heartbeats again (same registration); this test is about the registration anew
+        wait_for("the attach unregistered rollout_0", lambda: "unregistered rollout_0" in attach.log_tail(100_000), 30)
         receiver.start()  # same port
         wait_for("rollout_0 registered again", _attached(coordinator, 0, receiver.port), timeout=30)
         assert attach.running()
