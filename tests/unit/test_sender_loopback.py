@@ -136,6 +136,29 @@ def test_every_dtype_arrives_bit_exact_with_a_report_that_counts_it(fused: bool,
     scene.assert_received(again, version=2)
 
 
+@pytest.mark.parametrize("sglang", [False, True], ids=["dcs", "sglang"])
+def test_the_plan_is_kept_for_a_like_state_and_redone_when_a_tensor_changes_shape_or_layout(sglang: bool) -> None:
+    """A second update of the same model reuses the first one's buckets (the same layout objects); a state
+    whose tensor changed shape, or became non-contiguous, is planned again. Every update arrives bit-exact."""
+    scene = Scene(sglang=sglang)
+    state = table_state()
+    scene.push(state)
+    first = scene.sender.plan(state)
+    again = {name: t.clone() for name, t in state.items()}
+    assert all(a is b for a, b in zip(scene.sender.plan(again), first, strict=True))
+    scene.push(again, version=2)
+    scene.assert_received(again, version=2)
+    reshaped = dict(again, **{"t.big": torch.randn(32, 128)})  # same bytes, another shape
+    assert scene.sender.plan(reshaped) != first
+    scene.push(reshaped, version=3)
+    scene.assert_received(reshaped, version=3)
+    strided = dict(reshaped, **{"t.big": torch.randn(128, 32).t()})  # same shape, not contiguous
+    kept = scene.sender.plan(reshaped)
+    assert not any(a is b for a, b in zip(scene.sender.plan(strided), kept, strict=True))
+    scene.push(strided, version=4)
+    scene.assert_received(strided, version=4)
+
+
 def test_fp8_and_wide_uints_travel_as_uint8_views_per_tensor() -> None:
     """Over gloo these dtypes cannot be broadcast as themselves; the receiver's tensor is filled in place
     through its uint8 view (the same rule as `DeviceDirectBackend`)."""
