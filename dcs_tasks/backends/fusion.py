@@ -9,7 +9,6 @@ dtype, NaN payloads and negative zeros included.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,12 +83,6 @@ class FusionLayout:
         one-tensor bucket is exactly that tensor's bytes and can be sent from its own memory."""
         return self.offsets[-1] + self.specs[-1].nbytes if self.specs else 0
 
-    @functools.cached_property
-    def gaps(self) -> tuple[int, ...]:
-        """The padding bytes before each tensor (0 when it starts where the previous one ended)."""
-        ends = (0, *(offset + spec.nbytes for spec, offset in zip(self.specs, self.offsets, strict=True)))
-        return tuple(offset - end for offset, end in zip(self.offsets, ends, strict=False))
-
     @property
     def payload_bytes(self) -> int:
         """Bytes of tensor data, without alignment padding."""
@@ -119,21 +112,6 @@ def pack_into(buffer: torch.Tensor, layout: FusionLayout, tensors: Mapping[str, 
         # one copy call for the whole bucket (it runs without the GIL): a Python loop of per-tensor copies cost
         # ~20 us of interpreter per tensor, i.e. most of packing a bucket of small tensors
         torch.cat(pieces, out=view)
-    return view
-
-
-def pack_planned(buffer: torch.Tensor, layout: FusionLayout, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`pack_into` for tensors already known to match `layout` (in its order, with its dtypes and shapes, on
-    `buffer`'s device): the sender planned the layout from them in the same call, so nothing is checked again.
-    Non-contiguous tensors are copied contiguous first."""
-    pieces: list[torch.Tensor] = []
-    for gap, src in zip(layout.gaps, sources, strict=True):
-        if gap:
-            pieces.append(torch.zeros(gap, dtype=torch.uint8, device=buffer.device))
-        pieces.append(src.detach().contiguous().reshape(-1).view(torch.uint8))
-    view = buffer[: layout.wire_bytes]
-    if pieces:
-        torch.cat(pieces, out=view)  # the last tensor ends at `wire_bytes`: cat fills the view exactly
     return view
 
 

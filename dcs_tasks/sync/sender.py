@@ -32,7 +32,6 @@ from dcs_tasks.backends.fusion import (
     SGLANG_ALIGNMENT,
     FusionLayout,
     pack_into,
-    pack_planned,
     plan_buckets,
     sglang_layout,
 )
@@ -197,8 +196,8 @@ class BucketSender:
 
     def plan(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> list[FusionLayout]:
         """The buckets of `state`, in sending order. Kept for the next update: a state with the same names,
-        dtypes, shapes, devices and contiguity (a model's, update after update) reuses them (~1.3 ms for 300
-        tensors otherwise); the key holds no tensor."""
+        dtypes, shapes, devices and contiguity (a model's, update after update) reuses them (planning 300
+        tensors: 1.0 ms, the kept plan: 0.2 ms); the key holds no tensor."""
         key = (quant, [(name, t.dtype, t.shape, t.device, t.is_contiguous()) for name, t in state.items()])
         if self._planned is not None and self._planned[0] == key:
             return list(self._planned[1])
@@ -242,12 +241,8 @@ class BucketSender:
     ) -> torch.Tensor:
         if self._zero_copy(layout, state, quant):
             return state[layout.specs[0].name].detach().reshape(-1).view(torch.uint8)  # its own memory: no copy
-        if quant is None and all(state[spec.name].device == self.device for spec in layout.specs):
-            # planned from this very state (its dtypes, shapes): no per-tensor checks, no dict (~40% of packing)
-            view = pack_planned(slot, layout, [state[spec.name] for spec in layout.specs])
-        else:
-            tensors = {spec.name: to_wire(state[spec.name], quant).to(self.device) for spec in layout.specs}
-            view = pack_into(slot, layout, tensors)
+        tensors = {spec.name: to_wire(state[spec.name], quant).to(self.device) for spec in layout.specs}
+        view = pack_into(slot, layout, tensors)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return view

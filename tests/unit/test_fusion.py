@@ -10,7 +10,6 @@ from dcs_tasks.backends.fusion import (
     TensorFusion,
     TensorSpec,
     pack_into,
-    pack_planned,
     plan_buckets,
     unpack_views,
 )
@@ -124,18 +123,3 @@ def test_pack_into_a_used_buffer_is_bit_exact_and_zeroes_the_padding() -> None:
             used[offset : offset + spec.nbytes] = True
         assert not view[~used].any(), "padding must be zero"
         assert bool((buffer[layout.wire_bytes :] == 0xAB).all())
-
-
-def test_pack_planned_writes_the_same_bytes_as_pack_into() -> None:
-    """The sender's unchecked packing (tensors planned in the same call) equals the checked one: same wire
-    bytes, padding zeroed, non-contiguous and empty tensors included, in both layouts."""
-    from dcs_tasks.backends.fusion import sglang_layout
-
-    tensors = _mixed()
-    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
-    for layout in (FusionLayout.build(specs, ALIGNMENT), sglang_layout(specs)):
-        checked = pack_into(torch.zeros(layout.total_bytes, dtype=torch.uint8), layout, tensors)
-        used = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8)
-        planned = pack_planned(used, layout, [tensors[spec.name] for spec in layout.specs])
-        assert torch.equal(planned, checked)
-        assert sum(layout.gaps) == layout.wire_bytes - layout.payload_bytes
