@@ -4,13 +4,16 @@ Cycle: wait (bounded) for the engine's `/health` -> read its server info once an
 push weights to -> register it as `rollout` rank N with its advertised address and tp span -> every
 heartbeat interval probe `/health` and beat while it answers (see `AttachSettings` for how long a failing
 `/health` is tolerated) -> once the engine is down, unregister and start over (a restarted engine is read
-again and re-registered).
+again and re-registered). An engine that answers again after a probe it did not answer at all (refused,
+reset, timed out) is read again and registered anew at once, with a new `instance` token in its metadata:
+it may be a restarted process, which trainers must not take for the member of their formed group.
 Cancelling `run` (SIGTERM/SIGINT in the CLI) unregisters the engine. No key is ever logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from dcs_tasks.errors import (
 )
 from dcs_tasks.models import RegisterResponse
 from dcs_tasks.sync.models import EngineInfo
+from dcs_tasks.sync.planning import new_instance
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,13 @@ class AttachSettings:
     """Timeout of one `/health` probe (SGLang's own generation check gives up after 20 s)."""
 
 
+class Outage(enum.Enum):
+    """How `EngineAttachment.beat_while_healthy` ended."""
+
+    DOWN = "down"  # failed /health for longer than allowed: unregister, wait for the engine
+    BACK = "back"  # answered again after not answering at all: register anew
+
+
 class EngineAttachment:
     """Keeps the engine behind `engine` registered in the coordinator behind `api` while it is healthy."""
 
@@ -78,7 +89,9 @@ class EngineAttachment:
         try:
             while True:
                 await self.attach_once()
-                await self.beat_while_healthy()
+                while await self.beat_while_healthy() is Outage.BACK:
+                    log.info("engine answers again after not answering: registering it anew (it may have restarted)")
+                    await self.attach_once()
                 await self.unregister()
         finally:
             await self.unregister()
@@ -87,9 +100,9 @@ class EngineAttachment:
         """Wait for the engine, read and check its server info, register it; returns the registered node."""
         s = self.settings
         info = await self._read_engine()
-        node = RoleInfo(
-            role_name=s.role, rank=s.rank, ip=s.advertise_ip, port=s.advertise_port, metadata=engine_metadata(info)
-        )
+        # a new instance token per registration: trainers rebuild their group for a restarted engine
+        metadata = engine_metadata(info) | {"instance": new_instance()}
+        node = RoleInfo(role_name=s.role, rank=s.rank, ip=s.advertise_ip, port=s.advertise_port, metadata=metadata)
         answer = await self._register(node)
         self.registered = node.model_copy(update={"rank": answer.rank})
         self.registrations += 1
@@ -136,16 +149,21 @@ class EngineAttachment:
                 log.warning("registering failed, coordinator unavailable (will retry): %s", exc)
                 await asyncio.sleep(self.settings.interval)
 
-    async def beat_while_healthy(self) -> None:
-        """Beat every interval while the engine is up; return once it is down (see `AttachSettings`)."""
+    async def beat_while_healthy(self) -> Outage:
+        """Beat every interval while the engine is up. Returns DOWN once it has been down too long (see
+        `AttachSettings`), BACK once it answers again after a probe it did not answer at all (the engine process
+        may have been replaced: it must be registered anew)."""
         assert self.registered is not None
         s = self.settings
         beats = HeartbeatLoop(self.api, self.registered, s.interval)
         failing_since: float | None = None  # first probe of the current run without a 200
+        unanswered = False  # a probe of the current run got no answer at all
         while True:
             started = time.monotonic()
             probe = await self.engine.health(s.health_timeout)
             if probe.ok:
+                if unanswered:
+                    return Outage.BACK
                 if failing_since is not None:
                     log.info("engine answers /health with 200 again")
                 failing_since = None
@@ -153,11 +171,12 @@ class EngineAttachment:
                 failing_since = started
                 effect = "heartbeats go on" if probe.answered else "heartbeats paused"
                 log.warning("engine's /health failed (%s): %s", probe.reason, effect)
+            unanswered = unanswered or not probe.answered
             if failing_since is not None:
                 limit = s.unhealthy_after if probe.answered else s.down_after
                 if time.monotonic() - failing_since >= limit:
                     log.warning("engine's /health has failed for %gs (last: %s): unregistering", limit, probe.reason)
-                    return
+                    return Outage.DOWN
             if probe.answered:
                 await self._beat(beats)
             await asyncio.sleep(max(0.0, s.interval - (time.monotonic() - started)))

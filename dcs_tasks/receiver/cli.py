@@ -33,6 +33,7 @@ from dcs_tasks.httpguard import guarded_server_options
 from dcs_tasks.netaddr import configure_comm_interface, interface_of, is_loopback, route_address
 from dcs_tasks.receiver.guard import secure_receiver_app
 from dcs_tasks.receiver.server import create_receiver_app
+from dcs_tasks.sync.planning import new_instance
 from dcs_tasks.sync.receiving import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         rank=args.rank,
         ip=advertise,
         port=sock.getsockname()[1],
-        metadata={},  # the trainer reads tp_size and version from GET /server_info, as for a real SGLang engine
+        # the trainer reads tp_size and version from GET /server_info, as for a real SGLang engine; the instance
+        # token tells it a receiver restarted at the same address is not the group member it replaced
+        metadata={"instance": new_instance()},
     )
     asyncio.run(serve(config, info, sock))
     return 0

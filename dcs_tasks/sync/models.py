@@ -10,6 +10,7 @@ see `dcs_tasks.backends.fusion.sglang_layout`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -122,6 +123,15 @@ class EngineInfo(BaseModel):
     )
 
 
+INSTANCE_MAX_LENGTH = 64
+INSTANCE_PATTERN = r"^[A-Za-z0-9_.\-]*$"
+
+
+def signature_of(engines: Iterable[EngineEndpoint]) -> tuple[tuple[int, str, int, str], ...]:
+    """(rank, ip, port, instance) per engine: what must be unchanged for a formed group to be reused."""
+    return tuple((e.rank, e.ip, e.port, e.instance) for e in engines)
+
+
 class EngineEndpoint(BaseModel):
     """A rollout engine as a group member: its node rank, HTTP address, first group rank and (once probed) what
     it said about itself; it spans `info.tp_size` group ranks from `rank_offset`."""
@@ -133,6 +143,9 @@ class EngineEndpoint(BaseModel):
     port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(default=1, ge=1)
     info: EngineInfo | None = None
+    instance: str = Field(default="", max_length=INSTANCE_MAX_LENGTH, pattern=INSTANCE_PATTERN)
+    """The registration's `metadata["instance"]` ("" when it has none): a new one per engine process, so an
+    engine restarted at the same address is not taken for the group member it replaced."""
 
     @property
     def url(self) -> str:
@@ -156,9 +169,9 @@ class GroupPlan(BaseModel):
     engines: tuple[EngineEndpoint, ...]
 
     @property
-    def signature(self) -> tuple[tuple[int, str, int], ...]:
-        """Equal signatures (same engines at the same addresses) mean the group can be reused."""
-        return tuple((e.rank, e.ip, e.port) for e in self.engines)
+    def signature(self) -> tuple[tuple[int, str, int, str], ...]:
+        """Equal signatures (the same engine processes at the same addresses) mean the group can be reused."""
+        return signature_of(self.engines)
 
     @property
     def flattened(self) -> bool:

@@ -9,7 +9,13 @@ or `dcs engine attach` for a real SGLang server):
 - The engine serves SGLang's weight-update API on that address and accepts `Authorization: Bearer
   <DCS_AUTH_TOKEN>` (SGLang's `--api-key`), or no key when DCS has none: the trainer sends the DCS token
   on every call.
-- `metadata` is NOT read by the planner. The rank span, version and capabilities come from the engine
+- `metadata["instance"]`: a token new for every engine process (`dcs receiver` makes one at start, `dcs
+  engine attach` one per registration, and a new registration whenever its engine stopped answering and
+  answers again). The trainer reuses a formed group only while every engine's (rank, ip, port, instance) is
+  unchanged, so an engine restarted at the same address gets a new group before any bucket is sent, instead
+  of failing the first update after its restart. Without one (""), only the address is compared. A value
+  that is not a string of up to 64 characters `[A-Za-z0-9_.-]` is ignored.
+- Other `metadata` is NOT read by the planner. The rank span, version and capabilities come from the engine
   itself: once per group formation the trainer reads `GET /server_info` (`version`, `tp_size`,
   `dp_size`, `pp_size`), see `dcs_tasks.sync.engine_protocol`. Metadata keys such as `num_gpus` or
   `load_formats` are ignored (they may stay for operators to read).
@@ -20,17 +26,33 @@ Plan: engines sorted by rank; engine i joins with `rank_offset` = 1 + the tp_siz
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Iterable, Mapping
 
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.sync.models import EngineEndpoint, EngineInfo, GroupPlan
+from dcs_tasks.sync.models import INSTANCE_MAX_LENGTH, INSTANCE_PATTERN, EngineEndpoint, EngineInfo, GroupPlan
 
 
 def endpoint_of(node: RoleInfo) -> EngineEndpoint:
     """A registered rollout node's address (rank offset and engine facts are filled in by `plan_rollout_group`)."""
     if node.rank is None:
         raise ValueError(f"rollout node at {node.address} has no rank")
-    return EngineEndpoint(rank=node.rank, ip=node.ip, port=node.port)
+    return EngineEndpoint(rank=node.rank, ip=node.ip, port=node.port, instance=instance_of(node))
+
+
+def instance_of(node: RoleInfo) -> str:
+    """The registration's instance token, or "" when it has none or a malformed one (a Redis record is hostile
+    input: a bad token must not stop updates, it only hides a restart as before tokens existed)."""
+    token = node.metadata.get("instance")
+    if isinstance(token, str) and len(token) <= INSTANCE_MAX_LENGTH and re.fullmatch(INSTANCE_PATTERN, token):
+        return token
+    return ""
+
+
+def new_instance() -> str:
+    """A fresh instance token for a registration's metadata."""
+    return uuid.uuid4().hex
 
 
 def plan_rollout_group(engines: Iterable[EngineEndpoint], infos: Mapping[str, EngineInfo]) -> GroupPlan:

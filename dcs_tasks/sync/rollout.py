@@ -1,15 +1,16 @@
 """Actor -> rollout weight updates over SGLang's weight-update HTTP API (no DCS extension on the wire).
 
-Per update: live rollout nodes from the coordinator -> reuse the group if the engines (rank, ip, port) are
-unchanged, else read every engine's `/server_info` (version, tp_size; `engine_protocol`), plan rank spans and
-form a new group -> pause generation (`retract`; `abort` on 0.5.20) -> `/begin_weight_update` where the
-version needs a session -> per bucket, POST /update_weights_from_distributed to every engine while the
-bucket is broadcast (SGLang's `flattened_bucket` layout; the last bucket names the version and flushes the
-cache) -> `/end_weight_update` -> `/continue_generation`. `weight_version` rises by one per successful
-update, starting above every engine's published version when a group forms (so a restarted trainer never
-goes back). With a group to reuse, the topology read, pause + begin and the packing of the first bucket run
-at once; nothing is sent before the topology confirmed the engines and every session is open (engines that
-changed: the sessions just opened on those still listed are closed, the group is rebuilt).
+Per update: live rollout nodes from the coordinator -> reuse the group if the engines (rank, ip, port and
+registration instance: `dcs_tasks.sync.planning`) are unchanged, else read every engine's `/server_info`
+(version, tp_size; `engine_protocol`), plan rank spans and form a new group -> pause generation (`retract`;
+`abort` on 0.5.20) -> `/begin_weight_update` where the version needs a session -> per bucket, POST
+/update_weights_from_distributed to every engine while the bucket is broadcast (SGLang's `flattened_bucket`
+layout; the last bucket names the version and flushes the cache) -> `/end_weight_update` ->
+`/continue_generation`. `weight_version` rises by one per successful update, starting above every engine's
+published version when a group forms (so a restarted trainer never goes back). With a group to reuse, the
+topology read, pause + begin and the packing of the first bucket run at once; nothing is sent before the
+topology confirmed the engines and every session is open (engines that changed: the sessions just opened on
+those still listed are closed, the group is rebuilt).
 
 A failure drops the group (the next update rebuilds it over the nodes then alive), ends every session this
 update opened (no engine is left mid-session) and resumes generation on engines that were sent no bucket.
@@ -41,6 +42,7 @@ from dcs_tasks.sync.models import (
     EngineInfo,
     QuantizationConfig,
     UpdateWeightsFromDistributedRequest,
+    signature_of,
 )
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
 from dcs_tasks.sync.sender import Announce, BucketSender, RolloutDetails, UpdateReport
@@ -270,9 +272,8 @@ class RolloutUpdater:
                     raise _TopologyUnread(exc) from exc
                 sessions.marks.mark("topology_seconds")
                 sessions.marks.mark("bootstrap_seconds")
-                listed = tuple((e.rank, e.ip, e.port) for e in endpoints)
-                if listed != group.plan.signature:
-                    raise _EnginesChanged(set(listed))
+                if signature_of(endpoints) != group.plan.signature:  # an engine replaced, added, gone or restarted
+                    raise _EnginesChanged({(e.rank, e.ip, e.port) for e in endpoints})
             await asyncio.shield(opening)
             sessions.marks.mark("ready_seconds")
         finally:
@@ -280,10 +281,9 @@ class RolloutUpdater:
 
     async def _ensure_group(self, endpoints: list[EngineEndpoint]) -> bool:
         current = self.group
-        signature = tuple((e.rank, e.ip, e.port) for e in endpoints)
         if (
             current is not None
-            and current.plan.signature == signature
+            and current.plan.signature == signature_of(endpoints)
             and self.sender.backend.has_group(current.result.group_name)
         ):
             return False
@@ -360,11 +360,14 @@ def _unreachable(result: object) -> bool:
 
 
 class _EnginesChanged(Exception):
-    """The topology no longer lists the group's engines (at the same addresses): rebuild before sending."""
+    """The topology no longer lists the group's engine processes (the same instances at the same addresses):
+    rebuild before sending."""
 
     def __init__(self, listed: set[tuple[int, str, int]]) -> None:
         super().__init__("the rollout engines changed")
-        self.listed = listed  # (rank, ip, port) of every engine the topology lists now
+        # (rank, ip, port) of every engine the topology lists now: a restarted engine at its old address is
+        # still called (to end the session and resume generation opened on it meanwhile)
+        self.listed = listed
 
 
 class _TopologyUnread(Exception):

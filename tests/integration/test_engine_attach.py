@@ -109,6 +109,38 @@ def test_a_dead_engine_leaves_the_topology_and_is_registered_again_when_back(
     assert attach.log_tail(100_000).count("registered SGLang 0.5.23 engine") == 2
 
 
+def test_an_engine_back_before_down_after_is_registered_anew_with_a_new_instance(
+    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+) -> None:
+    """An engine restarted at its address within --down-after (a supervisor's restart) is a new process that
+    knows no update group: the sidecar registers it anew with a new `instance` token as soon as it answers,
+    so that trainers rebuild their group for it instead of failing their next update."""
+    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0).start()
+    try:
+        wait_for("rollout_0 registered", _attached(coordinator, 0, receiver.port), timeout=30)
+        first = rollout_nodes(coordinator.url, TOKEN)[0].metadata["instance"]
+        assert isinstance(first, str) and len(first) == 32
+        receiver.kill()
+        wait_for("a probe unanswered", lambda: "heartbeats paused" in attach.log_tail(100_000), 30, 0.05)
+        receiver.start()  # same port, long before --down-after (the heartbeat timeout) runs out
+        wait_for(
+            "rollout_0 registered with a new instance",
+            lambda: (
+                (node := rollout_nodes(coordinator.url, TOKEN).get(0)) is not None
+                and node.port == receiver.port
+                and node.metadata.get("instance") not in (None, first)
+            ),
+            timeout=30,
+        )
+        assert attach.running()
+    finally:
+        attach.stop()
+    log = attach.log_tail(100_000)
+    assert "registering it anew (it may have restarted)" in log
+    assert log.count("registered SGLang 0.5.23 engine") == 2
+    assert "has failed for" not in log  # never unregistered for being down
+
+
 def test_a_wrong_engine_api_key_is_a_named_error(
     config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
 ) -> None:

@@ -56,6 +56,8 @@ def test_tp2_engine_is_registered_kept_alive_dropped_when_killed_back_when_resta
         wait_for("rollout_1 registered", lambda: _registered(coordinator, 1), timeout=60)
         node = rollout_nodes(coordinator.url, TOKEN)[1]
         assert (node.ip, node.port) == ("127.0.0.1", engine.port)
+        instance = node.metadata.pop("instance")  # a new token per registration (restarts: see planning.py)
+        assert isinstance(instance, str) and len(instance) == 32
         assert node.metadata == {"engine": "sglang", "engine_version": NEW, "tp_size": 2, "num_gpus": 2}
         time.sleep(2 * config.heartbeat_timeout_seconds)  # alive only because the sidecar keeps beating
         assert _registered(coordinator, 1)

@@ -284,6 +284,36 @@ async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSC
                 await client.stop()
 
 
+async def test_an_engine_restarted_at_its_address_gets_a_new_group_before_any_bucket(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """An engine restarted at the same rank, ip and port between two updates is a new process outside the
+    formed group. Its new registration's `instance` token tells the trainer so: the next update rebuilds the
+    group and lands whole on both engines, instead of failing (and leaving the other engine paused)."""
+    config = sync_config(dcs_config)
+    with sync_stack(config, tmp_path, receivers=2) as stack:
+        model = Tiny()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
+        )
+        await client.start()
+        try:
+            await client.update_weights_for_rollout(rollout_only=True)
+            restarted = stack.receivers[1]
+            port = restarted.port
+            restarted.stop()
+            restarted.start()  # same rank, same port: a new process
+            assert restarted.port == port
+            train_step(model)
+            metrics = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
+            assert metrics["group_rebuilt"] and metrics["engines"] == 2 and metrics["weight_version"] == 2
+            for receiver in stack.receivers:
+                digest = receiver.digest()
+                assert digest.weight_version == 2 and digest.tensors == expected_digest(model)
+        finally:
+            await client.stop()
+
+
 async def test_a_replaced_engine_is_noticed_before_any_bucket_and_the_sessions_opened_meanwhile_are_closed(
     dcs_config: DCSConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -69,6 +69,27 @@ def test_rollout_group_offsets_follow_engine_rank_and_reported_tp_size() -> None
     assert moved.signature != plan.signature  # a changed member forces a rebuild
 
 
+@pytest.mark.parametrize(
+    ("token", "read"),
+    [("a1b2", "a1b2"), (None, ""), (7, ""), ("x" * 65, ""), ("../etc", ""), ("white space", ""), ("", "")],
+)
+def test_an_engine_restarted_at_the_same_address_changes_the_signature_unless_its_token_is_unusable(
+    token: object, read: str
+) -> None:
+    """A registration's `metadata["instance"]` is part of the group signature, so a restarted engine (a new
+    token at the old address) forces a rebuild; a token that is not a short [A-Za-z0-9_.-] string, from a
+    hand-edited or hostile Redis record, is read as none and breaks nothing."""
+    metadata = {} if token is None else {"instance": token}
+    node = RoleInfo(role_name="rollout", rank=0, ip="10.0.0.1", port=1, metadata=metadata)
+    assert endpoint_of(node).instance == read
+    infos = {"rollout_0": engine_info(endpoint_of(node), server_info())}
+    plan = plan_rollout_group([endpoint_of(node)], infos)
+    restarted = node.model_copy(update={"metadata": {"instance": "c3d4"}})
+    assert plan_rollout_group([endpoint_of(restarted)], infos).signature != plan.signature
+    same = node.model_copy(update={"metadata": dict(metadata, num_gpus=2)})  # other metadata: not read
+    assert plan_rollout_group([endpoint_of(same)], infos).signature == plan.signature
+
+
 def server_info(tp_size: int = 1, version: str = "0.5.23", **extra: object) -> dict[str, object]:
     return {"version": version, "tp_size": tp_size, "dp_size": 1, "pp_size": 1, "api_key": "secret", **extra}
 
