@@ -302,6 +302,10 @@ class DCSConfig(BaseSettings):
     """Celery hard time limit of a task."""
     visibility_timeout_seconds: float = Field(default=600.0, gt=0)
     """Redis redelivers an unacked task after this; must exceed limits plus backoff."""
+    worker_stuck_stop_seconds: float = Field(default=15.0, gt=0)
+    """After Celery gives up on an unrecoverable error (e.g. kombu failing while Redis restarts or fails over),
+    the longest its warm stop may wait for running tasks before `dcs worker` kills them and re-execs itself
+    (their tasks are late-ack: delivered again)."""
 
     # observability
     enable_metrics: bool = True

@@ -30,7 +30,14 @@ from pydantic import BaseModel, ValidationError
 
 from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NodeNotFound, RankConflict
+from dcs_tasks.errors import (
+    AuthError,
+    ClientClosed,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    NodeNotFound,
+    RankConflict,
+)
 from dcs_tasks.models import (
     MAX_BATCH_NODES,
     BeatOutcome,
@@ -178,6 +185,8 @@ class CoordinatorAPI:
         timeout: float | None,
         headers: dict[str, str] | None,
     ) -> M:
+        if self._http.is_closed:  # httpx would raise a bare RuntimeError
+            raise ClientClosed(f"{method} {path}: this client of {self.base_url} was closed")
         content = body.model_dump_json().encode() if body is not None else None
         if body is not None:
             headers = {**(headers or {}), "Content-Type": "application/json"}
@@ -385,6 +394,11 @@ class _BackgroundLoop:
             self._task = asyncio.create_task(self._run(), name=self._task_name())
         return self
 
+    @property
+    def running(self) -> bool:
+        """Started, and neither stopped nor ended by itself (a lost rank, a closed client)."""
+        return self._task is not None and not self._task.done()
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
@@ -436,6 +450,9 @@ class HeartbeatLoop(_BackgroundLoop):
                 self.lost = exc
                 log.error("%s lost its rank, heartbeats stopped: %s", self.info.node_id, exc)
                 return
+            except ClientClosed:  # its owner closed the client without stopping the loop first
+                log.info("heartbeats of %s stopped: the coordinator client was closed", self.info.node_id)
+                return
             except CoordinatorError as exc:
                 self.failures += 1
                 log.warning("heartbeat of %s failed (will retry): %s", self.info.node_id, exc)
@@ -485,6 +502,9 @@ class FleetHeartbeatLoop(_BackgroundLoop):
         while self.nodes:
             try:
                 await self.beat_once()
+            except ClientClosed:
+                log.info("fleet heartbeats stopped: the coordinator client was closed")
+                return
             except CoordinatorError as exc:
                 self.failures += 1
                 log.warning("fleet heartbeat of %d nodes failed (will retry): %s", len(self.nodes), exc)

@@ -28,6 +28,10 @@ class CoordinatorUnavailable(CoordinatorError):
     """The coordinator could not be reached, or it could not reach Redis (503)."""
 
 
+class ClientClosed(CoordinatorError):
+    """The `CoordinatorAPI` was closed: no request can be sent through it any more."""
+
+
 class NodeNotFound(CoordinatorError):
     """A (role, rank) is not registered or not alive."""
 

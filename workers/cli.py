@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
-import time
 from typing import Any
 
 from celery import signals
 
 from dcs_tasks.config import DCSConfig
+from workers import restart
 from workers.metrics import prepare_multiprocess_dir
 
 log = logging.getLogger(__name__)
-RESTART_DELAY_SECONDS = 1.0
 
 
 def register(sub: Any) -> None:
@@ -53,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.concurrency:
         argv.append(f"--concurrency={args.concurrency}")
-    signals.worker_ready.connect(_on_ready, weak=False)
-    signals.worker_shutting_down.connect(_on_shutdown_requested, weak=False)
+    restart.lifecycle["max_restarts"] = args.max_restarts
+    restart.lifecycle["stuck_stop_seconds"] = config.worker_stuck_stop_seconds
+    signals.worker_ready.connect(restart.on_ready, weak=False)
+    signals.worker_shutting_down.connect(restart.on_shutdown_requested, weak=False)
+    app.Worker = app.subclass_with_self(restart.SelfRestartingWorker)  # its stop after a crash is bounded
     try:
         app.worker_main(argv)
     finally:
-        if _lifecycle["ready"] and not _lifecycle["shutdown_requested"] and args.max_restarts > 0:
-            _reexec(args.max_restarts - 1)
+        if restart.should_restart():
+            restart.reexec(args.max_restarts - 1)
     return 0
 
 
@@ -74,24 +74,3 @@ def _restore_orphans(app: Any, config: DCSConfig) -> None:
         restore_orphaned(app, rt.redis, rt.keys, node_queue(config.host_name))
     except Exception as exc:  # recovery is an optimisation: the visibility timeout still brings them back
         log.warning("could not restore orphaned tasks at start-up: %s", exc)
-
-
-_lifecycle = {"ready": False, "shutdown_requested": False}
-
-
-def _on_ready(**_: Any) -> None:
-    _lifecycle["ready"] = True
-
-
-def _on_shutdown_requested(**_: Any) -> None:
-    _lifecycle["shutdown_requested"] = True
-
-
-def _reexec(restarts_left: int) -> None:
-    """Replace this process by a fresh `dcs worker` after it stopped without a shutdown signal: Celery 5.7 /
-    kombu 5.7 log "Unrecoverable error" and exit 0 when Redis restarts while a late-ack task is unacked
-    (restore_unacked on a torn-down connection; celery#9250 class). Queued tasks are kept by Redis."""
-    log.warning("worker stopped without a shutdown signal; restarting it (%d restarts left)", restarts_left)
-    time.sleep(RESTART_DELAY_SECONDS)
-    argv = [a for a in sys.orig_argv if not a.startswith("--max-restarts")]
-    os.execv(sys.executable, [sys.executable, *argv[1:], f"--max-restarts={restarts_left}"])  # noqa: S606

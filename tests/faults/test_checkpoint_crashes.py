@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +97,43 @@ def test_redis_restart_mid_save_then_new_saves_complete(
             ckpt.save(state, step=2).wait(timeout=60)
             assert [i.step for i in ckpt.list()] == [1, 2]
             assert_same_state(state, ckpt.restore().state)
+    finally:
+        worker.kill()
+
+
+@pytest.mark.own_redis
+def test_a_worker_whose_stop_after_a_crash_waits_on_a_long_task_restarts_within_the_bound(
+    dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A Redis restart while a late-ack persist is unacknowledged makes Celery stop the worker ("Unrecoverable
+    error" in kombu's restore_unacked). That stop is a warm shutdown, which waits for running tasks: here a
+    persist with ~12 s left (in CI a Sentinel failover wedged it for over 45 s). `dcs worker` re-execs itself
+    after worker_stuck_stop_seconds (3 s here) instead, killing the pool child; the new worker takes the task
+    back, and the save commits."""
+    bound = 3.0
+    config = ckpt_config(
+        dcs_config, tmp_path, persist_throttle_bytes_per_second=128 * 1024, worker_stuck_stop_seconds=bound
+    )
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("stuck", config) as ckpt:
+            pending = ckpt.save(training_state(width=400), step=1)  # ~1.9 MiB at 128 KiB/s: ~15 s of writing
+            wait_until(lambda: bool(_temps(pending.step_dir)), 30, "the write to start")
+            children = set(worker.child_pids())
+            redis_server.restart(down_seconds=1.0)
+            crashed = time.monotonic()
+            wait_until(lambda: "Unrecoverable error" in worker.log_tail(100_000), 15, "Celery to give up")
+            wait_until(lambda: "still running after 3s" in worker.log_tail(100_000), bound + 10, "the bound")
+            wait_until(
+                lambda: (now := set(worker.child_pids())) != set() and now.isdisjoint(children) and _presence(ckpt),
+                30,
+                "the restarted worker",
+            )
+            assert time.monotonic() - crashed < bound + 15
+            assert not any(Path(f"/proc/{pid}").exists() for pid in children)  # the old writer is gone
+            assert "restored 1 task(s) of dcs.node." in worker.log_tail(100_000)  # the new worker took it back
+            assert pending.wait(timeout=90).step == 1
+            assert_same_state(training_state(width=400), ckpt.restore().state)
     finally:
         worker.kill()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -360,6 +361,33 @@ async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dc
                 await c.api.unregister("trainer", 0)  # shutting down, the old node must not remove its successor
             await other_host.heartbeat("trainer", 0)
             await other_host.unregister("trainer", 0)
+
+
+async def test_a_closed_client_is_a_typed_error_and_ends_its_heartbeat_loops_quietly(
+    dcs_config: DCSConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Closing a CoordinatorAPI under running heartbeat loops (an owner that forgot to stop them) ends them
+    with a log line, not an unretrieved task exception; any other call says the client was closed."""
+    import httpx
+
+    from dcs_tasks.coordinator_api import CoordinatorAPI, FleetHeartbeatLoop, HeartbeatLoop
+    from dcs_tasks.errors import ClientClosed
+
+    async with in_process_coordinator(dcs_config) as c:
+        api = CoordinatorAPI("http://coordinator", transport=httpx.ASGITransport(app=c.app))
+        one = await api.register(node("trainer", port=7000))
+        two = await api.register(node("trainer", port=7001))
+        single = HeartbeatLoop(api, node("trainer", port=7000, rank=one.rank), interval=0.05).start()
+        fleet = FleetHeartbeatLoop(api, [node("trainer", port=7001, rank=two.rank)], interval=0.05).start()
+        await eventually(lambda: single.beats and fleet.beats, 15, "both loops to beat")
+        with caplog.at_level(logging.INFO, logger="dcs_tasks.coordinator_api"):
+            await api.aclose()
+            await eventually(lambda: not single.running and not fleet.running, 5, "both loops to end")
+        assert single.lost is None and fleet.lost == [] and not single.failures and not fleet.failures
+        assert "heartbeats of trainer_0 stopped: the coordinator client was closed" in caplog.text
+        assert "fleet heartbeats stopped: the coordinator client was closed" in caplog.text
+        with pytest.raises(ClientClosed, match="was closed"):
+            await api.topology()
 
 
 async def test_issued_identity_header_is_validated(coord: InProcessCoordinator) -> None:
