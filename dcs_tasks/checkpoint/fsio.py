@@ -83,6 +83,8 @@ def _open_temp(tmp: Path, direct: bool) -> int:
         except OSError as exc:  # the filesystem refuses O_DIRECT: buffered writes
             if exc.errno != errno.EINVAL:
                 raise
+            # Linux creates the file before it refuses O_DIRECT; the name is this writer's own, so reopen it
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     return os.open(tmp, flags, 0o644)
 
 

@@ -3,7 +3,10 @@ writers with the same tag overlap (a redelivered Celery task keeps its task id, 
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,4 +45,28 @@ def test_a_failed_write_removes_only_its_own_temp_and_leaves_the_final_name_alon
     write_all(other_fd, memoryview(b"rewritten"))
     other.__exit__(None, None, None)
     assert final.read_bytes() == b"rewritten"
+    assert list(tmp_path.glob(TEMP_GLOB)) == []
+
+
+def test_a_file_system_that_refuses_o_direct_after_creating_the_file_gets_buffered_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux creates the file, then answers EINVAL, when a file system has no direct I/O (FUSE, older tmpfs):
+    the temp name (opened O_EXCL) already exists when the writer falls back to buffered mode."""
+    from dcs_tasks.checkpoint import fsio
+
+    real_open = os.open
+
+    def open_like_a_file_system_without_direct_io(path: Any, flags: int, mode: int = 0o777) -> int:
+        if flags & fsio.O_DIRECT:
+            os.close(real_open(path, flags & ~fsio.O_DIRECT, mode))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(fsio, "O_DIRECT", os.O_DIRECT)
+    monkeypatch.setattr(fsio.os, "open", open_like_a_file_system_without_direct_io)
+    final = tmp_path / "model-00001-of-00001.safetensors"
+    with durable_file(final, "task-1", direct=True) as fd:
+        write_all(fd, memoryview(DATA))
+    assert final.read_bytes() == DATA
     assert list(tmp_path.glob(TEMP_GLOB)) == []
