@@ -25,7 +25,7 @@ from pathlib import Path
 from dcs_tasks.checkpoint import incremental
 from dcs_tasks.checkpoint.compression import write_region
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
-from dcs_tasks.checkpoint.fsio import make_dirs_durable
+from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_persist
@@ -100,7 +100,16 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
                     reused.source_step,
                 )
                 return finish(req, FileOutcome.OK, file_entry_json(reused)).verdict
-    entry = write_file(req, task_id, paths)
+    try:
+        entry = write_file(req, task_id, paths)
+    except NotPublished:  # another delivery of this task recorded the file while this one wrote it
+        log.info(
+            "persist %s/%s step %d: recorded meanwhile by another delivery, this copy dropped",
+            ref.run,
+            req.file_name,
+            ref.step,
+        )
+        return Verdict.DONE
     record_persist(time.monotonic() - started)
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
 
@@ -123,7 +132,10 @@ def reusable(req: PersistRequest, paths: PersistPaths) -> FileEntry | None:
 def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
     """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it, zstd-
     compressed when the request asks and the bytes shrink (`compression.write_region`). The staging file is
-    opened once without following symlinks and read through that descriptor."""
+    opened once without following symlinks and read through that descriptor. Just before the rename the
+    ledger must still show the file open (`StepLedger.file_open`), else NotPublished: two deliveries of one
+    task can overlap (a retry beside the restored original), and the later one must not replace a file the
+    first recorded, since the save's staging buffer may have been released and reused meanwhile."""
     staging = paths.staging
     fd = _open_staging(staging)
     try:
@@ -134,7 +146,15 @@ def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEn
         final = paths.step_dir / req.file_name
         threads = config.checkpoint_compression_threads
         throttle = config.persist_throttle_bytes_per_second
-        entry = write_region(source, req.offset, req.length, final, task_id, req.compression, threads, throttle)
+        ref = req.ref
+        book = ledger()
+
+        def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
+            return book.file_open(ref.run, ref.step, ref.token, req.file_name)
+
+        entry = write_region(
+            source, req.offset, req.length, final, task_id, req.compression, threads, throttle, publish=still_open
+        )
     finally:
         os.close(fd)
     if entry.compression:

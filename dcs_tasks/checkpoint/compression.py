@@ -112,25 +112,33 @@ def write_region(
     spec: CompressionSpec | None,
     threads: int = 0,
     throttle_bytes_per_second: float | None = None,
+    publish: Callable[[], bool] | None = None,
 ) -> FileEntry:
     """Persist `length` bytes at `offset` (page-aligned) of `source` as the step file `final` (its manifest
     name): as they are without `spec` or when the probe says they do not shrink enough, else zstd-compressed
-    as `final` + ".zst". Durable either way; returns the file's manifest entry."""
+    as `final` + ".zst". Durable either way; returns the file's manifest entry. `publish`: see
+    `fsio.durable_file` (NotPublished when it refuses the rename)."""
     if spec is not None and length > 0:
         with open(source, "rb") as src:
             mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
         try:
             with memoryview(mapping) as view:
                 if spec.min_saving <= 0 or probe_saving(view, spec.level) >= spec.min_saving:
-                    return _write_compressed(view, final, tag, spec, threads, throttle_bytes_per_second)
+                    return _write_compressed(view, final, tag, spec, threads, throttle_bytes_per_second, publish)
         finally:
             mapping.close()
-    checksum = stream_region(source, offset, length, final, tag, throttle_bytes_per_second)
+    checksum = stream_region(source, offset, length, final, tag, throttle_bytes_per_second, publish)
     return FileEntry(name=final.name, size=length, checksum=checksum)
 
 
 def _write_compressed(
-    view: memoryview, final: Path, tag: str, spec: CompressionSpec, threads: int, throttle: float | None
+    view: memoryview,
+    final: Path,
+    tag: str,
+    spec: CompressionSpec,
+    threads: int,
+    throttle: float | None,
+    publish: Callable[[], bool] | None = None,
 ) -> FileEntry:
     hasher = new_hasher()
     length = len(view)
@@ -140,7 +148,7 @@ def _write_compressed(
     started = time.monotonic()
     chunk = chunk_size(throttle)
     entry = FileEntry(name=final.name, size=length, checksum="", compression=spec.codec, stored_size=0)
-    with durable_file(entry.stored_path(final.parent), tag) as fd:
+    with durable_file(entry.stored_path(final.parent), tag, publish=publish) as fd:
         for pos in range(0, length, chunk):
             with view[pos : pos + chunk] as piece:
                 hasher.update(piece)

@@ -17,7 +17,7 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +88,20 @@ def _open_temp(tmp: Path, direct: bool) -> int:
     return os.open(tmp, flags, 0o644)
 
 
+class NotPublished(Exception):
+    """`durable_file`'s `publish` check said no: the temp file was removed, the final name left as it was."""
+
+
 @contextlib.contextmanager
-def durable_file(final: Path, tag: str, direct: bool = False) -> Iterator[int]:
+def durable_file(
+    final: Path, tag: str, direct: bool = False, publish: Callable[[], bool] | None = None
+) -> Iterator[int]:
     """Yield a fd on a temp file; on success fsync it, rename it to `final` and fsync the directory.
     On any error the temp file is removed and the final name is untouched. `direct`: open with O_DIRECT
-    when the filesystem allows it (the fd may be switched to buffered mode for an unaligned tail)."""
+    when the filesystem allows it (the fd may be switched to buffered mode for an unaligned tail).
+    `publish`: asked after the bytes are durable, just before the rename; False raises NotPublished (a
+    redelivered persist whose file another delivery already recorded must not replace it: its source, the
+    staging buffer, may have been released and reused meanwhile)."""
     tmp = temp_path(final, tag)
     fd = _open_temp(tmp, direct)
     try:
@@ -101,6 +110,8 @@ def durable_file(final: Path, tag: str, direct: bool = False) -> Iterator[int]:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if publish is not None and not publish():
+            raise NotPublished(f"{final} was not replaced: the publish check refused it")
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -115,13 +126,20 @@ def write_bytes_durably(final: Path, data: bytes, tag: str) -> None:
 
 
 def stream_region(
-    source: Path, offset: int, length: int, final: Path, tag: str, throttle_bytes_per_second: float | None = None
+    source: Path,
+    offset: int,
+    length: int,
+    final: Path,
+    tag: str,
+    throttle_bytes_per_second: float | None = None,
+    publish: Callable[[], bool] | None = None,
 ) -> str:
     """Copy `length` bytes at `offset` of `source` into `final` durably; return their xxh3_128 hex digest,
-    computed on the same pass. `throttle_bytes_per_second` slows the copy (fault tests only)."""
+    computed on the same pass. `throttle_bytes_per_second` slows the copy (fault tests only); `publish`: see
+    `durable_file`."""
     hasher = new_hasher()
     direct = throttle_bytes_per_second is None and offset % DIRECT_ALIGN == 0
-    with open(source, "rb") as src, durable_file(final, tag, direct=direct) as fd:
+    with open(source, "rb") as src, durable_file(final, tag, direct=direct, publish=publish) as fd:
         if length == 0:
             return str(hasher.hexdigest())
         mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)

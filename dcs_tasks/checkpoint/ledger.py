@@ -127,6 +127,14 @@ class StepLedger:
         verdict, finished, nfiles, status = self._run(lua.FINISH_FILE, run, step, args)
         return FileFinish(Verdict(_s(verdict)), int(finished), int(nfiles), _status(_s(status)))
 
+    def file_open(self, run: str, step: int, token: str, name: str) -> bool:
+        """Whether `name` of attempt `token` still waits for its outcome: the attempt is the step's, it is
+        PERSISTING and nothing recorded `name` yet. While it does, the save's staging buffer is not released
+        (that waits for every file's outcome), so bytes a writer read from it before asking are that save's."""
+        key = self._keys.ckpt_state(run, step)
+        token_now, status, done = self._client.hmget(key, ["token", "status", f"done:{name}"])
+        return token_now is not None and _s(token_now) == token and _s(status) == "persisting" and done is None
+
     def claim_commit(self, run: str, step: int, token: str, task_id: str) -> Verdict:
         return Verdict(_s(self._run(lua.CLAIM_COMMIT, run, step, [token, task_id])))
 

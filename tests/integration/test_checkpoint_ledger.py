@@ -583,3 +583,20 @@ def test_a_garbage_member_of_the_in_flight_set_is_left_out(book: StepLedger, cli
     begin(book, 42, ["a"])
     client.zadd(keys.ckpt_inflight(RUN), {"not-a-step": 1.0, "-3": 2.0})
     assert book.in_flight_steps(RUN) == {42}
+
+
+def test_a_file_is_open_only_while_its_attempt_persists_and_nothing_recorded_it(book: StepLedger) -> None:
+    """`file_open`: what a writer asks just before renaming its copy into place (workers/persist.py)."""
+    assert not book.file_open(RUN, 70, TOKEN, "a")  # unknown step
+    begin(book, 70, ["a", "b"])
+    assert book.file_open(RUN, 70, TOKEN, "a") and book.file_open(RUN, 70, TOKEN, "b")
+    assert not book.file_open(RUN, 70, OLD_TOKEN, "a")  # another attempt's writer
+    book.claim_file(RUN, 70, TOKEN, "a", "persist-a")
+    assert book.file_open(RUN, 70, TOKEN, "a")  # claimed, still being written
+    book.finish_file(RUN, 70, TOKEN, "a", FileOutcome.OK, file_entry_json(entry("a")))
+    assert not book.file_open(RUN, 70, TOKEN, "a") and book.file_open(RUN, 70, TOKEN, "b")
+    book.finish_file(RUN, 70, TOKEN, "b", FileOutcome.FAILED, "disk full")
+    assert not book.file_open(RUN, 70, TOKEN, "b")  # recorded (as failed), and the step failed
+    begin(book, 71, ["a"])
+    persist_all(book, 71, ["a"])  # COMMITTING
+    assert not book.file_open(RUN, 71, TOKEN, "a")

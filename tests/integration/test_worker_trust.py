@@ -4,6 +4,7 @@ ledger step when it names one, and reads or writes nothing outside the roots; th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -18,6 +19,7 @@ from celery.result import AsyncResult
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint.format import FileEntry, ManifestDraft
+from dcs_tasks.checkpoint.fsio import file_checksum
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, file_entry_json
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
@@ -209,3 +211,53 @@ def test_a_persist_into_a_step_committed_on_disk_is_refused_and_writes_nothing(s
     scene.failed_with(run, step, "already committed")
     assert (step_dir / FILE).read_bytes() == b"committed bytes"
     assert sorted(p.name for p in step_dir.iterdir()) == sorted([FILE, "manifest.json"])
+
+
+def test_a_redelivery_overlapping_the_first_never_replaces_the_file_it_recorded(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """Two deliveries of one persist task (a retry beside the restored original: same task id) write at once.
+    The first records the file and the step commits; the save's staging buffer is then free and reused (here:
+    overwritten), while the second delivery is still reading it. The second must drop its copy instead of
+    renaming it over the committed file: the committed bytes stay the first delivery's."""
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=32 * 1024)
+    Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
+    worker = start_worker(config, tmp_path)  # two pool processes: both deliveries run at once
+    try:
+        scene = Scene(config, tmp_path, worker)
+        run, step = "twice", 1
+        step_dir = scene.root / run / f"step-{step:09d}"
+        staging = scene.staging / f"dcs-{config.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
+        saved = bytes(range(256)) * 1024  # 256 KiB: ~8 s per delivery at 32 KiB/s
+        staging.write_bytes(saved)
+        scene.begin(run, step)
+        payload = persist_payload(run, step, str(step_dir), str(staging), length=len(saved))
+
+        def send() -> None:
+            scene.app.send_task(TaskName.PERSIST.value, args=[payload], queue=scene.queue, task_id="persist-twice")
+
+        def temps() -> list[Path]:
+            return list(step_dir.glob(".*.tmp")) if step_dir.exists() else []
+
+        def written() -> int:  # the furthest temp file (one may be renamed away between listing and stat)
+            sizes = [0]
+            for temp in temps():
+                with contextlib.suppress(FileNotFoundError):
+                    sizes.append(temp.stat().st_size)
+            return max(sizes)
+
+        send()
+        wait_until(lambda: written() >= 64 * 1024, 30, "the first delivery's write")
+        send()  # the same task id, ~2 s behind: it starts well before the first ends, even on a loaded machine
+        wait_until(lambda: len(temps()) == 2, 30, "both deliveries writing at once")
+        wait_until(lambda: scene.book.progress(run, step)[0] is StepStatus.COMMITTED, 30, "the step's commit")
+        committed = (step_dir / FILE).stat().st_ino
+        staging.write_bytes(bytes(reversed(saved)))  # the buffer reused by the next save
+        wait_until(lambda: not temps(), 30, "the second delivery to end")
+        assert (step_dir / FILE).read_bytes() == saved
+        assert (step_dir / FILE).stat().st_ino == committed  # never replaced
+        wait_until(lambda: "this copy dropped" in worker.log_tail(10**6), 10, "the second delivery's log line")
+        recorded = scene.book.read(run, step).files[FILE]
+        assert recorded.size == len(saved) and recorded.checksum == file_checksum(step_dir / FILE)
+    finally:
+        worker.discard()
