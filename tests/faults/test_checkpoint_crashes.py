@@ -138,6 +138,43 @@ def test_a_worker_whose_stop_after_a_crash_waits_on_a_long_task_restarts_within_
         worker.kill()
 
 
+@pytest.mark.own_redis
+def test_a_shutdown_asked_for_during_a_stuck_stop_ends_the_worker_instead_of_restarting_it(
+    dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The same wedged stop, and an operator (or systemd, or Kubernetes) sends SIGTERM meanwhile: when the bound
+    runs out the worker kills its pool and exits, rather than re-executing against the operator's wish."""
+    bound = 3.0
+    config = ckpt_config(
+        dcs_config, tmp_path, persist_throttle_bytes_per_second=128 * 1024, worker_stuck_stop_seconds=bound
+    )
+    worker = start_worker(config, tmp_path)
+    ckpt = Checkpointer("asked", config)
+    try:
+        pending = ckpt.save(training_state(width=400), step=1)
+        wait_until(lambda: bool(_temps(pending.step_dir)), 30, "the write to start")
+        children = set(worker.child_pids())
+        redis_server.restart(down_seconds=1.0)
+        wait_until(lambda: "Unrecoverable error" in worker.log_tail(100_000), 15, "Celery to give up")
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(bound + 15) != 0  # ended by the bound, not by the task finishing
+        log = worker.log_tail(100_000)
+        assert "exiting" in log and "restarting now" not in log
+        wait_until(lambda: not any(_alive(pid) for pid in children), 10, "the pool processes to be gone")
+    finally:
+        ckpt.close(timeout=0)  # the save is left to a worker started later (its task stays queued)
+        worker.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _presence(ckpt: Checkpointer) -> bool:
     """Whether a live worker announces itself on this host's node queue (what `save()` checks first)."""
     client = redis.Redis.from_url(ckpt.config.redis_url)
