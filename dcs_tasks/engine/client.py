@@ -45,7 +45,11 @@ class EngineClient:
         self.endpoint = EngineEndpoint(rank=rank, ip=parsed.host, port=parsed.port or 80)
         self.timeout = timeout
         self._api = EngineAPI(api_key, timeout)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)  # /health needs no key
+        # /health needs no key. A new connection per probe: a kept-alive one that the server closed while idle
+        # (uvicorn's 5 s against a 5 s probe interval) would fail a probe, and an unanswered probe makes the
+        # sidecar register the engine anew (a restart), which makes every trainer rebuild its group
+        no_keepalive = httpx.Limits(max_keepalive_connections=0)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=no_keepalive)
 
     async def __aenter__(self) -> EngineClient:
         return self
