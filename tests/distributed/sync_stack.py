@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
+from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.sync.models import WeightsDigest
 from tests.helpers.ports import free_port, wait_for_port
@@ -115,3 +117,18 @@ def sync_stack(config: DCSConfig, tmp: Path, receivers: int = 0) -> Iterator[Syn
             receiver.stop()
         worker.discard()
         coordinator.stop()
+
+
+@asynccontextmanager
+async def actor_client(
+    stack: SyncStack, model: torch.nn.Module, model_name: str
+) -> AsyncIterator[CheckpointEngineClient]:
+    """A started trainer (role actor, rank 0) of `model` on `stack`, stopped on exit."""
+    client = CheckpointEngineClient(
+        coordinator_url=stack.url, role="actor", rank=0, model=model, model_name=model_name, config=stack.config
+    )
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.stop()

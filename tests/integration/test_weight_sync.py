@@ -20,7 +20,7 @@ from dcs_tasks.metrics import get_metrics
 from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire
 from dcs_tasks.sync.receiving import tensor_sha256
-from tests.distributed.sync_stack import SyncStack, sync_stack
+from tests.distributed.sync_stack import SyncStack, actor_client, sync_stack
 from workers.bootstrap import port_binds, release_port, reserve_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
@@ -291,13 +291,9 @@ async def test_an_engine_restarted_at_its_address_gets_a_new_group_before_any_bu
     formed group. Its new registration's `instance` token tells the trainer so: the next update rebuilds the
     group and lands whole on both engines, instead of failing (and leaving the other engine paused)."""
     config = sync_config(dcs_config)
+    model = Tiny()
     with sync_stack(config, tmp_path, receivers=2) as stack:
-        model = Tiny()
-        client = CheckpointEngineClient(
-            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
-        )
-        await client.start()
-        try:
+        async with actor_client(stack, model, "tiny") as client:
             await client.update_weights_for_rollout(rollout_only=True)
             restarted = stack.receivers[1]
             port = restarted.port
@@ -310,8 +306,6 @@ async def test_an_engine_restarted_at_its_address_gets_a_new_group_before_any_bu
             for receiver in stack.receivers:
                 digest = receiver.digest()
                 assert digest.weight_version == 2 and digest.tensors == expected_digest(model)
-        finally:
-            await client.stop()
 
 
 async def test_a_replaced_engine_is_noticed_before_any_bucket_and_the_sessions_opened_meanwhile_are_closed(
