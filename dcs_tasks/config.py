@@ -23,10 +23,13 @@ from pydantic import (
     SecretStr,
     ValidationInfo,
     WithJsonSchema,
+    field_serializer,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dcs_tasks.storage_url import StorageRoot, parse_root
 
 MiB = 1024 * 1024
 COMM_PORT_SPAN = 1000  # ports in the weight-sync master range when only comm_base_port is given
@@ -246,8 +249,10 @@ class DCSConfig(BaseSettings):
     """A node without a heartbeat for this long is dead."""
 
     # storage
-    checkpoint_dir: Path = Path("checkpoints")
-    """Directory (shared storage) under which runs and their steps are written."""
+    checkpoint_dir: StorageRoot = Path("checkpoints")
+    """Where runs and their steps are written: a directory (a bare path or `file:///...`; shared storage across
+    hosts) or an object store, `s3://bucket/prefix` (S3 or S3-compatible: see the `s3_*` settings and
+    docs/checkpoints.md, "Object storage (S3)"). Any other scheme is refused."""
     staging_dir: Path = Path("/dev/shm")
     """tmpfs directory of the shared-memory staging buffers."""
     staging_buffers: int = Field(default=2, ge=1)
@@ -266,7 +271,7 @@ class DCSConfig(BaseSettings):
     """Retention: keep the newest N committed steps (None: keep all)."""
     keep_every: int | None = Field(default=None, ge=1)
     """Retention: also keep every step divisible by N."""
-    replica_dir: Path | None = None
+    replica_dir: StorageRoot | None = None
     """Second storage location (None: no replicas). After each commit the worker copies the step to the same
     relative path under this root (`<replica_dir>/<run>/step-.../`), verifies it and moves the replica's
     `latest`; restore falls back to it when the primary step is missing or corrupt; retention prunes both
@@ -318,6 +323,34 @@ class DCSConfig(BaseSettings):
     trainer_metrics_port: int = Field(default=0, ge=0, le=65535)
     """Port a trainer process (its first Checkpointer) serves its own metrics on, at /metrics (0: none):
     save stalls, staged bytes, restores, staging memory and saves in flight (docs/operations.md, Metrics)."""
+
+    # object storage (checkpoint_dir or replica_dir = s3://...); credentials: the standard AWS chain
+    s3_endpoint_url: str | None = None
+    """Endpoint of an S3-compatible server (None: AWS, or boto3's own `AWS_ENDPOINT_URL`)."""
+    s3_region: str | None = None
+    """Region (None: boto3's own: `AWS_REGION`/`AWS_DEFAULT_REGION`, shared config)."""
+    s3_addressing_style: str = Field(default="auto", pattern=r"^(auto|path|virtual)$")
+    """`path` for most S3-compatible servers (http://host/bucket/key), `virtual` for bucket.host, `auto`."""
+    s3_part_bytes: int = Field(default=32 * MiB, ge=5 * MiB, le=5 * 1024 * MiB)
+    """Part size of multipart uploads and of the ranged GETs of a restore (S3 takes 5 MiB to 5 GiB)."""
+    s3_concurrency: int = Field(default=8, ge=1, le=64)
+    """Parts in flight per file a worker uploads, and ranged GETs in flight per restore."""
+    s3_max_attempts: int = Field(default=5, ge=1, le=20)
+    """Attempts per S3 request (botocore's standard retry mode: throttling, 5xx and connection errors, with
+    exponential backoff and jitter)."""
+    s3_connect_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    """Connect timeout of one S3 request."""
+    s3_read_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    """Longest wait for bytes on an S3 connection."""
+
+    @field_validator("checkpoint_dir", "replica_dir", mode="before")
+    @classmethod
+    def _storage_root(cls, value: object) -> object:
+        return None if value is None else parse_root(value)
+
+    @field_serializer("checkpoint_dir", "replica_dir")
+    def _dump_storage_root(self, value: StorageRoot | None) -> str | None:
+        return None if value is None else str(value)
 
     @field_validator("coordinator_url")
     @classmethod

@@ -99,6 +99,34 @@ class ReplicaFailed(CheckpointError):
     task fails; the primary commit and the trainer's save are unaffected."""
 
 
+class StorageError(CheckpointError):
+    """The checkpoint store (a file system or an object store) refused or failed an operation; the message names
+    the store, the object and the operation, never a credential."""
+
+
+class StorageAccessDenied(StorageError):
+    """The object store refused the credentials or the operation (S3 `AccessDenied`, `InvalidAccessKeyId`,
+    `SignatureDoesNotMatch`): check the AWS credentials and the bucket's policy. Never retried."""
+
+
+class StorageFull(StorageError):
+    """The store has no room for the object (S3 `QuotaExceeded`/`EntityTooLarge`, or ENOSPC): the step fails,
+    earlier committed steps are untouched."""
+
+
+class StorageNotFound(StorageError):
+    """The bucket (or the root) does not exist."""
+
+
+class StorageUnavailable(StorageError, ConnectionError):
+    """The store could not be reached or kept failing (connection refused, timeouts, 5xx and throttling after
+    the client's retries): retried like any connection error."""
+
+
+class UnsupportedOnObjectStore(StorageError, ConfigError):
+    """The operation needs a POSIX checkpoint root and the configured one is an object store (`s3://`)."""
+
+
 class InvalidTaskPayload(CheckpointError, ValueError):
     """A checkpoint task's JSON payload is malformed (bad run name, step, file name or path). A worker
     fails such a task at once and never retries it."""

@@ -31,6 +31,8 @@ from dcs_tasks.checkpoint.models import (
     RetentionRequest,
 )
 from dcs_tasks.checkpoint.telemetry import record_error
+from dcs_tasks.errors import UnsupportedOnObjectStore
+from dcs_tasks.storage import ObjectPath
 from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
@@ -100,7 +102,7 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
     req = parse_payload(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
-    if verdict is Verdict.WRITE and req.retention.active:
+    if verdict is Verdict.WRITE and req.retention.active and not req.ref.step_dir.startswith("s3://"):
         body = RetentionRequest(run=req.ref.run, run_dir=str(Path(req.ref.step_dir).parent), policy=req.retention)
         self.app.send_task(TaskName.RETENTION.value, args=[body.model_dump(mode="json")], queue=_local_queue())
     if verdict is Verdict.WRITE and runtime().config.replica_dir is not None:
@@ -120,6 +122,8 @@ def _send_replica(task: DCSTask, req: CommitRequest) -> None:
     try:
         root, replica = checkpoint_root(config), replica_root(config)
         assert replica is not None
+        if isinstance(root, ObjectPath) or isinstance(replica, ObjectPath):
+            raise UnsupportedOnObjectStore(f"replicas from or to an object store ({root} -> {replica})")
         target = replica / Path(ref.step_dir).resolve().relative_to(root)
         body = ReplicateRequest(
             run=ref.run, step=ref.step, step_dir=ref.step_dir, replica_step_dir=str(target), retention=req.retention

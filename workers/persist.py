@@ -19,17 +19,20 @@ import mmap
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint import incremental
 from dcs_tasks.checkpoint.compression import write_region
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, new_hasher
 from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_persist
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
+from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage.s3 import NotPublishedObject
 from workers.runtime import runtime
 from workers.trust import open_staging, trusted_staging_path, trusted_step_dir
 
@@ -46,6 +49,13 @@ class PersistPaths:
     """The paths of a persist request, checked against this worker's roots (resolved)."""
 
     staging: Path
+    step_dir: Location
+
+
+@dataclass(frozen=True)
+class FilePaths(PersistPaths):
+    """PersistPaths of a step on a file system."""
+
     step_dir: Path
 
 
@@ -77,6 +87,9 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
         return verdict
     started = time.monotonic()
+    if isinstance(paths.step_dir, ObjectPath):
+        return persist_object(req, task_id, paths.staging, paths.step_dir, started)
+    paths = FilePaths(paths.staging, paths.step_dir)
     if (paths.step_dir / MANIFEST_NAME).exists():  # the ledger forgot a committed step: never write into it
         raise CheckpointFailed(
             f"{paths.step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
@@ -114,7 +127,72 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
 
 
-def reusable(req: PersistRequest, paths: PersistPaths) -> FileEntry | None:
+def persist_object(req: PersistRequest, task_id: str, staging: Path, step_dir: ObjectPath, started: float) -> Verdict:
+    """`persist` into an object store: the staged region goes up as one object (parallel multipart upload,
+    hashed on the way), which appears only once complete and only while the ledger still shows the file open.
+    Stored as it is: object-store steps are not compressed. Incremental reuse is not done on object stores yet:
+    every file is uploaded."""
+    ref = req.ref
+    if (step_dir / MANIFEST_NAME).size() is not None:  # the ledger forgot a committed step: never write into it
+        raise CheckpointFailed(
+            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of it "
+            "(expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
+        )
+    book = ledger()
+
+    def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
+        return book.file_open(ref.run, ref.step, ref.token, req.file_name)
+
+    fd = _open_staging(staging)
+    try:
+        _check_staged_size(fd, req, staging)
+        hasher = new_hasher()
+        target = step_dir / req.file_name
+        throttle = runtime().config.persist_throttle_bytes_per_second
+        if req.length == 0:
+            view_bytes = b""
+            hasher.update(view_bytes)
+            if not still_open():
+                return Verdict.DONE
+            target.store.put_small(target.key, view_bytes)
+        else:
+            mapping = mmap.mmap(fd, req.length, mmap.MAP_SHARED, mmap.PROT_READ, offset=req.offset)
+            try:
+                with memoryview(mapping) as view:
+                    target.store.upload(target.key, view, hasher, publish=still_open, on_bytes=_pacer(throttle))
+            except NotPublishedObject:
+                log.info(
+                    "persist %s/%s step %d: recorded meanwhile by another delivery, this upload dropped",
+                    ref.run,
+                    req.file_name,
+                    ref.step,
+                )
+                return Verdict.DONE
+            finally:
+                mapping.close()
+    finally:
+        os.close(fd)
+    entry = FileEntry(name=req.file_name, size=req.length, checksum=str(hasher.hexdigest()))
+    record_persist(time.monotonic() - started)
+    return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
+
+
+def _pacer(throttle: float | None) -> Callable[[int], None] | None:
+    """An `on_bytes` callback that sleeps so the upload goes no faster than `throttle` bytes/s (fault tests)."""
+    if throttle is None:
+        return None
+    began, done = time.monotonic(), [0]
+
+    def pace(n: int) -> None:
+        done[0] += n
+        ahead = done[0] / throttle - (time.monotonic() - began)
+        if ahead > 0:
+            time.sleep(ahead)
+
+    return pace
+
+
+def reusable(req: PersistRequest, paths: FilePaths) -> FileEntry | None:
     """The newest earlier step's entry for this file when the staged bytes equal it (hashed from the staging
     file before anything is written), else None."""
     entry = incremental.candidate(paths.step_dir, req.file_name, req.length)
@@ -129,7 +207,7 @@ def reusable(req: PersistRequest, paths: PersistPaths) -> FileEntry | None:
     return entry if checksum == entry.checksum else None
 
 
-def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
+def write_file(req: PersistRequest, task_id: str, paths: FilePaths) -> FileEntry:
     """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it, zstd-
     compressed when the request asks and the bytes shrink (`compression.write_region`). The staging file is
     opened once without following symlinks and read through that descriptor. Just before the rename the
@@ -208,10 +286,25 @@ def remove_partial_step_at(step_dir: object, run: str, step: int) -> None:
     remove_partial_step(trusted)
 
 
-def remove_partial_step(step_dir: Path) -> None:
+def remove_partial_step(step_dir: Location) -> None:
     """Delete a step directory that never got a manifest (a failed save); never a committed one, nor a retired
-    one (a deleted step whose files later steps still use)."""
+    one (a deleted step whose files later steps still use). In an object store: its objects and any upload
+    still open under it."""
+    if isinstance(step_dir, ObjectPath):
+        remove_partial_object_step(step_dir)
+        return
     if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).exists() and not incremental.is_retired(step_dir):
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(step_dir)
         log.info("removed partial step directory %s", step_dir)
+
+
+def remove_partial_object_step(step_dir: ObjectPath) -> None:
+    store = step_dir.store
+    if (step_dir / MANIFEST_NAME).size() is not None:
+        return
+    aborted = store.abort_uploads(step_dir.key + "/")
+    keys = [item.key for item in store.objects(step_dir.key + "/")]
+    if keys:
+        store.delete(keys)
+    log.info("removed partial step %s (%d objects, %d open uploads aborted)", step_dir, len(keys), aborted)

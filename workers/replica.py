@@ -39,6 +39,7 @@ from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
+from dcs_tasks.storage import ObjectPath
 from workers.persist import ledger
 from workers.runtime import runtime
 from workers.trust import checkpoint_root, replica_root, trusted_step_dir
@@ -91,9 +92,14 @@ def _trusted_dirs(req: ReplicateRequest) -> tuple[Path, Path]:
     if replica is None:
         raise ReplicaFailed(f"this worker has no replica_dir: cannot replicate step {req.step} of run {req.run!r}")
     primary = checkpoint_root(config)
+    if isinstance(primary, ObjectPath) or isinstance(replica, ObjectPath):
+        raise ReplicaFailed(
+            f"replicas from or to an object store ({primary} -> {replica}) are not supported yet: a replica_dir "
+            "needs file-system roots on both sides"
+        )
     if replica == primary or replica.is_relative_to(primary) or primary.is_relative_to(replica):
         raise ReplicaFailed(f"replica_dir {str(replica)!r} overlaps checkpoint_dir {str(primary)!r}")
-    src_dir = trusted_step_dir(req.step_dir, req.run, req.step, config)
+    src_dir = trusted_step_dir(req.step_dir, req.run, req.step, config, root=primary)
     dst_dir = trusted_step_dir(req.replica_step_dir, req.run, req.step, config, root=replica)
     if src_dir.relative_to(primary) != dst_dir.relative_to(replica):
         raise UntrustedPath(f"replica step directory {req.replica_step_dir[:256]!r} does not mirror {req.step_dir!r}")

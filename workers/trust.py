@@ -21,12 +21,16 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import overload
 
+from dcs_tasks import storage
 from dcs_tasks.checkpoint.format import staging_name_pattern, staging_prefix, step_dir_name
 from dcs_tasks.checkpoint.models import clean_absolute_path
 from dcs_tasks.checkpoint.sharded import RANK_DIR
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath
+from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage_url import StorageRoot
 
 
 def _clean(given: str, what: str) -> Path:
@@ -45,29 +49,38 @@ def _resolve(path: Path) -> Path:
         raise UntrustedPath(f"cannot resolve {str(path)[:256]!r}: {exc}") from exc
 
 
-def checkpoint_root(config: DCSConfig) -> Path:
-    return _resolve(Path(config.checkpoint_dir))
+def _root(value: StorageRoot, config: DCSConfig) -> Location:
+    where = storage.root(value, config)
+    return where if isinstance(where, ObjectPath) else _resolve(where)
 
 
-def replica_root(config: DCSConfig) -> Path | None:
+def checkpoint_root(config: DCSConfig) -> Location:
+    return _root(config.checkpoint_dir, config)
+
+
+def replica_root(config: DCSConfig) -> Location | None:
     """The resolved replica root, or None when replicas are off."""
-    return None if config.replica_dir is None else _resolve(Path(config.replica_dir))
+    return None if config.replica_dir is None else _root(config.replica_dir, config)
 
 
-def roots_of(config: DCSConfig, replica: bool) -> list[Path]:
+def roots_of(config: DCSConfig, replica: bool) -> list[Location]:
     """The checkpoint root, plus the replica root when `replica` and one is configured."""
     extra = replica_root(config) if replica else None
     return [checkpoint_root(config)] + ([extra] if extra is not None else [])
 
 
-def run_dirs(root: Path, run: str) -> list[Path]:
+@overload
+def run_dirs(root: Path, run: str) -> list[Path]: ...
+@overload
+def run_dirs(root: ObjectPath, run: str) -> list[ObjectPath]: ...
+def run_dirs(root: Location, run: str) -> list[Path] | list[ObjectPath]:
     """Where run `run` may live under `root`: `<root>/<run>`, and for a shard run `<base>.rank-0000r` also
     `<root>/<base>/rank-0000r` (a plain run may carry such a name too)."""
-    candidates = [root / run]
     base, dot, rank = run.rpartition(".")
-    if dot and base and RANK_DIR.fullmatch(rank):
-        candidates.append(root / base / rank)
-    return candidates
+    shard = bool(dot and base and RANK_DIR.fullmatch(rank))
+    if isinstance(root, ObjectPath):
+        return [root / run, *([root / base / rank] if shard else [])]
+    return [root / run, *([root / base / rank] if shard else [])]
 
 
 def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
@@ -81,18 +94,35 @@ def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
 
 def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool = False) -> Path:
     """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root (or, with
-    `replica`, under its replica root)."""
+    `replica`, under its replica root). File-system roots only (retention of object-store runs is not run)."""
     resolved = _resolve(_clean(run_dir, "run directory"))
-    root = _one_of(resolved, roots_of(config, replica), "run directory", run_dir)
+    roots = [r for r in roots_of(config, replica) if isinstance(r, Path)]
+    root = _one_of(resolved, roots, "run directory", run_dir)
     if resolved not in [_resolve(c) for c in run_dirs(root, run)]:
         raise UntrustedPath(f"run directory {run_dir[:256]!r} is not where run {run!r} lives under {str(root)!r}")
     return resolved
 
 
-def trusted_step_dir(step_dir: str, run: str, step: int, config: DCSConfig, *, root: Path | None = None) -> Path:
+@overload
+def trusted_step_dir(step_dir: str, run: str, step: int, config: DCSConfig, *, root: Path) -> Path: ...
+@overload
+def trusted_step_dir(
+    step_dir: str, run: str, step: int, config: DCSConfig, *, root: Location | None = None
+) -> Location: ...
+def trusted_step_dir(
+    step_dir: str, run: str, step: int, config: DCSConfig, *, root: Location | None = None
+) -> Location:
     """`step_dir` resolved, when it is step `step` of run `run` under this worker's checkpoint root (or under
-    `root`, a root from `roots_of`)."""
+    `root`, a root from `roots_of`). For an object-store root, the URL must be exactly that step's."""
     root = checkpoint_root(config) if root is None else root
+    if isinstance(root, ObjectPath):
+        for candidate in run_dirs(root, run):
+            expected = candidate / step_dir_name(step)
+            if str(expected) == step_dir:
+                return expected
+        raise UntrustedPath(
+            f"step location {step_dir[:256]!r} is not where step {step} of run {run!r} lives under {str(root)!r}"
+        )
     resolved = _resolve(_clean(step_dir, "step directory"))
     _one_of(resolved, [root], "step directory", step_dir)
     if resolved not in [_resolve(c / step_dir_name(step)) for c in run_dirs(root, run)]:

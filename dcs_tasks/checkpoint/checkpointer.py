@@ -56,9 +56,11 @@ from dcs_tasks.errors import (
     CorruptCheckpoint,
     NoWorkerError,
     StagingError,
+    UnsupportedOnObjectStore,
 )
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
+from dcs_tasks.storage import Location, ObjectPath
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class Checkpointer:
         # both roots resolved once, here: a restore then touches nothing outside the run directories
         self._roots = replicas.run_roots(self.config, run)
         self.run_root = self._roots[0][1]
+        if any(isinstance(root, ObjectPath) for _, root in self._roots):
+            _check_object_store_settings(self.config)
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
         self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
@@ -343,7 +347,7 @@ class Checkpointer:
                 lease.release()
             raise CheckpointFailed(reason) from exc
 
-    def _step_dir(self, step: int) -> Path:
+    def _step_dir(self, step: int) -> Location:
         return self.run_dir / step_dir_name(step)
 
     # --- read -----------------------------------------------------------------------------------
@@ -460,7 +464,7 @@ class Checkpointer:
         record_load(time.perf_counter() - started, nbytes)
         return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
 
-    def _restore_dir(self, step_dir: Path, into: Any, verify: bool, strict: bool = True) -> RestoredCheckpoint:
+    def _restore_dir(self, step_dir: Location, into: Any, verify: bool, strict: bool = True) -> RestoredCheckpoint:
         started = time.perf_counter()
         manifest = reader.load_manifest(step_dir)
         shards = sharded.StepShards(manifest.step, 1, {0: step_dir}, {0: manifest})
@@ -544,3 +548,19 @@ def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
     if any(m.dtensors for m in shards.manifests.values()):
         return True
     return into is not None and bool(flatten_state(into).dtensors)
+
+
+def _check_object_store_settings(config: DCSConfig) -> None:
+    """What an object-store root (`s3://`) does not do yet, refused up front rather than ignored at save time."""
+    missing = []
+    if CheckpointCompression(config.checkpoint_compression) is not CheckpointCompression.NONE:
+        missing.append("checkpoint_compression")
+    if config.replica_dir is not None:
+        missing.append("replica_dir")
+    if config.keep_last is not None or config.keep_every is not None:
+        missing.append("keep_last/keep_every (retention)")
+    if missing:
+        raise UnsupportedOnObjectStore(
+            f"checkpoint root {config.checkpoint_dir} is an object store, which does not support "
+            f"{', '.join(missing)} yet: unset {'them' if len(missing) > 1 else 'it'} or use a file-system root"
+        )

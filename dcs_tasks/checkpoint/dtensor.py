@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dcs_tasks.checkpoint import objread
 from dcs_tasks.checkpoint.format import (
     CODE_DTYPES,
     SUM_CHUNK_BYTES,
@@ -52,6 +53,7 @@ from dcs_tasks.checkpoint.format import (
     chunk_sum,
 )
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StagingError, StateMismatch
+from dcs_tasks.storage import Location, ObjectPath
 
 if TYPE_CHECKING:
     from dcs_tasks.checkpoint.sharded import StepShards
@@ -258,7 +260,7 @@ class Piece:
     """One saved tensor that is part of a global tensor: rank `src`'s `entry`, starting at `offset`."""
 
     src: int
-    step_dir: Path
+    step_dir: Location
     manifest: Manifest
     entry: TensorEntry
     offset: tuple[int, ...]
@@ -350,8 +352,8 @@ class RangeReader:
     def __init__(self, verify: bool) -> None:
         self.verify = verify
         self.bytes_read = 0
-        self._checked: set[Path] = set()
-        self._whole: dict[Path, dict[str, torch.Tensor]] = {}
+        self._checked: set[Location] = set()
+        self._whole: dict[Location, dict[str, torch.Tensor]] = {}
 
     def _add(self, nbytes: int) -> None:
         self.bytes_read += nbytes
@@ -391,17 +393,21 @@ class RangeReader:
         buf = torch.empty(span_hi - span_lo, dtype=torch.uint8)
         listed = next(f for f in piece.manifest.files if f.name == entry.file)  # validated: it is listed
         path = listed.stored_path(piece.step_dir)
-        fd = open_regular(path)
+        fd = -1 if isinstance(path, ObjectPath) else open_regular(path)
         try:
             for c0, c1 in runs:
                 b0, b1 = c0 * chunk, min(c1 * chunk, end - begin)
                 view = buf[b0 - span_lo : b1 - span_lo].numpy().data
-                _pread_exact(fd, view, begin + b0, path)
+                if isinstance(path, ObjectPath):  # one ranged GET per run of needed chunks
+                    objread.read_range(path, view, begin + b0)
+                else:
+                    _pread_exact(fd, view, begin + b0, path)
                 self._add(b1 - b0)
                 if self.verify:
                     _check_chunks(view, c0, chunk, sums, path, name)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         strides = _strides(shape)
         first = sum(a * s for a, s in zip(lo, strides, strict=True)) - span_lo // dtype.itemsize
         size = [b - a for a, b in zip(lo, hi, strict=True)]
@@ -414,7 +420,7 @@ def _compressed(manifest: Manifest, file: str) -> bool:
     return any(f.compression for f in manifest.files if f.name == file)
 
 
-def _check_chunks(view: memoryview, first: int, chunk: int, sums: list[str], path: Path, name: str) -> None:
+def _check_chunks(view: memoryview, first: int, chunk: int, sums: list[str], path: Location, name: str) -> None:
     for i in range(0, len(view), chunk):
         index = first + i // chunk
         if chunk_sum(view[i : i + chunk]) != sums[index]:

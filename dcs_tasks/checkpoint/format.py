@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # The dtype table and the tensor description are shared with weight sync (dcs_tasks.tensors); the checkpoint
 # readers import the code <-> dtype maps from here (built on first use: a worker moving bytes never imports torch).
 from dcs_tasks import tensors as _tensors
+from dcs_tasks.storage.objpath import ObjectPath
 from dcs_tasks.tensors import TensorSpec as TensorSpec
 
 if TYPE_CHECKING:
@@ -186,7 +187,13 @@ class FileEntry(BaseModel):
         """Bytes of the file on disk: `stored_size` when compressed, else `size`."""
         return self.stored_size if self.compression and self.stored_size is not None else self.size
 
-    def stored_path(self, step_dir: Path) -> Path:
+    @overload
+    def stored_path(self, step_dir: Path) -> Path: ...
+    @overload
+    def stored_path(self, step_dir: ObjectPath) -> ObjectPath: ...
+    @overload
+    def stored_path(self, step_dir: Path | ObjectPath) -> Path | ObjectPath: ...
+    def stored_path(self, step_dir: Path | ObjectPath) -> Path | ObjectPath:
         """Where this file's bytes lie on disk for the step at `step_dir`. Every reader resolves a file
         through here, so a format change of where or how bytes are stored changes this one place."""
         if self.source_step is not None:

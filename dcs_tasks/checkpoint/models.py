@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, mo
 from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.format import step_dir_name
 from dcs_tasks.errors import CheckpointError
+from dcs_tasks.storage_url import ObjectURL
 
 RUN_NAME_MAX = 128
 # first character a letter, digit or underscore: no ".", "..", hidden names or option-like "-x"
@@ -75,6 +76,19 @@ def clean_absolute_path(value: str) -> str:
 RunName = Annotated[str, AfterValidator(_run_name)]
 Step = Annotated[StrictInt, Field(ge=0)]
 AbsolutePath = Annotated[str, Field(max_length=4096), AfterValidator(clean_absolute_path)]
+
+
+def clean_location(value: str) -> str:
+    """`value` when it is a clean absolute path or a clean `s3://bucket/key` URL; else ValueError."""
+    if value.startswith("s3://"):
+        url = ObjectURL.parse(value)  # ConfigError (a ValueError) for a bad bucket or key
+        if str(url) != value:
+            raise ValueError(f"{value[:256]!r} is not a normalised s3:// URL")
+        return value
+    return clean_absolute_path(value)
+
+
+StepLocation = Annotated[str, Field(max_length=4096), AfterValidator(clean_location)]
 Token = Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 FileName = Annotated[str, Field(max_length=64, pattern=FILE_NAME_RE.pattern)]
 
@@ -87,7 +101,7 @@ class StepRef(BaseModel):
     run: RunName
     step: Step
     token: Token
-    step_dir: AbsolutePath = Field(description="absolute path of the step directory")
+    step_dir: StepLocation = Field(description="absolute path of the step directory, or its s3:// URL")
 
     @model_validator(mode="after")
     def _dir_names_step(self) -> StepRef:

@@ -8,7 +8,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -18,6 +17,7 @@ from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.reader import load_manifest
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, CorruptLedger, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
+from dcs_tasks.storage import Location, ObjectPath
 
 if TYPE_CHECKING:  # a reader of checkpoints (`dcs ckpt`) needs no staging, so no torch
     from dcs_tasks.checkpoint.staging import BufferLease
@@ -34,7 +34,7 @@ class CheckpointInfo:
 
     run: str
     step: int
-    path: Path
+    path: Location
     nbytes: int
     files: int
     created_at: float
@@ -44,7 +44,7 @@ class CheckpointInfo:
     keep_every, or an operator): the other fields are what was committed, read from the step's ledger."""
 
     @classmethod
-    def of(cls, manifest: Manifest, step_dir: Path) -> CheckpointInfo:
+    def of(cls, manifest: Manifest, step_dir: Location) -> CheckpointInfo:
         return cls(
             manifest.run,
             manifest.step,
@@ -66,7 +66,7 @@ class RestoredCheckpoint:
     state: Any
     metadata: dict[str, Any]
     location: str = "primary"
-    path: Path | None = None
+    path: Location | None = None
 
 
 class PendingCheckpoint:
@@ -83,7 +83,7 @@ class PendingCheckpoint:
         step: int,
         *,
         ledger: StepLedger | None,
-        step_dir: Path,
+        step_dir: Location,
         stall_seconds: float,
         skipped: bool = False,
         lease: BufferLease | None = None,
@@ -192,7 +192,8 @@ class PendingCheckpoint:
         try:
             return CheckpointInfo.of(load_manifest(self.step_dir), self.step_dir)
         except CorruptCheckpoint:
-            if os.path.lexists(self.step_dir / MANIFEST_NAME):
+            manifest = self.step_dir / MANIFEST_NAME
+            if manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest):
                 raise
             info = self._committed_info()
             if info is None:

@@ -12,8 +12,9 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
+from dcs_tasks.checkpoint import objread
 from dcs_tasks.checkpoint.fastread import Progress, Target, read_many, read_scatter, tensors_over
 from dcs_tasks.checkpoint.format import (
     LATEST_NAME,
@@ -23,7 +24,8 @@ from dcs_tasks.checkpoint.format import (
     step_dir_name,
 )
 from dcs_tasks.checkpoint.validate import check_files, read_manifest, read_small
-from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
+from dcs_tasks.errors import CorruptCheckpoint, StateMismatch, StorageError
+from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.tensors import code_dtype
 
 if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listing and verifying need none
@@ -32,9 +34,18 @@ if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listi
 STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)
 
 
-def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+@overload
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]: ...
+@overload
+def step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]: ...
+@overload
+def step_dirs(run_dir: Location) -> list[tuple[int, Location]]: ...
+def step_dirs(run_dir: Location) -> list[tuple[int, Location]] | list[tuple[int, Path]] | list[tuple[int, ObjectPath]]:
     """(step, directory) of every step directory holding a manifest, oldest first. Only real directories
-    named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`)."""
+    named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`). In an object
+    store: every `<run>/step-N/manifest.json` object (one listing)."""
+    if isinstance(run_dir, ObjectPath):
+        return _object_step_dirs(run_dir)
     if not run_dir.is_dir():
         return []
     found = []
@@ -47,7 +58,20 @@ def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def load_manifest(step_dir: Path) -> Manifest:
+def _object_step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]:
+    base = run_dir.key + "/" if run_dir.key else ""
+    found = []
+    for item in run_dir.store.objects(base):
+        parts = item.key[len(base) :].split("/")
+        if len(parts) != 2 or parts[1] != MANIFEST_NAME:
+            continue
+        match = STEP_DIR.match(parts[0])
+        if match and parts[0] == step_dir_name(int(match.group(1))):
+            found.append((int(match.group(1)), run_dir / parts[0]))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def load_manifest(step_dir: Location) -> Manifest:
     """The step's manifest, checked as untrusted input (`validate`: names, sizes, offsets, shapes, dtypes,
     structure); CorruptCheckpoint names the manifest and the reason."""
     manifest = read_manifest(step_dir)
@@ -58,24 +82,41 @@ def load_manifest(step_dir: Path) -> Manifest:
     return manifest
 
 
-def read_latest(run_dir: Path) -> int | None:
+def read_latest(run_dir: Location) -> int | None:
     """The step named by the `latest` pointer, or None (also when it is a symlink or not a short file)."""
     try:
         text = read_small(run_dir / LATEST_NAME, 64).decode("ascii").strip().removeprefix("step-")
-    except (CorruptCheckpoint, OSError, ValueError):
+    except (CorruptCheckpoint, OSError, ValueError, StorageError):
         return None
     return int(text) if text.isdigit() else None
 
 
-def verify_step(step_dir: Path, manifest: Manifest, progress: Progress | None = None) -> None:
+def verify_step(step_dir: Location, manifest: Manifest, progress: Progress | None = None) -> None:
     """Check every file of a committed step against its size, safetensors header and checksum (memory: 6
     chunks of scratch)."""
     check_files(step_dir, manifest)
-    read_scatter([(f.stored_path(step_dir), f, []) for f in manifest.files], True, progress)
+    scatter(step_dir, manifest, {}, True, progress)
+
+
+def scatter(
+    step_dir: Location,
+    manifest: Manifest,
+    targets: Mapping[str, list[Target]],
+    verify: bool,
+    progress: Progress | None = None,
+) -> None:
+    """Read every file of the step once into `targets` (file name -> ranges), from a file system or an
+    object store."""
+    if isinstance(step_dir, ObjectPath):
+        objread.read_scatter(
+            [(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress
+        )
+    else:
+        read_scatter([(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress)
 
 
 def load_tensors(
-    step_dir: Path, manifest: Manifest, *, verify: bool = True, into: dict[str, torch.Tensor] | None = None
+    step_dir: Location, manifest: Manifest, *, verify: bool = True, into: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
@@ -98,7 +139,7 @@ def load_tensors(
         if end > begin:
             dest = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
             targets[entry.file].append((begin, end, dest))
-    read_scatter([(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files], verify)
+    scatter(step_dir, manifest, targets, verify)
     with torch.no_grad():
         for name, target in into.items():
             if tensors[name] is not target:
@@ -106,11 +147,14 @@ def load_tensors(
     return dict(into)
 
 
-def _load_whole_files(step_dir: Path, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
+def _load_whole_files(step_dir: Location, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    mappings = read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
+    if isinstance(step_dir, ObjectPath):
+        mappings = objread.read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
+    else:
+        mappings = read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
     loaded: dict[str, torch.Tensor] = {}
     for f, mapping in zip(manifest.files, mappings, strict=True):
         loaded.update(tensors_over(mapping, by_file[f.name]))

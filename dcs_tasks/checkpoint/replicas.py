@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+from dcs_tasks import storage
 from dcs_tasks.checkpoint.pending import RestoredCheckpoint
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,12 @@ REPLICA = "replica"
 BOTH = "both"
 
 
-def run_roots(config: DCSConfig, run: str) -> list[tuple[str, Path]]:
-    """(location, run directory) for the primary root and, when `replica_dir` is set, the replica root."""
-    roots = [(PRIMARY, (Path(config.checkpoint_dir) / run).resolve())]
+def run_roots(config: DCSConfig, run: str) -> list[tuple[str, Location]]:
+    """(location, run directory) for the primary root and, when `replica_dir` is set, the replica root (each a
+    directory or an object-store prefix: `dcs_tasks.storage`)."""
+    roots: list[tuple[str, Location]] = [(PRIMARY, (storage.root(config.checkpoint_dir, config) / run).resolve())]
     if config.replica_dir is not None:
-        roots.append((REPLICA, (Path(config.replica_dir) / run).resolve()))
+        roots.append((REPLICA, (storage.root(config.replica_dir, config) / run).resolve()))
     return roots
 
 
@@ -40,7 +42,7 @@ def where(locations: Sequence[str]) -> str:
     return BOTH if found >= {PRIMARY, REPLICA} else (REPLICA if REPLICA in found else PRIMARY)
 
 
-Copy = tuple[str, Path, Callable[[], RestoredCheckpoint]]  # (location, path, load it)
+Copy = tuple[str, Location, Callable[[], RestoredCheckpoint]]  # (location, path, load it)
 
 
 def load_first_good(step: int, copies: Sequence[Copy]) -> RestoredCheckpoint:

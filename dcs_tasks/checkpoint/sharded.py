@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from dcs_tasks.checkpoint.format import Manifest
 from dcs_tasks.checkpoint.reader import check_targets, load_manifest, step_dirs
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
+from dcs_tasks.storage import Location, ObjectPath
 
 if TYPE_CHECKING:  # imported by the functions that make tensors; listing a run's steps (retention) needs none
     import torch
@@ -44,11 +45,17 @@ def shard_run_name(run: str, rank: int) -> str:
     return f"{run}.{rank_dir_name(rank)}"
 
 
-def rank_dirs(run_root: Path) -> dict[int, Path]:
+def rank_dirs(run_root: Location) -> dict[int, Location]:
     """rank -> its directory, for a multi-rank run (empty for a plain single-rank run). Symlinks do not count."""
+    if isinstance(run_root, ObjectPath):
+        return {
+            int(m.group(1)): run_root / name
+            for name in run_root.store.children(run_root.key)
+            if (m := RANK_DIR.fullmatch(name)) is not None
+        }
     if not run_root.is_dir():
         return {}
-    found = {}
+    found: dict[int, Location] = {}
     with os.scandir(run_root) as entries:
         for child in entries:
             match = RANK_DIR.match(child.name)
@@ -63,22 +70,22 @@ class StepShards:
 
     step: int
     world_size: int
-    dirs: dict[int, Path]
+    dirs: dict[int, Location]
     manifests: dict[int, Manifest]
 
 
-def complete_steps(run_root: Path) -> dict[int, StepShards]:
+def complete_steps(run_root: Location) -> dict[int, StepShards]:
     """step -> its shards, for every step that all ranks of its world size committed (plain runs: every
     committed step, as world size 1). Unreadable manifests count as not committed."""
     return scan_steps(run_root)[0]
 
 
-def scan_steps(run_root: Path) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
+def scan_steps(run_root: Location) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
     """(complete steps, steps some rank's manifest of which is corrupt: the first such error)."""
     ranks = rank_dirs(run_root)
     if not ranks:
         ranks = {0: run_root}
-    found: dict[int, dict[int, tuple[Path, Manifest]]] = {}
+    found: dict[int, dict[int, tuple[Location, Manifest]]] = {}
     broken: dict[int, CorruptCheckpoint] = {}
     for rank, directory in sorted(ranks.items()):
         for step, step_dir in step_dirs(directory):
@@ -102,7 +109,7 @@ def scan_steps(run_root: Path) -> tuple[dict[int, StepShards], dict[int, Corrupt
     return out, broken
 
 
-def incomplete_steps(run_root: Path) -> dict[int, list[int]]:
+def incomplete_steps(run_root: Location) -> dict[int, list[int]]:
     """step -> ranks that committed it, for steps not every rank committed (for error messages)."""
     ranks = rank_dirs(run_root)
     seen: dict[int, list[int]] = {}

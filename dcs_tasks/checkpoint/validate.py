@@ -55,6 +55,8 @@ from dcs_tasks.checkpoint.format import (
     TensorEntry,
 )
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage.s3 import ObjectMissing
 from dcs_tasks.tensors import CODE_ITEMSIZE
 
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -71,7 +73,7 @@ ITEMSIZE: dict[str, int] = CODE_ITEMSIZE
 O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 
 
-def read_manifest(step_dir: Path) -> Manifest:
+def read_manifest(step_dir: Location) -> Manifest:
     """`step_dir`'s manifest, parsed and checked (`check_manifest`); CorruptCheckpoint names what is wrong."""
     path = step_dir / MANIFEST_NAME
     raw = read_small(path, MAX_MANIFEST_BYTES)
@@ -85,8 +87,14 @@ def read_manifest(step_dir: Path) -> Manifest:
     return manifest
 
 
-def read_small(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file (not a symlink) of at most `limit` bytes; CorruptCheckpoint otherwise."""
+def read_small(path: Location, limit: int) -> bytes:
+    """The bytes of a regular file (not a symlink) of at most `limit` bytes; CorruptCheckpoint otherwise. An
+    object (`ObjectPath`): at most `limit` + 1 bytes are fetched."""
+    if isinstance(path, ObjectPath):
+        try:
+            return path.store.get_small(path.key, limit)
+        except ObjectMissing as exc:
+            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
@@ -139,7 +147,7 @@ def open_stored(path: Path, entry: FileEntry) -> int:
     return fd
 
 
-def check_manifest(manifest: Manifest, path: Path) -> None:
+def check_manifest(manifest: Manifest, path: Location) -> None:
     """Everything the manifest says about itself, checked before any of its files is touched."""
     try:
         _check_header_fields(manifest)
@@ -284,12 +292,15 @@ def _check_chunks(manifest: Manifest) -> None:
             raise CorruptCheckpoint(f"tensor {name!r} needs {expected} well-formed chunk checksums")
 
 
-def check_files(step_dir: Path, manifest: Manifest) -> None:
+def check_files(step_dir: Location, manifest: Manifest) -> None:
     """Each file of `manifest` (already checked) against the disk: a regular file of its recorded size whose
     safetensors header agrees with the manifest. Reads only the headers."""
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
+    if isinstance(step_dir, ObjectPath):
+        _check_objects(step_dir, manifest, by_file)
+        return
     for f in manifest.files:
         path = f.stored_path(step_dir)
         if f.source_step is not None:
@@ -307,6 +318,44 @@ def check_files(step_dir: Path, manifest: Manifest) -> None:
             os.close(fd)
 
 
+def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, dict[str, TensorEntry]]) -> None:
+    """`check_files` for a step in an object store: each object exists with its recorded size, is stored plain,
+    and its safetensors header (read with ranged GETs) agrees with the manifest."""
+    for f in manifest.files:
+        path = f.stored_path(step_dir)
+        if f.compression:
+            raise CorruptCheckpoint(
+                f"checkpoint object {path} is compressed: object stores hold plain files", str(path)
+            )
+        size = path.size()
+        if size is None:
+            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
+        if size != f.disk_size:
+            raise CorruptCheckpoint(
+                f"checkpoint object {path} has {size} bytes, manifest says {f.disk_size}", str(path)
+            )
+        _check_header(-1, path, size, by_file[f.name], _object_reader(path, size))
+
+
+def _object_reader(path: ObjectPath, size: int) -> Callable[[int], bytes]:
+    """`read(n)`: the object's next n bytes from its start (ranged GETs; n is bounded by the header checks)."""
+    pos = 0
+
+    def read(n: int) -> bytes:
+        nonlocal pos
+        n = max(0, min(n, size - pos))
+        buf = bytearray(n)
+        if n:
+            try:
+                path.store.read_into(path.key, pos, [memoryview(buf)])
+            except ObjectMissing as exc:
+                raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
+        pos += n
+        return bytes(buf)
+
+    return read
+
+
 def _check_source_dir(source_dir: Path, name: str, step: int) -> None:
     """An incremental reference's step directory is a real directory (a symlink is never followed)."""
     try:
@@ -321,7 +370,7 @@ def _check_source_dir(source_dir: Path, name: str, step: int) -> None:
 
 
 def _check_header(
-    fd: int, path: Path, size: int, expected: Mapping[str, TensorEntry], read: Callable[[int], bytes] | None = None
+    fd: int, path: Location, size: int, expected: Mapping[str, TensorEntry], read: Callable[[int], bytes] | None = None
 ) -> None:
     header, start = read_header(fd, path, size, read)
     names = set(header) - {"__metadata__"}
@@ -340,7 +389,7 @@ def _check_header(
 
 
 def read_header(
-    fd: int, path: Path, size: int, read: Callable[[int], bytes] | None = None
+    fd: int, path: Location, size: int, read: Callable[[int], bytes] | None = None
 ) -> tuple[dict[str, Any], int]:
     """The parsed safetensors header of an open file of `size` bytes and where its data starts; every
     entry's dtype, shape and byte range checked against each other and the file. `read(n)`: the file's
@@ -378,7 +427,7 @@ def _sequential_pread(fd: int) -> Callable[[int], bytes]:
     return read
 
 
-def _check_header_entry(path: Path, name: str, entry: Any, data: int) -> None:
+def _check_header_entry(path: Location, name: str, entry: Any, data: int) -> None:
     ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and entry["dtype"] in ITEMSIZE
     nbytes = shape_bytes(entry.get("shape"), ITEMSIZE[entry["dtype"]]) if ok else None
     offsets = entry.get("data_offsets") if ok else None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.storage import Location, ObjectPath
 
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 
@@ -86,27 +87,32 @@ def _run_name(value: str) -> str:
     return value
 
 
-def _run_root(args: argparse.Namespace) -> Path:
-    root = args.dir if args.dir is not None else DCSConfig().checkpoint_dir
-    return Path(root) / args.run
+def _run_root(args: argparse.Namespace) -> Location:
+    from dcs_tasks import storage
+
+    config = DCSConfig()
+    root = storage.parse_root(args.dir) if args.dir is not None else config.checkpoint_dir
+    return storage.root(root, config) / args.run
 
 
-def _run_dir(args: argparse.Namespace) -> Path:
+def _run_dir(args: argparse.Namespace) -> Location:
     from dcs_tasks.checkpoint.sharded import rank_dir_name
 
     root = _run_root(args)
     return root / rank_dir_name(args.rank) if args.rank is not None else root
 
 
-def _locations(args: argparse.Namespace) -> list[tuple[str, Path]]:
+def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
     """(location, run directory or rank directory) of the primary and, when a replica root is set, the replica."""
+    from dcs_tasks import storage
     from dcs_tasks.checkpoint.replicas import PRIMARY, REPLICA
     from dcs_tasks.checkpoint.sharded import rank_dir_name
 
     found = [(PRIMARY, _run_dir(args))]
-    replica = args.replica_dir if args.replica_dir is not None else DCSConfig().replica_dir
+    config = DCSConfig()
+    replica = storage.parse_root(args.replica_dir) if args.replica_dir is not None else config.replica_dir
     if replica is not None:
-        run = Path(replica) / args.run
+        run = storage.root(replica, config) / args.run
         found.append((REPLICA, run / rank_dir_name(args.rank) if args.rank is not None else run))
     return found
 
@@ -159,7 +165,7 @@ def _shared(manifest: Any) -> str:
     return f"  ({written:.1f} MiB written, {len(shared)} from earlier steps)"
 
 
-def _list_ranks(places: list[tuple[str, Path]], shown: bool) -> int:
+def _list_ranks(places: list[tuple[str, Location]], shown: bool) -> int:
     """A multi-rank run: steps every rank committed (restorable) and where, then corrupt steps, then steps some
     rank is missing."""
     from dcs_tasks.checkpoint.replicas import PRIMARY, where
@@ -251,8 +257,15 @@ def _gc(args: argparse.Namespace) -> int:
     in_flight, refs = _in_flight(config, args.run)
     places = _locations(args)
     for location, run_dir in places:
+        if isinstance(run_dir, ObjectPath):
+            print(f"dcs ckpt gc: {run_dir} is in an object store: gc runs on file-system roots only", file=sys.stderr)
+            return 2
         if location != places[0][0] and not run_dir.is_dir():
             continue
+        linked = next((d for d in [run_dir, run_dir.parent][: 1 + (args.rank is not None)] if d.is_symlink()), None)
+        if linked is not None:  # the worker's retention refuses the same (workers/trust.py resolves every path)
+            print(f"dcs ckpt gc: {location} run directory {str(linked)!r} is a symlink: not followed", file=sys.stderr)
+            return 2
         deleted = apply_retention(run_dir, policy, in_flight, refs)
         prefix = f"{location}: " if len(places) > 1 else ""  # one root: the output it always had
         print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
@@ -291,10 +304,13 @@ def _export(args: argparse.Namespace) -> int:
     from dcs_tasks.interop.hf_export import export_hf, parse_size
 
     try:
-        if not _run_root(args).is_dir():
-            raise CheckpointError(f"run {args.run!r} has no checkpoints: {_run_root(args)} does not exist")
+        run_root = _run_root(args)
+        if isinstance(run_root, ObjectPath):
+            raise CheckpointError(f"dcs ckpt export reads file-system roots only; {run_root} is in an object store")
+        if not run_root.is_dir():
+            raise CheckpointError(f"run {args.run!r} has no checkpoints: {run_root} does not exist")
         result = export_hf(
-            _run_root(args),
+            run_root,
             args.out,
             step=args.step,
             prefix=args.prefix,

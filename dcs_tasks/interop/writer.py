@@ -47,7 +47,7 @@ from dcs_tasks.checkpoint.sharded import rank_dirs
 from dcs_tasks.checkpoint.structure import flatten_state
 from dcs_tasks.checkpoint.validate import check_manifest
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointError, CheckpointFailed
+from dcs_tasks.errors import CheckpointError, CheckpointFailed, UnsupportedOnObjectStore
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 
@@ -58,6 +58,11 @@ def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: 
     flight; StagingError (naming the path) for a value a checkpoint cannot hold; CheckpointFailed otherwise."""
     validate_run_name(run)
     validate_step(step)
+    if not isinstance(config.checkpoint_dir, Path):
+        raise UnsupportedOnObjectStore(
+            f"dcs ckpt import writes into a file-system checkpoint root; {config.checkpoint_dir} is an object store "
+            "(import into a directory, then copy the step)"
+        )
     run_root = Path(config.checkpoint_dir) / run
     if rank_dirs(run_root):
         raise CheckpointError(f"run {run!r} is a multi-rank run: an import writes a single-rank step")

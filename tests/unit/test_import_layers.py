@@ -23,6 +23,7 @@ PACKAGE = "dcs_tasks"
 LAYERS: dict[str, int] = {
     "base": 0,
     "backends": 1,
+    "storage": 1,
     "checkpoint": 2,
     "sync": 2,
     "client": 3,

@@ -1,0 +1,164 @@
+"""Verified reads of checkpoint files kept in an object store: parallel ranged GETs, hashed in order.
+
+The object-store side of `fastread` (same contract: `read_many` lands each file in fresh memory, `read_scatter`
+lands each byte in its target or a scratch slot, and both check every file's size and checksum). Each file is
+cut into `s3_part_bytes` ranges; `s3_concurrency` threads GET them (`readinto` the destination: no second
+copy), at most that many plus two ahead of the calling thread, which hashes the ranges in file order as they
+land. A short object or a checksum mismatch raises CorruptCheckpoint naming the object; nothing is still being
+written when a function returns or raises.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcs_tasks.checkpoint.fastread import Progress, Target, TargetIndex, anonymous
+from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import ObjectPath
+
+
+def checked_size(path: ObjectPath, entry: FileEntry) -> int:
+    """The object's size, which must be the entry's stored size (CorruptCheckpoint otherwise)."""
+    if entry.compression:
+        raise CorruptCheckpoint(f"checkpoint object {path} is compressed: object stores hold plain files", str(path))
+    size = path.size()
+    if size is None:
+        raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
+    if size != entry.disk_size:
+        raise CorruptCheckpoint(
+            f"checkpoint object {path} has {size} bytes, manifest says {entry.disk_size}", str(path)
+        )
+    return size
+
+
+@dataclass
+class _Object:
+    path: ObjectPath
+    entry: FileEntry
+    size: int
+    hasher: Any = None
+    targets: list[Target] = field(default_factory=list)
+    index: TargetIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = TargetIndex(self.targets)
+
+    def finish(self) -> None:
+        if self.hasher is not None and self.hasher.hexdigest() != self.entry.checksum:
+            raise CorruptCheckpoint(
+                f"checkpoint object {self.path} fails its {self.entry.algorithm} checksum", str(self.path)
+            )
+
+
+@dataclass(frozen=True)
+class _Range:
+    obj: _Object
+    begin: int
+    end: int
+    slot: int
+
+
+def _ranges(objects: list[_Object], part: int, window: int) -> Iterator[_Range]:
+    seq = 0
+    for obj in objects:
+        for begin in range(0, obj.size, part):
+            yield _Range(obj, begin, min(begin + part, obj.size), seq % window)
+            seq += 1
+
+
+def _run(
+    objects: list[_Object],
+    verify: bool,
+    land: Callable[[_Range], list[memoryview]],
+    progress: Progress | None,
+    part: int,
+    window: int,
+) -> None:
+    if not objects:
+        return
+    for obj in objects:
+        obj.hasher = new_hasher() if verify else None
+    with objects[0].path.store.pool() as pool:
+        inflight: deque[tuple[_Range, Future[list[memoryview]]]] = deque()
+        try:
+            for rng in _ranges(objects, part, window):
+                if len(inflight) >= window:
+                    _consume(*inflight.popleft(), progress)
+                inflight.append((rng, pool.submit(land, rng)))
+            while inflight:
+                _consume(*inflight.popleft(), progress)
+        finally:
+            for _, future in inflight:
+                future.cancel()
+    for obj in objects:
+        obj.finish()
+
+
+def _consume(rng: _Range, future: Future[list[memoryview]], progress: Progress | None) -> None:
+    for piece in future.result():
+        if rng.obj.hasher is not None:
+            rng.obj.hasher.update(piece)
+    if progress is not None:
+        progress(rng.obj.entry.name, rng.end, rng.obj.size)
+
+
+def _geometry(objects: list[_Object]) -> tuple[int, int]:
+    settings = objects[0].path.store.settings if objects else None
+    part = settings.part_bytes if settings is not None else 32 * 1024 * 1024
+    window = (settings.concurrency if settings is not None else 8) + 2
+    return part, window
+
+
+def read_many(
+    files: list[tuple[ObjectPath, FileEntry]], verify: bool, progress: Progress | None = None
+) -> list[mmap.mmap]:
+    """Each object's bytes in its own fresh mapping (same order)."""
+    objects = [_Object(path, entry, checked_size(path, entry)) for path, entry in files]
+    mappings = [anonymous(o.size) for o in objects]
+    views = {id(o): memoryview(m) for o, m in zip(objects, mappings, strict=True)}
+    part, window = _geometry(objects)
+
+    def land(rng: _Range) -> list[memoryview]:
+        piece = views[id(rng.obj)][rng.begin : rng.end]
+        rng.obj.path.store.read_into(rng.obj.path.key, rng.begin, [piece])
+        return [piece]
+
+    try:
+        _run(objects, verify, land, progress, part, window)
+    finally:
+        for view in views.values():
+            view.release()
+    return mappings
+
+
+def read_scatter(
+    files: list[tuple[ObjectPath, FileEntry, list[Target]]], verify: bool, progress: Progress | None = None
+) -> None:
+    """Read each object once, each byte landing in its target, gaps in a scratch slot; no targets: verify only."""
+    objects = [_Object(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
+    part, window = _geometry(objects)
+    slot_bytes = min(part, max((o.size for o in objects), default=0))
+    scratch = anonymous(max(1, window * slot_bytes))
+    whole = memoryview(scratch)
+
+    def land(rng: _Range) -> list[memoryview]:
+        slot = whole[rng.slot * slot_bytes : (rng.slot + 1) * slot_bytes]
+        pieces = rng.obj.index.pieces(slot, rng.begin, rng.end)
+        rng.obj.path.store.read_into(rng.obj.path.key, rng.begin, pieces)
+        return pieces
+
+    try:
+        _run(objects, verify, land, progress, part, window)
+    finally:
+        whole.release()
+
+
+def read_range(path: ObjectPath, view: memoryview, offset: int) -> None:
+    """`len(view)` bytes of the object from `offset` (a DTensor restore's piece)."""
+    path.store.read_into(path.key, offset, [view])

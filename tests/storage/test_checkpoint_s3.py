@@ -1,0 +1,232 @@
+"""Checkpoints kept in S3 (`DCS_CHECKPOINT_DIR=s3://bucket/prefix`), through a real `dcs worker` and a real S3
+server (OpenStack Swift + s3api): save, commit, list and restore bit-exact; failures named, nothing half visible."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import (
+    CheckpointFailed,
+    ConfigError,
+    CorruptCheckpoint,
+    StorageAccessDenied,
+    UnsupportedOnObjectStore,
+)
+from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.helpers.preloaded import run_module
+from tests.helpers.procs import child_env
+from tests.storage.conftest import S3Bucket
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def aws_env(s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """The owner's credentials in the standard AWS environment variables (the trainer here and the worker, which
+    inherits this environment, both find them through boto3's chain)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_bucket.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_bucket.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_bucket.region)
+    if s3_bucket.server.ca_bundle:
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(s3_bucket.server.ca_bundle))
+    return s3_bucket
+
+
+def s3_config(dcs_config: DCSConfig, tmp_path: Path, bucket: S3Bucket, **overrides: object) -> DCSConfig:
+    values: dict[str, object] = {
+        "checkpoint_dir": DCSConfig.model_validate({"checkpoint_dir": bucket.url("fleet/ckpt")}).checkpoint_dir,
+        "s3_endpoint_url": bucket.endpoint_url,
+        "s3_addressing_style": "path",
+        "s3_part_bytes": 5 * MiB,
+        "s3_concurrency": 4,
+        "s3_max_attempts": 3,
+        "keep_last": None,
+    }
+    values.update(overrides)
+    return ckpt_config(dcs_config, tmp_path, **values)
+
+
+def ckpt_cli(config: DCSConfig, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`dcs ckpt ARGS` as a user runs it, with DCS_CHECKPOINT_DIR=s3://... and the AWS environment."""
+    done = run_module("dcs_tasks.cli.main", "ckpt", *args, workdir=tmp_path / "cli", env=child_env(config), timeout=120)
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    return done
+
+
+def objects(bucket: S3Bucket, prefix: str = "") -> dict[str, int]:
+    client = bucket.client()
+    found: dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket.bucket, Prefix=prefix):
+        found.update({item["Key"]: item["Size"] for item in page.get("Contents", [])})
+    return found
+
+
+def open_uploads(bucket: S3Bucket) -> list[str]:
+    answer = bucket.client().list_multipart_uploads(Bucket=bucket.bucket)
+    return [u["Key"] for u in answer.get("Uploads", [])]
+
+
+@pytest.fixture
+def worker_cleanup() -> Iterator[list]:
+    workers: list = []
+    yield workers
+    for w in workers:
+        w.discard()
+
+
+def test_save_and_restore_through_s3_bit_exact(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    config = s3_config(dcs_config, tmp_path, aws_env, file_shard_bytes=8 * MiB)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = training_state(width=1500)  # ~18 MiB: three files, each a multipart upload of 5 MiB parts
+    second = training_state(seed=3, width=1500)
+    with Checkpointer("exp1", config) as ckpt:
+        info = ckpt.save(state, step=10, metadata={"lr": 1e-3}).wait(timeout=120)
+        assert str(info.path) == aws_env.url("fleet/ckpt/exp1/step-000000010")
+        ckpt.save(second, step=20).wait(timeout=120)
+        assert [i.step for i in ckpt.list()] == [10, 20]
+        restored = ckpt.restore()
+        assert restored.step == 20
+        assert_same_state(second, restored.state)
+        older = ckpt.restore(step=10)
+        assert older.metadata == {"lr": 1e-3}
+        assert_same_state(state, older.state)
+        target = training_state(seed=9, width=1500)
+        weight = target["model"]["0.weight"]
+        filled = ckpt.restore(step=10, into=target)
+        assert filled.state["model"]["0.weight"] is weight and torch.equal(weight, state["model"]["0.weight"])
+    keys = objects(aws_env, "fleet/ckpt/exp1/")
+    manifest = json.loads(
+        aws_env.client()
+        .get_object(Bucket=aws_env.bucket, Key="fleet/ckpt/exp1/step-000000010/manifest.json")["Body"]
+        .read()
+    )
+    assert len(manifest["files"]) >= 3
+    for f in manifest["files"]:
+        assert keys[f"fleet/ckpt/exp1/step-000000010/{f['name']}"] == f["size"]
+    latest = aws_env.client().get_object(Bucket=aws_env.bucket, Key="fleet/ckpt/exp1/latest")["Body"].read()
+    assert latest.decode().strip() == "step-000000020"
+    assert open_uploads(aws_env) == []
+    assert not any(Path(".").glob("s3:*")), "an s3:// root must never become a local folder"
+
+
+def test_dcs_ckpt_list_and_verify_read_s3_and_name_a_corrupt_object(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    with Checkpointer("cli", config) as ckpt:
+        ckpt.save(training_state(seed=1), step=1).wait(timeout=120)
+        ckpt.save(training_state(seed=2), step=2).wait(timeout=120)
+    env_config = config
+    listed = ckpt_cli(env_config, tmp_path, "list", "--run", "cli")
+    assert listed.returncode == 0, listed.stderr
+    steps = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    assert steps == ["1", "2"] and listed.stdout.splitlines()[-1].endswith("<- latest"), listed.stdout
+    verified = ckpt_cli(env_config, tmp_path, "verify", "--run", "cli")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # flip bytes of step 2's first file in the store: verify names it, restore falls back to step 1
+    client = aws_env.client()
+    manifest = json.loads(
+        client.get_object(Bucket=aws_env.bucket, Key="fleet/ckpt/cli/step-000000002/manifest.json")["Body"].read()
+    )
+    key = f"fleet/ckpt/cli/step-000000002/{manifest['files'][0]['name']}"
+    body = bytearray(client.get_object(Bucket=aws_env.bucket, Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket=aws_env.bucket, Key=key, Body=bytes(body))
+    verified = ckpt_cli(env_config, tmp_path, "verify", "--run", "cli", "--step", "2")
+    assert verified.returncode != 0 and "checksum" in verified.stdout + verified.stderr
+    with Checkpointer("cli", config) as ckpt:
+        with pytest.warns(RuntimeWarning, match="step 2 is corrupt"):
+            restored = ckpt.restore()
+        assert restored.step == 1
+        assert_same_state(training_state(seed=1), restored.state)
+        with pytest.raises(CorruptCheckpoint, match="checksum"):
+            ckpt.restore(step=2)
+
+
+def test_a_worker_killed_mid_upload_leaves_no_half_step_and_the_redelivery_commits(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    """SIGKILL of the worker while its parts travel (uploads throttled to 4 MiB/s): no manifest, so no step is
+    visible; the restarted worker gets the late-ack task again and the step commits bit-exact with no upload
+    left open."""
+    config = s3_config(
+        dcs_config, tmp_path, aws_env, persist_throttle_bytes_per_second=4 * MiB, file_shard_bytes=32 * MiB
+    )
+    worker = start_worker(config, tmp_path, name="first")
+    worker_cleanup.append(worker)
+    state = training_state(width=1500)
+    with Checkpointer("killed", config) as ckpt:
+        pending = ckpt.save(state, step=7)
+        deadline = time.monotonic() + 30
+        while not open_uploads(aws_env) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_uploads(aws_env), "no multipart upload started"
+        time.sleep(1.0)
+        for pid in worker.child_pids():
+            os.kill(pid, signal.SIGKILL)
+        worker.kill()
+        assert "fleet/ckpt/killed/step-000000007/manifest.json" not in objects(aws_env)
+        assert ckpt.list() == []
+        worker_cleanup.append(start_worker(config, tmp_path, name="second"))
+        info = pending.wait(timeout=180)
+        assert info.step == 7
+        assert_same_state(state, ckpt.restore().state)
+    assert open_uploads(aws_env) == []
+
+
+def test_wrong_credentials_fail_the_save_with_access_denied_and_nothing_is_written(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, monkeypatch: pytest.MonkeyPatch, worker_cleanup: list
+) -> None:
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.server.other_access_key)  # a user without rights on the bucket
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.server.other_secret_key)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.access_key)  # the trainer itself may read
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret_key)
+    with Checkpointer("denied", config) as ckpt:
+        with pytest.raises(CheckpointFailed, match=r"AccessDenied|access|credentials") as failed:
+            ckpt.save(training_state(), step=1).wait(timeout=120)
+        assert aws_env.server.other_secret_key not in str(failed.value)
+        assert ckpt.list() == []
+    assert objects(aws_env) == {}
+
+
+def test_settings_an_object_store_cannot_honour_yet_are_refused_up_front(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket
+) -> None:
+    config = s3_config(dcs_config, tmp_path, aws_env, keep_last=2)
+    with pytest.raises(UnsupportedOnObjectStore, match="keep_last"):
+        Checkpointer("refused", config)
+    with pytest.raises((ConfigError, ValueError), match="scheme 'gs'"):
+        DCSConfig(checkpoint_dir="gs://bucket/x")
+    with pytest.raises((ConfigError, ValueError), match="bucket name"):
+        DCSConfig(checkpoint_dir="s3://UPPER/x")
+    with pytest.raises((ConfigError, ValueError), match=r"'\.\.' component"):
+        DCSConfig(checkpoint_dir="s3://bucket/a/../b")
+
+
+def test_access_denied_maps_to_a_named_error_for_readers(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.server.other_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.server.other_secret_key)
+    from dcs_tasks import storage
+
+    root = storage.root(config.checkpoint_dir, config)
+    with pytest.raises(StorageAccessDenied, match=r"403|AccessDenied"):  # a HEAD answer has no error body
+        (root / "x").size()
