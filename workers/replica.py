@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,14 +149,30 @@ def copy_step(src_dir: Path, dst_dir: Path, manifest: Manifest, tag: str, thrott
     return copied
 
 
+def _own_directory(step_dir: Path) -> None:
+    """UntrustedPath unless `step_dir` (an earlier step of the replica run an incremental file refers to) is
+    absent or a real directory right where it is named: a symlink planted at `<replica>/<run>/step-N` would
+    send the copy (and the verification read) to wherever it points. `dst_dir` is resolved by the trust
+    check, so its run directory holds no symlink itself."""
+    try:
+        found = step_dir.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(found.st_mode) or step_dir.resolve() != step_dir:
+        raise UntrustedPath(f"replica step directory {str(step_dir)!r} is a symlink or not a directory: not written")
+
+
 def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttle: float | None) -> int:
     """Copy one file's stored bytes unless already there; returns the bytes copied."""
     src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
     size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
+    if dst.parent != dst_dir:
+        _own_directory(dst.parent)  # before anything is read or written through it
     if regular_of_size(dst, size):
         return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified below
     if dst.parent != dst_dir:
         make_dirs_durable(dst.parent)  # an incremental reference into a step not replicated itself
+        _own_directory(dst.parent)
     digest = stream_region(src, 0, size, dst, tag, throttle)
     if entry.compression is None and digest != entry.checksum:
         dst.unlink(missing_ok=True)
