@@ -19,7 +19,6 @@ directory goes once nothing refers to it. A save never writes into a retired dir
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import stat
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.fsio import locked
 from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.errors import CorruptCheckpoint
 
@@ -40,8 +40,7 @@ _manifests: dict[tuple[str, int, int, int], Manifest] = {}
 def refs_lock(run_dir: Path, shared: bool) -> Iterator[None]:
     """The run's reference lock (shared: a persist task recording a reference; exclusive: retention). Released
     by the kernel when the holder dies, so a killed worker never leaves it held."""
-    with open(run_dir / REFS_LOCK_NAME, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    with locked(run_dir, REFS_LOCK_NAME, shared=shared):  # never through a symlink (UntrustedPath)
         yield
 
 
