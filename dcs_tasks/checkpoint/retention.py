@@ -29,7 +29,7 @@ from dcs_tasks.checkpoint.ledger import StepLedger
 from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import STEP_DIR, load_manifest, step_dirs
 from dcs_tasks.checkpoint.sharded import RANK_DIR, complete_steps
-from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,10 @@ def apply_retention(
     in_flight_refs: Callable[[], set[FileRef]] = set,
 ) -> list[int]:
     """Delete what `policy` lets go in `run_dir`; returns the deleted steps. Files that kept steps, or the
-    steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps)."""
+    steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps).
+    UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory."""
+    if run_dir.is_symlink():
+        raise UntrustedPath(f"run directory {str(run_dir)[:256]!r} is a symlink: retention does not follow it")
     if not run_dir.is_dir():
         return []
     with refs_lock(run_dir, shared=False):

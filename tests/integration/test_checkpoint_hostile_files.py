@@ -33,7 +33,7 @@ from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
 from tests.helpers.redis_server import RedisServer
 
@@ -305,6 +305,24 @@ def test_cli_turns_an_os_error_into_one_line(config: DCSConfig) -> None:
     done = dcs_ckpt(config, "gc", "--run", RUN, "--keep-last", "1")  # asserts no traceback
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"dcs ckpt: IsADirectoryError: [Errno 21] Is a directory: '{old / 'manifest.json'}'" in done.stderr
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+def test_gc_does_not_follow_a_symlinked_run_directory(config: DCSConfig, tmp_path: Path, rank: int | None) -> None:
+    """Issue 20, finding 7: `<root>/<run>` a link to a run outside the root; gc (with `--rank` too) refuses
+    it in one line and deletes nothing there, as the worker's retention does."""
+    run = MULTI if rank is not None else RUN
+    outside = tmp_path / "outside-run"
+    shutil.move(Path(config.checkpoint_dir) / run, outside)
+    (Path(config.checkpoint_dir) / run).symlink_to(outside)
+    before = sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))
+    extra = ("--rank", str(rank)) if rank is not None else ()
+    done = dcs_ckpt(config, "gc", "--run", run, "--keep-last", "1", *extra)
+    assert done.returncode == 2 and "is a symlink: not followed" in done.stderr, done.stdout + done.stderr
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
+    with pytest.raises(UntrustedPath, match="is a symlink"):
+        apply_retention(Path(config.checkpoint_dir) / run, RetentionPolicy(keep_last=1), set())
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
 
 
 # --- property: random mutations never escape as anything but CorruptCheckpoint ---------------------------
