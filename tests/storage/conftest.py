@@ -1,0 +1,122 @@
+"""Fixtures of the S3 storage tests: a real S3 server (OpenStack Swift + s3api, tests/helpers/s3server.py).
+
+`s3_server`: one server per pytest process, started at the first test that needs it (about 3 s). Tests share
+it, so they must not stop, kill or restart it: a test that does asks for `own_s3_server` (a private server in
+its tmp_path) instead, also for HTTPS (`tls`: boto3 sends uploads differently there). `s3_bucket`: a fresh
+bucket of the owner on the shared server, per test.
+
+Tests using any of them are marked `integration`. Skipped, with the reason, only where swift is not installed
+(`make test` installs it: the `test` extras in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.s3server import S3Server, swift_available
+
+S3_FIXTURES = ("s3_server", "s3_bucket", "own_s3_server")
+NOT_INSTALLED = "OpenStack Swift (pip `swift`, the S3 server of these tests) is not installed: pip install -e '.[test]'"
+_bucket_numbers = itertools.count(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in S3_FIXTURES):
+            item.add_marker(pytest.mark.integration)
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """One test's bucket: where it is and the owner's credentials. `server` has the rest (the other user's
+    credentials, quotas)."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    region: str
+    bucket: str
+    server: S3Server = field(repr=False)
+
+    def url(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix.lstrip('/')}"
+
+    def client(self, *, other_user: bool = False, **config: Any) -> Any:
+        """A boto3 S3 client (path-style addressing) as the owner, or as the user with no rights on the bucket;
+        `config`: more botocore Config arguments."""
+        return s3_client(self.server, other_user=other_user, **config)
+
+    def set_quota(self, quota_bytes: int | None) -> None:
+        """Byte quota on the bucket and on its multipart parts (S3Server.set_bucket_quota)."""
+        self.server.set_bucket_quota(self.bucket, quota_bytes)
+
+
+def s3_client(server: S3Server, *, other_user: bool = False, **config: Any) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    s3_config = {"addressing_style": "path", **config.pop("s3", {})}
+    return boto3.client(
+        "s3",
+        endpoint_url=server.endpoint_url,
+        aws_access_key_id=server.other_access_key if other_user else server.access_key,
+        aws_secret_access_key=server.other_secret_key if other_user else server.secret_key,
+        region_name=server.region,
+        verify=server.ca_bundle,
+        config=Config(s3=s3_config, **config),
+    )
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """The S3 server the tests of this pytest process share (do not stop, kill or restart it)."""
+    if not swift_available():
+        pytest.skip(NOT_INSTALLED)
+    workdir = Path(tempfile.mkdtemp(prefix="dcs-s3-"))
+    server = S3Server(workdir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def own_s3_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[S3Server]:
+    """A private S3 server the test may stop, kill and restart; every process of it is gone afterwards.
+    S3Server arguments by indirect parametrization: `@pytest.mark.parametrize("own_s3_server", [{"tls": True}],
+    indirect=True)`."""
+    if not swift_available():
+        pytest.skip(NOT_INSTALLED)
+    server = S3Server(tmp_path / "s3", **getattr(request, "param", {}))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> S3Bucket:
+    if not s3_server.alive():
+        raise RuntimeError(f"the shared S3 server is gone (a test stopped it?)\n{s3_server.log_tail()}")
+    name = f"dcs-test-{next(_bucket_numbers)}-{uuid.uuid4().hex[:12]}"
+    s3_client(s3_server).create_bucket(Bucket=name)
+    return S3Bucket(
+        endpoint_url=s3_server.endpoint_url,
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+        region=s3_server.region,
+        bucket=name,
+        server=s3_server,
+    )
