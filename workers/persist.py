@@ -173,6 +173,15 @@ def persist_object(req: PersistRequest, task_id: str, staging: Path, step_dir: O
     finally:
         os.close(fd)
     entry = FileEntry(name=req.file_name, size=req.length, checksum=str(hasher.hexdigest()))
+    log.info(
+        "persisted %s of %s step %d to %s: %d bytes in %.2fs",
+        req.file_name,
+        ref.run,
+        ref.step,
+        target,
+        req.length,
+        time.monotonic() - started,
+    )
     record_persist(time.monotonic() - started)
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
 

@@ -5,15 +5,20 @@ Connected by `connect_signals()` at worker start.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from celery import signals
 
+from dcs_tasks.storage import s3_settings
+from dcs_tasks.storage.s3 import prewarm
+from dcs_tasks.storage_url import ObjectURL
 from workers.metrics import mark_dead, start_exporter
 from workers.presence import PresenceBeacon
 from workers.runtime import runtime
 
+log = logging.getLogger(__name__)
 _beacon: PresenceBeacon | None = None
 
 
@@ -35,7 +40,19 @@ def _on_child_exit(pid: int | None = None, **_: Any) -> None:
     mark_dead(pid if pid is not None else os.getpid())
 
 
+def _prewarm_object_store(**_: Any) -> None:
+    """With an object-store root, load the S3 client before the first task needs it (parent and each child)."""
+    config = runtime().config
+    if any(isinstance(root, ObjectURL) for root in (config.checkpoint_dir, config.replica_dir)):
+        try:
+            prewarm(s3_settings(config))
+        except Exception as exc:  # a task that needs the client reports the problem with its context
+            log.warning("could not prepare the S3 client: %s: %s", type(exc).__name__, exc)
+
+
 def connect_signals() -> None:
+    signals.worker_init.connect(_prewarm_object_store, weak=False)
+    signals.worker_process_init.connect(_prewarm_object_store, weak=False)
     signals.worker_process_shutdown.connect(_on_child_exit, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)

@@ -139,6 +139,13 @@ class ViewReader(io.RawIOBase):
 
 _clients: dict[tuple[int, S3Settings, str | None, str | None], Any] = {}
 _clients_lock = threading.Lock()
+_session: Any = None  # one boto3 session per process tree: a child forked after `prewarm` reuses its loaded models
+
+
+def prewarm(settings: S3Settings) -> None:
+    """Make this process's client now (botocore loads the S3 service model: ~1 s of CPU on a small machine).
+    Called in a worker before it forks its pool (the children inherit the loaded models) and in each child."""
+    client(settings)
 
 
 def client(settings: S3Settings) -> Any:
@@ -161,8 +168,10 @@ def client(settings: S3Settings) -> Any:
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
             )
-            session = boto3.session.Session()
-            found = session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+            global _session
+            if _session is None:
+                _session = boto3.session.Session()
+            found = _session.client("s3", endpoint_url=settings.endpoint_url, config=config)
             _clients[key] = found
         return found
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import (
     CheckpointFailed,
@@ -230,3 +231,30 @@ def test_access_denied_maps_to_a_named_error_for_readers(
     root = storage.root(config.checkpoint_dir, config)
     with pytest.raises(StorageAccessDenied, match=r"403|AccessDenied"):  # a HEAD answer has no error body
         (root / "x").size()
+
+
+@pytest.mark.distributed
+def test_a_dtensor_state_saved_by_4_ranks_to_s3_restores_at_2_and_8_ranks_reading_only_needed_ranges(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    """Real gloo groups (tests/distributed/test_checkpoint_dtensor.py's harness): FSDP/TP DTensors saved by 4
+    ranks into S3, restored into DTensors of 2 ranks and of 8 ranks; at 8 ranks a rank restoring half a saved
+    shard fetches only the checksum chunks it needs (ranged GETs), not the whole shard."""
+    from tests.distributed.test_checkpoint_dtensor import check_restored, run_group
+
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    run_group(config, tmp_path, "save", 4, action="save", run="fsdp", mesh=[4], layout="fsdp", steps=[10])
+    manifests = [k for k in objects(aws_env, "fleet/ckpt/fsdp/") if k.endswith("/manifest.json")]
+    assert sorted(manifests) == [f"fleet/ckpt/fsdp/rank-{r:05d}/step-000000010/manifest.json" for r in range(4)]
+    check_restored(
+        run_group(config, tmp_path, "w2", 2, action="restore", run="fsdp", mesh=[2], layout="fsdp", step=10), 10, 4
+    )
+    eight = run_group(
+        config, tmp_path, "w8", 8, action="restore", run="fsdp", mesh=[8], layout="fsdp", step=10, partial=True
+    )
+    check_restored(eight, 10, 4)
+    whole_part = 4097 * 256 * 4  # one saving rank's shard of w
+    for rank, rep in eight.items():
+        assert rep["partial_same"], rank
+        assert rep["partial_read"] <= rep["partial_local_bytes"] + 4 * SUM_CHUNK_BYTES < whole_part, (rank, rep)

@@ -1,0 +1,258 @@
+"""Checkpoints through S3: DCS's durable save and restore against a plain parallel multipart transfer of the same
+bytes (the limit) and torch DCP's S3 writers, all against one S3 server in one run.
+
+  limit  s3transfer (boto3's managed transfer) uploading / downloading the same files with the same part size
+         and as many parts in flight as DCS has (`--concurrency` per file x the worker's 2 processes)
+  ours   Checkpointer.save -> durable commit (a real `dcs worker` and redis-server), Checkpointer.restore()
+         into new memory and restore(into=) existing tensors, both verified
+  others torch.distributed.checkpoint with s3torchconnector's DCP writer/reader (AWS CRT client) and with
+         fsspec's S3 (s3fs: DCP's FsspecWriter/FsspecReader), where installed: s3fs pins an older botocore than
+         DCS's boto3, so it cannot share DCS's environment and is reported "not run" there
+
+The server is whatever AWS_ENDPOINT_URL names (credentials from the standard AWS environment); `--bucket` must
+exist. The server's own caches are not dropped, for any contender. Prints a summary and writes
+bench/results/storage.json. Example (a Swift s3api server the test suite starts, see docs/benchmarks.md):
+    AWS_ENDPOINT_URL=http://127.0.0.1:PORT AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... \\
+        python bench/storage.py --bucket bench --size-mb 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import start_redis, start_worker, stop
+from dcs_tasks import Checkpointer
+from dcs_tasks.config import DCSConfig
+
+MiB = 1 << 20
+RESULTS = Path(__file__).resolve().parent / "results" / "storage.json"
+
+
+def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
+    per = size_mb * MiB // 4 // tensors
+    return {f"layers.{i}.weight": torch.randn(per) for i in range(tensors)}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def client() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        config=Config(
+            s3={"addressing_style": "path"},
+            max_pool_connections=64,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+
+
+def plain_transfer(bucket: str, files: list[bytes], part: int, concurrency: int, tag: str) -> tuple[float, float]:
+    """(upload seconds, download seconds) of `files` as objects, by s3transfer, all files at once."""
+    from boto3.s3.transfer import TransferConfig
+
+    s3 = client()
+    cfg = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency)
+    keys = [f"plain/{tag}/file-{i}" for i in range(len(files))]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(files)) as pool:
+        up = timed(
+            lambda: list(
+                pool.map(
+                    lambda kv: s3.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0], Config=cfg),
+                    zip(keys, files, strict=True),
+                )
+            )
+        )
+        sinks = [io.BytesIO() for _ in files]
+        down = timed(
+            lambda: list(
+                pool.map(
+                    lambda ks: s3.download_fileobj(bucket, ks[0], ks[1], Config=cfg), zip(keys, sinks, strict=True)
+                )
+            )
+        )
+    assert [s.getvalue() for s in sinks] == files
+    return up, down
+
+
+def dcs_round(ckpt: Checkpointer, config: DCSConfig, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    """One save (stall, then durable commit, both from the call) through `ckpt` (warmed up: its staging buffer
+    exists), then restores by a fresh Checkpointer, as a restarted trainer does."""
+    began = time.perf_counter()
+    pending = ckpt.save(state, step=step)
+    stall = time.perf_counter() - began
+    pending.wait(timeout=1800)
+    durable = time.perf_counter() - began
+    with Checkpointer("bench", config) as fresh:
+        began = time.perf_counter()
+        restored = fresh.restore(step=step)
+        restore = time.perf_counter() - began
+        assert all(torch.equal(restored.state[k], v) for k, v in state.items())
+        del restored
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        began = time.perf_counter()
+        fresh.restore(step=step, into=target)
+        into = time.perf_counter() - began
+    return {"stall_s": stall, "durable_s": durable, "restore_s": restore, "restore_into_s": into}
+
+
+def dcp_s3torchconnector(
+    bucket: str, state: dict[str, torch.Tensor], tag: str, region: str, part: int, threads: int
+) -> dict[str, float] | str:
+    try:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except ImportError as exc:
+        return f"not run: {exc}"
+    uri = f"s3://{bucket}/dcp-s3tc/{tag}"  # the CRT client takes the endpoint from AWS_ENDPOINT_URL
+    cfg = S3ClientConfig(force_path_style=True, part_size=part)
+    try:
+        writer = S3StorageWriter(region=region, path=uri, s3client_config=cfg, thread_count=threads)
+        save = timed(lambda: dcp.save(state, storage_writer=writer))
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        reader = S3StorageReader(region=region, path=uri, s3client_config=cfg)
+        load = timed(lambda: dcp.load(target, storage_reader=reader))
+    except Exception as exc:  # the CRT client against this server: say what failed
+        return f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    return {"save_s": save, "load_into_s": load}
+
+
+def dcp_fsspec(bucket: str, state: dict[str, torch.Tensor], tag: str) -> dict[str, float] | str:
+    try:
+        import s3fs  # noqa: F401
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    except ImportError as exc:
+        return f"not run: {exc}"
+    uri = f"s3://{bucket}/dcp-fsspec/{tag}"
+    opts = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL")}
+    save = timed(lambda: dcp.save(state, storage_writer=FsspecWriter(uri, **opts)))
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    load = timed(lambda: dcp.load(target, storage_reader=FsspecReader(uri, **opts)))
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    return {"save_s": save, "load_into_s": load}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bucket", required=True)
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--part-mb", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--file-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    if not os.environ.get("AWS_ENDPOINT_URL"):
+        parser.error("set AWS_ENDPOINT_URL (and the AWS credentials) to the S3 server to measure")
+    region = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
+    state = make_state(args.size_mb, args.tensors)
+    total = sum(t.numel() * 4 for t in state.values())
+    work = Path(tempfile.mkdtemp(prefix="dcs-bench-storage-"))
+    redis_proc, redis_url = start_redis(work)
+    config = DCSConfig(
+        redis_url=redis_url,
+        checkpoint_dir=f"s3://{args.bucket}/dcs-{uuid.uuid4().hex[:8]}",
+        staging_dir=Path("/dev/shm"),
+        s3_endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+        s3_addressing_style="path",
+        s3_part_bytes=args.part_mb * MiB,
+        s3_concurrency=args.concurrency,
+        file_shard_bytes=args.file_mb * MiB,
+        incremental_saves=False,
+    )
+    worker = start_worker(config, work / "worker.log", concurrency=2)
+    files = []  # the same byte count split as DCS splits it (files of --file-mb)
+    flat = b"".join(t.numpy().tobytes() for t in state.values())
+    for begin in range(0, len(flat), args.file_mb * MiB):
+        files.append(flat[begin : begin + args.file_mb * MiB])
+    del flat
+    rounds: dict[str, list[Any]] = {"plain": [], "dcs": [], "dcp_s3torchconnector": [], "dcp_fsspec": []}
+    ckpt = Checkpointer("bench", config)
+    try:
+        ckpt.save(state, step=0).wait(timeout=1800)  # warm-up: the staging buffer is made once per trainer
+        for i in range(args.repeats):  # alternating order inside each round, same server, same bytes
+            rounds["plain"].append(
+                plain_transfer(
+                    args.bucket, files, args.part_mb * MiB, args.concurrency * 2, f"{i}-{uuid.uuid4().hex[:6]}"
+                )
+            )
+            rounds["dcs"].append(dcs_round(ckpt, config, state, step=i + 1))
+            rounds["dcp_s3torchconnector"].append(
+                dcp_s3torchconnector(
+                    args.bucket, state, f"{i}-{uuid.uuid4().hex[:6]}", region, args.part_mb * MiB, args.concurrency
+                )
+            )
+            rounds["dcp_fsspec"].append(dcp_fsspec(args.bucket, state, f"{i}-{uuid.uuid4().hex[:6]}"))
+    finally:
+        ckpt.close(timeout=60)
+        stop(worker)
+        stop(redis_proc)
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    up = med([u for u, _ in rounds["plain"]])
+    down = med([d for _, d in rounds["plain"]])
+    dcs = {k: med([r[k] for r in rounds["dcs"]]) for k in rounds["dcs"][0]}
+    summary: dict[str, Any] = {
+        "bytes": total,
+        "files": len(files),
+        "part_mb": args.part_mb,
+        "concurrency": args.concurrency,
+        "plain_upload_s": up,
+        "plain_download_s": down,
+        "dcs": dcs,
+        "dcs_durable_vs_plain_upload": up / dcs["durable_s"],
+        "dcs_restore_vs_plain_download": down / dcs["restore_s"],
+        "dcs_restore_into_vs_plain_download": down / dcs["restore_into_s"],
+    }
+    for name in ("dcp_s3torchconnector", "dcp_fsspec"):
+        got = rounds[name]
+        if all(isinstance(r, dict) for r in got):
+            figures = {k: med([r[k] for r in got]) for k in got[0]}
+            summary[name] = figures
+            summary[f"dcs_durable_vs_{name}_save"] = figures["save_s"] / dcs["durable_s"]
+            summary[f"dcs_restore_into_vs_{name}_load"] = figures["load_into_s"] / dcs["restore_into_s"]
+        else:
+            summary[name] = next(r for r in got if isinstance(r, str))
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "load": os.getloadavg(),
+        "rounds": rounds,
+        "summary": summary,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
