@@ -13,14 +13,22 @@ each persist task; `save()`'s stall is unchanged. The worker (`write_region`):
   fsynced, renamed to `<name>.zst`, directory fsynced (`fsio.durable_file`). The entry records
   `compression="zstd"` and `stored_size`.
 
-Reading (untrusted files, `validate` and `zread`): the manifest's `stored_size` must lie between what any
-zstd frame of `size` bytes can take (`min_stored_size`: zstd spends at least 4 bytes per block of at most
-128 KiB, so no frame expands more than `MAX_RATIO` times) and zstd's worst case (`compress_bound`); the file
+Expansion limit: a compressed file never holds more than `MAX_EXPANSION` (256) times its bytes on disk. zstd
+itself could reach 32,768x (4 bytes per block of 128 KiB of one repeated byte), which let a file of 262 KB on
+disk make restore allocate and fill 8 GiB. Real checkpoints measured x1.09 (fp32 AdamW moments) to x5.95
+(int token ids) per kind (bench/compression.py), so 256 is 43x above the most compressible real kind; only
+near-constant files (all-zero tensors) go past it, and the writer keeps those to the limit too: when its
+frame is smaller than `size / MAX_EXPANSION` it appends zstd skippable frames (which decoders skip, and ours
+never reads: it stops at the end of the first frame) up to that size, a cost of 4 MiB per GiB of zeros.
+
+Reading (untrusted files, `validate` and `zread`): the manifest's `stored_size` must lie between
+`min_stored_size` (`size / MAX_EXPANSION`, checked before anything is allocated or decompressed) and zstd's
+worst case (`compress_bound`); the file
 must have exactly `stored_size` bytes and its frame header must record exactly `size` bytes and a window of
 at most `MAX_WINDOW_BYTES`. A `Decoder` then never produces more than `size` bytes (reads are bounded by the
 caller's buffers) and fails when the frame ends early, goes on past `size`, or is not valid zstd: every
 failure is CorruptCheckpoint naming the file. So a decompression bomb costs at most the bytes the manifest
-claims, which `min_stored_size` ties to the bytes on disk.
+claims, which `min_stored_size` ties to 256 times the bytes on disk.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ from dcs_tasks.errors import CorruptCheckpoint
 
 CODEC = "zstd"
 MIN_LEVEL, MAX_LEVEL = -7, 19  # negative: zstd's fast levels; 20-22 ("ultra") need up to ~1 GiB per stream
-MAX_RATIO = 1 << 15  # a zstd block yields at most 128 KiB and costs at least 4 bytes (an RLE block)
+MAX_EXPANSION = 256  # uncompressed bytes per stored byte, at most (see above: real kinds measured x1.09-x5.95)
+SKIPPABLE_MAGIC = b"\x50\x2a\x4d\x18"  # a zstd skippable frame (0x184D2A50, little-endian), then its length
+SKIPPABLE_MAX = (1 << 32) - 1  # the longest skippable frame's content
 MIN_FRAME_BYTES = 9  # the smallest zstd frame (magic, descriptor, one empty last block)
 FRAME_HEADER_MAX = 18  # magic + the largest frame header
 MAX_WINDOW_BYTES = 1 << 27  # what zstd decoders accept by default; levels <= 19 use at most 8 MiB
@@ -67,8 +77,20 @@ def compress_bound(size: int) -> int:
 
 
 def min_stored_size(size: int) -> int:
-    """The fewest bytes any zstd frame holding `size` bytes can take."""
-    return max(MIN_FRAME_BYTES, math.ceil(size / MAX_RATIO))
+    """The fewest bytes a compressed file holding `size` bytes may take (`MAX_EXPANSION`)."""
+    return max(MIN_FRAME_BYTES, math.ceil(size / MAX_EXPANSION))
+
+
+def padding(stored: int, size: int) -> bytes:
+    """Skippable frames that bring a `stored`-byte frame of `size` bytes up to `min_stored_size(size)`
+    (empty when it is there already)."""
+    short = min_stored_size(size) - stored
+    frames = []
+    while short > 0:
+        body = min(max(short - 8, 0), SKIPPABLE_MAX)
+        frames.append(SKIPPABLE_MAGIC + body.to_bytes(4, "little") + bytes(body))
+        short -= 8 + body
+    return b"".join(frames)
 
 
 def stored_size_problem(entry: FileEntry) -> str | None:
@@ -84,7 +106,7 @@ def stored_size_problem(entry: FileEntry) -> str | None:
     if not low <= entry.stored_size <= high:
         return (
             f"file {name!r}: {entry.stored_size} {entry.compression} bytes cannot hold {entry.size} bytes "
-            f"(between {low} and {high})"
+            f"(between {low} and {high}: at most {MAX_EXPANSION}x expansion)"
         )
     return None
 
@@ -157,6 +179,7 @@ def _write_compressed(
             stored += len(out)
             pace(started, pos + chunk, throttle)
         out = stream.flush()
+        out += padding(stored + len(out), length)  # never past the expansion limit readers enforce
         write_all(fd, memoryview(out))
         stored += len(out)
     return entry.model_copy(update={"checksum": str(hasher.hexdigest()), "stored_size": stored})

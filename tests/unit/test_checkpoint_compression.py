@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import zstandard
 
 from dcs_tasks.checkpoint import compression, fastread, validate
 from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
-from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.checkpoint.format import FileEntry, Manifest, new_hasher
 from dcs_tasks.errors import CorruptCheckpoint
 
 ZSTD = CompressionSpec(codec="zstd", level=3, min_saving=0.05)
@@ -166,6 +167,9 @@ def test_a_frame_holding_more_than_the_manifest_size_is_refused_without_decompre
         ({"compression": "zstd", "stored_size": 4}, "cannot hold 1000000 bytes"),
         ({"compression": "zstd", "stored_size": 1_000_000 // 32768}, "cannot hold 1000000 bytes"),
         ({"compression": "zstd", "stored_size": 2_000_000}, "cannot hold 1000000 bytes"),
+        # issue 20, finding 5: zstd can expand 32,768x; past 256x is refused before anything is allocated
+        ({"compression": "zstd", "stored_size": 1_000_000 // 300}, "at most 256x expansion"),
+        ({"compression": "zstd", "stored_size": 1_000_000 // 1000}, "at most 256x expansion"),
     ],
 )
 def test_hostile_compression_fields_are_refused_before_any_file_is_opened(
@@ -174,6 +178,52 @@ def test_hostile_compression_fields_are_refused_before_any_file_is_opened(
     entry = FileEntry(name=NAME, size=1_000_000, checksum="0" * 32, **fields)  # type: ignore[arg-type]
     assert compression.stored_size_problem(entry) is not None
     assert reason in str(compression.stored_size_problem(entry))
+
+
+def test_a_real_bomb_that_verifies_is_refused_before_any_allocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 20, finding 5: 64 MiB of zeros in one well-formed frame (~2 KiB on disk, 32,768x) with a correct
+    size, stored size and checksum used to be restored (64 MiB allocated and filled per 2 KiB). Now the entry
+    is refused by the manifest check, and no mapping is ever allocated."""
+    data = bytes(64 << 20)
+    blob = zstandard.ZstdCompressor(level=1, write_checksum=False).compress(data)
+    assert len(data) // len(blob) > 10_000
+    path = tmp_path / (NAME + ".zst")
+    path.write_bytes(blob)
+    entry = FileEntry(name=NAME, size=len(data), checksum=_checksum(data), compression="zstd", stored_size=len(blob))
+    allocated: list[int] = []
+    real = fastread.anonymous
+
+    def spy(size: int) -> Any:
+        allocated.append(size)
+        return real(size)
+
+    monkeypatch.setattr(fastread, "anonymous", spy)
+    with pytest.raises(CorruptCheckpoint, match="at most 256x expansion"):
+        validate.check_manifest(_manifest_of(entry), tmp_path / "manifest.json")  # what every reader runs first
+    assert allocated == []
+
+
+def _manifest_of(entry: FileEntry) -> Manifest:
+    return Manifest.model_validate(
+        {"run": "r", "step": 1, "created_at": 0.0, "files": [entry.model_dump()], "tensors": {}, "structure": {}}
+    )
+
+
+def test_all_zero_files_are_written_within_the_expansion_limit_and_read_back(tmp_path: Path) -> None:
+    """The writer keeps its own output within the limit readers enforce: a file of zeros (x32,768 in one
+    frame) is padded with skippable frames to size/256 bytes, and reads back bit-exact and verified."""
+    for size in (8 << 20, 100_000, 4097):
+        data = bytes(size)
+        entry = write_region(_staged(tmp_path, data), 4096, size, tmp_path / NAME, "t", ZSTD)
+        stored = entry.stored_path(tmp_path)
+        assert entry.compression == "zstd" and entry.stored_size == stored.stat().st_size
+        assert entry.stored_size >= size / compression.MAX_EXPANSION
+        assert compression.stored_size_problem(entry) is None
+        (mapping,) = fastread.read_many([(stored, entry)], True, None)
+        assert mapping[:size] == data
+        assert zstandard.ZstdDecompressor().decompressobj().decompress(stored.read_bytes()) == data  # zstd's own
 
 
 def test_hostile_payload_levels_are_refused() -> None:
