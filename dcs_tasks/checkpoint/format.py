@@ -240,6 +240,9 @@ class ChunkSums(BaseModel):
     sums: dict[str, list[str]]
 
 
+CREATED_AT_MAX = 7_258_118_400.0  # 2200-01-01 UTC: a manifest's `created_at` beyond it (or NaN, inf) is corrupt
+
+
 class ManifestDraft(BaseModel):
     """Everything the trainer knows about a step before its files are written (stored in Redis)."""
 
@@ -251,7 +254,8 @@ class ManifestDraft(BaseModel):
     tensors: dict[str, TensorEntry]
     structure: dict[str, Any]
     metadata: dict[str, Any] = Field(default_factory=dict)
-    created_at: float
+    # seconds since the epoch; finite and 0..CREATED_AT_MAX, so every reader can format it as a date
+    created_at: float = Field(ge=0, le=CREATED_AT_MAX, allow_inf_nan=False)
     versions: dict[str, str] = Field(default_factory=dict)
     rank: int = Field(default=0, ge=0)
     world_size: int = Field(default=1, ge=1)

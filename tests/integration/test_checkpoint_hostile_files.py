@@ -284,6 +284,18 @@ def test_cli_reports_bad_steps_without_a_traceback(config: DCSConfig) -> None:
     assert rank1.returncode == 1 and "step 2: BAD" in rank1.stderr
 
 
+@pytest.mark.parametrize("created_at", [1e300, float("nan"), float("inf"), -1.0])
+def test_list_reports_an_impossible_created_at_as_a_bad_step(config: DCSConfig, created_at: float) -> None:
+    """Issue 20, finding 9: `dcs ckpt list` printed a traceback for a `created_at` of 1e300 or NaN. Now the
+    manifest model bounds it (finite, 0 to year 2200): the step is BAD, restore falls back."""
+    edit_manifest(step_dir(config, 2), lambda m: m.__setitem__("created_at", created_at))
+    listing = dcs_ckpt(config, "list", "--run", RUN)  # asserts no traceback
+    lines = listing.stdout.splitlines()
+    assert listing.returncode == 0 and lines[0].split()[0] == "1", listing.stdout + listing.stderr
+    assert lines[1].split()[:2] == ["2", "BAD"] and "created_at" in listing.stdout, listing.stdout
+    restore_falls_back(config)
+
+
 def test_retention_spares_the_last_restorable_step_past_a_symlinked_file(config: DCSConfig, tmp_path: Path) -> None:
     """A step whose data file is a symlink (to a copy of the same size outside, so sizes match) is not intact:
     restore refuses it, so retention keeps the last step restore can use instead of deleting it."""

@@ -48,6 +48,18 @@ def test_a_consistent_manifest_passes() -> None:
     validate.check_manifest(_manifest(), Path("m.json"))
 
 
+@pytest.mark.parametrize("created_at", ["1e300", "NaN", "Infinity", "-1", "7258118400.5"])
+def test_an_impossible_created_at_is_corrupt(tmp_path: Path, created_at: str) -> None:
+    """Issue 20, finding 9: finite, 0 .. 2200-01-01 (every reader formats it as a date)."""
+    raw = _manifest().model_dump_json().replace('"created_at":0.0', f'"created_at":{created_at}')
+    assert created_at in raw
+    (tmp_path / "manifest.json").write_text(raw)
+    with pytest.raises(CorruptCheckpoint, match="created_at"):
+        validate.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(_manifest(created_at=7258118400.0).model_dump_json())
+    assert validate.read_manifest(tmp_path).created_at == 7258118400.0
+
+
 @pytest.mark.parametrize(
     ("tensors", "reason"),
     [
