@@ -267,6 +267,11 @@ class DCSConfig(BaseSettings):
     """Register staging buffers as pinned memory for CUDA tensors."""
     incremental_saves: bool = True
     """Incremental saves: a file whose bytes equal the previous step's is not written again (referenced)."""
+    incremental_full_every: int | None = Field(default=8, ge=1)
+    """Failure isolation of incremental saves (the worker's setting): a file is written anew once it already
+    serves this many steps (the step that holds it and the later ones that refer to it), so one damaged file
+    never takes more than this many steps with it. None: no bound (every unchanged file refers back to the
+    first step that wrote it); 1: every save writes every file."""
     keep_last: int | None = Field(default=None, ge=1)
     """Retention: keep the newest N committed steps (None: keep all)."""
     keep_every: int | None = Field(default=None, ge=1)

@@ -17,10 +17,10 @@ class Keys:
         return ":".join((self.namespace, *(str(p) for p in parts)))
 
     # --- topology -------------------------------------------------------------------------------
-    def latest_lock(self, run_location: str) -> str:
-        """Lock held while a committer moves the `latest` object of a run kept in an object store (which has no
-        flock): `run_location` is the run's s3:// URL."""
-        return self._k("ckpt", "latest-lock", run_location)
+    def object_run_lock(self, purpose: str, run_location: str) -> str:
+        """A lock of a run kept in an object store (which has no flock), by purpose (`latest`, `refs`):
+        `run_location` is the run's s3:// URL (workers/objlocks.py)."""
+        return self._k("ckpt", "lock", purpose, run_location)
 
     def role_nodes(self, role: str) -> str:
         """H rank -> RoleInfo JSON of every registered node of `role`."""

@@ -13,13 +13,9 @@ Metrics (recorded here, where the save becomes durable, once per committed step)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
-
-import redis
-from redis.exceptions import LockError
 
 from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest, manifest_bytes, step_dir_name
 from dcs_tasks.checkpoint.fsio import remove_stray_temps, write_bytes_durably
@@ -30,6 +26,7 @@ from dcs_tasks.checkpoint.reader import read_latest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import ObjectPath
+from workers.objlocks import run_lock
 from workers.persist import ledger
 from workers.runtime import runtime
 from workers.trust import trusted_step_dir
@@ -90,18 +87,11 @@ def publish_object_step(step_dir: ObjectPath, manifest: Manifest, step: int) -> 
 
 
 def move_object_latest(run_dir: ObjectPath, step: int) -> None:
-    """Point the run's `latest` object at `step` unless it names a newer (or the same) step. An object store has
-    no flock: the read-compare-write runs under a Redis lock per run (bounded: 30 s to get it, 60 s held)."""
-    rt = runtime()
-    lock = rt.redis.lock(rt.keys.latest_lock(str(run_dir)), timeout=60, blocking_timeout=30)
-    if not lock.acquire():
-        raise CheckpointFailed(f"could not lock {run_dir}/latest within 30 s (another commit holds it)")
-    try:
+    """Point the run's `latest` object at `step` unless it names a newer (or the same) step, under the run's
+    `latest` lock (workers/objlocks.py)."""
+    with run_lock(run_dir, "latest"):
         current = read_latest(run_dir)
         if current is not None and current >= step:
             return
         latest = run_dir / LATEST_NAME
         latest.store.put_small(latest.key, f"{step_dir_name(step)}\n".encode())
-    finally:
-        with contextlib.suppress(redis.RedisError, LockError):
-            lock.release()

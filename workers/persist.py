@@ -33,6 +33,7 @@ from dcs_tasks.checkpoint.telemetry import record_persist
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.storage.s3 import NotPublishedObject
+from workers.objlocks import run_lock
 from workers.runtime import runtime
 from workers.trust import open_staging, trusted_staging_path, trusted_step_dir
 
@@ -101,7 +102,7 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         )
     if req.incremental and paths.step_dir.parent.is_dir():
         with incremental.refs_lock(paths.step_dir.parent, shared=True):  # retention waits until it is recorded
-            reused = reusable(req, paths)
+            reused = reusable(req, paths.staging, paths.step_dir)
             if reused is not None:
                 make_dirs_durable(paths.step_dir)  # the commit writes the manifest there
                 record_persist(time.monotonic() - started)
@@ -130,14 +131,32 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
 def persist_object(req: PersistRequest, task_id: str, staging: Path, step_dir: ObjectPath, started: float) -> Verdict:
     """`persist` into an object store: the staged region goes up as one object (parallel multipart upload,
     hashed on the way), which appears only once complete and only while the ledger still shows the file open.
-    Stored as it is: object-store steps are not compressed. Incremental reuse is not done on object stores yet:
-    every file is uploaded."""
+    Stored as it is: object-store steps are not compressed. Incremental saves as on files: a file whose staged
+    bytes equal the newest earlier step's is recorded as a reference, not uploaded (under the run's `refs`
+    lock, which retention takes too)."""
     ref = req.ref
     if (step_dir / MANIFEST_NAME).size() is not None:  # the ledger forgot a committed step: never write into it
         raise CheckpointFailed(
             f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of it "
             "(expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
         )
+    if incremental.is_retired(step_dir):
+        raise CheckpointFailed(
+            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
+        )
+    if req.incremental:
+        with run_lock(step_dir.parent, "refs"):  # retention waits until the reference is recorded
+            reused = reusable(req, staging, step_dir)
+            if reused is not None:
+                record_persist(time.monotonic() - started)
+                log.info(
+                    "persist %s/%s step %d: bytes equal step %s's, not uploaded",
+                    ref.run,
+                    req.file_name,
+                    ref.step,
+                    reused.source_step,
+                )
+                return finish(req, FileOutcome.OK, file_entry_json(reused)).verdict
     book = ledger()
 
     def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
@@ -201,15 +220,21 @@ def _pacer(throttle: float | None) -> Callable[[int], None] | None:
     return pace
 
 
-def reusable(req: PersistRequest, paths: FilePaths) -> FileEntry | None:
+def reusable(req: PersistRequest, staging: Path, step_dir: Location) -> FileEntry | None:
     """The newest earlier step's entry for this file when the staged bytes equal it (hashed from the staging
-    file before anything is written), else None."""
-    entry = incremental.candidate(paths.step_dir, req.file_name, req.length)
+    file before anything is written), else None. A few samples are compared first, so a file whose bytes all
+    changed is not hashed twice (once here, once while it is written). The worker's
+    `incremental_full_every` bounds how many steps one stored file serves (`incremental.candidate`)."""
+    entry = incremental.candidate(
+        step_dir, req.file_name, req.length, full_every=runtime().config.incremental_full_every
+    )
     if entry is None:
         return None
-    fd = _open_staging(paths.staging)
+    fd = _open_staging(staging)
     try:
-        _check_staged_size(fd, req, paths.staging)
+        _check_staged_size(fd, req, staging)
+        if incremental.surely_differs(fd, req.offset, req.length, entry.stored_path(step_dir), entry):
+            return None
         checksum = incremental.region_checksum(fd, req.offset, req.length)
     finally:
         os.close(fd)

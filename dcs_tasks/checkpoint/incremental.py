@@ -28,7 +28,8 @@ from pathlib import Path
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.fsio import locked
 from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
-from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.errors import CorruptCheckpoint, StorageError
+from dcs_tasks.storage import Location, ObjectPath
 
 REFS_LOCK_NAME = ".refs.lock"
 RETIRED_NAME = ".retired"
@@ -44,30 +45,45 @@ def refs_lock(run_dir: Path, shared: bool) -> Iterator[None]:
         yield
 
 
-def is_retired(step_dir: Path) -> bool:
-    return os.path.lexists(step_dir / RETIRED_NAME)
+def is_retired(step_dir: Location) -> bool:
+    marker = step_dir / RETIRED_NAME
+    if isinstance(marker, ObjectPath):
+        return marker.size() is not None
+    return os.path.lexists(marker)
 
 
-def base_manifest(step_dir: Path) -> tuple[int, Manifest] | None:
+def base_manifest(step_dir: Location) -> tuple[int, Manifest] | None:
     """The newest committed step before `step_dir`'s own in the same run directory whose manifest checks, as
     (step, manifest); None when there is none. Parsed manifests are cached by inode and mtime."""
-    from dcs_tasks.checkpoint.reader import STEP_DIR, load_manifest, step_dirs
+    from dcs_tasks.checkpoint.reader import load_manifest
 
-    match = STEP_DIR.match(step_dir.name)
-    own = int(match.group(1)) if match else -1
-    for step, candidate in reversed(step_dirs(step_dir.parent)):
-        if step >= own:
-            continue
+    found = _earlier_steps(step_dir)
+    for step, candidate in reversed(found):
         try:
             return step, _cached_manifest(candidate, load_manifest)
-        except (CorruptCheckpoint, OSError):
+        except (CorruptCheckpoint, OSError, StorageError):
             continue
     return None
 
 
-def _cached_manifest(step_dir: Path, load: object) -> Manifest:
-    found = (step_dir / MANIFEST_NAME).lstat()
-    key = (str(step_dir), found.st_ino, found.st_mtime_ns, found.st_size)
+def _earlier_steps(step_dir: Location) -> list[tuple[int, Location]]:
+    """The committed steps of `step_dir`'s run before its own, oldest first."""
+    from dcs_tasks.checkpoint.reader import STEP_DIR, step_dirs
+
+    match = STEP_DIR.match(step_dir.name)
+    own = int(match.group(1)) if match else -1
+    return [(step, where) for step, where in step_dirs(step_dir.parent) if step < own]
+
+
+def _cached_manifest(step_dir: Location, load: object) -> Manifest:
+    if isinstance(step_dir, ObjectPath):  # committed manifests are never rewritten; a deleted one is gone
+        size = (step_dir / MANIFEST_NAME).size()
+        if size is None:
+            raise CorruptCheckpoint(f"{step_dir}/{MANIFEST_NAME} is gone", str(step_dir))
+        key = (str(step_dir), -1, -1, size)
+    else:
+        found = (step_dir / MANIFEST_NAME).lstat()
+        key = (str(step_dir), found.st_ino, found.st_mtime_ns, found.st_size)
     manifest = _manifests.get(key)
     if manifest is None:
         assert callable(load)
@@ -78,11 +94,21 @@ def _cached_manifest(step_dir: Path, load: object) -> Manifest:
     return manifest
 
 
-def candidate(step_dir: Path, name: str, size: int) -> FileEntry | None:
+def candidate(step_dir: Location, name: str, size: int, full_every: int | None = None) -> FileEntry | None:
     """The entry this step would record if its file `name` of `size` bytes equals the newest earlier step's:
-    that step's entry, referring to the step holding the bytes, whose file is there as a regular file of that
-    size. None when there is no such file (then the file is written)."""
-    base = base_manifest(step_dir)
+    that step's entry, referring to the step holding the bytes, whose file is there as a regular file (or an
+    object) of that size. None when there is no such file (then the file is written).
+
+    `full_every` (K): a file is written anew once K - 1 committed steps after the one holding its bytes
+    already refer to it, so one damaged file never takes more than K steps with it (failure isolation)."""
+    earlier = _earlier_steps(step_dir)
+    base = None
+    for step, where in reversed(earlier):
+        try:
+            base = step, _cached_manifest(where, _load_manifest)
+            break
+        except (CorruptCheckpoint, OSError, StorageError):
+            continue
     if base is None:
         return None
     step, manifest = base
@@ -90,12 +116,52 @@ def candidate(step_dir: Path, name: str, size: int) -> FileEntry | None:
     if entry is None:
         return None
     reused = entry.referring(step)
+    holder = reused.source_step
+    if full_every is not None and holder is not None:
+        users = sum(1 for s, _ in earlier if s > holder)  # committed steps since the holder, all may refer to it
+        if users + 1 >= full_every:
+            return None
     held = reused.stored_path(step_dir)
+    if isinstance(held, ObjectPath):
+        return reused if held.size() == entry.disk_size else None
     try:
         found = held.lstat()
     except OSError:
         return None
     return reused if stat.S_ISREG(found.st_mode) and found.st_size == entry.disk_size else None
+
+
+def _load_manifest(step_dir: Location) -> Manifest:
+    from dcs_tasks.checkpoint.reader import load_manifest
+
+    return load_manifest(step_dir)
+
+
+SAMPLES = 8
+SAMPLE_BYTES = 4096
+
+
+def surely_differs(fd: int, offset: int, length: int, held: Location, entry: FileEntry) -> bool:
+    """True when a few samples (`SAMPLES` x 4 KiB spread over the file) of the staged region differ from the
+    held file's (plain files only): a state whose bytes all changed then costs a few small reads instead of a
+    full hash of the region before it is written. False means "maybe equal": hash the whole region."""
+    if entry.compression or length < SAMPLES * SAMPLE_BYTES:
+        return False
+    starts = sorted({(length - SAMPLE_BYTES) * i // (SAMPLES - 1) for i in range(SAMPLES)})
+    try:
+        for start in starts:
+            staged = os.pread(fd, SAMPLE_BYTES, offset + start)
+            if isinstance(held, ObjectPath):
+                stored = bytearray(SAMPLE_BYTES)
+                held.store.read_into(held.key, start, [memoryview(stored)])
+            else:
+                with open(held, "rb", buffering=0) as f:
+                    stored = bytearray(os.pread(f.fileno(), SAMPLE_BYTES, start))
+            if staged != bytes(stored):
+                return True
+    except (OSError, StorageError, CorruptCheckpoint):
+        return False  # cannot tell: the full hash decides
+    return False
 
 
 def region_checksum(fd: int, offset: int, length: int) -> str:

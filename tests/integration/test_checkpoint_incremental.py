@@ -204,3 +204,27 @@ def test_retention_keeps_what_kept_steps_use_across_kill_9(dcs_config: DCSConfig
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-000000002", "step-000000005"]
     done = dcs_ckpt(config, "verify", "--run", "keep")
     assert done.returncode == 0 and "step 5: ok" in done.stdout, done.stderr
+
+
+def test_one_stored_file_serves_at_most_incremental_full_every_steps(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Failure isolation: with `incremental_full_every=3`, an unchanged file is written anew at the fourth step,
+    so damage to one stored file takes at most 3 steps with it, and an older step still restores."""
+    config = ckpt_config(dcs_config, tmp_path, incremental_full_every=3)
+    worker = start_worker(config, tmp_path)
+    state = {"model": {"w": torch.arange(65536, dtype=torch.float32)}}
+    try:
+        with Checkpointer("isolated", config) as ckpt:
+            infos = [ckpt.save(state, step=s).wait(timeout=60) for s in range(1, 6)]
+            sources = [{f.source_step for f in read_manifest(Path(i.path) / "manifest.json").files} for i in infos]
+            assert sources == [{None}, {1}, {1}, {None}, {4}]
+            # damage step 4's stored file: steps 4 and 5 go, step 3 (through step 1's file) still restores
+            stored = next(Path(infos[3].path).glob("*.safetensors"))
+            data = bytearray(stored.read_bytes())
+            data[-1] ^= 0xFF
+            stored.write_bytes(bytes(data))
+            with pytest.warns(RuntimeWarning, match="corrupt"):
+                restored = ckpt.restore()
+            assert restored.step == 3
+            assert_same_state(state, restored.state)
+    finally:
+        worker.discard()

@@ -258,3 +258,26 @@ def test_a_dtensor_state_saved_by_4_ranks_to_s3_restores_at_2_and_8_ranks_readin
     for rank, rep in eight.items():
         assert rep["partial_same"], rank
         assert rep["partial_read"] <= rep["partial_local_bytes"] + 4 * SUM_CHUNK_BYTES < whole_part, (rank, rep)
+
+
+def test_incremental_saves_on_s3_refer_to_earlier_objects_and_rewrite_every_k_steps(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    """Unchanged files are recorded as references, not uploaded; with `incremental_full_every=3` no stored file
+    serves more than 3 steps (failure isolation); every step restores bit-exact through its references."""
+    config = s3_config(dcs_config, tmp_path, aws_env, incremental_full_every=3)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = training_state(width=600)
+    with Checkpointer("inc", config) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(state, step=step).wait(timeout=120)
+        sources = {}
+        for step in range(1, 6):
+            manifest = ckpt.restore(step=step)
+            assert_same_state(state, manifest.state)
+            key = f"fleet/ckpt/inc/step-{step:09d}/manifest.json"
+            files = json.loads(aws_env.client().get_object(Bucket=aws_env.bucket, Key=key)["Body"].read())["files"]
+            sources[step] = {f.get("source_step") for f in files}
+    assert sources == {1: {None}, 2: {1}, 3: {1}, 4: {None}, 5: {4}}, sources
+    stored = objects(aws_env, "fleet/ckpt/inc/")
+    assert not any(k.startswith("fleet/ckpt/inc/step-000000002/") and k.endswith(".safetensors") for k in stored)
