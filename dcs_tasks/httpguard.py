@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 16 * 1024  # request line + headers; a longer head is answered 400 by h11
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers; a longer head is answered 431 and the connection closed
+_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a head, as h11 finds it (bare LF accepted)
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)  # their_state while a request's head or body is still arriving
 
 
@@ -48,6 +50,11 @@ class _GuardedH11Protocol(H11Protocol):
         if self.conn.their_state not in _RECEIVING:
             self._disarm()
 
+    def handle_events(self) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_too_large():
+            return
+        super().handle_events()
+
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start the next cycle on pipelined bytes already buffered
         if self.conn.their_state in _RECEIVING and self._partly_received():
@@ -56,6 +63,28 @@ class _GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def _head_too_large(self) -> bool:
+        """Refuse a request head (request line + headers) longer than the bound, however it arrives. h11's
+        `max_incomplete_event_size` applies only while a head is incomplete, so a whole 64 KiB head in one
+        read was accepted. Before h11 parses the next request (its bytes are all that is buffered while h11 is
+        IDLE: the first read, or a pipelined request once the previous answer is done), the head's end must
+        lie within the bound; otherwise 431 and the connection is closed."""
+        limit = self.config.h11_max_incomplete_event_size or MAX_HEAD_BYTES
+        pending = self.conn.trailing_data[0]
+        if len(pending) <= limit or _HEAD_END.search(pending, 0, limit) is not None:  # ends within the bound
+            return False
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.warning("closing %s: request head over %d bytes", client, limit)
+        if not self.transport.is_closing():
+            body = json.dumps({"detail": f"request head over {limit} bytes"}).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            self.transport.close()
+        self._disarm()
+        return True
 
     def _partly_received(self) -> bool:
         return self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])

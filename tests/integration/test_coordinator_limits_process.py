@@ -180,3 +180,24 @@ async def test_a_corrupt_record_in_redis_leaves_a_real_coordinator_answering(
             assert (await api.health()).unreadable_records == 1
     finally:
         coordinator.stop()
+
+
+def _answer_to_head(port: int, size: int) -> bytes:
+    """The status line a server answers to a GET /healthz whose head is `size` bytes, sent in one write."""
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: ", b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(start + b"a" * (size - len(start) - len(end)) + end)
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_request_heads_are_bounded_at_16_kib_as_documented(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Issue 20, finding 10: a 64 KiB head sent at once was accepted by the coordinator (h11 bounds only a
+    head still arriving). Now DCS_COORDINATOR_MAX_HEADER_BYTES (16 KiB) holds however it arrives: 431."""
+    coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
+    try:
+        assert dcs_config.coordinator_max_header_bytes == 16 * 1024
+        assert _answer_to_head(coordinator.port, 16 * 1024) == b"HTTP/1.1 200 OK"
+        assert _answer_to_head(coordinator.port, 16 * 1024 + 1) == b"HTTP/1.1 431 Request Header Fields Too Large"
+        assert _answer_to_head(coordinator.port, 64 * 1024) == b"HTTP/1.1 431 Request Header Fields Too Large"
+    finally:
+        coordinator.stop()

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from dcs_tasks.httpguard import guarded_server_options
+from dcs_tasks.httpguard import MAX_HEAD_BYTES, guarded_server_options
 from tests.helpers.uvicorn_thread import uvicorn_in_thread
 
 pytestmark = pytest.mark.integration
@@ -81,3 +81,32 @@ def test_an_idle_kept_alive_connection_and_a_long_answer_are_not_cut(port: int) 
             assert chunk, f"closed early; got {received!r}"
             received += chunk
     assert received.count(b"HTTP/1.1 200") == 2
+
+
+def _head(size: int) -> bytes:
+    """A GET whose head (request line, headers, blank line) is exactly `size` bytes."""
+    start, end = b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+@pytest.mark.parametrize("size", [MAX_HEAD_BYTES + 1, 64 * 1024])
+def test_a_head_over_the_bound_sent_in_one_write_is_refused_431(port: int, size: int) -> None:
+    """Issue 20, finding 10: h11's `max_incomplete_event_size` bounds only a head still arriving, so a 64 KiB
+    head in one write was answered 200 although the docs say 16 KiB."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_head(size))
+        received, closed = _closed_after(sock, 5)
+    assert received.startswith(b"HTTP/1.1 431") and b"request head over 16384 bytes" in received, received[:200]
+    assert closed is not None
+
+
+def test_a_head_at_the_bound_passes_and_a_pipelined_one_over_it_closes(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_head(MAX_HEAD_BYTES) + _head(64 * 1024))
+        received, closed = _closed_after(sock, 5)
+    assert received.startswith(b"HTTP/1.1 200") and received.count(b"HTTP/1.1") == 2, received[:300]
+    assert b"HTTP/1.1 431" in received and closed is not None
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # a head with bare LF line ends and a body
+        sock.sendall(b"GET / HTTP/1.1\nHost: x\ncontent-length: 40000\n\n" + b"b" * 40_000)
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
