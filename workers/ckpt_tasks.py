@@ -102,8 +102,8 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
     req = parse_payload(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
-    if verdict is Verdict.WRITE and req.retention.active and not req.ref.step_dir.startswith("s3://"):
-        body = RetentionRequest(run=req.ref.run, run_dir=str(Path(req.ref.step_dir).parent), policy=req.retention)
+    if verdict is Verdict.WRITE and req.retention.active:
+        body = RetentionRequest(run=req.ref.run, run_dir=req.ref.step_dir.rpartition("/")[0], policy=req.retention)
         self.app.send_task(TaskName.RETENTION.value, args=[body.model_dump(mode="json")], queue=_local_queue())
     if verdict is Verdict.WRITE and runtime().config.replica_dir is not None:
         _send_replica(self, req)

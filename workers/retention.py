@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dcs_tasks.checkpoint.models import RetentionRequest
 from dcs_tasks.checkpoint.retention import apply_retention, in_flight_refs
+from workers.objlocks import run_lock
 from workers.persist import ledger
 from workers.runtime import runtime
 from workers.trust import trusted_run_dir
@@ -15,4 +16,10 @@ from workers.trust import trusted_run_dir
 def retain(req: RetentionRequest) -> list[int]:
     run_dir = trusted_run_dir(req.run_dir, req.run, runtime().config, replica=True)
     book = ledger()
-    return apply_retention(run_dir, req.policy, book.in_flight_steps(req.run), lambda: in_flight_refs(book, req.run))
+    return apply_retention(
+        run_dir,
+        req.policy,
+        book.in_flight_steps(req.run),
+        lambda: in_flight_refs(book, req.run),
+        object_lock=lambda where: run_lock(where, "refs"),
+    )

@@ -92,9 +92,16 @@ def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
     raise UntrustedPath(f"{what} {given[:256]!r} is outside the checkpoint root {names}")
 
 
-def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool = False) -> Path:
+def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool = False) -> Location:
     """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root (or, with
-    `replica`, under its replica root). File-system roots only (retention of object-store runs is not run)."""
+    `replica`, under its replica root). For an object-store root the URL must be exactly that run's."""
+    for root in roots_of(config, replica):
+        if isinstance(root, ObjectPath):
+            for candidate in run_dirs(root, run):
+                if str(candidate) == run_dir:
+                    return candidate
+    if run_dir.startswith("s3://"):
+        raise UntrustedPath(f"run location {run_dir[:256]!r} is not where run {run!r} lives under this worker's roots")
     resolved = _resolve(_clean(run_dir, "run directory"))
     roots = [r for r in roots_of(config, replica) if isinstance(r, Path)]
     root = _one_of(resolved, roots, "run directory", run_dir)

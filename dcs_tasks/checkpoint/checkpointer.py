@@ -557,8 +557,6 @@ def _check_object_store_settings(config: DCSConfig) -> None:
         missing.append("checkpoint_compression")
     if config.replica_dir is not None:
         missing.append("replica_dir")
-    if config.keep_last is not None or config.keep_every is not None:
-        missing.append("keep_last/keep_every (retention)")
     if missing:
         raise UnsupportedOnObjectStore(
             f"checkpoint root {config.checkpoint_dir} is an object store, which does not support "

@@ -151,7 +151,7 @@ class RetentionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run: RunName
-    run_dir: AbsolutePath
+    run_dir: StepLocation
     policy: RetentionPolicy
 
 

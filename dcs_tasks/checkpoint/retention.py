@@ -20,9 +20,8 @@ import logging
 import shutil
 import stat
 from collections.abc import Callable
-from pathlib import Path
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, step_dir_name
 from dcs_tasks.checkpoint.fsio import fsync_dir, write_bytes_durably
 from dcs_tasks.checkpoint.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
 from dcs_tasks.checkpoint.ledger import StepLedger
@@ -30,6 +29,7 @@ from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import STEP_DIR, load_manifest, step_dirs
 from dcs_tasks.checkpoint.sharded import RANK_DIR, complete_steps
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
+from dcs_tasks.storage import Location, ObjectPath
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def steps_to_delete(steps: list[int], policy: RetentionPolicy, protected: set[in
     return [s for s in ordered if s not in keep]
 
 
-def newest_intact(run_dir: Path) -> int | None:
+def newest_intact(run_dir: Location) -> int | None:
     """The newest step whose manifest reads and whose files all have their recorded sizes (cheap check)."""
     for step, step_dir in reversed(step_dirs(run_dir)):
         try:
@@ -57,9 +57,11 @@ def newest_intact(run_dir: Path) -> int | None:
     return None
 
 
-def regular_of_size(path: Path, size: int) -> bool:
+def regular_of_size(path: Location, size: int) -> bool:
     """`path` is a regular file of `size` bytes, not a symlink (restore refuses those, so a step holding one
-    is not intact whatever it points at)."""
+    is not intact whatever it points at); an object of `size` bytes."""
+    if isinstance(path, ObjectPath):
+        return path.size() == size
     try:
         found = path.lstat()
     except OSError:
@@ -67,8 +69,13 @@ def regular_of_size(path: Path, size: int) -> bool:
     return stat.S_ISREG(found.st_mode) and found.st_size == size
 
 
-def delete_step(step_dir: Path) -> None:
-    """Remove the manifest first (durably), then the rest of the directory."""
+def delete_step(step_dir: Location) -> None:
+    """Remove the manifest first (durably), then the rest of the directory (every object under the step)."""
+    if isinstance(step_dir, ObjectPath):
+        store = step_dir.store
+        store.delete([(step_dir / MANIFEST_NAME).key])
+        store.delete([item.key for item in store.objects(step_dir.key + "/")])
+        return
     with contextlib.suppress(FileNotFoundError):
         (step_dir / MANIFEST_NAME).unlink()
         fsync_dir(step_dir)
@@ -78,12 +85,15 @@ def delete_step(step_dir: Path) -> None:
 FileRef = tuple[int, str]  # (step holding the bytes, file name)
 
 
-def retire_step(step_dir: Path, keep: set[str]) -> None:
+def retire_step(step_dir: Location, keep: set[str]) -> None:
     """Delete a step but keep the files named in `keep` (later steps use them): marker first (durably), then
     the manifest, then the other files; the whole directory when `keep` is empty. Safe to repeat after a
     crash at any point."""
     if not keep:
         delete_step(step_dir)
+        return
+    if isinstance(step_dir, ObjectPath):
+        _retire_objects(step_dir, keep)
         return
     if not is_retired(step_dir):
         write_bytes_durably(step_dir / RETIRED_NAME, b"files here are used by later steps\n", "retire")
@@ -99,9 +109,23 @@ def retire_step(step_dir: Path, keep: set[str]) -> None:
     fsync_dir(step_dir)
 
 
-def retired_dirs(run_dir: Path) -> dict[int, Path]:
+def _retire_objects(step_dir: ObjectPath, keep: set[str]) -> None:
+    store = step_dir.store
+    marker = step_dir / RETIRED_NAME
+    if marker.size() is None:
+        store.put_small(marker.key, b"files here are used by later steps\n")
+    store.delete([(step_dir / MANIFEST_NAME).key])
+    base = step_dir.key + "/"
+    doomed = [i.key for i in store.objects(base) if i.key[len(base) :] not in keep | {RETIRED_NAME}]
+    if doomed:
+        store.delete(doomed)
+
+
+def retired_dirs(run_dir: Location) -> dict[int, Location]:
     """Retired step directories (marker, no manifest) of `run_dir`."""
-    found = {}
+    if isinstance(run_dir, ObjectPath):
+        return _retired_objects(run_dir)
+    found: dict[int, Location] = {}
     for child in run_dir.iterdir() if run_dir.is_dir() else ():
         match = STEP_DIR.match(child.name)
         if match and child.is_dir() and not child.is_symlink() and is_retired(child):
@@ -120,7 +144,26 @@ def in_flight_refs(book: StepLedger, run: str) -> set[FileRef]:
     return refs
 
 
-def _marked(dirs: dict[int, Path], kept: set[int]) -> set[FileRef]:
+def _retired_objects(run_dir: ObjectPath) -> dict[int, Location]:
+    base = run_dir.key + "/" if run_dir.key else ""
+    marked: set[str] = set()
+    manifests: set[str] = set()
+    for item in run_dir.store.objects(base):
+        parts = item.key[len(base) :].split("/")
+        if len(parts) == 2 and STEP_DIR.match(parts[0]):
+            if parts[1] == RETIRED_NAME:
+                marked.add(parts[0])
+            elif parts[1] == MANIFEST_NAME:
+                manifests.add(parts[0])
+    found: dict[int, Location] = {}
+    for name in marked - manifests:
+        match = STEP_DIR.match(name)
+        if match and name == step_dir_name(int(match.group(1))):
+            found[int(match.group(1))] = run_dir / name
+    return found
+
+
+def _marked(dirs: dict[int, Location], kept: set[int]) -> set[FileRef]:
     """Mark phase: what the kept steps' manifests refer to (an unreadable manifest cannot be restored and
     refers to nothing)."""
     refs: set[FileRef] = set()
@@ -131,14 +174,21 @@ def _marked(dirs: dict[int, Path], kept: set[int]) -> set[FileRef]:
 
 
 def apply_retention(
-    run_dir: Path,
+    run_dir: Location,
     policy: RetentionPolicy,
     in_flight: set[int],
     in_flight_refs: Callable[[], set[FileRef]] = set,
+    object_lock: Callable[[ObjectPath], contextlib.AbstractContextManager[None]] | None = None,
 ) -> list[int]:
     """Delete what `policy` lets go in `run_dir`; returns the deleted steps. Files that kept steps, or the
     steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps).
-    UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory."""
+    UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory. A run in an
+    object store needs `object_lock` (its `refs` lock: `dcs_tasks.checkpoint.objlocks`)."""
+    if isinstance(run_dir, ObjectPath):
+        if object_lock is None:
+            raise ValueError("retention of a run in an object store needs its refs lock")
+        with object_lock(run_dir):
+            return _apply(run_dir, policy, in_flight, in_flight_refs)
     if run_dir.is_symlink():
         raise UntrustedPath(f"run directory {str(run_dir)[:256]!r} is a symlink: retention does not follow it")
     if not run_dir.is_dir():
@@ -148,7 +198,7 @@ def apply_retention(
 
 
 def _apply(
-    run_dir: Path, policy: RetentionPolicy, in_flight: set[int], in_flight_refs: Callable[[], set[FileRef]]
+    run_dir: Location, policy: RetentionPolicy, in_flight: set[int], in_flight_refs: Callable[[], set[FileRef]]
 ) -> list[int]:
     dirs = dict(step_dirs(run_dir))
     protected = set(in_flight)

@@ -258,8 +258,10 @@ def _gc(args: argparse.Namespace) -> int:
     places = _locations(args)
     for location, run_dir in places:
         if isinstance(run_dir, ObjectPath):
-            print(f"dcs ckpt gc: {run_dir} is in an object store: gc runs on file-system roots only", file=sys.stderr)
-            return 2
+            deleted = apply_retention(run_dir, policy, in_flight, refs, object_lock=_object_lock(config))
+            prefix = f"{location}: " if len(places) > 1 else ""
+            print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
+            continue
         if location != places[0][0] and not run_dir.is_dir():
             continue
         linked = next((d for d in [run_dir, run_dir.parent][: 1 + (args.rank is not None)] if d.is_symlink()), None)
@@ -270,6 +272,16 @@ def _gc(args: argparse.Namespace) -> int:
         prefix = f"{location}: " if len(places) > 1 else ""  # one root: the output it always had
         print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
     return 0
+
+
+def _object_lock(config: DCSConfig) -> Any:
+    """The `refs` lock of a run in an object store, on the configured Redis (the worker's retention takes it)."""
+    from dcs_tasks.checkpoint import objlocks
+    from dcs_tasks.keys import Keys
+    from dcs_tasks.redisconn import sync_client
+
+    client = sync_client(config, socket_timeout=5)
+    return lambda where: objlocks.run_lock(client, Keys(config.namespace), where, "refs")
 
 
 def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:

@@ -209,8 +209,8 @@ def test_wrong_credentials_fail_the_save_with_access_denied_and_nothing_is_writt
 def test_settings_an_object_store_cannot_honour_yet_are_refused_up_front(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket
 ) -> None:
-    config = s3_config(dcs_config, tmp_path, aws_env, keep_last=2)
-    with pytest.raises(UnsupportedOnObjectStore, match="keep_last"):
+    config = s3_config(dcs_config, tmp_path, aws_env, checkpoint_compression="zstd")
+    with pytest.raises(UnsupportedOnObjectStore, match="checkpoint_compression"):
         Checkpointer("refused", config)
     with pytest.raises((ConfigError, ValueError), match="scheme 'gs'"):
         DCSConfig(checkpoint_dir="gs://bucket/x")
@@ -281,3 +281,33 @@ def test_incremental_saves_on_s3_refer_to_earlier_objects_and_rewrite_every_k_st
     assert sources == {1: {None}, 2: {1}, 3: {1}, 4: {None}, 5: {4}}, sources
     stored = objects(aws_env, "fleet/ckpt/inc/")
     assert not any(k.startswith("fleet/ckpt/inc/step-000000002/") and k.endswith(".safetensors") for k in stored)
+
+
+def test_retention_on_s3_keeps_the_newest_steps_and_the_objects_they_refer_to(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    """keep_last=2 after each commit (the worker's task) and `dcs ckpt gc --keep-last 1`: deleted steps vanish
+    manifest first; a deleted step whose objects later steps refer to is retired (marker, objects kept) until
+    nothing refers to it; every kept step restores bit-exact."""
+    config = s3_config(dcs_config, tmp_path, aws_env, keep_last=2)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = training_state(width=300)
+    run = "fleet/ckpt/kept/"
+    with Checkpointer("kept", config) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(state, step=step).wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while [i.step for i in ckpt.list()] != [3, 4] and time.monotonic() < deadline:
+            time.sleep(0.2)  # retention runs as its own task after each commit
+        assert [i.step for i in ckpt.list()] == [3, 4]
+        stored = objects(aws_env, run)
+        assert f"{run}step-000000001/.retired" in stored  # steps 3 and 4 refer to step 1's objects
+        assert any(k.startswith(f"{run}step-000000001/") and k.endswith(".safetensors") for k in stored)
+        assert not any(k.startswith(f"{run}step-000000002/") for k in stored)
+        for step in (3, 4):
+            assert_same_state(state, ckpt.restore(step=step).state)
+    gc = ckpt_cli(config, tmp_path, "gc", "--run", "kept", "--keep-last", "1")
+    assert gc.returncode == 0 and "deleted steps: [3]" in gc.stdout, gc.stdout + gc.stderr
+    with Checkpointer("kept", config) as ckpt:
+        assert [i.step for i in ckpt.list()] == [4]
+        assert_same_state(state, ckpt.restore().state)
