@@ -16,7 +16,6 @@ gets the reason; a partial step directory is removed only when it is the trusted
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from celery import shared_task
@@ -31,15 +30,13 @@ from dcs_tasks.checkpoint.models import (
     RetentionRequest,
 )
 from dcs_tasks.checkpoint.telemetry import record_error
-from dcs_tasks.errors import UnsupportedOnObjectStore
-from dcs_tasks.storage import ObjectPath
 from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
-from workers.replica import replicate
+from workers.replica import relative, replicate
 from workers.retention import retain
 from workers.runtime import runtime
-from workers.trust import checkpoint_root, replica_root
+from workers.trust import checkpoint_root, replica_root, trusted_step_dir
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +119,10 @@ def _send_replica(task: DCSTask, req: CommitRequest) -> None:
     try:
         root, replica = checkpoint_root(config), replica_root(config)
         assert replica is not None
-        if isinstance(root, ObjectPath) or isinstance(replica, ObjectPath):
-            raise UnsupportedOnObjectStore(f"replicas from or to an object store ({root} -> {replica})")
-        target = replica / Path(ref.step_dir).resolve().relative_to(root)
+        source = trusted_step_dir(ref.step_dir, ref.run, ref.step, config, root=root)
+        target = replica
+        for part in relative(source, root).split("/"):
+            target = target / part
         body = ReplicateRequest(
             run=ref.run, step=ref.step, step_dir=ref.step_dir, replica_step_dir=str(target), retention=req.retention
         )

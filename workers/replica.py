@@ -25,14 +25,23 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest
-from dcs_tasks.checkpoint.fsio import make_dirs_durable, remove_stray_temps, stream_region, write_bytes_durably
+from dcs_tasks.checkpoint import objread
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.fsio import (
+    durable_file,
+    make_dirs_durable,
+    remove_stray_temps,
+    stream_region,
+    write_all,
+    write_bytes_durably,
+)
 from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.models import ReplicateRequest
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
@@ -40,7 +49,9 @@ from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
-from dcs_tasks.storage import ObjectPath
+from dcs_tasks.storage import Location, ObjectPath
+from workers.commit import move_object_latest
+from workers.objlocks import run_lock
 from workers.persist import ledger
 from workers.runtime import runtime
 from workers.trust import checkpoint_root, replica_root, trusted_step_dir
@@ -54,7 +65,7 @@ UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIS
 @dataclass(frozen=True)
 class ReplicaResult:
     step: int
-    replica_step_dir: Path
+    replica_step_dir: Location
     copied_bytes: int  # 0 when a redelivery found the replica complete
     deleted: list[int]  # replica steps retention let go
     seconds: float
@@ -74,10 +85,18 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
             if exc.errno in UNWRITABLE:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
             raise  # transient (ENOSPC, EIO): retried by the task base
-    move_latest(dst_dir.parent, req.step, task_id)
+    if isinstance(dst_dir, ObjectPath):
+        move_object_latest(dst_dir.parent, req.step)
+    else:
+        move_latest(dst_dir.parent, req.step, task_id)
     deleted: list[int] = []
     if req.retention.active:
-        deleted = apply_retention(dst_dir.parent, req.retention, ledger().in_flight_steps(req.run))
+        deleted = apply_retention(
+            dst_dir.parent,
+            req.retention,
+            ledger().in_flight_steps(req.run),
+            object_lock=lambda where: run_lock(where, "refs"),
+        )
     seconds = time.monotonic() - started
     record_replica(seconds, copied)
     log.info(
@@ -86,30 +105,41 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
     return ReplicaResult(req.step, dst_dir, copied, deleted, seconds)
 
 
-def _trusted_dirs(req: ReplicateRequest) -> tuple[Path, Path]:
+def relative(location: Location, root: Location) -> str:
+    """`location` below `root`, as a relative name (`run/step-...`); ValueError when it is not below it."""
+    if isinstance(location, ObjectPath) and isinstance(root, ObjectPath):
+        if not location.is_relative_to(root) or location == root:
+            raise ValueError(f"{location} is not under {root}")
+        return location.key[len(root.key) :].lstrip("/")
+    if isinstance(location, Path) and isinstance(root, Path):
+        return location.relative_to(root).as_posix()
+    raise ValueError(f"{location} and {root} are not the same kind of location")
+
+
+def _trusted_dirs(req: ReplicateRequest) -> tuple[Location, Location]:
     """(primary step dir, replica step dir): each under its own root, at the same relative path."""
     config = runtime().config
     replica = replica_root(config)
     if replica is None:
         raise ReplicaFailed(f"this worker has no replica_dir: cannot replicate step {req.step} of run {req.run!r}")
     primary = checkpoint_root(config)
-    if isinstance(primary, ObjectPath) or isinstance(replica, ObjectPath):
-        raise ReplicaFailed(
-            f"replicas from or to an object store ({primary} -> {replica}) are not supported yet: a replica_dir "
-            "needs file-system roots on both sides"
-        )
-    if replica == primary or replica.is_relative_to(primary) or primary.is_relative_to(replica):
+    same_kind = isinstance(primary, ObjectPath) == isinstance(replica, ObjectPath)
+    if same_kind and (replica == primary or replica.is_relative_to(primary) or primary.is_relative_to(replica)):  # type: ignore[arg-type]
         raise ReplicaFailed(f"replica_dir {str(replica)!r} overlaps checkpoint_dir {str(primary)!r}")
     src_dir = trusted_step_dir(req.step_dir, req.run, req.step, config, root=primary)
     dst_dir = trusted_step_dir(req.replica_step_dir, req.run, req.step, config, root=replica)
-    if src_dir.relative_to(primary) != dst_dir.relative_to(replica):
+    if relative(src_dir, primary) != relative(dst_dir, replica):
         raise UntrustedPath(f"replica step directory {req.replica_step_dir[:256]!r} does not mirror {req.step_dir!r}")
     return src_dir, dst_dir
 
 
-def _primary_manifest(src_dir: Path) -> Manifest:
+def _exists(path: Location) -> bool:
+    return path.size() is not None if isinstance(path, ObjectPath) else os.path.lexists(path)
+
+
+def _primary_manifest(src_dir: Location) -> Manifest:
     """The primary step's manifest, its files checked (sizes, headers); ReplicaFailed when gone or corrupt."""
-    if not os.path.lexists(src_dir / MANIFEST_NAME):
+    if not _exists(src_dir / MANIFEST_NAME):
         raise ReplicaFailed(f"primary step {src_dir} has no manifest (deleted before it was replicated?)")
     try:
         manifest = load_manifest(src_dir)
@@ -119,33 +149,49 @@ def _primary_manifest(src_dir: Path) -> Manifest:
     return manifest
 
 
-def _complete(dst_dir: Path, manifest: Manifest) -> bool:
+def _complete(dst_dir: Location, manifest: Manifest) -> bool:
     """Whether an earlier delivery finished this replica: its manifest is there and its files check."""
-    if not os.path.lexists(dst_dir / MANIFEST_NAME):
+    if not _exists(dst_dir / MANIFEST_NAME):
         return False
     try:
         check_files(dst_dir, load_manifest(dst_dir))
     except CorruptCheckpoint as exc:
         log.warning("replica %s is damaged (%s): copying it again", dst_dir, exc)
-        (dst_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        _remove(dst_dir / MANIFEST_NAME)
         return False
     return load_manifest(dst_dir).files == manifest.files
 
 
-def copy_step(src_dir: Path, dst_dir: Path, manifest: Manifest, tag: str, throttle: float | None = None) -> int:
+def _remove(path: Location) -> None:
+    if isinstance(path, ObjectPath):
+        path.store.delete([path.key])
+    else:
+        path.unlink(missing_ok=True)
+
+
+def copy_step(src_dir: Location, dst_dir: Location, manifest: Manifest, tag: str, throttle: float | None = None) -> int:
     """Copy every file of the checked primary step `src_dir` to `dst_dir` (durably, hashed), verify the copy as
     read back, then write its manifest last; returns the bytes copied. No Redis, no `latest` (bench/replica.py
-    times this)."""
-    make_dirs_durable(dst_dir)
+    times this). Either side may be an object store (`_copy_across`)."""
+    if isinstance(dst_dir, Path):
+        make_dirs_durable(dst_dir)
     copied = sum(_copy_file(entry, src_dir, dst_dir, tag, throttle) for entry in manifest.files)
     try:
         verify_step(dst_dir, manifest)
     except CorruptCheckpoint as exc:
-        if exc.path and Path(exc.path).is_relative_to(dst_dir.parent):
+        if exc.path and isinstance(dst_dir, Path) and Path(exc.path).is_relative_to(dst_dir.parent):
             Path(exc.path).unlink(missing_ok=True)  # a redelivery copies it again
+        elif exc.path and isinstance(dst_dir, ObjectPath) and exc.path.startswith(str(dst_dir.parent) + "/"):
+            dst_dir.store.delete([exc.path.removeprefix(f"s3://{dst_dir.bucket}/")])
         raise ReplicaFailed(f"replica of {src_dir.name} does not verify after copying: {exc}") from exc
-    remove_stray_temps(dst_dir)
-    write_bytes_durably(dst_dir / MANIFEST_NAME, read_small(src_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES), tag)
+    raw = read_small(src_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    final = dst_dir / MANIFEST_NAME
+    if isinstance(final, ObjectPath):
+        final.store.abort_uploads(final.parent.key + "/")
+        final.store.put_small(final.key, raw)
+    else:
+        remove_stray_temps(final.parent)
+        write_bytes_durably(final, raw, tag)
     return copied
 
 
@@ -162,9 +208,12 @@ def _own_directory(step_dir: Path) -> None:
         raise UntrustedPath(f"replica step directory {str(step_dir)!r} is a symlink or not a directory: not written")
 
 
-def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttle: float | None) -> int:
+def _copy_file(entry: FileEntry, src_dir: Location, dst_dir: Location, tag: str, throttle: float | None) -> int:
     """Copy one file's stored bytes unless already there; returns the bytes copied."""
     src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
+    if isinstance(src, ObjectPath) or isinstance(dst, ObjectPath) or isinstance(dst_dir, ObjectPath):
+        return _copy_across(entry, src, dst, tag)
+    assert isinstance(dst_dir, Path)
     size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
     if dst.parent != dst_dir:
         _own_directory(dst.parent)  # before anything is read or written through it
@@ -176,5 +225,36 @@ def _copy_file(entry: FileEntry, src_dir: Path, dst_dir: Path, tag: str, throttl
     digest = stream_region(src, 0, size, dst, tag, throttle)
     if entry.compression is None and digest != entry.checksum:
         dst.unlink(missing_ok=True)
+        raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
+    return size
+
+
+def _copy_across(entry: FileEntry, src: Location, dst: Location, tag: str) -> int:
+    """Copy one file between a file system and an object store (either way), hashed on the way and compared
+    with the manifest before it is published; returns the bytes copied (0 when already there)."""
+    size = entry.disk_size
+    if regular_of_size(dst, size):
+        return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified after
+    if entry.compression:
+        raise ReplicaFailed(f"{src} is zstd-compressed: object stores hold plain files, not replicated to {dst}")
+    hasher = new_hasher()
+    if isinstance(src, ObjectPath):
+        mapping = objread.read_many([(src, entry)], verify=True)[0]  # CorruptCheckpoint: the primary is bad
+    else:
+        with open(src, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+    try:
+        with memoryview(mapping)[:size] as view:
+            if isinstance(dst, ObjectPath):
+                dst.store.upload(dst.key, view, hasher)
+            else:
+                make_dirs_durable(dst.parent)
+                with durable_file(dst, tag) as fd:
+                    hasher.update(view)
+                    write_all(fd, view)
+    finally:
+        mapping.close()
+    if hasher.hexdigest() != entry.checksum:
+        _remove(dst)
         raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
     return size

@@ -555,8 +555,6 @@ def _check_object_store_settings(config: DCSConfig) -> None:
     missing = []
     if CheckpointCompression(config.checkpoint_compression) is not CheckpointCompression.NONE:
         missing.append("checkpoint_compression")
-    if config.replica_dir is not None:
-        missing.append("replica_dir")
     if missing:
         raise UnsupportedOnObjectStore(
             f"checkpoint root {config.checkpoint_dir} is an object store, which does not support "

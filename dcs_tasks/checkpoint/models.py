@@ -164,8 +164,8 @@ class ReplicateRequest(BaseModel):
 
     run: RunName
     step: Step
-    step_dir: AbsolutePath
-    replica_step_dir: AbsolutePath
+    step_dir: StepLocation
+    replica_step_dir: StepLocation
     retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
 
     @model_validator(mode="after")

@@ -311,3 +311,56 @@ def test_retention_on_s3_keeps_the_newest_steps_and_the_objects_they_refer_to(
     with Checkpointer("kept", config) as ckpt:
         assert [i.step for i in ckpt.list()] == [4]
         assert_same_state(state, ckpt.restore().state)
+
+
+@pytest.mark.parametrize("primary_on_s3", [False, True], ids=["file-to-s3", "s3-to-file"])
+def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_the_primary_is_damaged(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list, primary_on_s3: bool
+) -> None:
+    """checkpoint_dir on files and replica_dir on S3, and the reverse: each commit is copied to the other store
+    (incremental references included), verified there, then published manifest last; with the primary copy of
+    the newest step damaged, restore reads the replica and says so."""
+    from dcs_tasks import storage
+    from dcs_tasks.checkpoint.reader import step_dirs
+
+    s3_root = DCSConfig.model_validate({"checkpoint_dir": aws_env.url("fleet/replica")}).checkpoint_dir
+    roots = {"checkpoint_dir": s3_root, "replica_dir": tmp_path / "replica"}
+    if not primary_on_s3:
+        roots = {"checkpoint_dir": tmp_path / "primary", "replica_dir": s3_root}
+    config = s3_config(dcs_config, tmp_path, aws_env, **roots)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = training_state(width=400)
+    assert config.replica_dir is not None
+    replica_run = storage.root(config.replica_dir, config) / "mixed"
+    with Checkpointer("mixed", config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(state, step=step).wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while [s for s, _ in step_dirs(replica_run)] != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [s for s, _ in step_dirs(replica_run)] == [1, 2]
+        primary_step = storage.root(config.checkpoint_dir, config) / "mixed" / "step-000000001"
+        manifest = ckpt.restore(step=1)
+        assert manifest.location == "primary"
+        # damage the primary's stored file (step 2 refers to it): step 2 comes from the replica
+        name = json.loads(
+            (primary_step / "manifest.json").read_text()
+            if isinstance(primary_step, Path)
+            else aws_env.client()
+            .get_object(Bucket=aws_env.bucket, Key=f"{primary_step.key}/manifest.json")["Body"]
+            .read()
+        )["files"][0]["name"]
+        if isinstance(primary_step, Path):
+            stored = primary_step / name
+            data = bytearray(stored.read_bytes())
+            data[-1] ^= 0xFF
+            stored.write_bytes(bytes(data))
+        else:
+            key = f"{primary_step.key}/{name}"
+            data = bytearray(aws_env.client().get_object(Bucket=aws_env.bucket, Key=key)["Body"].read())
+            data[-1] ^= 0xFF
+            aws_env.client().put_object(Bucket=aws_env.bucket, Key=key, Body=bytes(data))
+        with pytest.warns(RuntimeWarning, match="trying the replica copy"):
+            restored = ckpt.restore()
+        assert restored.step == 2 and restored.location == "replica"
+        assert_same_state(state, restored.state)
