@@ -391,7 +391,7 @@ class Checkpointer:
                 for location, dirs in found.items()
                 if s in dirs
             ]
-            return replicas.load_first_good(s, copies)
+            return replicas.load_first_good(s, copies, heal=verify)
 
         steps = sorted(set().union(*found.values()))
         if step is not None:

@@ -18,7 +18,7 @@ from dcs_tasks import storage
 from dcs_tasks.checkpoint.pending import RestoredCheckpoint
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.storage import Location
+from dcs_tasks.storage import Location, ObjectPath
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,11 @@ def where(locations: Sequence[str]) -> str:
 Copy = tuple[str, Location, Callable[[], RestoredCheckpoint]]  # (location, path, load it)
 
 
-def load_first_good(step: int, copies: Sequence[Copy]) -> RestoredCheckpoint:
+def load_first_good(step: int, copies: Sequence[Copy], heal: bool = False) -> RestoredCheckpoint:
     """Load the first of `copies` (primary first) that verifies, stamped with its location and path. A
-    corrupt copy followed by another warns naming both; when none verifies the first error is raised."""
+    corrupt copy followed by another warns naming both; when none verifies the first error is raised. `heal`
+    (a verified restore): the primary's file named by its error is rewritten from the copy that verified
+    (`heal_from`), so the steps that share that file are whole again."""
     first: CorruptCheckpoint | None = None
     for index, (location, path, load) in enumerate(copies):
         try:
@@ -62,6 +64,38 @@ def load_first_good(step: int, copies: Sequence[Copy]) -> RestoredCheckpoint:
             continue
         if location != PRIMARY:
             log.warning("restored step %d from the %s at %s", step, location, path)
+            if heal and first is not None and copies[0][0] == PRIMARY:
+                heal_from(first, copies[0][1], path)
         return dataclasses.replace(restored, location=location, path=path)
     assert first is not None, "load_first_good needs at least one copy"
     raise first
+
+
+def heal_from(error: CorruptCheckpoint, primary_step: Location, good_step: Location) -> bool:
+    """Rewrite the primary file `error` names (under the primary run) with the same file of the copy that just
+    verified (`good_step`'s run): complete bytes under a temp name then a rename on files, one upload on an
+    object store. Returns whether it healed; a failure is logged and changes nothing."""
+    from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, read_small
+
+    primary_run, good_run = primary_step.parent, good_step.parent
+    named = error.path or ""
+    prefix = str(primary_run) + "/"
+    if not named.startswith(prefix):
+        return False
+    parts = named[len(prefix) :].split("/")
+    if len(parts) != 2 or parts[1].startswith("."):
+        return False
+    source, target = good_run / parts[0] / parts[1], primary_run / parts[0] / parts[1]
+    try:
+        data = read_small(source, MAX_MANIFEST_BYTES)  # a file the restore just verified (bounded: one shard)
+        if isinstance(target, ObjectPath):
+            target.store.put_small(target.key, data)
+        else:
+            from dcs_tasks.checkpoint.fsio import write_bytes_durably
+
+            write_bytes_durably(target, data, "heal")
+    except Exception as exc:  # healing is a bonus: the restore itself succeeded
+        log.warning("could not heal %s from %s: %s: %s", target, source, type(exc).__name__, exc)
+        return False
+    log.warning("healed %s from the verified copy %s", target, source)
+    return True

@@ -197,3 +197,31 @@ def test_multi_rank_step_replicated_per_rank_and_restored_whole_from_the_replica
     assert restored.step == 7 and restored.location == "replica" and restored.path == replica_root
     assert torch.equal(restored.state["w"], torch.cat([parts[0]["w"], parts[1]["w"]]))
     assert "replica" in listing(config, "ranks")[7]
+
+
+def test_a_restore_heals_a_damaged_shared_primary_file_from_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Step 2 refers to step 1's file (incremental); that primary file is damaged. The restore reads the replica
+    (with a warning), then rewrites the primary file from the verified replica bytes: the next restore reads
+    the primary again, and so does step 1."""
+    config = replica_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    state = training_state(seed=4)
+    try:
+        with Checkpointer("heal", config) as ckpt:
+            for step in (1, 2):
+                save_and_replicate(ckpt, config, state, step)
+            shared = next((Path(config.checkpoint_dir) / "heal" / "step-000000001").glob("*.safetensors"))
+            good = shared.read_bytes()
+            data = bytearray(good)
+            data[-1] ^= 0xFF
+            shared.write_bytes(bytes(data))
+            with pytest.warns(RuntimeWarning, match="trying the replica copy"):
+                restored = ckpt.restore()
+            assert restored.step == 2 and restored.location == "replica"
+            assert shared.read_bytes() == good
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert ckpt.restore().location == "primary"
+                assert ckpt.restore(step=1).location == "primary"
+    finally:
+        worker.discard()
