@@ -317,8 +317,6 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         run_root = _run_root(args)
-        if isinstance(run_root, ObjectPath):
-            raise CheckpointError(f"dcs ckpt export reads file-system roots only; {run_root} is in an object store")
         if not run_root.is_dir():
             raise CheckpointError(f"run {args.run!r} has no checkpoints: {run_root} does not exist")
         result = export_hf(

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dcs_tasks.checkpoint import objread
 from dcs_tasks.checkpoint.fastread import Target, read_scatter
 from dcs_tasks.checkpoint.format import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
 from dcs_tasks.checkpoint.fsio import durable_file, make_dirs_durable, write_all, write_bytes_durably
@@ -49,6 +50,7 @@ from dcs_tasks.checkpoint.sharded import (
 from dcs_tasks.checkpoint.validate import check_files, read_small
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
+from dcs_tasks.storage import Location, ObjectPath
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,7 +90,7 @@ class _Pick:
 
 
 def export_hf(
-    run_dir: Path,
+    run_dir: Location,
     out_dir: Path,
     *,
     step: int | None = None,
@@ -130,7 +132,7 @@ def export_hf(
     return ExportResult(manifest.step, out_dir, names, len(picks), tensor_bytes, dropped)
 
 
-def _committed_step(run_dir: Path, step: int | None) -> tuple[Path, Manifest]:
+def _committed_step(run_dir: Location, step: int | None) -> tuple[Location, Manifest]:
     dirs = dict(step_dirs(run_dir))
     if not dirs:
         raise CheckpointNotFound(f"no committed checkpoint in {run_dir}")
@@ -140,7 +142,7 @@ def _committed_step(run_dir: Path, step: int | None) -> tuple[Path, Manifest]:
     return dirs[chosen], load_manifest(dirs[chosen])
 
 
-def _complete_step(run_root: Path, step: int | None) -> StepShards:
+def _complete_step(run_root: Location, step: int | None) -> StepShards:
     """A step every rank of a multi-rank run committed (default: the newest); CorruptCheckpoint when a rank's
     manifest of it does not check, CheckpointNotFound when it is missing or incomplete."""
     complete, broken = scan_steps(run_root)
@@ -263,7 +265,7 @@ def _unmap(mapping: mmap.mmap) -> None:
 
 
 def _write_files(
-    step_dir: Path, manifest: Manifest, picks: list[_Pick], layout: Layout, out_dir: Path, names: list[str]
+    step_dir: Location, manifest: Manifest, picks: list[_Pick], layout: Layout, out_dir: Path, names: list[str]
 ) -> None:
     """Map every output file (temp name), read the source files once into them (verified), then fsync and
     rename each. Any failure removes every temp file."""
@@ -296,7 +298,10 @@ def _write_files(
             first_out[pick.stored] = pick.name
             targets.setdefault(entry.file, []).append((entry.offsets[0], entry.offsets[1], views[pick.name]))
         files = [(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files if f.name in targets]
-        read_scatter(files, verify=True)
+        if isinstance(step_dir, ObjectPath):
+            objread.read_scatter([(p, f, t) for p, f, t in files if isinstance(p, ObjectPath)], verify=True)
+        else:
+            read_scatter([(p, f, t) for p, f, t in files if isinstance(p, Path)], verify=True)
         for name, stored in stored_of.items():
             if stored in first_out and first_out[stored] != name:
                 views[name][:] = views[first_out[stored]]

@@ -364,3 +364,24 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
             restored = ckpt.restore()
         assert restored.step == 2 and restored.location == "replica"
         assert_same_state(state, restored.state)
+
+
+def test_dcs_ckpt_export_reads_a_step_from_s3_into_a_hugging_face_directory(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    from safetensors.torch import load_file
+
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = training_state(seed=5)
+    with Checkpointer("export", config) as ckpt:
+        ckpt.save(state, step=3).wait(timeout=120)
+    out = tmp_path / "hf"
+    done = ckpt_cli(
+        config, tmp_path, "export", "--run", "export", "--format", "hf", "--out", str(out), "--prefix", "model/"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == {name.replace("/", ".") for name in state["model"]}
+    for name, tensor in state["model"].items():
+        assert torch.equal(exported[name.replace("/", ".")], tensor), name
