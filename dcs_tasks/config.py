@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dcs_tasks.redisurl import parse_sentinel_url
 from dcs_tasks.storage_url import StorageRoot, parse_root
 
 MiB = 1024 * 1024
@@ -372,9 +373,7 @@ class DCSConfig(BaseSettings):
         if not value.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
             raise ValueError(f"redis_url must be a redis://, rediss://, unix:// or sentinel:// URL, got {value!r}")
         if value.startswith("sentinel://"):
-            from dcs_tasks.redisconn import parse_sentinel_url  # ConfigError (a ValueError) when malformed
-
-            parse_sentinel_url(value)
+            parse_sentinel_url(value)  # ConfigError (a ValueError) when malformed
         return value
 
     @model_validator(mode="after")
