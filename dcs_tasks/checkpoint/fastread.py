@@ -20,7 +20,6 @@ read function returns or raises.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import mmap
@@ -33,10 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dcs_tasks.checkpoint import iosizes
+from dcs_tasks.checkpoint import iosizes, zread
 from dcs_tasks.checkpoint.format import FileEntry, TensorEntry, new_hasher
 from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
-from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES
+from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES, READ_THREADS
+from dcs_tasks.checkpoint.landing import HUGE_FROM as HUGE_FROM
+from dcs_tasks.checkpoint.landing import HUGE_PAGE as HUGE_PAGE
+from dcs_tasks.checkpoint.landing import Progress as Progress
+from dcs_tasks.checkpoint.landing import Target as Target
+from dcs_tasks.checkpoint.landing import TargetIndex as TargetIndex
+from dcs_tasks.checkpoint.landing import anonymous as anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.tensors import code_dtype
 
@@ -44,16 +49,12 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: verifying a file'
     import torch
 
 CHUNK_BYTES = READ_CHUNK_BYTES
-IO_THREADS = 4
+IO_THREADS = READ_THREADS
 WINDOW = IO_THREADS + 2  # chunks read ahead of the hashing thread (also the number of bounce buffers)
-HUGE_PAGE = 2 * 1024 * 1024
-HUGE_FROM = 8 * 1024 * 1024  # smaller files get plain pages (a 2 MiB page for a few KiB is waste)
 O_DIRECT: int = iosizes.O_DIRECT  # module attributes: tests patch them here
 O_NOFOLLOW: int = iosizes.O_NOFOLLOW
 CACHED_ENOUGH = 0.5  # files at least this much in the page cache are read buffered (a copy beats the disk)
 
-Progress = Callable[[str, int, int], None]  # (file name, bytes done, file size)
-Target = tuple[int, int, memoryview]  # (begin, end) inside the file, writable bytes of the destination
 IOV_MAX = 512  # iovec entries per preadv call (the kernel takes 1024)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,52 +101,6 @@ def checked_size(path: Path, entry: FileEntry) -> int:
             f"checkpoint file {path} has {info.st_size} bytes, manifest says {entry.size}", str(path)
         )
     return info.st_size
-
-
-def anonymous(nbytes: int) -> mmap.mmap:
-    """Fresh private memory of at least `nbytes` (page-rounded). From `HUGE_FROM` bytes on it is backed by
-    transparent huge pages where the kernel allows it (the length is rounded to 2 MiB so the kernel aligns
-    the mapping for them): a fault then zeroes 2 MiB at once, ~2x cheaper per byte than 4 KiB pages."""
-    huge = nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
-    unit = HUGE_PAGE if huge else mmap.PAGESIZE
-    mapping = mmap.mmap(-1, max(unit, -(-nbytes // unit) * unit), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # THP disabled: plain pages, just slower to fault in
-    return mapping
-
-
-class TargetIndex:
-    """The targets of one file (disjoint), sorted by begin."""
-
-    def __init__(self, targets: list[Target]) -> None:
-        self.targets = sorted(targets, key=lambda t: t[0])
-        self._ends = [end for _, end, _ in self.targets]
-
-    def overlapping(self, begin: int, end: int) -> Iterator[Target]:
-        """The targets that overlap [begin, end), in order (a bisection, not a scan of every target)."""
-        for i in range(bisect.bisect_right(self._ends, begin), len(self.targets)):
-            target = self.targets[i]
-            if target[0] >= end:
-                return
-            yield target
-
-    def pieces(self, scratch: memoryview, begin: int, end: int) -> list[memoryview]:
-        """[begin, end) of the file as destination slices in file order: the targets' own bytes where they
-        overlap it, `scratch` (indexed from `begin`) for the gaps (header, padding)."""
-        out: list[memoryview] = []
-        pos = begin
-        for t_begin, t_end, dest in self.overlapping(begin, end):
-            lo, hi = max(begin, t_begin), min(end, t_end)
-            if lo > pos:
-                out.append(scratch[pos - begin : lo - begin])
-            out.append(dest[lo - t_begin : hi - t_begin])
-            pos = hi
-        if pos < end:
-            out.append(scratch[pos - begin : end - begin])
-        return out
 
 
 @dataclass
@@ -298,8 +253,6 @@ def _consume(chunk: _Chunk, future: Future[list[memoryview]], progress: Progress
 def read_many(files: list[tuple[Path, FileEntry]], verify: bool, progress: Progress | None = None) -> list[mmap.mmap]:
     """Each file's bytes in its own fresh mapping (same order). Compressed files: `zread`."""
     if any(entry.compression for _, entry in files):
-        from dcs_tasks.checkpoint import zread  # imports this module
-
         return zread.read_many(files, verify, progress, read_many)
     opened = [_File(path, entry, checked_size(path, entry)) for path, entry in files]
     mappings = [anonymous(f.size + DIRECT_ALIGN) for f in opened]
@@ -328,8 +281,6 @@ def read_scatter(
     into a bounce buffer plus a copy), gaps into a scratch slot. If a file fails, earlier targets may
     already hold its bytes. Compressed files: `zread`."""
     if any(entry.compression for _, entry, _ in files):
-        from dcs_tasks.checkpoint import zread  # imports this module
-
         return zread.read_scatter(files, verify, progress, read_scatter)
     opened = [_File(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
     slot_bytes = (

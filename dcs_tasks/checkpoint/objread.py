@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcs_tasks.checkpoint.fastread import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 

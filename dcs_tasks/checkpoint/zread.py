@@ -2,13 +2,15 @@
 
 A step may mix compressed and plain files. The plain ones go through fastread's pipeline unchanged (chunked
 O_DIRECT or buffered `preadv` by several threads); meanwhile each compressed file is decompressed by one
-thread of its own (zstd releases the GIL; up to `fastread.IO_THREADS` files at once), sequentially, in
-`fastread.CHUNK_BYTES` steps: every step's bytes land straight in their destination (the file's fresh
-mapping for `read_many`, the caller's tensors and a scratch buffer for the gaps for `read_scatter`) and are
-hashed there, so the uncompressed bytes are checked against the same xxh3_128 checksum as a plain file's.
-The file's size, frame header and bounds are checked first (`compression.check_frame`, `Decoder`: never more
-than the manifest's `size` bytes are produced). Every failure is CorruptCheckpoint naming the file; nothing
-is still being written when a function returns or raises.
+thread of its own (zstd releases the GIL; up to `IO_THREADS` files at once), sequentially, in
+`CHUNK_BYTES` steps (both as fastread's, from `iosizes`): every step's bytes land straight in their
+destination (the file's fresh mapping for `read_many`, the caller's tensors and a scratch buffer for the
+gaps for `read_scatter`) and are hashed there, so the uncompressed bytes are checked against the same
+xxh3_128 checksum as a plain file's. The file's size, frame header and bounds are checked first
+(`compression.check_frame`, `Decoder`: never more than the manifest's `size` bytes are produced). Every
+failure is CorruptCheckpoint naming the file; nothing is still being written when a function returns or
+raises. fastread hands its own plain-file readers in (`raw`); this module imports only what they land in
+(`landing`), never fastread.
 """
 
 from __future__ import annotations
@@ -19,26 +21,29 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from dcs_tasks.checkpoint import fastread
 from dcs_tasks.checkpoint.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES, READ_THREADS
+from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.checkpoint.validate import open_stored
 from dcs_tasks.errors import CorruptCheckpoint
 
+CHUNK_BYTES = READ_CHUNK_BYTES  # decompressed bytes per step (fastread's chunk size; tests patch it here)
+IO_THREADS = READ_THREADS  # compressed files decoded at once
 Land = Callable[[int, int], list[memoryview]]  # (begin, end) of the file -> destination views in order
-RawMany = Callable[[list[tuple[Path, FileEntry]], bool, "fastread.Progress | None"], list[mmap.mmap]]
-RawScatter = Callable[[list[tuple[Path, FileEntry, list[fastread.Target]]], bool, "fastread.Progress | None"], None]
+RawMany = Callable[[list[tuple[Path, FileEntry]], bool, "Progress | None"], list[mmap.mmap]]
+RawScatter = Callable[[list[tuple[Path, FileEntry, list[Target]]], bool, "Progress | None"], None]
 
 
-def decode(path: Path, entry: FileEntry, verify: bool, land: Land, progress: fastread.Progress | None) -> None:
+def decode(path: Path, entry: FileEntry, verify: bool, land: Land, progress: Progress | None) -> None:
     """Decompress the whole file into `land`'s views, checking size, frame, end and (`verify`) checksum."""
     fd = open_stored(path, entry)
     try:
         check_frame(fd, path, entry)
         decoder = Decoder(fd, path, entry)
         hasher = new_hasher() if verify else None
-        for begin in range(0, entry.size, fastread.CHUNK_BYTES):
-            end = min(begin + fastread.CHUNK_BYTES, entry.size)
+        for begin in range(0, entry.size, CHUNK_BYTES):
+            end = min(begin + CHUNK_BYTES, entry.size)
             for piece in land(begin, end):
                 with piece:
                     decoder.readinto(piece)
@@ -56,7 +61,7 @@ def decode(path: Path, entry: FileEntry, verify: bool, land: Land, progress: fas
 def _all(jobs: list[Callable[[], None]], alongside: Callable[[], None]) -> None:
     """Run `jobs` on up to IO_THREADS threads and `alongside` here; wait for every one, then raise the first
     failure (`alongside`'s first, then the jobs' in order)."""
-    with ThreadPoolExecutor(max(1, min(fastread.IO_THREADS, len(jobs))), thread_name_prefix="dcs-unzstd") as pool:
+    with ThreadPoolExecutor(max(1, min(IO_THREADS, len(jobs))), thread_name_prefix="dcs-unzstd") as pool:
         futures: list[Future[None]] = [pool.submit(job) for job in jobs]
         try:
             alongside()
@@ -68,12 +73,12 @@ def _all(jobs: list[Callable[[], None]], alongside: Callable[[], None]) -> None:
 
 
 def read_many(
-    files: list[tuple[Path, FileEntry]], verify: bool, progress: fastread.Progress | None, raw: RawMany
+    files: list[tuple[Path, FileEntry]], verify: bool, progress: Progress | None, raw: RawMany
 ) -> list[mmap.mmap]:
     """`fastread.read_many` of a list holding compressed files: each file's bytes in its own fresh mapping."""
     packed = [(path, entry) for path, entry in files if entry.compression]
     plain = [(path, entry) for path, entry in files if not entry.compression]
-    mappings = [fastread.anonymous(entry.size) for _, entry in packed]
+    mappings = [anonymous(entry.size) for _, entry in packed]
     plain_maps: list[mmap.mmap] = []
 
     def job(path: Path, entry: FileEntry, mapping: mmap.mmap) -> Callable[[], None]:
@@ -93,9 +98,9 @@ def read_many(
 
 
 def read_scatter(
-    files: list[tuple[Path, FileEntry, list[fastread.Target]]],
+    files: list[tuple[Path, FileEntry, list[Target]]],
     verify: bool,
-    progress: fastread.Progress | None,
+    progress: Progress | None,
     raw: RawScatter,
 ) -> None:
     """`fastread.read_scatter` of a list holding compressed files: each byte lands in its target, gaps (and
@@ -103,10 +108,10 @@ def read_scatter(
     packed = [item for item in files if item[1].compression]
     plain = [item for item in files if not item[1].compression]
 
-    def job(path: Path, entry: FileEntry, targets: list[fastread.Target]) -> Callable[[], None]:
+    def job(path: Path, entry: FileEntry, targets: list[Target]) -> Callable[[], None]:
         def run() -> None:
-            sorted_targets = fastread.TargetIndex(targets)
-            scratch = fastread.anonymous(min(fastread.CHUNK_BYTES, entry.size))
+            sorted_targets = TargetIndex(targets)
+            scratch = anonymous(min(CHUNK_BYTES, entry.size))
             try:
                 with memoryview(scratch) as slot:
                     decode(path, entry, verify, lambda b, e: sorted_targets.pieces(slot, b, e), progress)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import fastread
+from dcs_tasks.checkpoint import fastread, zread
 from dcs_tasks.checkpoint.format import new_hasher
 from dcs_tasks.checkpoint.models import RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
@@ -499,6 +499,7 @@ class Spy:
             for name in ("open", "stat", "lstat"):
                 mp.setattr(os, name, self.path(getattr(os, name)))
             mp.setattr(fastread, "anonymous", self.anonymous(fastread.anonymous))
+            mp.setattr(zread, "anonymous", self.anonymous(zread.anonymous))
             mp.setattr(torch, "empty", self.empty(torch.empty))
             yield
 

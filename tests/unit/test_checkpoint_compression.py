@@ -13,7 +13,7 @@ import pytest
 import torch
 import zstandard
 
-from dcs_tasks.checkpoint import compression, fastread, validate
+from dcs_tasks.checkpoint import compression, fastread, validate, zread
 from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
 from dcs_tasks.checkpoint.format import FileEntry, Manifest, new_hasher
 from dcs_tasks.errors import CorruptCheckpoint
@@ -25,6 +25,7 @@ NAME = "model-00001-of-00001.safetensors"
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fastread, "CHUNK_BYTES", 65536)  # many steps per file
+    monkeypatch.setattr(zread, "CHUNK_BYTES", 65536)
 
 
 def _staged(tmp_path: Path, data: bytes, offset: int = 4096) -> Path:
@@ -200,6 +201,7 @@ def test_a_real_bomb_that_verifies_is_refused_before_any_allocation(
         return real(size)
 
     monkeypatch.setattr(fastread, "anonymous", spy)
+    monkeypatch.setattr(zread, "anonymous", spy)
     with pytest.raises(CorruptCheckpoint, match="at most 256x expansion"):
         validate.check_manifest(_manifest_of(entry), tmp_path / "manifest.json")  # what every reader runs first
     assert allocated == []
