@@ -14,6 +14,9 @@ connect / write / read timeouts are. A connection the server closed while it sat
 after `timeout_keep_alive`, 5 s by default) is not reused; when the close crosses a request, i.e. a reused
 connection ends or is reset before any byte of the answer arrived, the request is sent once more on a fresh
 connection. No other failure is retried: a timeout, a refused connection or an answer cut short raise.
+Bounds on what a server can make the caller hold: the whole call takes at most its timeout in total (not per
+read), and an answer's body at most `max_bytes` (`MAX_BODY_BYTES`, 1 MiB; `AnswerTooLarge`). The httpx path
+of the same calls gets the same bounds from `bounded_request`.
 
 What it does not handle is left to the caller (`KeepAliveClient.target` answers None, the caller uses httpx):
 other schemes (https), URLs with credentials, and URLs the caller's `direct` predicate refuses (EngineAPI:
@@ -34,6 +37,7 @@ from typing import Any, NamedTuple
 import httpx
 
 MAX_HEAD_BYTES = 100 * 1024  # status line + headers of an answer (httpcore's bound)
+MAX_BODY_BYTES = 1 << 20  # an engine answer's body: SGLang's largest (/server_info, its server args) is ~10 KiB
 MAX_IDLE_PER_ORIGIN = 4
 _TARGET_CACHE = 4096  # URLs whose parse is kept (engines x paths)
 _CRLF2 = b"\r\n\r\n"
@@ -42,6 +46,59 @@ _CRLF2 = b"\r\n\r\n"
 def encode_json(body: Any) -> bytes:
     """`body` as httpx 0.28 encodes `json=` (compact, UTF-8, NaN refused with ValueError)."""
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+class AnswerTooLarge(httpx.RemoteProtocolError):
+    """An answer whose body is longer than the caller's bound (read no further)."""
+
+
+def _total_timeout(timeout: float) -> httpx.ReadTimeout:
+    return httpx.ReadTimeout(f"no whole answer within {timeout:g}s")
+
+
+async def bounded_request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    timeout: float,
+    max_bytes: int = MAX_BODY_BYTES,
+    **kwargs: Any,
+) -> httpx.Response:
+    """`client.request(method, url, ...)` with the whole call (connect, head, body) bounded by `timeout` in
+    total, not per read (a server trickling one byte a second never ends a per-read timeout), and the body by
+    `max_bytes` (AnswerTooLarge, read no further). Bodies are asked for uncompressed. Failures are httpx's
+    exception classes (`ReadTimeout` for the total bound)."""
+    headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream(method, url, timeout=timeout, headers=headers, **kwargs) as response:
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise AnswerTooLarge(f"answer of {declared} bytes, more than {max_bytes}")
+                body = bytearray()
+                async for chunk in response.aiter_raw():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        raise AnswerTooLarge(f"answer longer than {max_bytes} bytes")
+    except TimeoutError:
+        raise _total_timeout(timeout) from None
+    kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _FRAMING]
+    return httpx.Response(response.status_code, headers=kept, content=bytes(body), request=response.request)
+
+
+_FRAMING = {"content-length", "transfer-encoding", "content-encoding"}
+
+
+def bounded_request_blocking(
+    method: str, url: str, timeout: float, max_bytes: int = MAX_BODY_BYTES, **kwargs: Any
+) -> httpx.Response:
+    """`bounded_request` from synchronous code (a worker task), on an event loop and client of its own."""
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient() as client:
+            return await bounded_request(client, method, url, timeout, max_bytes, **kwargs)
+
+    return asyncio.run(call())
 
 
 class Target(NamedTuple):
@@ -157,10 +214,14 @@ class _Connection(asyncio.Protocol):
             seen = len(self.buffer)
             await self._more(timeout)
 
-    async def rest(self, timeout: float) -> None:
-        """Until the server closes the connection (an answer framed by its close)."""
+    async def rest(self, timeout: float, max_bytes: int) -> None:
+        """Until the server closes the connection (an answer framed by its close), at most `max_bytes`."""
         while not self.ended:
+            if len(self.buffer) > max_bytes:
+                raise AnswerTooLarge(f"answer longer than {max_bytes} bytes")
             await self._wait_data(timeout)
+        if len(self.buffer) > max_bytes:
+            raise AnswerTooLarge(f"answer longer than {max_bytes} bytes")
         if self.lost is not None:
             raise httpx.ReadError(repr(self.lost))
 
@@ -240,31 +301,51 @@ class KeepAliveClient:
             return None
         return Target(parsed.host, parsed.port or 80, parsed.raw_path, parsed.netloc)
 
-    async def request(self, method: str, target: Target, timeout: float, json_body: Any = None) -> httpx.Response:
-        """One request to `target` (from `target(url)`), with `json_body` as its JSON body unless None."""
+    async def request(
+        self, method: str, target: Target, timeout: float, json_body: Any = None, max_bytes: int = MAX_BODY_BYTES
+    ) -> httpx.Response:
+        """One request to `target` (from `target(url)`), with `json_body` as its JSON body unless None. The
+        whole call is bounded by `timeout` in total (ReadTimeout), the answer's body by `max_bytes`
+        (AnswerTooLarge)."""
         if self._closed:
             raise RuntimeError("the client has been closed")
         has_body = json_body is not None
-        body = encode_json(json_body) if has_body else b""
+        body = encode_json(json_body) if has_body else b""  # the caller's own work: outside the bound
         head = [f"{method} ".encode("ascii"), target.path, b" HTTP/1.1\r\nHost: ", target.netloc, b"\r\n"]
         head.append(self._headers)
         if has_body:
             head.append(b"Content-Length: %d\r\nContent-Type: application/json\r\n" % len(body))
         head.append(b"\r\n")
         data = b"".join(head) + body
+        phase = ["connect"]  # how far the call got when the total bound struck: names the timeout's class
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._request(method, target, timeout, data, max_bytes, phase)
+        except TimeoutError:
+            where = f"{target.host}:{target.port}"
+            if phase[0] == "connect":
+                raise httpx.ConnectTimeout(f"no connection to {where} within {timeout:g}s") from None
+            if phase[0] == "write":
+                raise httpx.WriteTimeout(f"request to {where} not written within {timeout:g}s") from None
+            raise _total_timeout(timeout) from None
+
+    async def _request(
+        self, method: str, target: Target, timeout: float, data: bytes, max_bytes: int, phase: list[str]
+    ) -> httpx.Response:
         origin = (target.host, target.port)
         conn = self._idle_connection(origin)
         if conn is None:
             conn = await self._connect(origin, timeout)
         try:
             try:
-                return await self._exchange(conn, method, data, timeout)
+                return await self._exchange(conn, method, data, timeout, max_bytes, phase)
             except _Stale:
                 conn.close()
                 self._open.discard(conn)
+                phase[0] = "connect"
                 conn = await self._connect(origin, timeout)
                 try:
-                    return await self._exchange(conn, method, data, timeout)
+                    return await self._exchange(conn, method, data, timeout, max_bytes, phase)
                 except _Stale as again:  # cannot happen on a fresh connection; kept typed all the same
                     raise again.error from None
         except BaseException:
@@ -295,11 +376,15 @@ class KeepAliveClient:
         self._open.add(conn)
         return conn
 
-    async def _exchange(self, conn: _Connection, method: str, data: bytes, timeout: float) -> httpx.Response:
+    async def _exchange(
+        self, conn: _Connection, method: str, data: bytes, timeout: float, max_bytes: int, phase: list[str]
+    ) -> httpx.Response:
         reused, before = conn.exchanges > 0, conn.received
         try:
+            phase[0] = "write"
             await conn.send(data, timeout)
-            response, keep = await _read_response(conn, method, timeout)
+            phase[0] = "read"
+            response, keep = await _read_response(conn, method, timeout, max_bytes)
         except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if reused and conn.ended and conn.received == before:  # closed under us before any byte of the answer
                 raise _Stale(exc) from exc
@@ -322,7 +407,9 @@ class KeepAliveClient:
         self._idle.clear()
 
 
-async def _read_response(conn: _Connection, method: str, timeout: float) -> tuple[httpx.Response, bool]:
+async def _read_response(
+    conn: _Connection, method: str, timeout: float, max_bytes: int = MAX_BODY_BYTES
+) -> tuple[httpx.Response, bool]:
     """The answer on `conn` (informational 1xx answers skipped) and whether the connection can be reused;
     `conn.buffer` keeps only what came after it."""
     while True:
@@ -340,20 +427,22 @@ async def _read_response(conn: _Connection, method: str, timeout: float) -> tupl
     elif b"transfer-encoding" in names:
         codings = [v for n, v in headers if n.lower() == b"transfer-encoding"]
         if codings[-1].rsplit(b",", 1)[-1].strip().lower() == b"chunked":
-            content = await _read_chunked(conn, timeout)
+            content = await _read_chunked(conn, timeout, max_bytes)
         else:
-            await conn.rest(timeout)
+            await conn.rest(timeout, max_bytes)
             content, keep = bytes(conn.buffer), False
     elif b"content-length" in names:
         lengths = {v.strip() for n, v in headers if n.lower() == b"content-length"}
         if len(lengths) != 1 or not next(iter(lengths)).isdigit():
             raise httpx.RemoteProtocolError(f"bad Content-Length: {sorted(lengths)}")
         length = int(next(iter(lengths)))
+        if length > max_bytes:
+            raise AnswerTooLarge(f"answer of {length} bytes, more than {max_bytes}")
         await conn.until(length, timeout)
         content = bytes(conn.buffer[:length])
         del conn.buffer[:length]
     else:
-        await conn.rest(timeout)
+        await conn.rest(timeout, max_bytes)
         content, keep = bytes(conn.buffer), False
     if conn.buffer:  # bytes nobody asked for: the connection's framing cannot be trusted
         keep = False
@@ -376,9 +465,10 @@ def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
     return int(parts[1]), parts[0] == b"HTTP/1.0", headers
 
 
-async def _read_chunked(conn: _Connection, timeout: float) -> bytes:
-    """A chunked body (trailers read and dropped)."""
+async def _read_chunked(conn: _Connection, timeout: float, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """A chunked body (trailers read and dropped), at most `max_bytes` (AnswerTooLarge)."""
     chunks = []
+    total = 0
     while True:
         end = await conn.line(0, b"\r\n", 1024, timeout)
         size_text = bytes(conn.buffer[:end]).split(b";", 1)[0].strip()
@@ -389,6 +479,9 @@ async def _read_chunked(conn: _Connection, timeout: float) -> bytes:
         del conn.buffer[: end + 2]
         if size == 0:
             break
+        total += size
+        if total > max_bytes:
+            raise AnswerTooLarge(f"answer longer than {max_bytes} bytes")
         await conn.until(size + 2, timeout)
         if conn.buffer[size : size + 2] != b"\r\n":
             raise httpx.RemoteProtocolError("chunk not followed by CRLF")

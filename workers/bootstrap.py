@@ -33,6 +33,7 @@ import redis
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
+from dcs_tasks.http11 import bounded_request_blocking
 from dcs_tasks.keys import Keys
 from dcs_tasks.lua import LuaScript
 from dcs_tasks.sync.engine_protocol import auth_headers
@@ -382,11 +383,12 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
     url = f"{request.engine.url}/init_weights_update_group"
     node = request.engine.node_id
     try:
-        response = httpx.post(
+        response = bounded_request_blocking(  # total time and answer size bounded (a hostile engine's answer)
+            "POST",
             url,
+            request.timeout_seconds + 5,
             json=request.body.model_dump(mode="json"),
             headers=auth_headers(token),
-            timeout=request.timeout_seconds + 5,
         )
     except httpx.TimeoutException as exc:
         return JoinResult(node_id=node, success=False, outcome=JoinOutcome.TIMED_OUT, message=f"{url}: {exc!r}")
@@ -458,11 +460,12 @@ def destroy_group(
     answered = 0
     for engine in request.engines:
         try:
-            httpx.post(
+            bounded_request_blocking(
+                "POST",
                 f"{engine.url}/destroy_weights_update_group",
+                timeout,
                 json={"group_name": request.group_name},
                 headers=auth_headers(token),
-                timeout=timeout,
             )
             answered += 1
         except httpx.HTTPError as exc:

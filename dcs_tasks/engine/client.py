@@ -15,6 +15,7 @@ from typing import NamedTuple
 import httpx
 
 from dcs_tasks.engine.errors import EngineUnavailable
+from dcs_tasks.http11 import bounded_request
 from dcs_tasks.sync.engine_protocol import EngineAPI
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
@@ -62,8 +63,8 @@ class EngineClient:
 
     async def health(self, timeout: float) -> Health:
         """One `GET /health` bounded by `timeout`."""
-        try:
-            response = await self._http.get("/health", timeout=timeout)
+        try:  # the whole probe within `timeout`, at most MAX_BODY_BYTES of answer (a trickling /health ends)
+            response = await bounded_request(self._http, "GET", "/health", timeout)
         except httpx.HTTPError as exc:
             return Health(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         return Health(response.status_code, f"answered {response.status_code}")

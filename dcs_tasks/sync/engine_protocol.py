@@ -20,7 +20,11 @@ for these calls) and pipeline stages (every stage would join with the same ranks
 Calls to plain `http://` engines go over `dcs_tasks.http11.KeepAliveClient` (one kept-alive connection per
 engine, ~0.2 ms of CPU per call instead of httpx's ~2 ms: an update makes ~5 sequential calls per engine
 while the trainer packs buckets); anything it does not handle (https, a proxy from the environment, headers
-it cannot write) goes through httpx. Both raise httpx's exception classes and answer `httpx.Response`s.
+it cannot write) goes through httpx. Both raise httpx's exception classes and answer `httpx.Response`s, and
+both bound what an engine can make DCS hold: every call takes at most its timeout in total (not per read),
+an answer's body at most `http11.MAX_BODY_BYTES` (1 MiB), and the values read are range-checked (a version
+of at most 64 characters, tp/dp/pp sizes in 1..4096, a weight version in 0..2^53-1). A bad answer is a
+`WeightSyncError` / `EngineIncompatible` naming that engine only.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
-from dcs_tasks.http11 import KeepAliveClient
+from dcs_tasks.http11 import KeepAliveClient, bounded_request
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
 SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 SESSIONS_SINCE = Version("0.5.21")
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+MAX_VERSION_CHARS = 64  # a version string longer than this is no SGLang version (checked before it is parsed)
+MAX_ENGINE_SIZE = 4096  # tp_size / dp_size / pp_size of one engine: far above any GPU group SGLang runs
+MAX_WEIGHT_VERSION = 2**53 - 1  # the coordinator's bound on versions; beyond: read as 0 (not an integer)
 # Pause mode per version. `retract` sends running requests back to the queue (recomputed with the new weights)
 # and, from 0.5.21, the post-update cache flush ignores that queue while paused. 0.5.20's flush needs an empty
 # queue and asserts it succeeded (a failed assert kills the server), so there DCS pauses with `abort`.
@@ -67,10 +74,15 @@ def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
     node = engine.node_id
     if not isinstance(payload, dict) or not isinstance(payload.get("version"), str):
         raise EngineIncompatible(f"{node} at {engine.url}: /server_info has no SGLang `version`", node)
+    text = payload["version"]
+    if len(text) > MAX_VERSION_CHARS:
+        raise EngineIncompatible(
+            f"{node}: /server_info version of {len(text)} characters is not an SGLang version", node
+        )
     try:
-        version = Version(payload["version"])
-    except InvalidVersion:
-        raise EngineIncompatible(f"{node}: {payload['version']!r} is not an SGLang version", node) from None
+        version = Version(text)
+    except (InvalidVersion, ValueError):  # ValueError: digits past int()'s limit
+        raise EngineIncompatible(f"{node}: {text!r} is not an SGLang version", node) from None
     if str(version) not in SUPPORTED_VERSIONS:
         raise EngineIncompatible(
             f"{node} at {engine.url} runs SGLang {version}; DCS supports {', '.join(SUPPORTED_VERSIONS)}", node
@@ -96,8 +108,9 @@ def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
 
 def _size(payload: dict[str, Any], key: str, node: str) -> int:
     value = payload.get(key, 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise EngineIncompatible(f"{node}: /server_info {key}={value!r} is not a positive integer", node)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ENGINE_SIZE:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise EngineIncompatible(f"{node}: /server_info {key}={shown} is not an integer in 1..{MAX_ENGINE_SIZE}", node)
     return value
 
 
@@ -143,9 +156,13 @@ class EngineAPI:
         `"default"`, or a name an operator set)."""
         try:
             response = await self._request(engine, "GET", "/model_info", None, timeout)
-            return int(_json(response).get("weight_version"))  # type: ignore[arg-type]
+            value = _json(response).get("weight_version")
+            if isinstance(value, str) and len(value) > 20:  # no int() of thousands of digits
+                return 0
+            version = int(value)  # type: ignore[arg-type]
         except (WeightSyncError, TypeError, ValueError):
             return 0
+        return version if 0 <= version <= MAX_WEIGHT_VERSION else 0
 
     async def alive(self, engine: EngineEndpoint, timeout: float) -> bool:
         """Whether GET /health answers at all (any status: SGLang's may run a generation and fail meanwhile)."""
@@ -172,9 +189,7 @@ class EngineAPI:
             assert self._fast is not None
             return await self._fast.request(method, target, self._timeout if timeout is None else timeout, body)
         kwargs: dict[str, Any] = {"json": body} if body is not None else {}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        return await self._http.request(method, url, **kwargs)
+        return await bounded_request(self._http, method, url, self._timeout if timeout is None else timeout, **kwargs)
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dcs_tasks.errors import EngineAuthRefused, WeightSyncError
-from dcs_tasks.http11 import KeepAliveClient, Target, encode_json
+from dcs_tasks.http11 import AnswerTooLarge, KeepAliveClient, Target, encode_json
 from dcs_tasks.sync.engine_protocol import EngineAPI, sent_direct
 from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.rollout import _unreachable
@@ -115,10 +115,12 @@ async def test_large_json_bodies_both_ways_arrive_whole(client: KeepAliveClient,
     body = {"names": [f"model.layers.{i}.mlp.weight" for i in range(200_000)], "unicode": "é✓"}
     answer = await client.request("POST", _target(client, server_port, "/echo"), 10.0, body)
     raw = encode_json(body)
+    with pytest.raises(AnswerTooLarge, match="more than 1048576"):  # issue 20, finding 1: the default bound
+        await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0)
     assert answer.json()["bytes"] == len(raw) > 5_000_000
     assert answer.json()["sha"] == hashlib.sha256(raw).hexdigest()
     assert answer.json()["auth"] == "Bearer t0ken" and answer.json()["type"] == "application/json"
-    big = await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0)
+    big = await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0, max_bytes=8 << 20)
     assert len(big.json()["data"]) == 3_000_000
     again = await client.request("GET", _target(client, server_port, "/port"), 5.0)  # the same connection after
     assert again.status_code == 200 and client.open_connections == 1
