@@ -17,15 +17,14 @@ import contextlib
 import logging
 import mmap
 import os
-import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint import incremental
-from dcs_tasks.checkpoint.compression import write_region
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, new_hasher
+from dcs_tasks.checkpoint import committer, incremental
+from dcs_tasks.checkpoint.committer import committed
+from dcs_tasks.checkpoint.format import FileEntry
 from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import PersistRequest
@@ -51,13 +50,6 @@ class PersistPaths:
 
     staging: Path
     step_dir: Location
-
-
-@dataclass(frozen=True)
-class FilePaths(PersistPaths):
-    """PersistPaths of a step on a file system."""
-
-    step_dir: Path
 
 
 def trusted_paths(req: PersistRequest) -> PersistPaths:
@@ -88,23 +80,22 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
         log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
         return verdict
     started = time.monotonic()
-    if isinstance(paths.step_dir, ObjectPath):
-        return persist_object(req, task_id, paths.staging, paths.step_dir, started)
-    paths = FilePaths(paths.staging, paths.step_dir)
-    if (paths.step_dir / MANIFEST_NAME).exists():  # the ledger forgot a committed step: never write into it
+    step_dir = paths.step_dir
+    if committed(step_dir):  # the ledger forgot a committed step: never write into it
         raise CheckpointFailed(
-            f"{paths.step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
+            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
             "it (expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
         )
-    if incremental.is_retired(paths.step_dir):
+    if incremental.is_retired(step_dir):
         raise CheckpointFailed(
-            f"{paths.step_dir} still holds files that later steps use (a deleted step's); save under a new step"
+            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
         )
-    if req.incremental and paths.step_dir.parent.is_dir():
-        with incremental.refs_lock(paths.step_dir.parent, shared=True):  # retention waits until it is recorded
-            reused = reusable(req, paths.staging, paths.step_dir)
+    if req.incremental:
+        with _refs_lock(step_dir.parent):  # retention waits until the reference is recorded
+            reused = reusable(req, paths.staging, step_dir)
             if reused is not None:
-                make_dirs_durable(paths.step_dir)  # the commit writes the manifest there
+                if isinstance(step_dir, Path):
+                    make_dirs_durable(step_dir)  # the commit writes the manifest there
                 record_persist(time.monotonic() - started)
                 log.info(
                     "persist %s/%s step %d: bytes equal step %s's, not written",
@@ -116,7 +107,7 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
                 return finish(req, FileOutcome.OK, file_entry_json(reused)).verdict
     try:
         entry = write_file(req, task_id, paths)
-    except NotPublished:  # another delivery of this task recorded the file while this one wrote it
+    except (NotPublished, NotPublishedObject):  # another delivery of this task recorded the file meanwhile
         log.info(
             "persist %s/%s step %d: recorded meanwhile by another delivery, this copy dropped",
             ref.run,
@@ -124,100 +115,31 @@ def persist(req: PersistRequest, task_id: str) -> Verdict:
             ref.step,
         )
         return Verdict.DONE
-    record_persist(time.monotonic() - started)
-    return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
-
-
-def persist_object(req: PersistRequest, task_id: str, staging: Path, step_dir: ObjectPath, started: float) -> Verdict:
-    """`persist` into an object store: the staged region goes up as one object (parallel multipart upload,
-    hashed on the way), which appears only once complete and only while the ledger still shows the file open.
-    Stored as it is: object-store steps are not compressed. Incremental saves as on files: a file whose staged
-    bytes equal the newest earlier step's is recorded as a reference, not uploaded (under the run's `refs`
-    lock, which retention takes too)."""
-    ref = req.ref
-    if (step_dir / MANIFEST_NAME).size() is not None:  # the ledger forgot a committed step: never write into it
-        raise CheckpointFailed(
-            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of it "
-            "(expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
-        )
-    if incremental.is_retired(step_dir):
-        raise CheckpointFailed(
-            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
-        )
-    if req.incremental:
-        with run_lock(step_dir.parent, "refs"):  # retention waits until the reference is recorded
-            reused = reusable(req, staging, step_dir)
-            if reused is not None:
-                record_persist(time.monotonic() - started)
-                log.info(
-                    "persist %s/%s step %d: bytes equal step %s's, not uploaded",
-                    ref.run,
-                    req.file_name,
-                    ref.step,
-                    reused.source_step,
-                )
-                return finish(req, FileOutcome.OK, file_entry_json(reused)).verdict
-    book = ledger()
-
-    def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
-        return book.file_open(ref.run, ref.step, ref.token, req.file_name)
-
-    fd = _open_staging(staging)
-    try:
-        _check_staged_size(fd, req, staging)
-        hasher = new_hasher()
-        target = step_dir / req.file_name
-        throttle = runtime().config.persist_throttle_bytes_per_second
-        if req.length == 0:
-            view_bytes = b""
-            hasher.update(view_bytes)
-            if not still_open():
-                return Verdict.DONE
-            target.store.put_small(target.key, view_bytes)
-        else:
-            mapping = mmap.mmap(fd, req.length, mmap.MAP_SHARED, mmap.PROT_READ, offset=req.offset)
-            try:
-                with memoryview(mapping) as view:
-                    target.store.upload(target.key, view, hasher, publish=still_open, on_bytes=_pacer(throttle))
-            except NotPublishedObject:
-                log.info(
-                    "persist %s/%s step %d: recorded meanwhile by another delivery, this upload dropped",
-                    ref.run,
-                    req.file_name,
-                    ref.step,
-                )
-                return Verdict.DONE
-            finally:
-                mapping.close()
-    finally:
-        os.close(fd)
-    entry = FileEntry(name=req.file_name, size=req.length, checksum=str(hasher.hexdigest()))
     log.info(
-        "persisted %s of %s step %d to %s: %d bytes in %.2fs",
+        "persisted %s of %s step %d to %s: %d bytes%s in %.2fs",
         req.file_name,
         ref.run,
         ref.step,
-        target,
-        req.length,
+        step_dir,
+        entry.size,
+        f" as {entry.disk_size} {entry.compression}" if entry.compression else "",
         time.monotonic() - started,
     )
     record_persist(time.monotonic() - started)
     return finish(req, FileOutcome.OK, file_entry_json(entry)).verdict
 
 
-def _pacer(throttle: float | None) -> Callable[[int], None] | None:
-    """An `on_bytes` callback that sleeps so the upload goes no faster than `throttle` bytes/s (fault tests)."""
-    if throttle is None:
-        return None
-    began, done = time.monotonic(), [0]
-
-    def pace(n: int) -> None:
-        done[0] += n
-        ahead = done[0] / throttle - (time.monotonic() - began)
-        if ahead > 0:
-            time.sleep(ahead)
-
-    return pace
+@contextlib.contextmanager
+def _refs_lock(run_dir: Location) -> Iterator[None]:
+    """The run's reference lock: `.refs.lock` shared on files (when the run exists), Redis on object stores."""
+    if isinstance(run_dir, ObjectPath):
+        with run_lock(run_dir, "refs"):
+            yield
+    elif run_dir.is_dir():
+        with incremental.refs_lock(run_dir, shared=True):
+            yield
+    else:
+        yield
 
 
 def reusable(req: PersistRequest, staging: Path, step_dir: Location) -> FileEntry | None:
@@ -241,45 +163,40 @@ def reusable(req: PersistRequest, staging: Path, step_dir: Location) -> FileEntr
     return entry if checksum == entry.checksum else None
 
 
-def write_file(req: PersistRequest, task_id: str, paths: FilePaths) -> FileEntry:
-    """Stream the staged region to its final name (temp, fsync, rename, dir fsync) and checksum it, zstd-
-    compressed when the request asks and the bytes shrink (`compression.write_region`). The staging file is
-    opened once without following symlinks and read through that descriptor. Just before the rename the
-    ledger must still show the file open (`StepLedger.file_open`), else NotPublished: two deliveries of one
-    task can overlap (a retry beside the restored original), and the later one must not replace a file the
-    first recorded, since the save's staging buffer may have been released and reused meanwhile."""
+def write_file(req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
+    """Store the staged region as the step's file and checksum it (`committer.write_file`: temp, fsync, rename,
+    dir fsync on files, zstd-compressed when the request asks and the bytes shrink; a multipart upload on object
+    stores). The staging file is opened once without following symlinks and read through that descriptor. Just
+    before the bytes appear the ledger must still show the file open (`StepLedger.file_open`), else NotPublished:
+    two deliveries of one task can overlap (a retry beside the restored original), and the later one must not
+    replace a file the first recorded, since the save's staging buffer may have been released and reused
+    meanwhile."""
     staging = paths.staging
     fd = _open_staging(staging)
     try:
         _check_staged_size(fd, req, staging)
-        make_dirs_durable(paths.step_dir)
+        if isinstance(paths.step_dir, Path):
+            make_dirs_durable(paths.step_dir)
         config = runtime().config
-        source = Path(f"/proc/self/fd/{fd}")  # the file just checked, whatever happens to its name meanwhile
-        final = paths.step_dir / req.file_name
-        threads = config.checkpoint_compression_threads
-        throttle = config.persist_throttle_bytes_per_second
         ref = req.ref
         book = ledger()
 
         def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
             return book.file_open(ref.run, ref.step, ref.token, req.file_name)
 
-        entry = write_region(
-            source, req.offset, req.length, final, task_id, req.compression, threads, throttle, publish=still_open
+        return committer.write_file(
+            fd,
+            req.offset,
+            req.length,
+            paths.step_dir / req.file_name,
+            task_id,
+            compression=req.compression if isinstance(paths.step_dir, Path) else None,
+            threads=config.checkpoint_compression_threads,
+            throttle=config.persist_throttle_bytes_per_second,
+            publish=still_open,
         )
     finally:
         os.close(fd)
-    if entry.compression:
-        log.info(
-            "persisted %s of %s step %d: %d bytes as %d %s",
-            req.file_name,
-            req.ref.run,
-            req.ref.step,
-            entry.size,
-            entry.disk_size,
-            entry.compression,
-        )
-    return entry
 
 
 def _open_staging(staging: Path) -> int:
@@ -321,24 +238,5 @@ def remove_partial_step_at(step_dir: object, run: str, step: int) -> None:
 
 
 def remove_partial_step(step_dir: Location) -> None:
-    """Delete a step directory that never got a manifest (a failed save); never a committed one, nor a retired
-    one (a deleted step whose files later steps still use). In an object store: its objects and any upload
-    still open under it."""
-    if isinstance(step_dir, ObjectPath):
-        remove_partial_object_step(step_dir)
-        return
-    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).exists() and not incremental.is_retired(step_dir):
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(step_dir)
-        log.info("removed partial step directory %s", step_dir)
-
-
-def remove_partial_object_step(step_dir: ObjectPath) -> None:
-    store = step_dir.store
-    if (step_dir / MANIFEST_NAME).size() is not None:
-        return
-    aborted = store.abort_uploads(step_dir.key + "/")
-    keys = [item.key for item in store.objects(step_dir.key + "/")]
-    if keys:
-        store.delete(keys)
-    log.info("removed partial step %s (%d objects, %d open uploads aborted)", step_dir, len(keys), aborted)
+    """`committer.remove_partial_step`: a failed save's step, never a committed or retired one."""
+    committer.remove_partial_step(step_dir)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint import objread
+from dcs_tasks.checkpoint.committer import move_object_latest
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.fsio import (
     durable_file,
@@ -50,7 +51,6 @@ from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
-from workers.commit import move_object_latest
 from workers.objlocks import run_lock
 from workers.persist import ledger
 from workers.runtime import runtime
@@ -86,7 +86,7 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
             raise  # transient (ENOSPC, EIO): retried by the task base
     if isinstance(dst_dir, ObjectPath):
-        move_object_latest(dst_dir.parent, req.step)
+        move_object_latest(dst_dir.parent, req.step, run_lock)
     else:
         move_latest(dst_dir.parent, req.step, task_id)
     deleted: list[int] = []

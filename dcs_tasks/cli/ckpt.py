@@ -39,10 +39,18 @@ def register(sub: Any) -> None:
     ):
         p = actions.add_parser(name, help=text)
         p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
-        p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+        p.add_argument(
+            "--dir",
+            type=_root_arg,
+            default=None,
+            help="checkpoint root: a path or s3://bucket/prefix (default: DCS_CHECKPOINT_DIR)",
+        )
         p.add_argument("--rank", type=int, default=None, help="one rank's part of a multi-rank run")
         p.add_argument(
-            "--replica-dir", type=Path, default=None, help="replica root (default: DCS_REPLICA_DIR; none if unset)"
+            "--replica-dir",
+            type=_root_arg,
+            default=None,
+            help="replica root: a path or s3://bucket/prefix (default: DCS_REPLICA_DIR; none if unset)",
         )
         p.set_defaults(func=func)
         if name in ("verify", "inspect"):
@@ -56,7 +64,12 @@ def register(sub: Any) -> None:
 def _register_interop(actions: Any) -> None:
     p = actions.add_parser("export", help="write a step as a Hugging Face model directory")
     p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
-    p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+    p.add_argument(
+        "--dir",
+        type=_root_arg,
+        default=None,
+        help="checkpoint root: a path or s3://bucket/prefix (default: DCS_CHECKPOINT_DIR)",
+    )
     p.add_argument("--step", type=int, default=None, help="the step (default: the newest committed one)")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: model.safetensors (+ index when sharded)")
     p.add_argument("--out", type=Path, required=True, help="output directory (new, or without weights in it)")
@@ -69,7 +82,12 @@ def _register_interop(actions: Any) -> None:
     p.set_defaults(func=_export)
     p = actions.add_parser("import", help="commit a torch DCP or Hugging Face checkpoint as a step of a run")
     p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
-    p.add_argument("--dir", type=Path, default=None, help="checkpoint root (default: DCS_CHECKPOINT_DIR)")
+    p.add_argument(
+        "--dir",
+        type=_root_arg,
+        default=None,
+        help="checkpoint root: a path or s3://bucket/prefix (default: DCS_CHECKPOINT_DIR)",
+    )
     p.add_argument("--step", type=int, required=True, help="the step number to commit it as")
     p.add_argument("--from", dest="source", type=Path, required=True, help="the checkpoint directory to read")
     p.add_argument("--format", choices=["dcp", "hf"], required=True)
@@ -85,6 +103,17 @@ def _run_name(value: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return value
+
+
+def _root_arg(value: str) -> Any:
+    """argparse type of `--dir` / `--replica-dir`: a path, file:// or s3:// URL (never `s3:/...` as a folder)."""
+    from dcs_tasks.errors import ConfigError
+    from dcs_tasks.storage import parse_root
+
+    try:
+        return parse_root(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_root(args: argparse.Namespace) -> Location:

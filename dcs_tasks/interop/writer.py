@@ -3,9 +3,10 @@
 The same path a save takes, run in the calling process: `flatten_state` and `plan_layout` give the files'
 bytes; the step is opened in the Redis ledger (`StepLedger.begin`: refused when the step is committed or
 another save of it is in flight), each file is claimed, written by `fsio.stream_region` (the persist
-writer: temp name, O_DIRECT where allowed, xxh3_128 on the same pass, fsync, rename, directory fsync) from a
-memfd holding just that file, and recorded; then the commit is claimed, `manifest.json` is written durably
-and checked with the reader's own checks, `latest` moves forward (never back, under the run's lock), and
+writer, `dcs_tasks.checkpoint.committer.write_file`: on files a temp name, O_DIRECT where allowed, xxh3_128
+on the same pass, fsync, rename, directory fsync; in an object store a multipart upload) from a memfd holding
+just that file, and recorded; then the commit is claimed and the step published exactly as the worker's
+commit task does (`committer.publish_step`: the reader's own checks, manifest, `latest` forward only), and
 the step is marked COMMITTED. On any failure the ledger step goes FAILED with the reason and the partial
 step directory (never a committed one) is removed. Memory: one file of the layout at a time.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,52 +22,44 @@ from typing import Any
 import redis
 import torch
 
+from dcs_tasks import storage
+from dcs_tasks.checkpoint import committer, objlocks
+from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step, remove_partial_step
 from dcs_tasks.checkpoint.format import (
-    MANIFEST_NAME,
     FileEntry,
     FileLayout,
     Manifest,
     draft_of,
-    manifest_bytes,
     plan_layout,
     specs_of,
     step_dir_name,
 )
 from dcs_tasks.checkpoint.fsio import (
     make_dirs_durable,
-    remove_stray_temps,
-    stream_region,
     write_all,
-    write_bytes_durably,
 )
-from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import validate_run_name, validate_step
 from dcs_tasks.checkpoint.sharded import rank_dirs
 from dcs_tasks.checkpoint.structure import flatten_state
-from dcs_tasks.checkpoint.validate import check_manifest
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointError, CheckpointFailed, UnsupportedOnObjectStore
+from dcs_tasks.errors import CheckpointError, CheckpointFailed
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
+from dcs_tasks.storage import Location, ObjectPath
 
 
-def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Path:
+def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Location:
     """Commit `state` as step `step` of `run` under `config.checkpoint_dir`; returns the step directory.
     CheckpointError when the name or step is invalid, the run is multi-rank, or the step exists or is in
     flight; StagingError (naming the path) for a value a checkpoint cannot hold; CheckpointFailed otherwise."""
     validate_run_name(run)
     validate_step(step)
-    if not isinstance(config.checkpoint_dir, Path):
-        raise UnsupportedOnObjectStore(
-            f"dcs ckpt import writes into a file-system checkpoint root; {config.checkpoint_dir} is an object store "
-            "(import into a directory, then copy the step)"
-        )
-    run_root = Path(config.checkpoint_dir) / run
+    run_root = storage.root(config.checkpoint_dir, config) / run
     if rank_dirs(run_root):
         raise CheckpointError(f"run {run!r} is a multi-rank run: an import writes a single-rank step")
     step_dir = run_root / step_dir_name(step)
-    if os.path.lexists(step_dir / MANIFEST_NAME):
+    if committed(step_dir):
         raise CheckpointError(f"step {step} of run {run!r} is already committed in {step_dir}")
     flat = flatten_state(state)
     layout = plan_layout(specs_of(flat.tensors), config.file_shard_bytes)
@@ -81,7 +73,12 @@ def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: 
             raise CheckpointError(f"step {step} of run {run!r} is already committed")
         if verdict is Verdict.BUSY:
             raise CheckpointError(f"step {step} of run {run!r} is being saved right now")
-        _Commit(ledger, run, step, token, step_dir).run(layout.files, flat.tensors)
+        keys = Keys(config.namespace)
+
+        def object_lock(where: ObjectPath, purpose: str) -> contextlib.AbstractContextManager[None]:
+            return objlocks.run_lock(client, keys, where, purpose)
+
+        _Commit(ledger, run, step, token, step_dir, object_lock).run(layout.files, flat.tensors)
     except redis.RedisError as exc:
         raise CheckpointFailed(
             f"import of step {step} of run {run!r} needs the Redis ledger (DCS_REDIS_URL), which failed: {exc}"
@@ -94,13 +91,17 @@ def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: 
 class _Commit:
     """One fenced import attempt: files, then manifest and `latest`; FAILED in the ledger on any error."""
 
-    def __init__(self, ledger: StepLedger, run: str, step: int, token: str, step_dir: Path) -> None:
+    def __init__(
+        self, ledger: StepLedger, run: str, step: int, token: str, step_dir: Location, object_lock: ObjectLock
+    ) -> None:
         self.ledger, self.run_name, self.step, self.token, self.step_dir = ledger, run, step, token, step_dir
+        self.object_lock = object_lock
         self.task_id = f"dcs-import-{token}"
 
     def run(self, files: tuple[FileLayout, ...], tensors: dict[str, torch.Tensor]) -> None:
         try:
-            make_dirs_durable(self.step_dir)
+            if isinstance(self.step_dir, Path):
+                make_dirs_durable(self.step_dir)
             for f in files:
                 self._file(f, tensors)
             self._commit()
@@ -122,10 +123,7 @@ class _Commit:
         state = self.ledger.read(self.run_name, self.step)
         files = [state.files[name] for name in sorted(state.files)]
         manifest = Manifest(**state.manifest_draft().model_dump(), files=files)
-        check_manifest(manifest, self.step_dir / MANIFEST_NAME)  # what restore will check, before it is visible
-        remove_stray_temps(self.step_dir)
-        write_bytes_durably(self.step_dir / MANIFEST_NAME, manifest_bytes(manifest), self.task_id)
-        move_latest(self.step_dir.parent, self.step, self.task_id)
+        publish_step(self.step_dir, manifest, self.task_id, object_lock=self.object_lock)
         self.ledger.finish_commit(self.run_name, self.step, self.token, StepStatus.COMMITTED, task_id=self.task_id)
 
     def _fail(self, reason: str) -> None:
@@ -137,11 +135,11 @@ class _Commit:
                 self.ledger.finish_commit(
                     self.run_name, self.step, self.token, StepStatus.FAILED, reason[:1000], task_id=self.task_id
                 )
-        if self.step_dir.is_dir() and not (self.step_dir / MANIFEST_NAME).exists():
-            shutil.rmtree(self.step_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            remove_partial_step(self.step_dir)
 
 
-def write_file(step_dir: Path, f: FileLayout, tensors: dict[str, torch.Tensor], tag: str) -> FileEntry:
+def write_file(step_dir: Location, f: FileLayout, tensors: dict[str, torch.Tensor], tag: str) -> FileEntry:
     """Build file `f` (header, then each slot's bytes in order: `plan_layout` leaves no gaps) in a memfd and
     stream it to `step_dir/f.name` with the persist writer; returns its entry with the checksum."""
     fd = os.memfd_create("dcs-import", os.MFD_CLOEXEC)
@@ -155,7 +153,7 @@ def write_file(step_dir: Path, f: FileLayout, tensors: dict[str, torch.Tensor], 
                 src = tensors[slot.spec.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 write_all(fd, src.numpy().data)
             pos = slot.end
-        checksum = stream_region(Path(f"/proc/self/fd/{fd}"), 0, f.size, step_dir / f.name, tag)
+        entry = committer.write_file(fd, 0, f.size, step_dir / f.name, tag)
     finally:
         os.close(fd)
-    return FileEntry(name=f.name, size=f.size, checksum=checksum)
+    return FileEntry(name=f.name, size=f.size, checksum=entry.checksum)

@@ -139,7 +139,8 @@ class ViewReader(io.RawIOBase):
 
 _clients: dict[tuple[int, S3Settings, str | None, str | None], Any] = {}
 _clients_lock = threading.Lock()
-_session: Any = None  # one boto3 session per process tree: a child forked after `prewarm` reuses its loaded models
+# boto3 sessions by credential environment; a child forked after `prewarm` reuses the parent's loaded models
+_sessions: dict[tuple[str | None, str | None], Any] = {}
 
 
 def prewarm(settings: S3Settings) -> None:
@@ -168,10 +169,10 @@ def client(settings: S3Settings) -> Any:
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
             )
-            global _session
-            if _session is None:
-                _session = boto3.session.Session()
-            found = _session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+            session = _sessions.get(key[2:])
+            if session is None:  # a session caches the credentials it resolved: one per credential environment
+                session = _sessions[key[2:]] = boto3.session.Session()
+            found = session.client("s3", endpoint_url=settings.endpoint_url, config=config)
             _clients[key] = found
         return found
 
@@ -258,23 +259,29 @@ class S3Store:
     # --- listings ------------------------------------------------------------------------------
     def objects(self, prefix: str, limit: int = MAX_LISTED_KEYS) -> Iterator[Listed]:
         """Every object under `prefix` (keys checked: one with a bad component is skipped), at most `limit`
-        (more raises StorageError: a listing that long is not a checkpoint tree)."""
+        (more raises StorageError: a listing that long is not a checkpoint tree). Skipped keys do not count
+        towards `limit` (`limit=1` asks "is there any object?", whatever hostile key sorts first) but do
+        towards MAX_LISTED_KEYS, so a listing of junk stays bounded."""
         paginator = self.client.get_paginator("list_objects_v2")
-        seen = 0
+        seen = scanned = 0
+        bound = max(limit, MAX_LISTED_KEYS)
         pages = self._call("LIST", prefix, lambda: iter(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
         while True:
             page = self._call("LIST", prefix, lambda: next(pages, None))
             if page is None:
                 return
             for item in page.get("Contents", []):
-                seen += 1
-                if seen > limit:
-                    raise StorageError(f"LIST s3://{self.bucket}/{prefix}: more than {limit} objects")
+                scanned += 1
+                if scanned > bound:
+                    raise StorageError(f"LIST s3://{self.bucket}/{prefix}: more than {bound} objects")
                 key = str(item.get("Key", ""))
                 try:
                     check_key(key)
                 except ValueError:
                     continue
+                seen += 1
+                if seen > limit:
+                    raise StorageError(f"LIST s3://{self.bucket}/{prefix}: more than {limit} objects")
                 yield Listed(key, int(item.get("Size", 0)))
 
     def children(self, prefix: str, limit: int = MAX_LISTED_KEYS) -> list[str]:
@@ -387,21 +394,24 @@ class S3Store:
         starts = list(range(0, len(view), part))
 
         def send(number: int, begin: int) -> dict[str, Any]:
-            piece = view[begin : begin + part]
-            answer = self._call(
-                "UPLOAD-PART",
-                key,
-                lambda: self.client.upload_part(
-                    Bucket=self.bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=ViewReader(piece),
-                    ContentLength=len(piece),
-                ),
-            )
+            # released on the way out, also when the part fails: the error's traceback keeps this frame, and a
+            # live slice would make the caller's `mmap.close()` raise BufferError in place of this error
+            with view[begin : begin + part] as piece:
+                size = len(piece)
+                answer = self._call(
+                    "UPLOAD-PART",
+                    key,
+                    lambda: self.client.upload_part(
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=ViewReader(piece),
+                        ContentLength=size,
+                    ),
+                )
             if on_bytes is not None:
-                on_bytes(len(piece))
+                on_bytes(size)
             return {"PartNumber": number, "ETag": answer["ETag"]}
 
         workers = max(1, min(self.settings.concurrency, len(starts)))

@@ -385,3 +385,37 @@ def test_dcs_ckpt_export_reads_a_step_from_s3_into_a_hugging_face_directory(
     assert set(exported) == {name.replace("/", ".") for name in state["model"]}
     for name, tensor in state["model"].items():
         assert torch.equal(exported[name.replace("/", ".")], tensor), name
+
+
+def test_dcs_ckpt_import_commits_a_hugging_face_directory_into_s3_through_the_same_committer(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket
+) -> None:
+    """`dcs ckpt import --format hf` with an s3:// root (given as --dir): the step is uploaded and published
+    exactly as a worker's commit does (manifest last, latest moved), and restores bit-exact."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "hf-in"
+    source.mkdir()
+    weights = {"embed.weight": torch.randn(64, 32), "head.bias": torch.randn(32)}
+    save_file(weights, str(source / "model.safetensors"))
+    config = s3_config(dcs_config, tmp_path, aws_env)
+    done = ckpt_cli(
+        config, tmp_path, "import", "--run", "imported", "--step", "7", "--from", str(source), "--format", "hf",
+        "--dir", aws_env.url("fleet/other"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    stored = objects(aws_env, "fleet/other/imported/")
+    assert "fleet/other/imported/step-000000007/manifest.json" in stored
+    assert aws_env.client().get_object(Bucket=aws_env.bucket, Key="fleet/other/imported/latest")["Body"].read() == (
+        b"step-000000007\n"
+    )
+    other = config.model_copy(
+        update={"checkpoint_dir": DCSConfig(checkpoint_dir=aws_env.url("fleet/other")).checkpoint_dir}
+    )
+    with Checkpointer("imported", other) as ckpt:
+        restored = ckpt.restore()
+    assert restored.step == 7
+    saved = restored.state["model"]
+    assert set(saved) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(saved[name], tensor), name

@@ -1,0 +1,172 @@
+"""Writing and publishing a step's bytes: the one protocol every committer follows, on either store.
+
+Two committers use it: the worker's persist and commit tasks (`workers/persist.py`, `workers/commit.py`) and
+`dcs ckpt import` (`dcs_tasks/interop/writer.py`). Both get the same pre-publish checks and the same order:
+1. `write_file`: one file's bytes, complete or not at all under their final name, checksummed on the same pass
+   (files: temp name, fsync, rename, directory fsync, zstd when asked; object stores: a multipart upload that
+   appears only once complete). `publish`, asked just before the bytes appear, may refuse (a redelivery whose
+   file another delivery already recorded: NotPublished / NotPublishedObject).
+2. `publish_step`: the manifest is checked as restore will check it (`validate.check_manifest`), every stored
+   file has its recorded size, leftovers of dead writers are removed (temp files; open multipart uploads), the
+   manifest is written (one atomic rename or PUT: a reader lists a step by its manifest, so it appears whole),
+   and last `latest` moves forward, never back (files: flock on `<run>/.latest.lock`; object stores: the run's
+   `latest` lock in Redis, `dcs_tasks.checkpoint.objlocks`).
+3. `remove_partial_step`: a step that failed before its manifest is removed (never a committed one, nor a
+   retired one whose files later steps use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from dcs_tasks.checkpoint import incremental
+from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, FileEntry, Manifest, manifest_bytes, new_hasher
+from dcs_tasks.checkpoint.fsio import remove_stray_temps, write_bytes_durably
+from dcs_tasks.checkpoint.latest import move_latest
+from dcs_tasks.checkpoint.reader import read_latest
+from dcs_tasks.checkpoint.validate import check_manifest
+from dcs_tasks.errors import CheckpointFailed
+from dcs_tasks.storage import Location, ObjectPath
+
+log = logging.getLogger(__name__)
+
+ObjectLock = Callable[[ObjectPath, str], contextlib.AbstractContextManager[None]]
+"""(run location, purpose) -> a held lock: `objlocks.run_lock` bound to a Redis client."""
+
+
+def write_file(
+    source_fd: int,
+    offset: int,
+    length: int,
+    final: Location,
+    tag: str,
+    *,
+    compression: CompressionSpec | None = None,
+    threads: int = 0,
+    throttle: float | None = None,
+    publish: Callable[[], bool] | None = None,
+) -> FileEntry:
+    """Store `length` bytes at `offset` (page-aligned) of the open file `source_fd` as the step file `final`;
+    returns its manifest entry. Object stores keep files as they are (no compression)."""
+    if isinstance(final, ObjectPath):
+        return _upload(source_fd, offset, length, final, publish, throttle)
+    return write_region(
+        Path(f"/proc/self/fd/{source_fd}"), offset, length, final, tag, compression, threads, throttle, publish
+    )
+
+
+def _upload(
+    fd: int, offset: int, length: int, final: ObjectPath, publish: Callable[[], bool] | None, throttle: float | None
+) -> FileEntry:
+    hasher = new_hasher()
+    store = final.store
+    if length == 0:
+        if publish is not None and not publish():
+            from dcs_tasks.storage.s3 import NotPublishedObject
+
+            raise NotPublishedObject(f"{final} was not written: the publish check refused it")
+        store.put_small(final.key, b"")
+    else:
+        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
+        try:
+            with memoryview(mapping) as view:
+                store.upload(final.key, view, hasher, publish=publish, on_bytes=pacer(throttle))
+        finally:
+            mapping.close()
+    return FileEntry(name=final.name, size=length, checksum=str(hasher.hexdigest()))
+
+
+def pacer(throttle: float | None) -> Callable[[int], None] | None:
+    """An `on_bytes` callback that sleeps so the upload goes no faster than `throttle` bytes/s (fault tests)."""
+    if throttle is None:
+        return None
+    import time
+
+    began, done = time.monotonic(), [0]
+
+    def pace(n: int) -> None:
+        done[0] += n
+        ahead = done[0] / throttle - (time.monotonic() - began)
+        if ahead > 0:
+            time.sleep(ahead)
+
+    return pace
+
+
+def committed(step_dir: Location) -> bool:
+    """Whether the step's manifest is stored (the step exists for readers)."""
+    manifest = step_dir / MANIFEST_NAME
+    return manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest)
+
+
+def check_stored(step_dir: Location, manifest: Manifest) -> None:
+    """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not)."""
+    for entry in manifest.files:
+        path = entry.stored_path(step_dir)
+        if isinstance(path, ObjectPath):
+            size = path.size()
+        else:
+            size = path.stat().st_size if path.is_file() else -1
+        if size != entry.disk_size:
+            raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")
+
+
+def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: ObjectLock | None = None) -> None:
+    """Make the step visible: checks, leftovers removed, manifest, then `latest` (module doc). A manifest already
+    stored is kept (a redelivered commit: it is a pure function of the ledger, so its bytes would not change)."""
+    final = step_dir / MANIFEST_NAME
+    check_manifest(manifest, final)  # what restore will check, before the step is visible
+    check_stored(step_dir, manifest)
+    if isinstance(step_dir, ObjectPath):
+        if object_lock is None:
+            raise ValueError("publishing a step in an object store needs its latest lock")
+        step_dir.store.abort_uploads(step_dir.key + "/")
+        if not committed(step_dir):
+            assert isinstance(final, ObjectPath)
+            final.store.put_small(final.key, manifest_bytes(manifest))
+        move_object_latest(step_dir.parent, manifest.step, object_lock)
+        return
+    assert isinstance(final, Path)
+    remove_stray_temps(step_dir)
+    if not final.exists():
+        write_bytes_durably(final, manifest_bytes(manifest), tag)
+    move_latest(step_dir.parent, manifest.step, tag)
+
+
+def move_object_latest(run_dir: ObjectPath, step: int, object_lock: ObjectLock) -> None:
+    """Point the run's `latest` object at `step` unless it names a newer (or the same) step."""
+    from dcs_tasks.checkpoint.format import step_dir_name
+
+    with object_lock(run_dir, "latest"):
+        current = read_latest(run_dir)
+        if current is not None and current >= step:
+            return
+        latest = run_dir / LATEST_NAME
+        latest.store.put_small(latest.key, f"{step_dir_name(step)}\n".encode())
+
+
+def remove_partial_step(step_dir: Location) -> None:
+    """Delete a step that never got a manifest (a failed save); never a committed one, nor a retired one (a
+    deleted step whose files later steps still use). In an object store: its objects and any upload still open
+    under it."""
+    if isinstance(step_dir, ObjectPath):
+        if committed(step_dir) or incremental.is_retired(step_dir):
+            return
+        store = step_dir.store
+        aborted = store.abort_uploads(step_dir.key + "/")
+        keys = [item.key for item in store.objects(step_dir.key + "/")]
+        if keys:
+            store.delete(keys)
+        log.info("removed partial step %s (%d objects, %d open uploads aborted)", step_dir, len(keys), aborted)
+        return
+    if step_dir.is_dir() and not committed(step_dir) and not incremental.is_retired(step_dir):
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(step_dir)
+        log.info("removed partial step directory %s", step_dir)
