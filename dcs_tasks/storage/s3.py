@@ -37,7 +37,7 @@ from dcs_tasks.storage_url import ObjectURL, check_key
 
 MiB = 1024 * 1024
 MIN_PART_BYTES = 5 * MiB  # S3: every part but the last is at least 5 MiB
-MAX_PARTS = 10_000  # S3: parts per upload
+MAX_PARTS = 1_000  # parts per upload: AWS allows 10,000, Swift s3api 1,000; larger files get larger parts
 MAX_LISTED_KEYS = 1_000_000  # a listing longer than this is refused (a hostile or runaway bucket)
 
 DENIED = frozenset(
