@@ -59,6 +59,9 @@ def scrub_secrets(text: str, secrets: Iterable[str | None] = ()) -> str:
     return mask_url_credentials(text)
 
 
+MAX_GROUP_INIT_TIMEOUT_SECONDS = 3600.0  # the longest group-formation wait DCS sends or accepts in a payload
+
+
 class BackendType(str, enum.Enum):
     """Transport used for tensor broadcasts."""
 
@@ -226,8 +229,9 @@ class DCSConfig(BaseSettings):
     comm_ifname: str | None = Field(default=None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:@,=^\-]+$")
     """Network interface(s) gloo and NCCL use (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset; default:
     the interface holding the advertised address, so a hostname resolving to loopback does not matter)."""
-    group_init_timeout_seconds: float = Field(default=60.0, gt=0)
-    """Timeout for a weight-sync process group to form."""
+    group_init_timeout_seconds: float = Field(default=60.0, gt=0, le=MAX_GROUP_INIT_TIMEOUT_SECONDS)
+    """Timeout for a weight-sync process group to form (at most 1 h: a join task's payload may carry no more,
+    and a worker holds a join no longer than its own value of this)."""
     ref_update_interval: int | None = Field(default=None, ge=1)
     """Update the reference model every N rollouts (None: never)."""
 

@@ -15,12 +15,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dcs_tasks.config import BackendType
+from dcs_tasks.config import MAX_GROUP_INIT_TIMEOUT_SECONDS, BackendType
 
 SGLANG_FLAT_FORMAT = "flattened_bucket"
 """SGLang's flattened-bucket load format: the request's tensors arrive as one uint8 broadcast, each tensor's
 raw bytes right after the previous one's (no padding; every offset must be a multiple of its itemsize)."""
 SGLANG_DEFAULT_GROUP = "weight_update_group"
+MAX_GROUP_RANK = 2**20 - 1  # ranks and world sizes in payloads: the coordinator's rank bound (dcs_tasks.models)
+MAX_GROUP_ENGINES = 4096  # engines in one group plan / destroy payload
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
@@ -29,8 +31,8 @@ class InitWeightsUpdateGroupRequest(BaseModel):
 
     master_address: str
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    rank_offset: int = Field(ge=1, le=MAX_GROUP_RANK)
+    world_size: int = Field(ge=2, le=MAX_GROUP_RANK + 1)
     group_name: str = Field(default=SGLANG_DEFAULT_GROUP, min_length=1, max_length=256)
     backend: BackendType = BackendType.NCCL
 
@@ -138,10 +140,10 @@ class EngineEndpoint(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    rank: int = Field(ge=0)
-    ip: str
+    rank: int = Field(ge=0, le=MAX_GROUP_RANK)
+    ip: str = Field(max_length=253)
     port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(default=1, ge=1)
+    rank_offset: int = Field(default=1, ge=1, le=MAX_GROUP_RANK)
     info: EngineInfo | None = None
     instance: str = Field(default="", max_length=INSTANCE_MAX_LENGTH, pattern=INSTANCE_PATTERN)
     """The registration's `metadata["instance"]` ("" when it has none): a new one per engine process, so an
@@ -165,8 +167,8 @@ class GroupPlan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    world_size: int = Field(ge=1)
-    engines: tuple[EngineEndpoint, ...]
+    world_size: int = Field(ge=1, le=MAX_GROUP_RANK + 1)
+    engines: tuple[EngineEndpoint, ...] = Field(max_length=MAX_GROUP_ENGINES)
 
     @property
     def signature(self) -> tuple[tuple[int, str, int, str], ...]:
@@ -183,7 +185,7 @@ class BootstrapRequest(BaseModel):
     """Payload of TaskName.BOOTSTRAP_GROUP, run on the trainer host's node queue."""
 
     group_prefix: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.\-]+$")
-    master_address: str
+    master_address: str = Field(max_length=253)
     plan: GroupPlan
     backend: BackendType = BackendType.GLOO
     request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -205,7 +207,9 @@ class JoinRequest(BaseModel):
 
     engine: EngineEndpoint
     body: InitWeightsUpdateGroupRequest
-    timeout_seconds: float = Field(gt=0)
+    timeout_seconds: float = Field(gt=0, le=MAX_GROUP_INIT_TIMEOUT_SECONDS, allow_inf_nan=False)
+    """What DCS sends: the bootstrapping worker's `group_init_timeout_seconds`; the joining worker waits no
+    longer than its own value of that setting either."""
 
 
 class JoinOutcome(str, enum.Enum):
@@ -227,10 +231,10 @@ class JoinResult(BaseModel):
 class DestroyRequest(BaseModel):
     """Payload of TaskName.DESTROY_GROUP: tell engines to drop the group, release its port and record."""
 
-    group_name: str
-    host: str
-    master_port: int
-    engines: list[EngineEndpoint] = Field(default_factory=list)
+    group_name: str = Field(min_length=1, max_length=256)
+    host: str = Field(max_length=253)
+    master_port: int = Field(ge=1, le=65535)
+    engines: list[EngineEndpoint] = Field(default_factory=list, max_length=MAX_GROUP_ENGINES)
 
 
 class GroupStatus(str, enum.Enum):
