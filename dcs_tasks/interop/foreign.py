@@ -34,6 +34,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from dcs_tasks.checkpoint.format import CODE_DTYPES, DTYPE_CODES
@@ -48,6 +49,7 @@ MAX_METADATA_BYTES = 256 * 1024 * 1024
 MAX_BYTES_ITEM = 64 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_CHUNKS = 4096  # per tensor
+MAX_TILING_CELLS = 1 << 22  # grid cells the chunk edges of one tensor may cut it into (a grid of chunks: one each)
 MAX_PATH_DEPTH = 64
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}$", re.ASCII)
 
@@ -274,14 +276,32 @@ def _check_tensor_md(fqn: str, md: Any, storage: set[tuple[str, tuple[int, ...] 
 
 
 def _check_tiling(fqn: str, size: list[int], boxes: list[tuple[list[int], list[int]]], path: Path) -> None:
-    """The chunks cover the tensor exactly once: their volumes add up to it and no two overlap."""
+    """The chunks cover the tensor exactly once: their volumes add up to it and no two overlap.
+
+    Linear in the chunks plus the cells of the grid their edges cut the tensor into (a pairwise test was
+    quadratic: 4096 chunks of one tensor cost 16.8 CPU-s): the distinct chunk edges are sorted per dimension,
+    each chunk marks the block of grid cells it spans, and a cell marked twice is an overlap. DCP's chunks
+    are the saving ranks' shards, a grid, so there are as many cells as chunks; a layout whose edges cut the
+    tensor into more than `MAX_TILING_CELLS` cells is refused as too irregular to check."""
     if sum(math.prod(s) for _, s in boxes) != math.prod(size):
         raise ForeignCheckpointError(f"{path}: the chunks of tensor {fqn!r} do not cover it exactly")
     nonempty = [b for b in boxes if math.prod(b[1])]
-    for i, (oa, sa) in enumerate(nonempty):
-        for ob, sb in nonempty[i + 1 :]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb, strict=True)):
-                raise ForeignCheckpointError(f"{path}: two chunks of tensor {fqn!r} overlap")
+    if len(nonempty) < 2:
+        return
+    edges = [sorted({o[k] for o, _ in nonempty} | {o[k] + s[k] for o, s in nonempty}) for k in range(len(size))]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_TILING_CELLS:
+        raise ForeignCheckpointError(
+            f"{path}: the chunks of tensor {fqn!r} cut it into {cells} pieces, more than {MAX_TILING_CELLS}: "
+            "too irregular a layout to check"
+        )
+    position = [{edge: i for i, edge in enumerate(e)} for e in edges]
+    marked = numpy.zeros([len(e) - 1 for e in edges], dtype=numpy.bool_)
+    for offsets, sizes in nonempty:
+        block = marked[tuple(slice(at[o], at[o + n]) for at, o, n in zip(position, offsets, sizes, strict=True))]
+        if block.any():
+            raise ForeignCheckpointError(f"{path}: two chunks of tensor {fqn!r} overlap")
+        block[...] = True
 
 
 def _is_tensor_md(md: Any) -> bool:
