@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -241,3 +241,8 @@ class TensorSpec:
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    """The checkpoint specs (safetensors codes) of `tensors`; UnsupportedDtype names one that cannot be stored."""
+    return [TensorSpec.of(name, t).checkpoint() for name, t in tensors.items()]

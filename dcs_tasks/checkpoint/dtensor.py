@@ -31,225 +31,39 @@ and verified with the file checksums, as `reader.load_tensors` does; so are piec
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint import objread
+from dcs_tasks.checkpoint import objread, reader, validate
+from dcs_tasks.checkpoint.dtensor_meta import MAX_MESH_DIMS as MAX_MESH_DIMS
+from dcs_tasks.checkpoint.dtensor_meta import ShardMeta as ShardMeta
+from dcs_tasks.checkpoint.dtensor_meta import UnsupportedPlacement as UnsupportedPlacement
+from dcs_tasks.checkpoint.dtensor_meta import assign_owners as assign_owners
+from dcs_tasks.checkpoint.dtensor_meta import box_of as box_of
+from dcs_tasks.checkpoint.dtensor_meta import check_ranks as check_ranks
+from dcs_tasks.checkpoint.dtensor_meta import chunk_range as chunk_range
+from dcs_tasks.checkpoint.dtensor_meta import chunk_sums as chunk_sums
+from dcs_tasks.checkpoint.dtensor_meta import is_dtensor as is_dtensor
+from dcs_tasks.checkpoint.dtensor_meta import local_part as local_part
+from dcs_tasks.checkpoint.dtensor_meta import owned as owned
 from dcs_tasks.checkpoint.format import (
     CODE_DTYPES,
-    SUM_CHUNK_BYTES,
-    ChunkSums,
-    Layout,
     Manifest,
-    ShardEntry,
     TensorEntry,
     chunk_sum,
 )
-from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StagingError, StateMismatch
+from dcs_tasks.checkpoint.steps import StepShards
+from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, ObjectPath
 
-if TYPE_CHECKING:
-    from dcs_tasks.checkpoint.sharded import StepShards
-
-MAX_MESH_DIMS = 2
 _READ = [0]  # data bytes read by restore_step in this process (bytes_read_total)
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi) along every dimension of the global tensor
-
-
-class UnsupportedPlacement(StagingError):
-    """A DTensor whose placements or mesh DCS cannot save or restore (the message names both)."""
-
-
-@dataclass(frozen=True)
-class ShardMeta:
-    """Where this rank's local shard of a DTensor sits; `shard_dims[i]` is the tensor dimension mesh
-    dimension i splits (None: replicated along it). `mesh_ranks` are the mesh's global ranks, row-major."""
-
-    global_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    placements: tuple[str, ...]
-    shard_dims: tuple[int | None, ...]
-    mesh_shape: tuple[int, ...]
-    mesh_ranks: tuple[int, ...]
-    coordinate: tuple[int, ...]
-    itemsize: int
-    source: Any = field(default=None, compare=False, repr=False)  # the DTensor itself
-
-    @property
-    def rank(self) -> int:
-        return self.mesh_ranks[_flat_index(self.coordinate, self.mesh_shape)]
-
-    def entry(self) -> ShardEntry:
-        return ShardEntry(
-            global_shape=list(self.global_shape),
-            offset=list(self.offset),
-            placements=list(self.placements),
-            mesh_shape=list(self.mesh_shape),
-        )
-
-
-_DTENSOR: list[Any] = []
-
-
-def _dtensor_type() -> Any:
-    if not _DTENSOR:
-        found: Any = None
-        try:
-            from torch.distributed.tensor import DTensor
-
-            found = DTensor
-        except ImportError:  # torch built without distributed: no DTensor can exist
-            pass
-        _DTENSOR.append(found)
-    return _DTENSOR[0]
-
-
-def is_dtensor(tensor: Any) -> bool:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(tensor, kind)
-
-
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, length) of piece `index` of `torch.chunk(range(size), parts)` (empty past the last piece)."""
-    step = -(-size // parts)
-    start = min(index * step, size)
-    return start, max(0, min(step, size - start))
-
-
-def box_of(
-    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], dims: Iterable[int | None]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, offset) of the shard at `coordinate`: each sharded mesh dimension, left to right,
-    chunks what the previous ones left of its tensor dimension."""
-    offset, size = [0] * len(global_shape), list(global_shape)
-    for mesh_dim, dim in enumerate(dims):
-        if dim is not None:
-            start, length = chunk_range(size[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
-            offset[dim] += start
-            size[dim] = length
-    return tuple(size), tuple(offset)
-
-
-def _flat_index(coordinate: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    index = 0
-    for c, s in zip(coordinate, shape, strict=True):
-        index = index * s + c
-    return index
-
-
-def _placement_dims(tensor: Any, where: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh = tensor.device_mesh
-    if mesh.ndim > MAX_MESH_DIMS:
-        raise UnsupportedPlacement(
-            f"cannot checkpoint DTensor at {where!r}: its device mesh has {mesh.ndim} dimensions "
-            f"{tuple(mesh.shape)}; 1-D and 2-D meshes are supported"
-        )
-    dims: list[int | None] = []
-    for placement in tensor.placements:
-        if type(placement) is Shard:
-            dims.append(placement.dim % max(tensor.dim(), 1))
-        elif type(placement) is Replicate:
-            dims.append(None)
-        else:
-            raise UnsupportedPlacement(
-                f"cannot checkpoint DTensor at {where!r}: placement {placement!r} is not supported "
-                "(Shard(d) and Replicate() are; redistribute it first)"
-            )
-    return tuple(dims), tuple(str(p) for p in tensor.placements)
-
-
-def local_part(tensor: Any, where: str) -> tuple[torch.Tensor, ShardMeta]:
-    """The DTensor's local shard (no communication) and where it sits. Raises UnsupportedPlacement."""
-    dims, names = _placement_dims(tensor, where)
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise UnsupportedPlacement(f"cannot checkpoint DTensor at {where!r}: this rank is not in its device mesh")
-    mesh_shape = tuple(int(s) for s in mesh.shape)
-    global_shape = tuple(int(s) for s in tensor.shape)
-    local_shape, offset = box_of(global_shape, mesh_shape, tuple(coordinate), dims)
-    local = tensor.to_local()
-    if tuple(local.shape) != local_shape:
-        raise UnsupportedPlacement(
-            f"cannot checkpoint DTensor at {where!r} ({', '.join(names)}): its local shard has shape "
-            f"{tuple(local.shape)}, not {local_shape} where torch.chunk puts it"
-        )
-    meta = ShardMeta(
-        global_shape=global_shape,
-        offset=offset,
-        local_shape=local_shape,
-        placements=names,
-        shard_dims=dims,
-        mesh_shape=mesh_shape,
-        mesh_ranks=tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()),
-        coordinate=tuple(int(c) for c in coordinate),
-        itemsize=local.element_size(),
-        source=tensor,
-    )
-    return local, meta
-
-
-# --- save -------------------------------------------------------------------------------------------------
-
-
-def check_ranks(metas: Mapping[str, ShardMeta], rank: int, world_size: int) -> None:
-    """Every DTensor's mesh must place this process at the checkpointer's `rank` and stay inside its world."""
-    for name, meta in metas.items():
-        if meta.rank != rank or max(meta.mesh_ranks) >= world_size:
-            raise CheckpointError(
-                f"DTensor {name!r} lives on mesh ranks {list(meta.mesh_ranks)} with this process as rank "
-                f"{meta.rank}, but the checkpointer is rank {rank} of {world_size}: make it "
-                "Checkpointer(run, rank=dist.get_rank(), world_size=dist.get_world_size())"
-            )
-
-
-def assign_owners(metas: Mapping[str, ShardMeta]) -> dict[str, int]:
-    """name -> the global rank that writes this rank's shard of it. Shards held by several ranks go to the
-    holder with the fewest bytes assigned so far (ties: lowest rank); the same answer on every rank."""
-    load: dict[int, int] = {}
-    owners: dict[str, int] = {}
-    for name, meta in metas.items():
-        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for coordinate in itertools.product(*(range(s) for s in meta.mesh_shape)):
-            key = tuple(c for c, d in zip(coordinate, meta.shard_dims, strict=True) if d is not None)
-            groups.setdefault(key, []).append(coordinate)
-        mine = tuple(c for c, d in zip(meta.coordinate, meta.shard_dims, strict=True) if d is not None)
-        for key in sorted(groups):
-            members = groups[key]
-            shape, _ = box_of(meta.global_shape, meta.mesh_shape, members[0], meta.shard_dims)
-            ranks = [meta.mesh_ranks[_flat_index(c, meta.mesh_shape)] for c in members]
-            owner = min(ranks, key=lambda r: (load.get(r, 0), r))
-            load[owner] = load.get(owner, 0) + math.prod(shape) * meta.itemsize
-            if key == mine:
-                owners[name] = owner
-    return owners
-
-
-def owned(metas: Mapping[str, ShardMeta], rank: int) -> set[str]:
-    """The DTensor names whose local shard this rank writes."""
-    return {name for name, owner in assign_owners(metas).items() if owner == rank}
-
-
-def chunk_sums(staging: torch.Tensor, layout: Layout, chunk_bytes: int = SUM_CHUNK_BYTES) -> ChunkSums:
-    """Checksums of every `chunk_bytes` piece of every tensor of `layout`, read from the staging bytes."""
-    sums: dict[str, list[str]] = {}
-    for f in layout.files:
-        for slot in f.slots:
-            begin = f.offset + f.data_start + slot.begin
-            data = staging[begin : begin + slot.spec.nbytes].numpy().data
-            pieces = range(0, slot.spec.nbytes, chunk_bytes)
-            sums[slot.spec.name] = [chunk_sum(data[i : i + chunk_bytes]) for i in pieces]
-    return ChunkSums(chunk_bytes=chunk_bytes, sums=sums)
 
 
 # --- restore ----------------------------------------------------------------------------------------------
@@ -361,8 +175,6 @@ class RangeReader:
 
     def read(self, piece: Piece, name: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
         """The piece's elements [lo, hi) (relative to the piece), as a tensor view."""
-        from dcs_tasks.checkpoint import reader, validate
-
         manifest = piece.manifest
         sums = manifest.chunks.sums.get(name) if manifest.chunks is not None else None
         if sums is None or _compressed(manifest, piece.entry.file):
@@ -380,8 +192,6 @@ class RangeReader:
     def _read_chunks(
         self, piece: Piece, name: str, lo: tuple[int, ...], hi: tuple[int, ...], sums: list[str], chunk: int
     ) -> torch.Tensor:
-        from dcs_tasks.checkpoint.validate import open_regular
-
         entry = piece.entry
         dtype = CODE_DTYPES[entry.dtype]
         shape = piece.shape
@@ -393,7 +203,7 @@ class RangeReader:
         buf = torch.empty(span_hi - span_lo, dtype=torch.uint8)
         listed = next(f for f in piece.manifest.files if f.name == entry.file)  # validated: it is listed
         path = listed.stored_path(piece.step_dir)
-        fd = -1 if isinstance(path, ObjectPath) else open_regular(path)
+        fd = -1 if isinstance(path, ObjectPath) else validate.open_regular(path)
         try:
             for c0, c1 in runs:
                 b0, b1 = c0 * chunk, min(c1 * chunk, end - begin)
@@ -549,8 +359,6 @@ def restore_step(
     back as whole plain tensors, `sharding=` tensors as this rank's part, the rest from the local source rank.
     With `into`, its tensors are filled in place (DTensors: their local shard); the state returned is the
     checkpoint's structure over them, or `into` itself when not `strict`."""
-    from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
-
     local = rank if rank < shards.world_size else 0
     cat = catalog(shards, local)
     source = RangeReader(verify)

@@ -10,15 +10,17 @@ spaces (as safetensors itself does) so that data starts on a 64-byte boundary.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
+import platform
 import re
 import struct
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,9 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dcs_tasks import tensors as _tensors
 from dcs_tasks.storage.objpath import ObjectPath
 from dcs_tasks.tensors import TensorSpec as TensorSpec
-
-if TYPE_CHECKING:
-    import torch
+from dcs_tasks.tensors import specs_of as specs_of
 
 
 def __getattr__(name: str) -> Any:
@@ -51,6 +51,19 @@ REGION_ALIGN = 4096
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)  # names `step_dir_name` writes (and longer steps)
+RANK_DIR = re.compile(r"^rank-(\d{5})$")  # one rank's directory of a multi-rank run (`rank_dir_name`)
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def shard_run_name(run: str, rank: int) -> str:
+    """The ledger and staging name of one rank's shard of `run`."""
+    return f"{run}.{rank_dir_name(rank)}"
 
 
 def file_name(index: int, count: int) -> str:
@@ -313,12 +326,18 @@ def draft_of(
 
 
 def library_versions() -> dict[str, str]:
-    import platform
+    """The versions a step is written with: the installed torch and safetensors distributions (read from
+    their metadata, so this module imports neither) and Python."""
+    return dict(_library_versions())
 
-    import safetensors
-    import torch
 
-    return {"torch": torch.__version__, "safetensors": safetensors.__version__, "python": platform.python_version()}
+@functools.cache
+def _library_versions() -> tuple[tuple[str, str], ...]:
+    return (
+        ("torch", importlib.metadata.version("torch")),
+        ("safetensors", importlib.metadata.version("safetensors")),
+        ("python", platform.python_version()),
+    )
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
@@ -327,11 +346,6 @@ def manifest_bytes(manifest: Manifest) -> bytes:
 
 def read_manifest(path: Path) -> Manifest:
     return Manifest.model_validate_json(path.read_bytes())
-
-
-def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
-    """The checkpoint specs (safetensors codes) of `tensors`; UnsupportedDtype names one that cannot be stored."""
-    return [TensorSpec.of(name, t).checkpoint() for name, t in tensors.items()]
 
 
 # --- staging file names (the trainer writes them, the worker checks a payload's path against them) ----------

@@ -25,9 +25,11 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.fsio import locked
 from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
+from dcs_tasks.checkpoint.steps import step_dirs
+from dcs_tasks.checkpoint.validate import read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, ObjectPath
 
@@ -55,12 +57,10 @@ def is_retired(step_dir: Location) -> bool:
 def base_manifest(step_dir: Location) -> tuple[int, Manifest] | None:
     """The newest committed step before `step_dir`'s own in the same run directory whose manifest checks, as
     (step, manifest); None when there is none. Parsed manifests are cached by inode and mtime."""
-    from dcs_tasks.checkpoint.reader import load_manifest
-
     found = _earlier_steps(step_dir)
     for step, candidate in reversed(found):
         try:
-            return step, _cached_manifest(candidate, load_manifest)
+            return step, _cached_manifest(candidate, read_manifest)
         except (CorruptCheckpoint, OSError, StorageError):
             continue
     return None
@@ -68,8 +68,6 @@ def base_manifest(step_dir: Location) -> tuple[int, Manifest] | None:
 
 def _earlier_steps(step_dir: Location) -> list[tuple[int, Location]]:
     """The committed steps of `step_dir`'s run before its own, oldest first."""
-    from dcs_tasks.checkpoint.reader import STEP_DIR, step_dirs
-
     match = STEP_DIR.match(step_dir.name)
     own = int(match.group(1)) if match else -1
     return [(step, where) for step, where in step_dirs(step_dir.parent) if step < own]
@@ -132,9 +130,7 @@ def candidate(step_dir: Location, name: str, size: int, full_every: int | None =
 
 
 def _load_manifest(step_dir: Location) -> Manifest:
-    from dcs_tasks.checkpoint.reader import load_manifest
-
-    return load_manifest(step_dir)
+    return read_manifest(step_dir)
 
 
 SAMPLES = 8

@@ -8,87 +8,38 @@ bytes.
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint import objread
 from dcs_tasks.checkpoint.fastread import Progress, Target, read_many, read_scatter, tensors_over
-from dcs_tasks.checkpoint.format import (
-    LATEST_NAME,
-    MANIFEST_NAME,
-    Manifest,
-    TensorEntry,
-    step_dir_name,
-)
-from dcs_tasks.checkpoint.validate import check_files, read_manifest, read_small
-from dcs_tasks.errors import CorruptCheckpoint, StateMismatch, StorageError
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
+from dcs_tasks.checkpoint.format import STEP_DIR as STEP_DIR
+from dcs_tasks.checkpoint.steps import read_latest as read_latest
+from dcs_tasks.checkpoint.steps import step_dirs as step_dirs
+from dcs_tasks.checkpoint.validate import check_files, read_manifest
+from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.tensors import code_dtype
 
 if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listing and verifying need none
     import torch
 
-STEP_DIR = re.compile(r"^step-(\d{9,})$", re.ASCII)
-
-
-@overload
-def step_dirs(run_dir: Path) -> list[tuple[int, Path]]: ...
-@overload
-def step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]: ...
-@overload
-def step_dirs(run_dir: Location) -> list[tuple[int, Location]]: ...
-def step_dirs(run_dir: Location) -> list[tuple[int, Location]] | list[tuple[int, Path]] | list[tuple[int, ObjectPath]]:
-    """(step, directory) of every step directory holding a manifest, oldest first. Only real directories
-    named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`). In an object
-    store: every `<run>/step-N/manifest.json` object (one listing)."""
-    if isinstance(run_dir, ObjectPath):
-        return _object_step_dirs(run_dir)
-    if not run_dir.is_dir():
-        return []
-    found = []
-    with os.scandir(run_dir) as entries:
-        for entry in entries:
-            match = STEP_DIR.match(entry.name)
-            if match and entry.name == step_dir_name(int(match.group(1))) and entry.is_dir(follow_symlinks=False):
-                if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
-                    found.append((int(match.group(1)), Path(entry.path)))
-    return sorted(found)
-
-
-def _object_step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]:
-    base = run_dir.key + "/" if run_dir.key else ""
-    found = []
-    for item in run_dir.store.objects(base):
-        parts = item.key[len(base) :].split("/")
-        if len(parts) != 2 or parts[1] != MANIFEST_NAME:
-            continue
-        match = STEP_DIR.match(parts[0])
-        if match and parts[0] == step_dir_name(int(match.group(1))):
-            found.append((int(match.group(1)), run_dir / parts[0]))
-    return sorted(found, key=lambda pair: pair[0])
-
 
 def load_manifest(step_dir: Location) -> Manifest:
-    """The step's manifest, checked as untrusted input (`validate`: names, sizes, offsets, shapes, dtypes,
-    structure); CorruptCheckpoint names the manifest and the reason."""
+    """The step's manifest, checked as untrusted input (`validate.read_manifest`: names, sizes, offsets, shapes,
+    dtypes, the structure's form) and its structure decoded against torch (`structure.check_structure`: dtype
+    and device names torch knows); CorruptCheckpoint names the manifest and the reason. Imports torch on first
+    use: a worker that only lists steps or reads `latest` through this module does not."""
+    from dcs_tasks.checkpoint.structure import check_structure
+
     manifest = read_manifest(step_dir)
-    match = STEP_DIR.match(step_dir.name)
-    if match and int(match.group(1)) != manifest.step:
-        path = step_dir / MANIFEST_NAME
-        raise CorruptCheckpoint(f"{path}: records step {manifest.step}, not {int(match.group(1))}", str(path))
-    return manifest
-
-
-def read_latest(run_dir: Location) -> int | None:
-    """The step named by the `latest` pointer, or None (also when it is a symlink or not a short file)."""
     try:
-        text = read_small(run_dir / LATEST_NAME, 64).decode("ascii").strip().removeprefix("step-")
-    except (CorruptCheckpoint, OSError, ValueError, StorageError):
-        return None
-    return int(text) if text.isdigit() else None
+        check_structure(manifest.structure, manifest.tensors.keys())
+    except CorruptCheckpoint as exc:
+        path = step_dir / MANIFEST_NAME
+        raise CorruptCheckpoint(f"{path}: {exc}", str(path)) from exc
+    return manifest
 
 
 def verify_step(step_dir: Location, manifest: Manifest, progress: Progress | None = None) -> None:

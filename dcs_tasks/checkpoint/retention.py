@@ -21,13 +21,13 @@ import shutil
 import stat
 from collections.abc import Callable
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, step_dir_name
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR, step_dir_name
 from dcs_tasks.checkpoint.fsio import fsync_dir, write_bytes_durably
 from dcs_tasks.checkpoint.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
 from dcs_tasks.checkpoint.ledger import StepLedger
 from dcs_tasks.checkpoint.models import RetentionPolicy
-from dcs_tasks.checkpoint.reader import STEP_DIR, load_manifest, step_dirs
-from dcs_tasks.checkpoint.sharded import RANK_DIR, complete_steps
+from dcs_tasks.checkpoint.steps import complete_steps, step_dirs
+from dcs_tasks.checkpoint.validate import read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
 
@@ -49,7 +49,7 @@ def newest_intact(run_dir: Location) -> int | None:
     """The newest step whose manifest reads and whose files all have their recorded sizes (cheap check)."""
     for step, step_dir in reversed(step_dirs(run_dir)):
         try:
-            manifest = load_manifest(step_dir)
+            manifest = read_manifest(step_dir)
         except CorruptCheckpoint:
             continue
         if all(regular_of_size(f.stored_path(step_dir), f.disk_size) for f in manifest.files):
@@ -169,7 +169,7 @@ def _marked(dirs: dict[int, Location], kept: set[int]) -> set[FileRef]:
     refs: set[FileRef] = set()
     for step in kept:
         with contextlib.suppress(CorruptCheckpoint):
-            refs |= referenced(load_manifest(dirs[step]))
+            refs |= referenced(read_manifest(dirs[step]))
     return refs
 
 

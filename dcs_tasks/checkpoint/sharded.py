@@ -18,106 +18,37 @@ r of W':
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dcs_tasks.checkpoint.format import Manifest
-from dcs_tasks.checkpoint.reader import check_targets, load_manifest, step_dirs
+from dcs_tasks.checkpoint import steps
+from dcs_tasks.checkpoint.format import RANK_DIR as RANK_DIR
+from dcs_tasks.checkpoint.format import rank_dir_name as rank_dir_name
+from dcs_tasks.checkpoint.format import shard_run_name as shard_run_name
+from dcs_tasks.checkpoint.reader import check_targets, load_manifest
+from dcs_tasks.checkpoint.steps import StepShards as StepShards
+from dcs_tasks.checkpoint.steps import rank_dirs as rank_dirs
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location
 
 if TYPE_CHECKING:  # imported by the functions that make tensors; listing a run's steps (retention) needs none
     import torch
 
-RANK_DIR = re.compile(r"^rank-(\d{5})$")
 
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def shard_run_name(run: str, rank: int) -> str:
-    """The ledger and staging name of one rank's shard of `run`."""
-    return f"{run}.{rank_dir_name(rank)}"
-
-
-def rank_dirs(run_root: Location) -> dict[int, Location]:
-    """rank -> its directory, for a multi-rank run (empty for a plain single-rank run). Symlinks do not count."""
-    if isinstance(run_root, ObjectPath):
-        return {
-            int(m.group(1)): run_root / name
-            for name in run_root.store.children(run_root.key)
-            if (m := RANK_DIR.fullmatch(name)) is not None
-        }
-    if not run_root.is_dir():
-        return {}
-    found: dict[int, Location] = {}
-    with os.scandir(run_root) as entries:
-        for child in entries:
-            match = RANK_DIR.match(child.name)
-            if match and child.is_dir(follow_symlinks=False):
-                found[int(match.group(1))] = Path(child.path)
-    return found
-
-
-@dataclass(frozen=True)
-class StepShards:
-    """One complete step: every rank's step directory and manifest."""
-
-    step: int
-    world_size: int
-    dirs: dict[int, Location]
-    manifests: dict[int, Manifest]
+def scan_steps(run_root: Location) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
+    """`steps.scan_steps` as restore sees it: each manifest read with `reader.load_manifest`."""
+    return steps.scan_steps(run_root, load_manifest)
 
 
 def complete_steps(run_root: Location) -> dict[int, StepShards]:
-    """step -> its shards, for every step that all ranks of its world size committed (plain runs: every
-    committed step, as world size 1). Unreadable manifests count as not committed."""
-    return scan_steps(run_root)[0]
-
-
-def scan_steps(run_root: Location) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
-    """(complete steps, steps some rank's manifest of which is corrupt: the first such error)."""
-    ranks = rank_dirs(run_root)
-    if not ranks:
-        ranks = {0: run_root}
-    found: dict[int, dict[int, tuple[Location, Manifest]]] = {}
-    broken: dict[int, CorruptCheckpoint] = {}
-    for rank, directory in sorted(ranks.items()):
-        for step, step_dir in step_dirs(directory):
-            try:
-                manifest = load_manifest(step_dir)
-            except CorruptCheckpoint as exc:
-                broken.setdefault(step, exc)
-                continue
-            found.setdefault(step, {})[rank] = (step_dir, manifest)
-    out = {}
-    for step, shards in sorted(found.items()):
-        sizes = {m.world_size for _, m in shards.values()}
-        if step in broken or len(sizes) != 1:
-            continue
-        world = sizes.pop()
-        if set(shards) != set(range(world)) or any(m.rank != r for r, (_, m) in shards.items()):
-            continue
-        out[step] = StepShards(
-            step, world, {r: d for r, (d, _) in shards.items()}, {r: m for r, (_, m) in shards.items()}
-        )
-    return out, broken
+    """`steps.complete_steps` as restore sees it: each manifest read with `reader.load_manifest`."""
+    return steps.complete_steps(run_root, load_manifest)
 
 
 def incomplete_steps(run_root: Location) -> dict[int, list[int]]:
-    """step -> ranks that committed it, for steps not every rank committed (for error messages)."""
-    ranks = rank_dirs(run_root)
-    seen: dict[int, list[int]] = {}
-    for rank, directory in sorted(ranks.items()):
-        for step, _ in step_dirs(directory):
-            seen.setdefault(step, []).append(rank)
-    complete = complete_steps(run_root)
-    return {step: got for step, got in seen.items() if step not in complete}
+    """`steps.incomplete_steps` as restore sees it: each manifest read with `reader.load_manifest`."""
+    return steps.incomplete_steps(run_root, load_manifest)
 
 
 def check_sharding(sharding: Mapping[str, int], tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:

@@ -12,7 +12,7 @@ attribute `nn.Module.state_dict()` attaches (per-module versions that `load_stat
 `_load_from_state_dict`) is kept when it is plain JSON.
 
 A torch `DTensor` becomes a `dtensor` node: its local shard is the named tensor, and its placement in the
-global tensor goes to `FlatState.dtensors` (`dcs_tasks.checkpoint.dtensor`; unsupported placements are
+global tensor goes to `FlatState.dtensors` (`dcs_tasks.checkpoint.dtensor_meta`; unsupported placements are
 refused there). Since a replicated shard is written by one rank only, a rank's structure may name a
 DTensor its own files do not hold; restore fetches it from the rank that does.
 """
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint import dtensor
+from dcs_tasks.checkpoint import dtensor_meta
 from dcs_tasks.checkpoint.stageable import check_stageable
-from dcs_tasks.errors import CorruptCheckpoint, StagingError
+from dcs_tasks.checkpoint.validate import StructureDecoder, structure_error
+from dcs_tasks.errors import StagingError
 
 Node = dict[str, Any]
 
@@ -39,13 +40,13 @@ class FlatState:
 
     tensors: dict[str, torch.Tensor]
     structure: Node
-    dtensors: dict[str, dtensor.ShardMeta] = field(default_factory=dict)  # name -> where its local shard sits
+    dtensors: dict[str, dtensor_meta.ShardMeta] = field(default_factory=dict)  # name -> where its local shard sits
 
 
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.dtensors: dict[str, dtensor.ShardMeta] = {}
+        self.dtensors: dict[str, dtensor_meta.ShardMeta] = {}
         self._seen: dict[tuple[Any, ...], str] = {}  # view identity -> the name it was saved under
 
     def name_for(self, path: tuple[str, ...]) -> str:
@@ -77,8 +78,8 @@ class _Flattener:
     def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> Node:
         where = "/".join(path) or "<root>"
         meta = None
-        if dtensor.is_dtensor(tensor):
-            tensor, meta = dtensor.local_part(tensor, where)  # refuses unsupported placements
+        if dtensor_meta.is_dtensor(tensor):
+            tensor, meta = dtensor_meta.local_part(tensor, where)  # refuses unsupported placements
         kind = "tensor" if meta is None else "dtensor"
         check_stageable(tensor, where)  # before anything reads its memory
         identity = _view_identity(tensor)
@@ -141,22 +142,12 @@ def flatten_state(state: Any) -> FlatState:
 
 
 # --- decoding: the structure comes from a manifest on disk, so it is untrusted input ---------------------
+# The form of every node is checked by `validate.StructureDecoder` (no torch: the format stage checks it in
+# every manifest); this subclass makes the torch values and refuses dtype and device names torch does not know.
 
-MAX_DEPTH = 200  # nesting levels accepted (a training state has a handful)
-MAX_NAME = 4096  # characters of a tensor name a dtensor node may hold
 _DTYPES: dict[str, torch.dtype] = {
     str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)
 }
-_FIELDS: dict[str, frozenset[str]] = {
-    "tensor": frozenset({"k", "name"}),
-    "dtensor": frozenset({"k", "name"}),
-    "dict": frozenset({"k", "keys", "values"}),
-    "odict": frozenset({"k", "keys", "values"}),
-    "list": frozenset({"k", "items"}),
-    "tuple": frozenset({"k", "items"}),
-    "size": frozenset({"k", "v"}),
-}
-_SCALAR_KINDS = frozenset({"v", "float", "dtype", "device"})
 
 
 def unflatten_state(structure: Any, tensors: Mapping[str, Any]) -> Any:
@@ -172,109 +163,14 @@ def check_structure(structure: Any, names: Collection[str]) -> None:
     _Decoder(dict.fromkeys(names), lenient_dtensors=True).node(structure, 0, "<root>")
 
 
-def _bad(where: str, reason: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(f"structure at {where}: {reason}")
+class _Decoder(StructureDecoder):
+    def size(self, dims: list[int]) -> Any:
+        return torch.Size(dims)
 
-
-class _Decoder:
-    def __init__(self, tensors: Mapping[str, Any], lenient_dtensors: bool = False) -> None:
-        self.tensors = tensors
-        self.lenient_dtensors = lenient_dtensors
-
-    def node(self, raw: Any, depth: int, where: str) -> Any:
-        if depth > MAX_DEPTH:
-            raise _bad(where, f"nested deeper than {MAX_DEPTH} levels")
-        kind = _kind(raw, where)
-        if kind in _SCALAR_KINDS:
-            return _scalar_value(raw, where)
-        fields = _FIELDS.get(kind)
-        if fields is None:
-            raise _bad(where, f"unknown node kind {kind!r}")
-        if kind in ("dict", "odict"):
-            return self._mapping(raw, kind, depth, where)
-        _expect_fields(raw, fields, where)
-        if kind in ("tensor", "dtensor"):
-            name = raw["name"]
-            if isinstance(name, str) and kind == "dtensor" and self.lenient_dtensors and len(name) <= MAX_NAME:
-                return self.tensors.get(name)
-            if not isinstance(name, str) or name not in self.tensors:
-                raise _bad(where, f"names tensor {name!r}, which the manifest does not hold")
-            return self.tensors[name]
-        if kind == "size":
-            return torch.Size(_sizes(raw["v"], where))
-        items = [self.node(item, depth + 1, f"{where}/{i}") for i, item in enumerate(_list(raw["items"], where))]
-        return items if kind == "list" else tuple(items)
-
-    def _mapping(self, raw: Node, kind: str, depth: int, where: str) -> Any:
-        _expect_fields(raw, _FIELDS[kind] | ({"meta"} if "meta" in raw else set()), where)
-        keys = [_scalar_value(k, f"{where}/<key {i}>") for i, k in enumerate(_list(raw["keys"], where))]
-        values = _list(raw["values"], where)
-        if len(keys) != len(values):
-            raise _bad(where, f"{len(keys)} keys but {len(values)} values")
-        pairs = [(k, self.node(v, depth + 1, f"{where}/{k}")) for k, v in zip(keys, values, strict=True)]
-        meta = _module_meta(raw["meta"], where) if "meta" in raw else None
-        if kind == "dict":
-            return dict(pairs)
-        rebuilt: OrderedDict[Any, Any] = OrderedDict(pairs)
-        if meta is not None:
-            rebuilt._metadata = meta  # type: ignore[attr-defined]
-        return rebuilt
-
-
-def _kind(raw: Any, where: str) -> str:
-    if not isinstance(raw, dict):
-        raise _bad(where, f"a node must be a JSON object, not {type(raw).__name__}")
-    kind = raw.get("k")
-    if not isinstance(kind, str):
-        raise _bad(where, "node has no kind")
-    return kind
-
-
-def _expect_fields(raw: Node, fields: Collection[str], where: str) -> None:
-    if set(raw) != set(fields):
-        raise _bad(where, f"{raw['k']!r} node has fields {sorted(raw)}, expected {sorted(fields)}")
-
-
-def _list(raw: Any, where: str) -> list[Any]:
-    if not isinstance(raw, list):
-        raise _bad(where, f"expected a JSON list, not {type(raw).__name__}")
-    return raw
-
-
-def _sizes(raw: Any, where: str) -> list[int]:
-    dims = _list(raw, where)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in dims):
-        raise _bad(where, "a size must be a list of non-negative integers")
-    return dims
-
-
-def _module_meta(raw: Any, where: str) -> OrderedDict[str, dict[str, Any]]:
-    """`state_dict()._metadata`: {module prefix: {str: None/bool/int/str}}."""
-    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
-        raise _bad(where, "module metadata must map prefixes to JSON objects")
-    for entry in raw.values():
-        if not all(v is None or isinstance(v, bool | int | str) for v in entry.values()):
-            raise _bad(where, "module metadata values must be null, booleans, integers or strings")
-    return OrderedDict((prefix, dict(entry)) for prefix, entry in raw.items())
-
-
-def _scalar_value(raw: Any, where: str) -> Any:
-    kind = _kind(raw, where)
-    if kind not in _SCALAR_KINDS:
-        raise _bad(where, f"{kind!r} is not a plain value")
-    _expect_fields(raw, ("k", "v"), where)
-    value = raw["v"]
-    if kind == "v":
-        if value is None or isinstance(value, bool | int | str):
-            return value
-        raise _bad(where, f"a plain value must be null, a boolean, an integer or a string, not {type(value).__name__}")
-    if not isinstance(value, str):
-        raise _bad(where, f"a {kind} is written as a string, not {type(value).__name__}")
-    if kind == "dtype":
+    def dtype(self, value: str, where: str) -> Any:
         if value not in _DTYPES:
-            raise _bad(where, f"{value[:64]!r} is not a torch dtype")
+            raise structure_error(where, f"{value[:64]!r} is not a torch dtype")
         return _DTYPES[value]
-    try:
-        return float.fromhex(value) if kind == "float" else torch.device(value)
-    except (ValueError, RuntimeError, OverflowError) as exc:
-        raise _bad(where, f"{value[:64]!r} is not a valid {kind}") from exc
+
+    def device(self, value: str) -> Any:
+        return torch.device(value)  # RuntimeError for a name torch does not know

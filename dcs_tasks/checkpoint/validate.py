@@ -3,13 +3,15 @@
 Anyone who can write into the checkpoint directory can hand restore a crafted step, so nothing in it is
 believed before it is checked, and everything is checked before memory is allocated or a data file is read:
 - `read_manifest`: `manifest.json` is a regular file (not a symlink) of bounded size that parses as a
-  `Manifest`, and `check_manifest` holds.
+  `Manifest`, `check_manifest` holds, and a step directory named as DCS names it holds that step's manifest.
 - `check_manifest` (no file I/O): the format version is known; file names are plain basenames of
   safetensors files (no separator, no `.`/`..`, no leading dot), unique, with an xxh3_128 hex checksum;
   every tensor lies in a listed file, has a safetensors dtype, a shape of at most `MAX_NDIM` non-negative
   dimensions whose byte count equals its byte range, an aligned range inside its file's size and not
   overlapping another tensor; sharded dimensions name tensors and their dimensions; rank < world size; the
-  structure decodes (`structure.check_structure`: only what DCS writes); DTensor shard entries name tensors
+  structure has the form DCS writes (`check_structure_form`, no torch; whether its dtype and device names are
+  ones torch knows is checked by `structure.check_structure` when a restore reads the manifest:
+  `reader.load_manifest`); DTensor shard entries name tensors
   and lie inside their global shape (`_check_dtensors`); chunk checksums name tensors, have a bounded chunk
   size and exactly one well-formed checksum per chunk (`_check_chunks`); a file's compression is one DCS
   writes (zstd) with a `stored_size` any zstd frame of its size could have (`compression.stored_size_problem`).
@@ -40,7 +42,8 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ from dcs_tasks.checkpoint.format import (
     CHUNK_ALGORITHM,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    STEP_DIR,
     FileEntry,
     Manifest,
     TensorEntry,
@@ -84,6 +88,9 @@ def read_manifest(step_dir: Location) -> Manifest:
         reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
         raise CorruptCheckpoint(f"{path} is unreadable: {reason}", str(path)) from exc
     check_manifest(manifest, path)
+    match = STEP_DIR.match(step_dir.name)
+    if match and int(match.group(1)) != manifest.step:
+        raise CorruptCheckpoint(f"{path}: records step {manifest.step}, not {int(match.group(1))}", str(path))
     return manifest
 
 
@@ -162,9 +169,7 @@ def check_manifest(manifest: Manifest, path: Location) -> None:
         _check_sharded_dims(manifest)
         _check_dtensors(manifest)
         _check_chunks(manifest)
-        from dcs_tasks.checkpoint.structure import check_structure  # decodes into torch values: imports torch
-
-        check_structure(manifest.structure, manifest.tensors.keys())
+        check_structure_form(manifest.structure, manifest.tensors.keys())
     except CorruptCheckpoint as exc:
         raise CorruptCheckpoint(f"{path}: {exc}", str(path)) from exc
 
@@ -444,3 +449,147 @@ def _check_header_entry(path: Location, name: str, entry: Any, data: int) -> Non
             f"inside the file",
             str(path),
         )
+
+
+# --- the structure: untrusted JSON that `structure.unflatten_state` rebuilds a state from -------------------
+
+MAX_DEPTH = 200  # nesting levels accepted (a training state has a handful)
+MAX_NAME = 4096  # characters of a tensor name a dtensor node may hold
+_FIELDS: dict[str, frozenset[str]] = {
+    "tensor": frozenset({"k", "name"}),
+    "dtensor": frozenset({"k", "name"}),
+    "dict": frozenset({"k", "keys", "values"}),
+    "odict": frozenset({"k", "keys", "values"}),
+    "list": frozenset({"k", "items"}),
+    "tuple": frozenset({"k", "items"}),
+    "size": frozenset({"k", "v"}),
+}
+_SCALAR_KINDS = frozenset({"v", "float", "dtype", "device"})
+
+
+def check_structure_form(structure: Any, names: Collection[str]) -> None:
+    """The form of every node of a manifest's `structure`, without torch: CorruptCheckpoint unless it is one
+    `flatten_state` writes (node kinds, their fields, nesting depth, tensor names the manifest holds, plain JSON
+    values, sizes, module metadata). Whether a dtype or device name is one torch knows is checked where the
+    state is rebuilt (`structure.check_structure`, `unflatten_state`)."""
+    StructureDecoder(dict.fromkeys(names), lenient_dtensors=True).node(structure, 0, "<root>")
+
+
+def structure_error(where: str, reason: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"structure at {where}: {reason}")
+
+
+class StructureDecoder:
+    """Rebuilds what a structure describes, taking tensors by name from `tensors`, and refuses any node
+    `flatten_state` does not write (CorruptCheckpoint naming where). This base needs no torch: `size` nodes come
+    back as lists, dtype and device values as their names; `structure._Decoder` makes the torch values."""
+
+    def __init__(self, tensors: Mapping[str, Any], lenient_dtensors: bool = False) -> None:
+        self.tensors = tensors
+        self.lenient_dtensors = lenient_dtensors
+
+    def size(self, dims: list[int]) -> Any:
+        return dims
+
+    def dtype(self, value: str, where: str) -> Any:
+        return value
+
+    def device(self, value: str) -> Any:
+        return value
+
+    def node(self, raw: Any, depth: int, where: str) -> Any:
+        if depth > MAX_DEPTH:
+            raise structure_error(where, f"nested deeper than {MAX_DEPTH} levels")
+        kind = _kind(raw, where)
+        if kind in _SCALAR_KINDS:
+            return self.scalar(raw, where)
+        fields = _FIELDS.get(kind)
+        if fields is None:
+            raise structure_error(where, f"unknown node kind {kind!r}")
+        if kind in ("dict", "odict"):
+            return self._mapping(raw, kind, depth, where)
+        _expect_fields(raw, fields, where)
+        if kind in ("tensor", "dtensor"):
+            name = raw["name"]
+            if isinstance(name, str) and kind == "dtensor" and self.lenient_dtensors and len(name) <= MAX_NAME:
+                return self.tensors.get(name)
+            if not isinstance(name, str) or name not in self.tensors:
+                raise structure_error(where, f"names tensor {name!r}, which the manifest does not hold")
+            return self.tensors[name]
+        if kind == "size":
+            return self.size(_sizes(raw["v"], where))
+        items = [self.node(item, depth + 1, f"{where}/{i}") for i, item in enumerate(_list(raw["items"], where))]
+        return items if kind == "list" else tuple(items)
+
+    def _mapping(self, raw: dict[str, Any], kind: str, depth: int, where: str) -> Any:
+        _expect_fields(raw, _FIELDS[kind] | ({"meta"} if "meta" in raw else set()), where)
+        keys = [self.scalar(k, f"{where}/<key {i}>") for i, k in enumerate(_list(raw["keys"], where))]
+        values = _list(raw["values"], where)
+        if len(keys) != len(values):
+            raise structure_error(where, f"{len(keys)} keys but {len(values)} values")
+        pairs = [(k, self.node(v, depth + 1, f"{where}/{k}")) for k, v in zip(keys, values, strict=True)]
+        meta = _module_meta(raw["meta"], where) if "meta" in raw else None
+        if kind == "dict":
+            return dict(pairs)
+        rebuilt: OrderedDict[Any, Any] = OrderedDict(pairs)
+        if meta is not None:
+            rebuilt._metadata = meta  # type: ignore[attr-defined]
+        return rebuilt
+
+    def scalar(self, raw: Any, where: str) -> Any:
+        kind = _kind(raw, where)
+        if kind not in _SCALAR_KINDS:
+            raise structure_error(where, f"{kind!r} is not a plain value")
+        _expect_fields(raw, ("k", "v"), where)
+        value = raw["v"]
+        if kind == "v":
+            if value is None or isinstance(value, bool | int | str):
+                return value
+            raise structure_error(
+                where, f"a plain value must be null, a boolean, an integer or a string, not {type(value).__name__}"
+            )
+        if not isinstance(value, str):
+            raise structure_error(where, f"a {kind} is written as a string, not {type(value).__name__}")
+        if kind == "dtype":
+            return self.dtype(value, where)
+        try:
+            return float.fromhex(value) if kind == "float" else self.device(value)
+        except (ValueError, RuntimeError, OverflowError) as exc:
+            raise structure_error(where, f"{value[:64]!r} is not a valid {kind}") from exc
+
+
+def _kind(raw: Any, where: str) -> str:
+    if not isinstance(raw, dict):
+        raise structure_error(where, f"a node must be a JSON object, not {type(raw).__name__}")
+    kind = raw.get("k")
+    if not isinstance(kind, str):
+        raise structure_error(where, "node has no kind")
+    return kind
+
+
+def _expect_fields(raw: dict[str, Any], fields: Collection[str], where: str) -> None:
+    if set(raw) != set(fields):
+        raise structure_error(where, f"{raw['k']!r} node has fields {sorted(raw)}, expected {sorted(fields)}")
+
+
+def _list(raw: Any, where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise structure_error(where, f"expected a JSON list, not {type(raw).__name__}")
+    return raw
+
+
+def _sizes(raw: Any, where: str) -> list[int]:
+    dims = _list(raw, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in dims):
+        raise structure_error(where, "a size must be a list of non-negative integers")
+    return dims
+
+
+def _module_meta(raw: Any, where: str) -> OrderedDict[str, dict[str, Any]]:
+    """`state_dict()._metadata`: {module prefix: {str: None/bool/int/str}}."""
+    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
+        raise structure_error(where, "module metadata must map prefixes to JSON objects")
+    for entry in raw.values():
+        if not all(v is None or isinstance(v, bool | int | str) for v in entry.values()):
+            raise structure_error(where, "module metadata values must be null, booleans, integers or strings")
+    return OrderedDict((prefix, dict(entry)) for prefix, entry in raw.items())

@@ -131,6 +131,28 @@ def test_structure_decoder_accepts_only_what_dcs_writes(node: Any, reason: str) 
         unflatten_state(node, {"w": torch.zeros(1)})
 
 
+def test_the_format_stage_checks_the_structure_form_and_restore_its_torch_names(tmp_path: Path) -> None:
+    """`validate` (no torch) refuses every node of the wrong form; whether a dtype or device name is one torch
+    knows is checked by `reader.load_manifest` (restore), still before any data file is read."""
+    from dcs_tasks.checkpoint.reader import load_manifest
+
+    with pytest.raises(CorruptCheckpoint, match="unknown node kind"):
+        validate.check_manifest(_manifest(structure={"k": "module", "v": "os"}), Path("m.json"))
+    with pytest.raises(CorruptCheckpoint, match="nested deeper"):
+        node: dict[str, Any] = {"k": "tensor", "name": "w"}
+        for _ in range(300):
+            node = {"k": "list", "items": [node]}
+        validate.check_structure_form(node, ["w"])
+    odd = {"k": "list", "items": [{"k": "tensor", "name": "w"}, {"k": "dtype", "v": "save"}]}
+    step_dir = tmp_path / "step-000000001"
+    step_dir.mkdir()
+    (step_dir / "manifest.json").write_text(_manifest(structure=odd).model_dump_json())
+    assert validate.read_manifest(step_dir).structure == odd
+    with pytest.raises(CorruptCheckpoint, match="not a torch dtype") as refused:
+        load_manifest(step_dir)
+    assert str(step_dir / "manifest.json") in str(refused.value)
+
+
 def test_structure_nesting_is_bounded() -> None:
     node: dict[str, Any] = {"k": "v", "v": 1}
     for _ in range(1000):

@@ -1,0 +1,148 @@
+"""The committed steps of a run as its store holds them, read without torch: the step directories
+(`step_dirs`), the `latest` pointer (`read_latest`), the rank directories of a multi-rank run (`rank_dirs`)
+and the steps every rank committed (`scan_steps`, `complete_steps`, `incomplete_steps`).
+
+Manifests are read with `validate.read_manifest` (every check of the format stage) unless the caller passes
+its own `load`: restore passes `reader.load_manifest`, which also decodes the structure against torch.
+Retention, incremental saves and the `latest` pointer use this module as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import overload
+
+from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, step_dir_name
+from dcs_tasks.checkpoint.validate import read_manifest, read_small
+from dcs_tasks.errors import CorruptCheckpoint, StorageError
+from dcs_tasks.storage import Location, ObjectPath
+
+Load = Callable[[Location], Manifest]  # one step directory -> its manifest, checked (CorruptCheckpoint)
+
+
+@overload
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]: ...
+@overload
+def step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]: ...
+@overload
+def step_dirs(run_dir: Location) -> list[tuple[int, Location]]: ...
+def step_dirs(run_dir: Location) -> list[tuple[int, Location]] | list[tuple[int, Path]] | list[tuple[int, ObjectPath]]:
+    """(step, directory) of every step directory holding a manifest, oldest first. Only real directories
+    named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`). In an object
+    store: every `<run>/step-N/manifest.json` object (one listing)."""
+    if isinstance(run_dir, ObjectPath):
+        return _object_step_dirs(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            match = STEP_DIR.match(entry.name)
+            if match and entry.name == step_dir_name(int(match.group(1))) and entry.is_dir(follow_symlinks=False):
+                if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
+                    found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found)
+
+
+def _object_step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]:
+    base = run_dir.key + "/" if run_dir.key else ""
+    found = []
+    for item in run_dir.store.objects(base):
+        parts = item.key[len(base) :].split("/")
+        if len(parts) != 2 or parts[1] != MANIFEST_NAME:
+            continue
+        match = STEP_DIR.match(parts[0])
+        if match and parts[0] == step_dir_name(int(match.group(1))):
+            found.append((int(match.group(1)), run_dir / parts[0]))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def read_latest(run_dir: Location) -> int | None:
+    """The step named by the `latest` pointer, or None (also when it is a symlink or not a short file)."""
+    try:
+        text = read_small(run_dir / LATEST_NAME, 64).decode("ascii").strip().removeprefix("step-")
+    except (CorruptCheckpoint, OSError, ValueError, StorageError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def rank_dirs(run_root: Location) -> dict[int, Location]:
+    """rank -> its directory, for a multi-rank run (empty for a plain single-rank run). Symlinks do not count."""
+    if isinstance(run_root, ObjectPath):
+        return {
+            int(m.group(1)): run_root / name
+            for name in run_root.store.children(run_root.key)
+            if (m := RANK_DIR.fullmatch(name)) is not None
+        }
+    if not run_root.is_dir():
+        return {}
+    found: dict[int, Location] = {}
+    with os.scandir(run_root) as entries:
+        for child in entries:
+            match = RANK_DIR.match(child.name)
+            if match and child.is_dir(follow_symlinks=False):
+                found[int(match.group(1))] = Path(child.path)
+    return found
+
+
+@dataclass(frozen=True)
+class StepShards:
+    """One complete step: every rank's step directory and manifest."""
+
+    step: int
+    world_size: int
+    dirs: dict[int, Location]
+    manifests: dict[int, Manifest]
+
+
+def complete_steps(run_root: Location, load: Load = read_manifest) -> dict[int, StepShards]:
+    """step -> its shards, for every step that all ranks of its world size committed (plain runs: every
+    committed step, as world size 1). Unreadable manifests count as not committed."""
+    return scan_steps(run_root, load)[0]
+
+
+def scan_steps(
+    run_root: Location, load: Load = read_manifest
+) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
+    """(complete steps, steps some rank's manifest of which is corrupt: the first such error). `load` reads
+    and checks one step's manifest (restore passes `reader.load_manifest`, which also decodes the structure
+    against torch)."""
+    ranks = rank_dirs(run_root)
+    if not ranks:
+        ranks = {0: run_root}
+    found: dict[int, dict[int, tuple[Location, Manifest]]] = {}
+    broken: dict[int, CorruptCheckpoint] = {}
+    for rank, directory in sorted(ranks.items()):
+        for step, step_dir in step_dirs(directory):
+            try:
+                manifest = load(step_dir)
+            except CorruptCheckpoint as exc:
+                broken.setdefault(step, exc)
+                continue
+            found.setdefault(step, {})[rank] = (step_dir, manifest)
+    out = {}
+    for step, shards in sorted(found.items()):
+        sizes = {m.world_size for _, m in shards.values()}
+        if step in broken or len(sizes) != 1:
+            continue
+        world = sizes.pop()
+        if set(shards) != set(range(world)) or any(m.rank != r for r, (_, m) in shards.items()):
+            continue
+        out[step] = StepShards(
+            step, world, {r: d for r, (d, _) in shards.items()}, {r: m for r, (_, m) in shards.items()}
+        )
+    return out, broken
+
+
+def incomplete_steps(run_root: Location, load: Load = read_manifest) -> dict[int, list[int]]:
+    """step -> ranks that committed it, for steps not every rank committed (for error messages)."""
+    ranks = rank_dirs(run_root)
+    seen: dict[int, list[int]] = {}
+    for rank, directory in sorted(ranks.items()):
+        for step, _ in step_dirs(directory):
+            seen.setdefault(step, []).append(rank)
+    complete = complete_steps(run_root, load)
+    return {step: got for step, got in seen.items() if step not in complete}
