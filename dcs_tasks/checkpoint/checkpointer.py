@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import torch
@@ -62,6 +62,9 @@ from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from dcs_tasks.storage import Location, ObjectPath
 
+if TYPE_CHECKING:
+    from dcs_tasks.checkpoint.inline import InlineCommitter
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +77,7 @@ class Checkpointer:
         config: DCSConfig | None = None,
         *,
         size_hint_bytes: int | None = None,
-        celery_app: Celery | None = None,
+        celery_app: Celery | InlineCommitter | None = None,
         copy_threads: int | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -206,6 +209,8 @@ class Checkpointer:
         )
 
     def _require_worker(self) -> None:
+        if getattr(self._app, "inline", False):  # an InlineCommitter persists in this process
+            return
         queue = node_queue(self.config.host_name)
         try:
             present = bool(self._redis.exists(self._keys.worker_presence(queue)))

@@ -106,6 +106,9 @@ def test_corrupt_primary_file_restores_the_same_step_from_the_replica(dcs_config
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40  # same size: only the checksum tells
     victim.write_bytes(bytes(data))
+    verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.replica_dir))
+    assert verified.returncode == 1 and "step 2 (primary): BAD" in verified.stderr and victim.name in verified.stderr
+    assert "step 2 (replica): ok" in verified.stdout
     with Checkpointer("flip", config) as ckpt, warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         restored = ckpt.restore()
@@ -114,9 +117,9 @@ def test_corrupt_primary_file_restores_the_same_step_from_the_replica(dcs_config
         assert any(
             "primary copy of step 2 is corrupt" in str(w.message) and victim.name in str(w.message) for w in seen
         )
+    # the verified restore healed the primary file from the replica's bytes
     verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.replica_dir))
-    assert verified.returncode == 1 and "step 2 (primary): BAD" in verified.stderr and victim.name in verified.stderr
-    assert "step 2 (replica): ok" in verified.stdout
+    assert verified.returncode == 0 and "step 2 (primary): ok" in verified.stdout, verified.stdout + verified.stderr
 
 
 def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: DCSConfig, tmp_path: Path) -> None:

@@ -1,0 +1,291 @@
+"""Persist and commit, the worker side of a save: the `dcs.ckpt.persist` / `dcs.ckpt.commit` tasks' work, run
+by `workers/` (a prefork child, with the worker's `Runtime` as context) or in the trainer's own process
+(`dcs_tasks.checkpoint.inline`, Redis still real).
+
+Persist: claim the file in the ledger, stream it durably with its checksum, record it. The staging file and the
+step directory are checked against the context's configured roots first (`checkpoint.trust`): an untrusted path
+fails with `UntrustedPath` before anything is read, written or claimed. Idempotent: a file already recorded, a
+file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
+duplicate delivery changes no bytes). The call that records the last file returns COMMIT.
+
+Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.incremental`): before writing, the staged region is
+compared with the newest earlier committed step's file of the same name and size; when equal nothing is written
+and the earlier entry is recorded with `source_step`.
+
+Commit: write `manifest.json`, move `latest`, mark the step COMMITTED (`committer.publish_step`, the protocol
+`dcs ckpt import` follows too), fenced by the ledger: only the task id that claimed the commit writes, a
+COMMITTED step is never rewritten, and a redelivered commit that finds its manifest stored keeps it.
+Metrics (recorded where the save becomes durable, once per committed step): `dcs_ckpt_commit_seconds` and
+`dcs_save_latency_seconds` / `dcs_bytes_saved_total` / `dcs_save_operations_total`, whose latency runs from
+the save's begin in the ledger to this commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import redis
+
+from dcs_tasks.checkpoint import committer, incremental, objlocks
+from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
+from dcs_tasks.checkpoint.format import FileEntry, Manifest
+from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
+from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
+from dcs_tasks.checkpoint.trust import open_staging, trusted_staging_path, trusted_step_dir
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
+from dcs_tasks.keys import Keys
+from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage.s3 import NotPublishedObject
+
+log = logging.getLogger(__name__)
+
+
+class Context(Protocol):
+    """What persisting needs of its process: the worker's `Runtime`, or an in-process committer's."""
+
+    @property
+    def config(self) -> DCSConfig: ...
+    @property
+    def redis(self) -> redis.Redis: ...
+    @property
+    def keys(self) -> Keys: ...
+
+
+def ledger(ctx: Context) -> StepLedger:
+    return StepLedger(ctx.redis, ctx.keys)
+
+
+def object_lock(ctx: Context) -> ObjectLock:
+    """The run locks of object-store runs, on `ctx`'s Redis."""
+
+    def lock(where: ObjectPath, purpose: str) -> contextlib.AbstractContextManager[None]:
+        return objlocks.run_lock(ctx.redis, ctx.keys, where, purpose)
+
+    return lock
+
+
+@dataclass(frozen=True)
+class PersistPaths:
+    """The paths of a persist request, checked against this worker's roots (resolved)."""
+
+    staging: Path
+    step_dir: Location
+
+
+def trusted_paths(ctx: Context, req: PersistRequest) -> PersistPaths:
+    """Raises UntrustedPath unless both paths of `req` lie where this worker's config puts them
+    (InvalidTaskPayload for an offset no staging region has)."""
+    config = ctx.config
+    if req.offset % mmap.ALLOCATIONGRANULARITY:  # staging regions are page-aligned; mmap refuses others
+        raise InvalidTaskPayload(f"offset {req.offset} of {req.file_name} is not a multiple of the page size")
+    ref = req.ref
+    return PersistPaths(
+        staging=trusted_staging_path(req.staging_path, ref.run, config),
+        step_dir=trusted_step_dir(ref.step_dir, ref.run, ref.step, config),
+    )
+
+
+def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
+    """Write `req`'s file if this task may; returns COMMIT when this call completed the step's files."""
+    paths = trusted_paths(ctx, req)
+    ref = req.ref
+    book = ledger(ctx)
+    verdict = book.claim_file(ref.run, ref.step, ref.token, req.file_name, task_id)
+    if verdict is Verdict.CLOSED:  # the step failed meanwhile: count this file as finished, write nothing
+        finish(ctx, req, FileOutcome.SKIPPED, "step no longer persisting")
+        return verdict
+    if verdict is Verdict.DONE and book.progress(ref.run, ref.step)[0] is StepStatus.COMMITTING:
+        return Verdict.COMMIT  # a retry after the commit could not be sent: send it (commits are fenced)
+    if verdict is not Verdict.WRITE:
+        log.info("persist %s/%s step %d: %s, nothing to do", ref.run, req.file_name, ref.step, verdict.value)
+        return verdict
+    started = time.monotonic()
+    step_dir = paths.step_dir
+    if committed(step_dir):  # the ledger forgot a committed step: never write into it
+        raise CheckpointFailed(
+            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
+            "it (expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
+        )
+    if incremental.is_retired(step_dir):
+        raise CheckpointFailed(
+            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
+        )
+    if req.incremental:
+        with _refs_lock(ctx, step_dir.parent):  # retention waits until the reference is recorded
+            reused = reusable(ctx, req, paths.staging, step_dir)
+            if reused is not None:
+                if isinstance(step_dir, Path):
+                    make_dirs_durable(step_dir)  # the commit writes the manifest there
+                record_persist(time.monotonic() - started)
+                log.info(
+                    "persist %s/%s step %d: bytes equal step %s's, not written",
+                    ref.run,
+                    req.file_name,
+                    ref.step,
+                    reused.source_step,
+                )
+                return finish(ctx, req, FileOutcome.OK, file_entry_json(reused)).verdict
+    try:
+        entry = write_file(ctx, req, task_id, paths)
+    except (NotPublished, NotPublishedObject):  # another delivery of this task recorded the file meanwhile
+        log.info(
+            "persist %s/%s step %d: recorded meanwhile by another delivery, this copy dropped",
+            ref.run,
+            req.file_name,
+            ref.step,
+        )
+        return Verdict.DONE
+    log.info(
+        "persisted %s of %s step %d to %s: %d bytes%s in %.2fs",
+        req.file_name,
+        ref.run,
+        ref.step,
+        step_dir,
+        entry.size,
+        f" as {entry.disk_size} {entry.compression}" if entry.compression else "",
+        time.monotonic() - started,
+    )
+    record_persist(time.monotonic() - started)
+    return finish(ctx, req, FileOutcome.OK, file_entry_json(entry)).verdict
+
+
+@contextlib.contextmanager
+def _refs_lock(ctx: Context, run_dir: Location) -> Iterator[None]:
+    """The run's reference lock: `.refs.lock` shared on files (when the run exists), Redis on object stores."""
+    if isinstance(run_dir, ObjectPath):
+        with object_lock(ctx)(run_dir, "refs"):
+            yield
+    elif run_dir.is_dir():
+        with incremental.refs_lock(run_dir, shared=True):
+            yield
+    else:
+        yield
+
+
+def reusable(ctx: Context, req: PersistRequest, staging: Path, step_dir: Location) -> FileEntry | None:
+    """The newest earlier step's entry for this file when the staged bytes equal it (hashed from the staging
+    file before anything is written), else None. A few samples are compared first, so a file whose bytes all
+    changed is not hashed twice (once here, once while it is written). The worker's
+    `incremental_full_every` bounds how many steps one stored file serves (`incremental.candidate`)."""
+    entry = incremental.candidate(step_dir, req.file_name, req.length, full_every=ctx.config.incremental_full_every)
+    if entry is None:
+        return None
+    fd = _open_staging(ctx, staging)
+    try:
+        _check_staged_size(fd, req, staging)
+        if incremental.surely_differs(fd, req.offset, req.length, entry.stored_path(step_dir), entry):
+            return None
+        checksum = incremental.region_checksum(fd, req.offset, req.length)
+    finally:
+        os.close(fd)
+    return entry if checksum == entry.checksum else None
+
+
+def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
+    """Store the staged region as the step's file and checksum it (`committer.write_file`: temp, fsync, rename,
+    dir fsync on files, zstd-compressed when the request asks and the bytes shrink; a multipart upload on object
+    stores). The staging file is opened once without following symlinks and read through that descriptor. Just
+    before the bytes appear the ledger must still show the file open (`StepLedger.file_open`), else NotPublished:
+    two deliveries of one task can overlap (a retry beside the restored original), and the later one must not
+    replace a file the first recorded, since the save's staging buffer may have been released and reused
+    meanwhile."""
+    staging = paths.staging
+    fd = _open_staging(ctx, staging)
+    try:
+        _check_staged_size(fd, req, staging)
+        if isinstance(paths.step_dir, Path):
+            make_dirs_durable(paths.step_dir)
+        config = ctx.config
+        ref = req.ref
+        book = ledger(ctx)
+
+        def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
+            return book.file_open(ref.run, ref.step, ref.token, req.file_name)
+
+        return committer.write_file(
+            fd,
+            req.offset,
+            req.length,
+            paths.step_dir / req.file_name,
+            task_id,
+            compression=req.compression if isinstance(paths.step_dir, Path) else None,
+            threads=config.checkpoint_compression_threads,
+            throttle=config.persist_throttle_bytes_per_second,
+            publish=still_open,
+        )
+    finally:
+        os.close(fd)
+
+
+def _open_staging(ctx: Context, staging: Path) -> int:
+    try:
+        return open_staging(staging)
+    except FileNotFoundError as exc:
+        host = ctx.config.host_name
+        raise CheckpointFailed(
+            f"staging file {staging} is not on host {host!r}: the trainer closed or crashed, or it staged it on "
+            "another host (a trainer's node name must be the host it runs on)"
+        ) from exc
+
+
+def _check_staged_size(fd: int, req: PersistRequest, staging: Path) -> None:
+    staged_size = os.fstat(fd).st_size
+    if staged_size < req.offset + req.length:
+        raise CheckpointFailed(f"staging file {staging} has {staged_size} bytes, needs {req.offset + req.length}")
+
+
+def finish(ctx: Context, req: PersistRequest, outcome: FileOutcome, value: str) -> FileFinish:
+    """Record the file's final outcome; the last finisher of a FAILED step removes its partial directory."""
+    ref = req.ref
+    result = ledger(ctx).finish_file(ref.run, ref.step, ref.token, req.file_name, outcome, value)
+    if result.all_finished and result.status is StepStatus.FAILED:
+        remove_partial_step_at(ctx, ref.step_dir, ref.run, ref.step)
+    return result
+
+
+def remove_partial_step_at(ctx: Context, step_dir: object, run: str, step: int) -> None:
+    """`remove_partial_step` of a payload's step directory, only when it is trusted (else nothing is touched)."""
+    try:
+        if not isinstance(step_dir, str):
+            raise UntrustedPath(f"step directory {str(step_dir)[:256]!r} is not a path")
+        trusted = trusted_step_dir(step_dir, run, step, ctx.config)
+    except UntrustedPath as exc:
+        log.warning("not removing the partial directory of %s step %d: %s", run, step, exc)
+        return
+    remove_partial_step(trusted)
+
+
+def remove_partial_step(step_dir: Location) -> None:
+    """`committer.remove_partial_step`: a failed save's step, never a committed or retired one."""
+    committer.remove_partial_step(step_dir)
+
+
+def commit(ctx: Context, req: CommitRequest, task_id: str) -> Verdict:
+    """Returns WRITE when this call committed the step, otherwise why it did nothing."""
+    ref = req.ref
+    step_dir = trusted_step_dir(ref.step_dir, ref.run, ref.step, ctx.config)
+    book = ledger(ctx)
+    verdict = book.claim_commit(ref.run, ref.step, ref.token, task_id)
+    if verdict is not Verdict.WRITE:
+        log.info("commit %s step %d: %s, nothing to do", ref.run, ref.step, verdict.value)
+        return verdict
+    started = time.monotonic()
+    state = book.read(ref.run, ref.step)
+    manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
+    publish_step(step_dir, manifest, task_id, object_lock=object_lock(ctx))
+    if book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED, task_id=task_id) is Verdict.OK:
+        record_commit(time.monotonic() - started)
+        # durable latency: the trainer's begin (wall clock, this host: node queues are per host) to now
+        record_durable_save(manifest.total_bytes, time.time() - manifest.created_at)
+    return verdict
