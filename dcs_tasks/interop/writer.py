@@ -14,7 +14,7 @@ step directory (never a committed one) is removed. Memory: one file of the layou
 from __future__ import annotations
 
 import contextlib
-import os
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -140,9 +140,13 @@ class _Commit:
 
 
 def write_file(step_dir: Location, f: FileLayout, tensors: dict[str, torch.Tensor], tag: str) -> FileEntry:
-    """Build file `f` (header, then each slot's bytes in order: `plan_layout` leaves no gaps) in a memfd and
-    stream it to `step_dir/f.name` with the persist writer; returns its entry with the checksum."""
-    fd = os.memfd_create("dcs-import", os.MFD_CLOEXEC)
+    """Build file `f` (header, then each slot's bytes in order: `plan_layout` leaves no gaps) in an unlinked
+    temporary file and stream it to `step_dir/f.name` with the persist writer; returns its entry with the
+    checksum. The temporary file lies in the step directory (the system's temp directory for an object
+    store), never in memory: a memfd is shared memory, so one big tensor (a sparse 12 GiB file holds one in
+    4 KiB of disk) grew the host's shared memory by its size."""
+    spool = tempfile.TemporaryFile(dir=step_dir if isinstance(step_dir, Path) else None)
+    fd = spool.fileno()
     try:
         write_all(fd, memoryview(f.header))
         pos = 0
@@ -155,5 +159,5 @@ def write_file(step_dir: Location, f: FileLayout, tensors: dict[str, torch.Tenso
             pos = slot.end
         entry = committer.write_file(fd, 0, f.size, step_dir / f.name, tag)
     finally:
-        os.close(fd)
+        spool.close()
     return FileEntry(name=f.name, size=f.size, checksum=entry.checksum)

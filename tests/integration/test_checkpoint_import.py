@@ -324,3 +324,58 @@ def test_a_failed_import_is_failed_in_the_ledger_and_can_be_retried(dcs_config: 
     assert dcs_ckpt(config, *args).returncode == 0  # a FAILED step may be written again
     with Checkpointer("retry", config) as ckpt:
         assert torch.equal(ckpt.restore(step=4).state["model"]["w"], torch.arange(6.0))
+
+
+def _shared_bytes_held() -> int:
+    """Bytes of shared memory (memfd or /dev/shm files) this process holds open."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/memfd:") or target.startswith("/dev/shm/"):
+                held += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+        except OSError:
+            continue  # closed meanwhile
+    return held
+
+
+def test_a_sparse_hf_file_is_imported_without_growing_shared_memory(
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 20, finding 3: one 512 MiB tensor in a sparse file (4 KiB on disk) was assembled in a memfd, so
+    the import grew the host's shared memory by the tensor's size (a 12 GiB file: 6 GiB in 32 s). The output
+    file is now assembled in an unlinked temporary file on disk; the import holds no shared memory."""
+    import threading
+
+    from dcs_tasks.cli.main import main
+
+    size = 512 << 20
+    header = json.dumps({"w": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    source = tmp_path / "sparse"
+    source.mkdir()
+    with open(source / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + size)  # a hole: nothing on disk
+    assert os.stat(source / "model.safetensors").st_blocks * 512 < 1 << 20
+    config = ckpt_config(dcs_config, tmp_path)
+    for name, value in config.to_env().items():
+        monkeypatch.setenv(name, value)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _shared_bytes_held())
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        code = main(["ckpt", "import", "--run", "sparse", "--step", "1", "--from", str(source), "--format", "hf"])
+    finally:
+        done.set()
+        sampler.join()
+    assert code == 0
+    assert peak[0] < 16 << 20, f"the import held {peak[0] >> 20} MiB of shared memory"
+    step_dir = Path(config.checkpoint_dir) / "sparse" / "step-000000001"
+    assert (step_dir / "manifest.json").is_file() and not [p for p in step_dir.iterdir() if p.name.startswith("tmp")]
