@@ -138,6 +138,8 @@ def test_dcs_ckpt_list_and_verify_read_s3_and_name_a_corrupt_object(
     assert steps == ["1", "2"] and listed.stdout.splitlines()[-1].endswith("<- latest"), listed.stdout
     verified = ckpt_cli(env_config, tmp_path, "verify", "--run", "cli")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    inspected = ckpt_cli(env_config, tmp_path, "inspect", "--run", "cli", "--step", "2")
+    assert inspected.returncode == 0 and "step-000000002" in inspected.stdout, inspected.stdout + inspected.stderr
     # flip bytes of step 2's first file in the store: verify names it, restore falls back to step 1
     client = aws_env.client()
     manifest = json.loads(
