@@ -17,6 +17,7 @@ key and operation; credentials never appear in them (botocore puts none in its e
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import os
 import threading
@@ -137,10 +138,17 @@ class ViewReader(io.RawIOBase):
         return len(self._view)
 
 
-_clients: dict[tuple[int, S3Settings, str | None, str | None], Any] = {}
+_clients: dict[tuple[int, S3Settings, str | None, str | None, str], Any] = {}
 _clients_lock = threading.Lock()
 # boto3 sessions by credential environment; a child forked after `prewarm` reuses the parent's loaded models
-_sessions: dict[tuple[str | None, str | None], Any] = {}
+_sessions: dict[tuple[str | None, str | None, str], Any] = {}
+
+
+def _secret_digest() -> str:
+    """A digest of the secret parts of the credential environment (a changed secret or session token under the
+    same key id needs a new session too; the values themselves are never kept)."""
+    raw = "\0".join(os.environ.get(name, "") for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def prewarm(settings: S3Settings) -> None:
@@ -152,7 +160,7 @@ def prewarm(settings: S3Settings) -> None:
 def client(settings: S3Settings) -> Any:
     """One botocore S3 client per process and settings (clients are thread-safe; a forked child makes its own)."""
     # a process that changes its credential environment gets a new client (a cached one keeps what it resolved)
-    key = (os.getpid(), settings, os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_PROFILE"))
+    key = (os.getpid(), settings, os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_PROFILE"), _secret_digest())
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
