@@ -43,6 +43,7 @@ from dcs_tasks.checkpoint.fsio import (
     write_all,
     write_bytes_durably,
 )
+from dcs_tasks.checkpoint.landing import anonymous
 from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.models import ReplicateRequest
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
@@ -235,10 +236,12 @@ def _copy_across(entry: FileEntry, src: Location, dst: Location, tag: str) -> in
     size = entry.disk_size
     if regular_of_size(dst, size):
         return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified after
-    if entry.compression:
-        raise ReplicaFailed(f"{src} is zstd-compressed: object stores hold plain files, not replicated to {dst}")
     hasher = new_hasher()
-    if isinstance(src, ObjectPath):
+    if isinstance(src, ObjectPath) and entry.compression:  # the stored (compressed) bytes, as they are
+        mapping = anonymous(size)
+        with memoryview(mapping)[:size] as raw:
+            src.store.read_into(src.key, 0, [raw])
+    elif isinstance(src, ObjectPath):
         mapping = objread.read_many([(src, entry)], verify=True)[0]  # CorruptCheckpoint: the primary is bad
     else:
         with open(src, "rb") as f:
@@ -254,7 +257,7 @@ def _copy_across(entry: FileEntry, src: Location, dst: Location, tag: str) -> in
                     write_all(fd, view)
     finally:
         mapping.close()
-    if hasher.hexdigest() != entry.checksum:
+    if entry.compression is None and hasher.hexdigest() != entry.checksum:  # compressed: checked by verify_step
         _remove(dst)
         raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
     return size

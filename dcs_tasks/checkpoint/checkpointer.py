@@ -56,11 +56,10 @@ from dcs_tasks.errors import (
     CorruptCheckpoint,
     NoWorkerError,
     StagingError,
-    UnsupportedOnObjectStore,
 )
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location
 
 if TYPE_CHECKING:
     from dcs_tasks.checkpoint.inline import InlineCommitter
@@ -93,8 +92,6 @@ class Checkpointer:
         # both roots resolved once, here: a restore then touches nothing outside the run directories
         self._roots = replicas.run_roots(self.config, run)
         self.run_root = self._roots[0][1]
-        if any(isinstance(root, ObjectPath) for _, root in self._roots):
-            _check_object_store_settings(self.config)
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
         self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
@@ -553,15 +550,3 @@ def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
     if any(m.dtensors for m in shards.manifests.values()):
         return True
     return into is not None and bool(flatten_state(into).dtensors)
-
-
-def _check_object_store_settings(config: DCSConfig) -> None:
-    """What an object-store root (`s3://`) does not do yet, refused up front rather than ignored at save time."""
-    missing = []
-    if CheckpointCompression(config.checkpoint_compression) is not CheckpointCompression.NONE:
-        missing.append("checkpoint_compression")
-    if missing:
-        raise UnsupportedOnObjectStore(
-            f"checkpoint root {config.checkpoint_dir} is an object store, which does not support "
-            f"{', '.join(missing)} yet: unset {'them' if len(missing) > 1 else 'it'} or use a file-system root"
-        )

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dcs_tasks.checkpoint import incremental
-from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.compression import CompressionSpec, compress_into, probe_saving, write_region
 from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, FileEntry, Manifest, manifest_bytes, new_hasher
 from dcs_tasks.checkpoint.fsio import remove_stray_temps, write_bytes_durably
 from dcs_tasks.checkpoint.latest import move_latest
@@ -54,8 +54,13 @@ def write_file(
     publish: Callable[[], bool] | None = None,
 ) -> FileEntry:
     """Store `length` bytes at `offset` (page-aligned) of the open file `source_fd` as the step file `final`;
-    returns its manifest entry. Object stores keep files as they are (no compression)."""
+    returns its manifest entry (zstd-compressed as `<name>.zst` when `compression` asks and the bytes shrink
+    enough, on either store)."""
     if isinstance(final, ObjectPath):
+        if compression is not None and length > 0:
+            packed = _upload_compressed(source_fd, offset, length, final, compression, threads, throttle, publish)
+            if packed is not None:
+                return packed
         return _upload(source_fd, offset, length, final, publish, throttle)
     return write_region(
         Path(f"/proc/self/fd/{source_fd}"), offset, length, final, tag, compression, threads, throttle, publish
@@ -81,6 +86,43 @@ def _upload(
         finally:
             mapping.close()
     return FileEntry(name=final.name, size=length, checksum=str(hasher.hexdigest()))
+
+
+def _upload_compressed(
+    fd: int,
+    offset: int,
+    length: int,
+    final: ObjectPath,
+    spec: CompressionSpec,
+    threads: int,
+    throttle: float | None,
+    publish: Callable[[], bool] | None,
+) -> FileEntry | None:
+    """zstd-compress the region into memory (a memfd) and upload it as `<name>.zst`; None when the probe says
+    the bytes do not shrink enough (then they are uploaded as they are)."""
+    mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
+    try:
+        with memoryview(mapping) as view:
+            if spec.min_saving > 0 and probe_saving(view, spec.level) < spec.min_saving:
+                return None
+            packed = os.memfd_create("dcs-zstd", os.MFD_CLOEXEC)
+            try:
+                checksum, stored = compress_into(view, packed, spec, threads, throttle)
+                entry = FileEntry(
+                    name=final.name, size=length, checksum=checksum, compression=spec.codec, stored_size=stored
+                )
+                target = entry.stored_path(final.parent)
+                out = mmap.mmap(packed, stored, mmap.MAP_SHARED, mmap.PROT_READ)
+                try:
+                    with memoryview(out) as body:
+                        target.store.upload(target.key, body, new_hasher(), publish=publish)
+                finally:
+                    out.close()
+            finally:
+                os.close(packed)
+    finally:
+        mapping.close()
+    return entry
 
 
 def pacer(throttle: float | None) -> Callable[[int], None] | None:

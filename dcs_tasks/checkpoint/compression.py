@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from dcs_tasks.checkpoint.format import COMPRESSED_SUFFIX, FileEntry, new_hasher
 from dcs_tasks.checkpoint.fsio import chunk_size, durable_file, pace, stream_region, write_all
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import ObjectPath
 
 CODEC = "zstd"
 MIN_LEVEL, MAX_LEVEL = -7, 19  # negative: zstd's fast levels; 20-22 ("ultra") need up to ~1 GiB per stream
@@ -162,6 +163,17 @@ def _write_compressed(
     throttle: float | None,
     publish: Callable[[], bool] | None = None,
 ) -> FileEntry:
+    entry = FileEntry(name=final.name, size=len(view), checksum="", compression=spec.codec, stored_size=0)
+    with durable_file(entry.stored_path(final.parent), tag, publish=publish) as fd:
+        checksum, stored = compress_into(view, fd, spec, threads, throttle)
+    return entry.model_copy(update={"checksum": checksum, "stored_size": stored})
+
+
+def compress_into(
+    view: memoryview, fd: int, spec: CompressionSpec, threads: int = 0, throttle: float | None = None
+) -> tuple[str, int]:
+    """Write `view` zstd-compressed to the open file `fd` (one frame recording the size, padded up to the
+    expansion limit readers enforce); returns (xxh3_128 of the uncompressed bytes, bytes written)."""
     hasher = new_hasher()
     length = len(view)
     compressor = zstandard.ZstdCompressor(level=spec.level, write_checksum=False, threads=threads)
@@ -169,23 +181,21 @@ def _write_compressed(
     stored = 0
     started = time.monotonic()
     chunk = chunk_size(throttle)
-    entry = FileEntry(name=final.name, size=length, checksum="", compression=spec.codec, stored_size=0)
-    with durable_file(entry.stored_path(final.parent), tag, publish=publish) as fd:
-        for pos in range(0, length, chunk):
-            with view[pos : pos + chunk] as piece:
-                hasher.update(piece)
-                out = stream.compress(piece)
-            write_all(fd, memoryview(out))
-            stored += len(out)
-            pace(started, pos + chunk, throttle)
-        out = stream.flush()
-        out += padding(stored + len(out), length)  # never past the expansion limit readers enforce
+    for pos in range(0, length, chunk):
+        with view[pos : pos + chunk] as piece:
+            hasher.update(piece)
+            out = stream.compress(piece)
         write_all(fd, memoryview(out))
         stored += len(out)
-    return entry.model_copy(update={"checksum": str(hasher.hexdigest()), "stored_size": stored})
+        pace(started, pos + chunk, throttle)
+    out = stream.flush()
+    out += padding(stored + len(out), length)  # never past the expansion limit readers enforce
+    write_all(fd, memoryview(out))
+    stored += len(out)
+    return str(hasher.hexdigest()), stored
 
 
-def check_frame(fd: int, path: Path, entry: FileEntry) -> None:
+def check_frame(fd: int, path: Path | ObjectPath, entry: FileEntry) -> None:
     """The zstd frame header of an open compressed file records exactly `entry.size` bytes and a window
     decoders accept (no data is decompressed)."""
     head = os.pread(fd, FRAME_HEADER_MAX, 0)
@@ -206,7 +216,7 @@ def check_frame(fd: int, path: Path, entry: FileEntry) -> None:
 class _Source:
     """The compressed bytes of an open file, read with pread (the descriptor's offset is never used)."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path | ObjectPath) -> None:
         self.fd, self.path, self.pos = fd, path, 0
 
     def read(self, size: int = -1) -> bytes:
@@ -224,7 +234,7 @@ class Decoder:
     """The uncompressed bytes of a compressed checkpoint file, in order, never more than `entry.size`
     (call `check_frame` first). Every failure is CorruptCheckpoint naming the file."""
 
-    def __init__(self, fd: int, path: Path, entry: FileEntry) -> None:
+    def __init__(self, fd: int, path: Path | ObjectPath, entry: FileEntry) -> None:
         self.path = path
         self.size = entry.size
         self.pos = 0

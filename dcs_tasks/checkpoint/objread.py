@@ -10,13 +10,16 @@ written when a function returns or raises.
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcs_tasks.checkpoint.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format import FileEntry, new_hasher
 from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
@@ -25,8 +28,6 @@ from dcs_tasks.storage import ObjectPath
 
 def checked_size(path: ObjectPath, entry: FileEntry) -> int:
     """The object's size, which must be the entry's stored size (CorruptCheckpoint otherwise)."""
-    if entry.compression:
-        raise CorruptCheckpoint(f"checkpoint object {path} is compressed: object stores hold plain files", str(path))
     size = path.size()
     if size is None:
         raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
@@ -118,7 +119,19 @@ def _geometry(objects: list[_Object]) -> tuple[int, int]:
 def read_many(
     files: list[tuple[ObjectPath, FileEntry]], verify: bool, progress: Progress | None = None
 ) -> list[mmap.mmap]:
-    """Each object's bytes in its own fresh mapping (same order)."""
+    """Each object's bytes in its own fresh mapping (same order). Compressed objects (`<name>.zst`) are fetched
+    whole, then decompressed into their mapping and checked like a plain file."""
+    if any(entry.compression for _, entry in files):
+        out = []
+        for path, entry in files:
+            if entry.compression:
+                mapping = anonymous(entry.size)
+                with memoryview(mapping) as whole:
+                    _decode(path, entry, verify, functools.partial(_slice, whole), progress)
+                out.append(mapping)
+            else:
+                out.extend(read_many([(path, entry)], verify, progress))
+        return out
     objects = [_Object(path, entry, checked_size(path, entry)) for path, entry in files]
     mappings = [anonymous(o.size) for o in objects]
     views = {id(o): memoryview(m) for o, m in zip(objects, mappings, strict=True)}
@@ -141,6 +154,14 @@ def read_scatter(
     files: list[tuple[ObjectPath, FileEntry, list[Target]]], verify: bool, progress: Progress | None = None
 ) -> None:
     """Read each object once, each byte landing in its target, gaps in a scratch slot; no targets: verify only."""
+    packed = [(path, entry, targets) for path, entry, targets in files if entry.compression]
+    if packed:
+        for path, entry, targets in packed:
+            index = TargetIndex(targets)
+            scratch = anonymous(min(entry.size, 32 * 1024 * 1024) or 1)
+            with memoryview(scratch) as gap:
+                _decode(path, entry, verify, functools.partial(_pieces, index, gap), progress)
+        files = [(path, entry, targets) for path, entry, targets in files if not entry.compression]
     objects = [_Object(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
     part, window = _geometry(objects)
     slot_bytes = min(part, max((o.size for o in objects), default=0))
@@ -162,3 +183,60 @@ def read_scatter(
 def read_range(path: ObjectPath, view: memoryview, offset: int) -> None:
     """`len(view)` bytes of the object from `offset` (a DTensor restore's piece)."""
     path.store.read_into(path.key, offset, [view])
+
+
+def _slice(whole: memoryview, begin: int, end: int) -> list[memoryview]:
+    return [whole[begin:end]]
+
+
+def _pieces(index: TargetIndex, gap: memoryview, begin: int, end: int) -> list[memoryview]:
+    return index.pieces(gap, begin, end)
+
+
+def _decode(
+    path: ObjectPath,
+    entry: FileEntry,
+    verify: bool,
+    land: Callable[[int, int], list[memoryview]],
+    progress: Progress | None,
+) -> None:
+    """Fetch a compressed object whole (parallel ranged GETs into a memfd), then decompress it into `land`'s
+    views in 32 MiB steps, checking its frame, size, end and (`verify`) checksum (`compression.Decoder`)."""
+    stored = checked_size(path, entry)
+    fd = os.memfd_create("dcs-zst-object", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, stored)
+        if stored:
+            mapping = mmap.mmap(fd, stored, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                part = path.store.settings.part_bytes
+                with memoryview(mapping) as whole, path.store.pool() as pool:
+                    futures = [
+                        pool.submit(path.store.read_into, path.key, b, [whole[b : min(b + part, stored)]])
+                        for b in range(0, stored, part)
+                    ]
+                    try:
+                        for f in futures:
+                            f.result()
+                    finally:
+                        for f in futures:
+                            f.cancel()
+            finally:
+                mapping.close()
+        check_frame(fd, path, entry)
+        decoder = Decoder(fd, path, entry)
+        hasher = new_hasher() if verify else None
+        step = 32 * 1024 * 1024
+        for begin in range(0, entry.size, step):
+            end = min(begin + step, entry.size)
+            for piece in land(begin, end):
+                decoder.readinto(piece)
+                if hasher is not None:
+                    hasher.update(piece)
+            if progress is not None:
+                progress(entry.name, end, entry.size)
+        decoder.finish()
+    finally:
+        os.close(fd)
+    if hasher is not None and hasher.hexdigest() != entry.checksum:
+        raise CorruptCheckpoint(f"checkpoint object {path} fails its {entry.algorithm} checksum", str(path))

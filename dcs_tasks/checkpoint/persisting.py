@@ -219,7 +219,7 @@ def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPa
             req.length,
             paths.step_dir / req.file_name,
             task_id,
-            compression=req.compression if isinstance(paths.step_dir, Path) else None,
+            compression=req.compression,
             threads=config.checkpoint_compression_threads,
             throttle=config.persist_throttle_bytes_per_second,
             publish=still_open,

@@ -22,7 +22,6 @@ from dcs_tasks.errors import (
     ConfigError,
     CorruptCheckpoint,
     StorageAccessDenied,
-    UnsupportedOnObjectStore,
 )
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
 from tests.helpers.preloaded import run_module
@@ -208,12 +207,9 @@ def test_wrong_credentials_fail_the_save_with_access_denied_and_nothing_is_writt
     assert objects(aws_env) == {}
 
 
-def test_settings_an_object_store_cannot_honour_yet_are_refused_up_front(
+def test_storage_urls_other_than_paths_and_s3_are_refused_by_name(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket
 ) -> None:
-    config = s3_config(dcs_config, tmp_path, aws_env, checkpoint_compression="zstd")
-    with pytest.raises(UnsupportedOnObjectStore, match="checkpoint_compression"):
-        Checkpointer("refused", config)
     with pytest.raises((ConfigError, ValueError), match="scheme 'gs'"):
         DCSConfig(checkpoint_dir="gs://bucket/x")
     with pytest.raises((ConfigError, ValueError), match="bucket name"):
@@ -421,3 +417,36 @@ def test_dcs_ckpt_import_commits_a_hugging_face_directory_into_s3_through_the_sa
     assert set(saved) == set(weights)
     for name, tensor in weights.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def test_zstd_compressed_steps_in_s3_restore_bit_exact_and_verify(
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+) -> None:
+    """checkpoint_compression=zstd on S3: compressible files are stored as `<name>.zst` objects smaller than the
+    bytes, restore (new memory and into=) and `dcs ckpt verify` decompress and check them; a flipped byte in a
+    compressed object is CorruptCheckpoint."""
+    config = s3_config(dcs_config, tmp_path, aws_env, checkpoint_compression="zstd", incremental_saves=False)
+    worker_cleanup.append(start_worker(config, tmp_path))
+    state = {"ids": torch.arange(1 << 18, dtype=torch.int64) % 7, "w": torch.randn(256, 256)}
+    with Checkpointer("zst", config) as ckpt:
+        info = ckpt.save(state, step=1).wait(timeout=120)
+        restored = ckpt.restore()
+        assert_same_state(state, restored.state)
+        target = {"ids": torch.zeros(1 << 18, dtype=torch.int64), "w": torch.zeros(256, 256)}
+        ckpt.restore(into=target)
+        assert_same_state(state, target)
+    key = "fleet/ckpt/zst/step-000000001/manifest.json"
+    manifest = json.loads(aws_env.client().get_object(Bucket=aws_env.bucket, Key=key)["Body"].read())
+    packed = [f for f in manifest["files"] if f.get("compression") == "zstd"]
+    assert packed and all(f["stored_size"] < f["size"] for f in packed)
+    stored = objects(aws_env, "fleet/ckpt/zst/step-000000001/")
+    for f in packed:
+        assert stored[f"fleet/ckpt/zst/step-000000001/{f['name']}.zst"] == f["stored_size"]
+    assert ckpt_cli(config, tmp_path, "verify", "--run", "zst").returncode == 0
+    victim = f"fleet/ckpt/zst/step-000000001/{packed[0]['name']}.zst"
+    body = bytearray(aws_env.client().get_object(Bucket=aws_env.bucket, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    aws_env.client().put_object(Bucket=aws_env.bucket, Key=victim, Body=bytes(body))
+    with Checkpointer("zst", config) as ckpt, pytest.raises(CorruptCheckpoint):
+        ckpt.restore(step=1)
+    assert info.step == 1
