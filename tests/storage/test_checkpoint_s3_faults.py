@@ -166,7 +166,8 @@ def test_a_full_quota_fails_the_step_cleanly_and_a_later_save_commits_once_raise
 
 @pytest.mark.xfail(
     strict=True,
-    reason="workers/persist.py: a file whose upload is refused at its publish check because its step FAILED "
+    reason="dcs_tasks/checkpoint/persisting.py persist() (before: workers/persist.py): a file whose upload is "
+    "refused at its publish check because its step FAILED "
     "meanwhile returns Verdict.DONE without finish(), so the step's files never all finish: the save's staging "
     "buffer is never handed back (close() waits visibility_timeout_seconds) and no partial-step cleanup runs",
 )
