@@ -123,10 +123,6 @@ class StorageUnavailable(StorageError, ConnectionError):
     the client's retries): retried like any connection error."""
 
 
-class UnsupportedOnObjectStore(StorageError, ConfigError):
-    """The operation needs a POSIX checkpoint root and the configured one is an object store (`s3://`)."""
-
-
 class InvalidTaskPayload(CheckpointError, ValueError):
     """A checkpoint task's JSON payload is malformed (bad run name, step, file name or path). A worker
     fails such a task at once and never retries it."""
