@@ -250,6 +250,10 @@ def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int,
         with Checkpointer("bench", config, size_hint_bytes=nbytes(state) + 64 * MiB) as ckpt:
             stalls, durable, paired = [], [], []
             for step in range(repeats + 1):
+                if step:  # every byte changes between saves, as in training (incremental saves find nothing to reuse)
+                    with torch.no_grad():
+                        for t in state.values():
+                            t.add_(1.0)
                 limit = memcpy.once()
                 start = time.perf_counter()
                 pending = ckpt.save(state, step=step)
@@ -261,7 +265,7 @@ def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int,
             restore = cold_median(lambda: ckpt.restore(step=repeats), config.checkpoint_dir, repeats)
             into = {k: torch.zeros_like(v) for k, v in state.items()}  # resident, like dcp.load's template
             restore_into = cold_median(lambda: ckpt.restore(step=repeats, into=into), config.checkpoint_dir, repeats)
-            assert all(torch.equal(into[k], state[k]) for k in state)
+            assert all(torch.equal(into[k], state[k]) for k in state)  # the last save's bytes
     finally:
         stop(worker)
         stop(redis)
