@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # and order). 2 on the 2-core CI machines cut the suite from 27 to 18 minutes; 0 runs everything in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install redis-bin sglang-engines lint typecheck test test-unit test-fast demo bench clean format
+.PHONY: install redis-bin sglang-engines lint typecheck test test-unit test-fast demo bench bench-storage clean format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,13 @@ bench: install redis-bin
 	$(BIN)/python bench/weight_sync.py
 	$(BIN)/python bench/http_roundtrip.py
 	$(BIN)/python bench/task_latency.py
+	$(MAKE) bench-storage
+
+# Checkpoints through S3 against a local OpenStack Swift s3api server (started for the run), beside s3transfer,
+# obstore and DCP's S3 writers (the bench extras).
+bench-storage: install redis-bin
+	$(BIN)/pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m tests.helpers.s3server -- $(BIN)/python bench/storage.py --bucket bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,8 +1,8 @@
 """Checkpoints through S3: DCS's durable save and restore against a plain parallel multipart transfer of the same
 bytes (the limit) and torch DCP's S3 writers, all against one S3 server in one run.
 
-  limit  s3transfer (boto3's managed transfer) uploading / downloading the same files with the same part size
-         and as many parts in flight as DCS has (`--concurrency` per file x the worker's 2 processes)
+  limit  s3transfer (boto3's managed transfer) and obstore (Rust object_store) uploading / downloading the same
+         files with the same part size and as many parts in flight as DCS has
   ours   Checkpointer.save -> durable commit (a real `dcs worker` and redis-server), Checkpointer.restore()
          into new memory and restore(into=) existing tensors, both verified
   others torch.distributed.checkpoint with s3torchconnector's DCP writer/reader (AWS CRT client) and with
@@ -96,6 +96,44 @@ def plain_transfer(bucket: str, files: list[bytes], part: int, concurrency: int,
             )
         )
     assert [s.getvalue() for s in sinks] == files
+    return up, down
+
+
+def plain_obstore(bucket: str, files: list[bytes], part: int, concurrency: int, tag: str) -> tuple[float, float] | str:
+    """(upload seconds, download seconds) of the same files by obstore (Rust object_store), all files at once:
+    multipart `put` and parallel ranged `get_ranges` of `part` bytes."""
+    try:
+        import obstore
+        from obstore.store import S3Store as ObStore
+    except ImportError as exc:
+        return f"not run: {exc}"
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    store = ObStore(
+        bucket,
+        endpoint=endpoint,
+        access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+        secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": endpoint.startswith("http://")},
+    )
+    keys = [f"obstore/{tag}/file-{i}" for i in range(len(files))]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def put(kv: tuple[str, bytes]) -> None:
+        obstore.put(store, kv[0], kv[1], chunk_size=part, max_concurrency=concurrency)
+
+    def get(kv: tuple[str, bytes]) -> bool:
+        size = len(kv[1])
+        starts = list(range(0, size, part))
+        got = obstore.get_ranges(store, kv[0], starts=starts, ends=[min(b + part, size) for b in starts])
+        return b"".join(bytes(g) for g in got) == kv[1]
+
+    with ThreadPoolExecutor(len(files)) as pool:
+        up = timed(lambda: list(pool.map(put, zip(keys, files, strict=True))))
+        results: list[bool] = []
+        down = timed(lambda: results.extend(pool.map(get, zip(keys, files, strict=True))))
+    assert all(results)
     return up, down
 
 
@@ -193,7 +231,13 @@ def main() -> None:
     for begin in range(0, len(flat), args.file_mb * MiB):
         files.append(flat[begin : begin + args.file_mb * MiB])
     del flat
-    rounds: dict[str, list[Any]] = {"plain": [], "dcs": [], "dcp_s3torchconnector": [], "dcp_fsspec": []}
+    rounds: dict[str, list[Any]] = {
+        "plain": [],
+        "plain_obstore": [],
+        "dcs": [],
+        "dcp_s3torchconnector": [],
+        "dcp_fsspec": [],
+    }
     ckpt = Checkpointer("bench", config)
     try:
         ckpt.save(state, step=0).wait(timeout=1800)  # warm-up: the staging buffer is made once per trainer
@@ -202,6 +246,9 @@ def main() -> None:
                 plain_transfer(
                     args.bucket, files, args.part_mb * MiB, args.concurrency * 2, f"{i}-{uuid.uuid4().hex[:6]}"
                 )
+            )
+            rounds["plain_obstore"].append(
+                plain_obstore(args.bucket, files, args.part_mb * MiB, args.concurrency, f"{i}-{uuid.uuid4().hex[:6]}")
             )
             rounds["dcs"].append(dcs_round(ckpt, config, state, step=i + 1))
             rounds["dcp_s3torchconnector"].append(
@@ -233,6 +280,15 @@ def main() -> None:
         "dcs_restore_vs_plain_download": down / dcs["restore_s"],
         "dcs_restore_into_vs_plain_download": down / dcs["restore_into_s"],
     }
+    obs = rounds["plain_obstore"]
+    if all(isinstance(r, tuple) for r in obs):
+        summary["obstore_upload_s"] = med([u for u, _ in obs])
+        summary["obstore_download_s"] = med([d for _, d in obs])
+        best_up, best_down = min(up, summary["obstore_upload_s"]), min(down, summary["obstore_download_s"])
+        summary["dcs_durable_vs_best_plain_upload"] = best_up / dcs["durable_s"]
+        summary["dcs_restore_vs_best_plain_download"] = best_down / dcs["restore_s"]
+    else:
+        summary["plain_obstore"] = next(r for r in obs if isinstance(r, str))
     for name in ("dcp_s3torchconnector", "dcp_fsspec"):
         got = rounds[name]
         if all(isinstance(r, dict) for r in got):

@@ -470,3 +470,48 @@ def _self_signed_certificate(cert_path: Path, key_path: Path) -> None:
     )
     key_path.chmod(0o600)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def main() -> int:
+    """`python -m tests.helpers.s3server -- CMD...`: run CMD with a Swift S3 server up, a bucket `bench` made and
+    AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION set (`make bench-storage`)."""
+    import shutil
+    import tempfile
+
+    import boto3
+    from botocore.config import Config
+
+    command = sys.argv[1:]
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("usage: python -m tests.helpers.s3server -- COMMAND [ARGS]", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="dcs-s3-bench-"))
+    server = S3Server(workdir)
+    server.start()
+    try:
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": server.endpoint_url,
+            "AWS_ACCESS_KEY_ID": server.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.secret_key,
+            "AWS_DEFAULT_REGION": server.region,
+        }
+        client = boto3.client(
+            "s3",
+            endpoint_url=server.endpoint_url,
+            aws_access_key_id=server.access_key,
+            aws_secret_access_key=server.secret_key,
+            region_name=server.region,
+            config=Config(s3={"addressing_style": "path"}),
+        )
+        client.create_bucket(Bucket="bench")
+        return subprocess.run(command, env=env, check=False).returncode
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
