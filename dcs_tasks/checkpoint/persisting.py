@@ -138,13 +138,17 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
                 return finish(ctx, req, FileOutcome.OK, file_entry_json(reused)).verdict
     try:
         entry = write_file(ctx, req, task_id, paths)
-    except (NotPublished, NotPublishedObject):  # another delivery of this task recorded the file meanwhile
+    except (NotPublished, NotPublishedObject):
+        # the file is no longer open: another delivery recorded it (finishing again changes nothing), or the step
+        # failed meanwhile (then this file must still be counted, or the step's files never all finish and the
+        # save's staging buffer is never handed back)
         log.info(
-            "persist %s/%s step %d: recorded meanwhile by another delivery, this copy dropped",
+            "persist %s/%s step %d: no longer open (recorded by another delivery, or the step failed): copy dropped",
             ref.run,
             req.file_name,
             ref.step,
         )
+        finish(ctx, req, FileOutcome.SKIPPED, "not published: the file was no longer open")
         return Verdict.DONE
     log.info(
         "persisted %s of %s step %d to %s: %d bytes%s in %.2fs",

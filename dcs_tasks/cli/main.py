@@ -12,6 +12,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from dcs_tasks.errors import StorageError
+
 SUBCOMMANDS: dict[str, str] = {
     "coordinator": "coordinator.cli",
     "worker": "workers.cli",
@@ -54,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(func(args) or 0)
-    except OSError as exc:  # a path that cannot be read or written, a port that cannot be bound: one line
+    except (OSError, StorageError) as exc:  # a path that cannot be read or written, a port that cannot be bound,
+        # an object store that refuses or cannot be reached: one line (never a credential: errors carry none)
         print(f"dcs {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # pydantic's ValidationError is a ValueError; others are bugs and keep their traceback

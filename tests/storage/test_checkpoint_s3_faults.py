@@ -164,13 +164,6 @@ def test_a_full_quota_fails_the_step_cleanly_and_a_later_save_commits_once_raise
     assert_no_secret(aws_env.secret_key, chain, worker.log_tail(10**7))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dcs_tasks/checkpoint/persisting.py persist() (before: workers/persist.py): a file whose upload is "
-    "refused at its publish check because its step FAILED "
-    "meanwhile returns Verdict.DONE without finish(), so the step's files never all finish: the save's staging "
-    "buffer is never handed back (close() waits visibility_timeout_seconds) and no partial-step cleanup runs",
-)
 def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_released(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, workers: list[WorkerProcess]
 ) -> None:
@@ -476,12 +469,6 @@ def test_a_wrong_secret_fails_the_save_naming_the_refusal_without_printing_eithe
         assert_no_secret(secret, chain, log)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dcs_tasks/cli/main.py: a StorageError (here StorageAccessDenied from `ObjectPath.is_dir`) is neither "
-    "an OSError nor a ValueError, so `dcs ckpt list|verify` on an s3:// root with refused credentials ends in a "
-    "traceback instead of one line",
-)
 def test_dcs_ckpt_with_a_wrong_secret_prints_one_line_naming_the_refusal_and_no_secret(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
