@@ -69,8 +69,11 @@ def client() -> Any:
     )
 
 
-def plain_transfer(bucket: str, files: list[bytes], part: int, concurrency: int, tag: str) -> tuple[float, float]:
-    """(upload seconds, download seconds) of `files` as objects, by s3transfer, all files at once."""
+def plain_transfer(
+    bucket: str, files: list[bytes], part: int, concurrency: int, tag: str, at_once: int
+) -> tuple[float, float]:
+    """(upload seconds, download seconds) of `files` as objects by s3transfer, `at_once` files at a time with
+    `concurrency` parts each (what DCS's worker processes and `s3_concurrency` keep in flight)."""
     from boto3.s3.transfer import TransferConfig
 
     s3 = client()
@@ -78,7 +81,7 @@ def plain_transfer(bucket: str, files: list[bytes], part: int, concurrency: int,
     keys = [f"plain/{tag}/file-{i}" for i in range(len(files))]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(files)) as pool:
+    with ThreadPoolExecutor(at_once) as pool:
         up = timed(
             lambda: list(
                 pool.map(
@@ -99,9 +102,11 @@ def plain_transfer(bucket: str, files: list[bytes], part: int, concurrency: int,
     return up, down
 
 
-def plain_obstore(bucket: str, files: list[bytes], part: int, concurrency: int, tag: str) -> tuple[float, float] | str:
-    """(upload seconds, download seconds) of the same files by obstore (Rust object_store), all files at once:
-    multipart `put` and parallel ranged `get_ranges` of `part` bytes."""
+def plain_obstore(
+    bucket: str, files: list[bytes], part: int, concurrency: int, tag: str, at_once: int
+) -> tuple[float, float] | str:
+    """(upload seconds, download seconds) of the same files by obstore (Rust object_store), `at_once` files at a
+    time: multipart `put` and parallel ranged `get_ranges` of `part` bytes."""
     try:
         import obstore
         from obstore.store import S3Store as ObStore
@@ -129,7 +134,7 @@ def plain_obstore(bucket: str, files: list[bytes], part: int, concurrency: int, 
         got = obstore.get_ranges(store, kv[0], starts=starts, ends=[min(b + part, size) for b in starts])
         return b"".join(bytes(g) for g in got) == kv[1]
 
-    with ThreadPoolExecutor(len(files)) as pool:
+    with ThreadPoolExecutor(at_once) as pool:
         up = timed(lambda: list(pool.map(put, zip(keys, files, strict=True))))
         results: list[bool] = []
         down = timed(lambda: results.extend(pool.map(get, zip(keys, files, strict=True))))
@@ -206,6 +211,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--file-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=2, help="`dcs worker` processes (files persisted at once)")
     args = parser.parse_args()
     if not os.environ.get("AWS_ENDPOINT_URL"):
         parser.error("set AWS_ENDPOINT_URL (and the AWS credentials) to the S3 server to measure")
@@ -225,7 +231,7 @@ def main() -> None:
         file_shard_bytes=args.file_mb * MiB,
         incremental_saves=False,
     )
-    worker = start_worker(config, work / "worker.log", concurrency=2)
+    worker = start_worker(config, work / "worker.log", concurrency=args.processes)
     files = []  # the same byte count split as DCS splits it (files of --file-mb)
     flat = b"".join(t.numpy().tobytes() for t in state.values())
     for begin in range(0, len(flat), args.file_mb * MiB):
@@ -244,11 +250,23 @@ def main() -> None:
         for i in range(args.repeats):  # alternating order inside each round, same server, same bytes
             rounds["plain"].append(
                 plain_transfer(
-                    args.bucket, files, args.part_mb * MiB, args.concurrency * 2, f"{i}-{uuid.uuid4().hex[:6]}"
+                    args.bucket,
+                    files,
+                    args.part_mb * MiB,
+                    args.concurrency,
+                    f"{i}-{uuid.uuid4().hex[:6]}",
+                    args.processes,
                 )
             )
             rounds["plain_obstore"].append(
-                plain_obstore(args.bucket, files, args.part_mb * MiB, args.concurrency, f"{i}-{uuid.uuid4().hex[:6]}")
+                plain_obstore(
+                    args.bucket,
+                    files,
+                    args.part_mb * MiB,
+                    args.concurrency,
+                    f"{i}-{uuid.uuid4().hex[:6]}",
+                    args.processes,
+                )
             )
             rounds["dcs"].append(dcs_round(ckpt, config, state, step=i + 1))
             rounds["dcp_s3torchconnector"].append(
@@ -273,6 +291,7 @@ def main() -> None:
         "files": len(files),
         "part_mb": args.part_mb,
         "concurrency": args.concurrency,
+        "processes": args.processes,
         "plain_upload_s": up,
         "plain_download_s": down,
         "dcs": dcs,
