@@ -64,7 +64,14 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
     return Services(
         config=config,
         redis=client,
-        topology=TopologyManager(client, keys, topology_config, config.heartbeat_timeout_seconds),
+        topology=TopologyManager(
+            client,
+            keys,
+            topology_config,
+            config.heartbeat_timeout_seconds,
+            identity_required=config.node_identity_required,
+            unbeaten_retention_seconds=config.unbeaten_node_retention_seconds,
+        ),
         weight_meta=WeightMetaStore(
             client,
             keys,
@@ -114,7 +121,9 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
         services = _build_services(config, topo_config, metrics)
         app.state.services = services
         retention = config.dead_node_retention_seconds
-        interval = sweep_interval(config.heartbeat_timeout_seconds, retention)
+        interval = sweep_interval(
+            config.heartbeat_timeout_seconds, min(retention, config.unbeaten_node_retention_seconds)
+        )
         sweeper = DeadNodeSweeper(services.topology, retention, interval)
         services.weight_meta.notifier.start()
         sweeper.start()

@@ -15,9 +15,11 @@ _WHY = {
     401: "a token is configured and the request lacks `Authorization: Bearer <DCS_AUTH_TOKEN>`",
     403: "a cross-site browser request (Origin / Sec-Fetch-Site), refused when no token is configured",
     404: "the node (or peer) is not registered or not alive",
-    409: "the X-DCS-Node identity no longer holds the rank (another node took it over)",
+    409: "the X-DCS-Node identity no longer holds the rank (another node took it over), or a register names "
+    "a rank a live node of another identity holds (DCS_NODE_IDENTITY_REQUIRED)",
     413: "the body (DCS_MAX_BODY_BYTES) or one weight-meta entry (DCS_WEIGHT_META_ENTRY_MAX_BYTES) is too large",
-    422: "invalid request: the detail names every wrong field and the limit it broke",
+    422: "invalid request: the detail names every wrong field and the limit it broke (X-DCS-Node missing "
+    "where DCS_NODE_IDENTITY_REQUIRED)",
     503: "Redis is unreachable or refused the command, or no Redis connection freed up in time; retry later",
 }
 

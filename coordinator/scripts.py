@@ -25,7 +25,10 @@ from dcs_tasks.lua import LuaScript
 # ARGV[5] heartbeat TTL in milliseconds
 # ARGV[6] heartbeat key prefix of the role (prefix .. rank is the heartbeat key)
 # ARGV[7] heartbeat value (unix time of the beat)
-# Returns {rank, kind}: kind 0 = explicit rank, 1 = same identity re-registered, 2 = smallest free rank.
+# ARGV[8] "1": an explicit rank whose node is alive (heartbeat key) under another identity is refused
+# KEYS[8] node_unbeaten     Z "role:rank" -> registration time, until the node's first heartbeat
+# Returns {rank, kind}: kind 0 = explicit rank, 1 = same identity re-registered, 2 = smallest free rank,
+# -1 = refused (ARGV[8]): the explicit rank is held by a live node of another identity; nothing changed.
 # Rank policy: an explicit rank always wins (its previous holder is replaced); an identity already holding a
 # rank gets it back; otherwise the smallest rank that is unregistered OR whose node is dead (no heartbeat
 # key) is taken, so a replacement node fills the hole a dead one left. An identity moving to another
@@ -41,6 +44,12 @@ REGISTER = LuaScript(
 local rank = tonumber(ARGV[2])
 local kind = 0
 local ident = ARGV[3]
+if rank ~= nil and ARGV[8] == "1" then
+  local holder = redis.call("HGET", KEYS[2], rank)
+  if holder and holder ~= ident and redis.call("EXISTS", ARGV[6] .. rank) == 1 then
+    return {rank, -1}
+  end
+end
 local function lower_hint(freed)
   if tonumber(redis.call("GET", KEYS[7]) or "0") > tonumber(freed) then
     redis.call("SET", KEYS[7], freed)
@@ -111,6 +120,7 @@ else
 end
 redis.call("SET", ARGV[6] .. rank, ARGV[7], "PX", ARGV[5])
 redis.call("ZADD", KEYS[5], ARGV[7], ARGV[1] .. ":" .. rank)
+redis.call("ZADD", KEYS[8], ARGV[7], ARGV[1] .. ":" .. rank)
 if redis.call("ZSCORE", KEYS[3], ARGV[1]) == false then
   redis.call("ZADD", KEYS[3], redis.call("INCR", KEYS[4]), ARGV[1])
 end
@@ -120,6 +130,7 @@ return {rank, kind}
 
 # Refresh a registered node's heartbeat in one round trip.
 # KEYS[1] role_nodes(role)  KEYS[2] heartbeat(role, rank)  KEYS[3] role_owners(role)  KEYS[4] node_beats
+# KEYS[5] node_unbeaten (the node's first beat takes it out)
 # ARGV[1] rank  ARGV[2] TTL ms  ARGV[3] heartbeat value (unix time of the beat)
 # ARGV[4] identity of the beating node (as its registration recorded it), or "" to skip the ownership check
 # ARGV[5] node_beats member "role:rank"
@@ -135,12 +146,13 @@ if ARGV[4] ~= "" and redis.call("HGET", KEYS[3], ARGV[1]) ~= ARGV[4] then
 end
 redis.call("SET", KEYS[2], ARGV[3], "PX", ARGV[2])
 redis.call("ZADD", KEYS[4], ARGV[3], ARGV[5])
+redis.call("ZREM", KEYS[5], ARGV[5])
 return 1
 """
 )
 
 # Refresh many nodes' heartbeats in one call (POST /heartbeats): per node exactly what HEARTBEAT does.
-# KEYS[1] node_beats
+# KEYS[1] node_beats  KEYS[2] node_unbeaten
 # ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
 # ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
 # ARGV[6..] triples: role, rank, identity ("" = unfenced)
@@ -149,6 +161,7 @@ HEARTBEAT_MANY = LuaScript(
     """
 local out = {}
 local beats = {}
+local members = {}
 for i = 6, #ARGV, 3 do
   local role, rank, ident = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local code = 0
@@ -159,9 +172,12 @@ for i = 6, #ARGV, 3 do
       redis.call("SET", ARGV[5] .. role .. ":" .. rank, ARGV[2], "PX", ARGV[1])
       beats[#beats + 1] = ARGV[2]
       beats[#beats + 1] = role .. ":" .. rank
+      members[#members + 1] = role .. ":" .. rank
       if #beats >= 1000 then
         redis.call("ZADD", KEYS[1], unpack(beats))
+        redis.call("ZREM", KEYS[2], unpack(members))
         beats = {}
+        members = {}
       end
     end
   end
@@ -169,6 +185,7 @@ for i = 6, #ARGV, 3 do
 end
 if #beats > 0 then
   redis.call("ZADD", KEYS[1], unpack(beats))
+  redis.call("ZREM", KEYS[2], unpack(members))
 end
 return out
 """
@@ -176,7 +193,7 @@ return out
 
 # Remove a node.
 # KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
-# KEYS[5] node_beats  KEYS[6] role_identities(role)  KEYS[7] role_rank_hint(role)
+# KEYS[5] node_beats  KEYS[6] role_identities(role)  KEYS[7] role_rank_hint(role)  KEYS[8] node_unbeaten
 # ARGV[1] rank
 # ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
 # ARGV[3] role name
@@ -202,6 +219,7 @@ redis.call("HDEL", KEYS[1], ARGV[1])
 redis.call("HDEL", KEYS[2], ARGV[1])
 redis.call("DEL", KEYS[3])
 redis.call("ZREM", KEYS[5], ARGV[3] .. ":" .. ARGV[1])
+redis.call("ZREM", KEYS[8], ARGV[3] .. ":" .. ARGV[1])
 if redis.call("HLEN", KEYS[1]) == 0 then
   redis.call("ZREM", KEYS[4], ARGV[3])
 end
@@ -210,18 +228,32 @@ return 1
 )
 
 # Remove nodes dead for longer than the retention, and each role with its last node.
-# KEYS[1] node_beats  KEYS[2] roles
+# KEYS[1] node_beats  KEYS[2] roles  KEYS[3] node_unbeaten
 # ARGV[1] cutoff: nodes whose last beat is older (unix time) go  ARGV[2] most nodes removed per call
 # ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix  ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)
 # ARGV[6] role_identities prefix  ARGV[7] role_rank_hint prefix
-# Returns how many node_beats entries were processed (== ARGV[2]: call again). A node that beats again in
-# time (its heartbeat key exists) is kept; its next beat puts it back into node_beats.
+# ARGV[8] cutoff of nodes that never beat: registered before it (unix time) and dead, they go too
+# ARGV[9] now (unix time): such a node found alive (its registration time was taken before a long pipeline
+#         ran) is looked at again one retention later instead of being forgotten
+# Returns how many entries were processed (== ARGV[2]: call again). A node that beats again in time (its
+# heartbeat key exists) is kept; its next beat puts it back into node_beats.
 SWEEP_DEAD_NODES = LuaScript(
     """
 local stale = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", ARGV[1], "LIMIT", 0, tonumber(ARGV[2]))
+local unbeaten = redis.call("ZRANGEBYSCORE", KEYS[3], "-inf", ARGV[8], "LIMIT", 0, tonumber(ARGV[2]) - #stale)
+for _, member in ipairs(unbeaten) do
+  stale[#stale + 1] = member
+end
 for _, member in ipairs(stale) do
   redis.call("ZREM", KEYS[1], member)
   local role, rank = string.match(member, "^(.+):(%d+)$")
+  if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 1 then
+    if redis.call("ZSCORE", KEYS[3], member) then
+      redis.call("ZADD", KEYS[3], ARGV[9], member)
+    end
+  else
+    redis.call("ZREM", KEYS[3], member)
+  end
   if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 0 then
     local nodes = ARGV[3] .. role
     if redis.call("TYPE", nodes)["ok"] == "hash" then
@@ -270,28 +302,37 @@ return {nxt, removed}
 # A consistent snapshot of several roles.
 # KEYS[i]  role_nodes(role_i)
 # ARGV[i]  heartbeat key prefix of role_i
+# ARGV[#KEYS + 1]  "1": live nodes only (dead ones are neither read nor returned: reads of the live topology
+#                  stay as fast with thousands of dead registrations as without)
 # Returns, per role, a flat list {rank, RoleInfo JSON, heartbeat PTTL, ...}; PTTL -2 = dead (no key).
 # A key that is not a hash (corrupt) gives {"!" .. its type} instead, so one bad key does not fail the read.
 SNAPSHOT = LuaScript(
     """
 local out = {}
+local alive_only = ARGV[#KEYS + 1] == "1"
 for i = 1, #KEYS do
   local kind = redis.call("TYPE", KEYS[i])["ok"]
-  local nodes = {}
-  if kind == "hash" then
-    nodes = redis.call("HGETALL", KEYS[i])
-  elseif kind ~= "none" then
-    out[i] = {"!" .. kind}
-  end
   local role = {}
-  for j = 1, #nodes, 2 do
-    role[#role + 1] = nodes[j]
-    role[#role + 1] = nodes[j + 1]
-    role[#role + 1] = redis.call("PTTL", ARGV[i] .. nodes[j])
+  if kind == "hash" and alive_only then
+    for _, rank in ipairs(redis.call("HKEYS", KEYS[i])) do
+      local ttl = redis.call("PTTL", ARGV[i] .. rank)
+      if ttl ~= -2 then
+        role[#role + 1] = rank
+        role[#role + 1] = redis.call("HGET", KEYS[i], rank)
+        role[#role + 1] = ttl
+      end
+    end
+  elseif kind == "hash" then
+    local nodes = redis.call("HGETALL", KEYS[i])
+    for j = 1, #nodes, 2 do
+      role[#role + 1] = nodes[j]
+      role[#role + 1] = nodes[j + 1]
+      role[#role + 1] = redis.call("PTTL", ARGV[i] .. nodes[j])
+    end
+  elseif kind ~= "none" then
+    role = {"!" .. kind}
   end
-  if out[i] == nil then
-    out[i] = role
-  end
+  out[i] = role
 end
 return out
 """

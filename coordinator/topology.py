@@ -92,6 +92,17 @@ class TopologySnapshot:
 _ISSUED = re.compile(r"^anon:[0-9a-f]{16}$")
 
 
+def _registration(info: RoleInfo, rank: int, kind: int, identity: str) -> Registration:
+    """The answer of `scripts.REGISTER`; RankConflict (409) when it refused to take a live node's rank."""
+    if kind < 0:
+        raise RankConflict(
+            f"{info.role_name}_{rank} is held by a live node of another identity: a register does not take it "
+            "over (it is free once that node unregisters or its heartbeats stop for the heartbeat timeout)",
+            409,
+        )
+    return Registration(rank=rank, kind=_KINDS[kind], identity=identity)
+
+
 def node_identity(ip: str, port: int) -> str:
     """Stable identity of a node for re-registration and heartbeat fencing; "" without a port (indistinct)."""
     return f"{ip}:{port}" if port else ""
@@ -120,12 +131,21 @@ class TopologyManager:
     """
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, config: TopologyConfig, heartbeat_timeout_seconds: float
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        config: TopologyConfig,
+        heartbeat_timeout_seconds: float,
+        *,
+        identity_required: bool = False,
+        unbeaten_retention_seconds: float | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.config = config
         self.heartbeat_timeout_seconds = heartbeat_timeout_seconds
+        self.identity_required = identity_required  # a register may not take a live node's rank over
+        self.unbeaten_retention_seconds = unbeaten_retention_seconds
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
@@ -136,7 +156,7 @@ class TopologyManager:
         """Store `info`, choose its rank (explicit, kept, or smallest free) and make it alive, atomically."""
         keys, argv, identity = self._register_call(info)
         rank, kind = await scripts.REGISTER.run_async(self.redis, keys, argv)
-        return Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
+        return _registration(info, int(rank), int(kind), identity)
 
     async def register_many(self, infos: list[RoleInfo]) -> list[Registration]:
         """`register` for each of `infos`, in order, in one pipelined round trip (each one atomic on its own)."""
@@ -146,8 +166,8 @@ class TopologyManager:
                 await scripts.REGISTER.run_async(pipe, keys, argv)
             answers = await pipe.execute()
         return [
-            Registration(rank=int(rank), kind=_KINDS[int(kind)], identity=identity)
-            for (rank, kind), (_, _, identity) in zip(answers, calls, strict=True)
+            _registration(info, int(rank), int(kind), identity)
+            for info, (rank, kind), (_, _, identity) in zip(infos, answers, calls, strict=True)
         ]
 
     def _register_call(self, info: RoleInfo) -> tuple[list[str], list[str], str]:
@@ -162,6 +182,7 @@ class TopologyManager:
             self.keys.node_beats(),
             self.keys.role_identities(role),
             self.keys.role_rank_hint(role),
+            self.keys.node_unbeaten(),
         ]
         argv = [
             role,
@@ -171,6 +192,7 @@ class TopologyManager:
             str(self._ttl_ms),
             self.keys.heartbeat_role_prefix(role),
             repr(time.time()),
+            "1" if self.identity_required else "",
         ]
         return keys, argv, identity
 
@@ -202,7 +224,9 @@ class TopologyManager:
         ]
         for role, rank, identity in beats:
             argv += (role, str(rank), identity)
-        codes = await scripts.HEARTBEAT_MANY.run_async(self.redis, [self.keys.node_beats()], argv)
+        codes = await scripts.HEARTBEAT_MANY.run_async(
+            self.redis, [self.keys.node_beats(), self.keys.node_unbeaten()], argv
+        )
         return now, [int(c) for c in codes]
 
     def _heartbeat_keys(self, role: str, rank: int) -> tuple[list[str], str]:
@@ -217,6 +241,7 @@ class TopologyManager:
                 self.keys.heartbeat(role, rank),
                 self.keys.role_owners(role),
                 self.keys.node_beats(),
+                self.keys.node_unbeaten(),
             ]
             found = (keys, f"{role}:{rank}")
             self._beat_keys[(role, rank)] = found
@@ -235,6 +260,7 @@ class TopologyManager:
             self.keys.node_beats(),
             self.keys.role_identities(role),
             self.keys.role_rank_hint(role),
+            self.keys.node_unbeaten(),
         ]
         found = int(await scripts.UNREGISTER.run_async(self.redis, keys, [str(rank), identity, role]))
         if found < 0:
@@ -244,8 +270,11 @@ class TopologyManager:
     async def sweep_dead_nodes(self, retention_seconds: float, now: float | None = None) -> int:
         """Remove every node whose last beat is older than its heartbeat timeout plus `retention_seconds`,
         and each role with its last node; returns how many stale entries were processed."""
-        cutoff = (time.time() if now is None else now) - self.heartbeat_timeout_seconds - retention_seconds
-        keys = [self.keys.node_beats(), self.keys.roles()]
+        now = time.time() if now is None else now
+        cutoff = now - self.heartbeat_timeout_seconds - retention_seconds
+        unbeaten = self.unbeaten_retention_seconds
+        unbeaten_cutoff = "-inf" if unbeaten is None else repr(now - self.heartbeat_timeout_seconds - unbeaten)
+        keys = [self.keys.node_beats(), self.keys.roles(), self.keys.node_unbeaten()]
         prefixes = [
             self.keys.role_nodes_prefix(),
             self.keys.role_owners_prefix(),
@@ -256,7 +285,9 @@ class TopologyManager:
         total = 0
         while True:
             done = int(
-                await scripts.SWEEP_DEAD_NODES.run_async(self.redis, keys, [repr(cutoff), _SWEEP_BATCH, *prefixes])
+                await scripts.SWEEP_DEAD_NODES.run_async(
+                    self.redis, keys, [repr(cutoff), _SWEEP_BATCH, *prefixes, unbeaten_cutoff, repr(now)]
+                )
             )
             total += done
             if done < _SWEEP_BATCH:
@@ -275,14 +306,15 @@ class TopologyManager:
     async def registered_roles(self) -> list[str]:
         return [str(r) for r in await self.redis.zrange(self.keys.roles(), 0, -1)]
 
-    async def snapshot(self, roles: list[str] | None = None) -> TopologySnapshot:
-        """Nodes of `roles` (default: every role) with liveness, read in one atomic script."""
+    async def snapshot(self, roles: list[str] | None = None, *, alive_only: bool = False) -> TopologySnapshot:
+        """Nodes of `roles` (default: every role) with liveness, read in one atomic script; `alive_only`:
+        dead nodes are neither read nor parsed (reads of the live topology do not slow with dead entries)."""
         order = groups.role_order(self.config.role_order, await self.registered_roles())
         wanted = order if roles is None else [r for r in order if r in roles] or list(roles)
         if not wanted:
             return TopologySnapshot(roles=order)
         keys = [self.keys.role_nodes(r) for r in wanted]
-        argv = [self.keys.heartbeat_role_prefix(r) for r in wanted]
+        argv = [self.keys.heartbeat_role_prefix(r) for r in wanted] + ["1" if alive_only else ""]
         raw = await scripts.SNAPSHOT.run_async(self.redis, keys, argv)
         snap = TopologySnapshot(roles=order)
         for role, key, flat in zip(wanted, keys, raw, strict=True):
@@ -343,19 +375,19 @@ class TopologyManager:
         return {r: node for r, node in peers.items() if node is not None}
 
     async def get_role_nodes(self, role: str) -> dict[int, RoleInfo]:
-        return (await self.snapshot([role])).alive(role)
+        return (await self.snapshot([role], alive_only=True)).alive(role)
 
     async def get_all_nodes(self) -> dict[str, dict[int, RoleInfo]]:
-        return (await self.snapshot()).alive_by_role()
+        return (await self.snapshot(alive_only=True)).alive_by_role()
 
     async def get_world_size(self, role: str | None = None) -> int:
         """Number of live nodes of `role`, or of every role."""
-        return (await self.snapshot(None if role is None else [role])).world_size(role)
+        return (await self.snapshot(None if role is None else [role], alive_only=True)).world_size(role)
 
     async def get_global_rank(self, role: str, rank: int) -> int | None:
         """Global rank of a live node (see `groups.global_rank`: rank spans of the earlier roles + rank), or
         None when it is not alive."""
-        snap = await self.snapshot()
+        snap = await self.snapshot(alive_only=True)
         if rank not in snap.alive(role):
             return None
         return groups.global_rank(snap.roles, snap.rank_spans(), role, rank)

@@ -169,6 +169,13 @@ class DCSConfig(BaseSettings):
     dead_node_retention_seconds: float = Field(default=3600.0, gt=0)
     """A node dead this long is removed (and its role when it was the role's last node); until then it is
     listed in /health and keeps its rank for a replacement."""
+    unbeaten_node_retention_seconds: float = Field(default=60.0, gt=0)
+    """A node that registered but never sent a heartbeat is removed this long after its heartbeat timeout
+    (not after dead_node_retention_seconds), however many there are."""
+    node_identity_required: bool = True
+    """Heartbeats and unregisters must carry X-DCS-Node (the identity /register returned; 422 without it),
+    and a register of a rank held by a live node of another identity is refused (409). False: the rules
+    before (unfenced beats and unregisters accepted, a register takes a live node's rank over)."""
     redis_max_connections: int = Field(default=256, ge=4)
     """Redis connections one coordinator process opens at most; a request waits for a free one."""
     redis_pool_timeout_seconds: float = Field(default=5.0, gt=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -211,16 +212,28 @@ class CoordinatorAPI:
             ) from exc
 
     # --- nodes ----------------------------------------------------------------------------------
-    async def register(self, info: RoleInfo) -> RegisterResponse:
+    async def register(self, info: RoleInfo, wait_for_rank_s: float = 0.0) -> RegisterResponse:
         """Register `info`; `rank=None` gets the smallest free rank; re-registering the same node keeps its rank.
 
         Remembers the answer's fencing `identity`, which `heartbeat` then sends for that (role, rank).
         Retried while the coordinator is unavailable when a repeat gets the same rank: `info` has a rank or a
         port (ip:port is the node's identity). Without either every attempt would take a new rank: not retried.
+        `wait_for_rank_s`: an explicit rank still held by a live node of another identity (RankConflict: e.g.
+        this process's own predecessor, killed, until its heartbeat TTL runs out) is asked for again every
+        second for up to this long before RankConflict is raised.
         """
         body = RegisterRequest.model_validate(info.model_dump())
         repeatable = info.rank is not None or bool(info.port)
-        answer = await self._call("POST", "/register", RegisterResponse, body=body, retry=repeatable)
+        deadline = time.monotonic() + wait_for_rank_s
+        while True:
+            try:
+                answer = await self._call("POST", "/register", RegisterResponse, body=body, retry=repeatable)
+                break
+            except RankConflict:
+                left = deadline - time.monotonic()
+                if info.rank is None or left <= 0:
+                    raise
+                await asyncio.sleep(min(1.0, left))
         if answer.identity:
             self._identities[(info.role_name, answer.rank)] = answer.identity
         return answer

@@ -80,6 +80,11 @@ class Keys:
         removes nodes dead for longer than the retention)."""
         return self._k("topo", "beats")
 
+    def node_unbeaten(self) -> str:
+        """Z "role:rank" scored by the unix time of the node's registration, until its first heartbeat: a node
+        that never beats is removed soon after its heartbeat timeout, not after the dead-node retention."""
+        return self._k("topo", "unbeaten")
+
     # --- weight metadata ------------------------------------------------------------------------
     def weight_meta(self) -> str:
         """L of weight-meta JSON entries, appended by senders, read by index."""

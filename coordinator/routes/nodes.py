@@ -63,12 +63,21 @@ NODE_HEADER_DOC = {
 
 
 def caller_identity(request: Request) -> str:
-    """The `X-DCS-Node` header of a fenced heartbeat or unregister, or "" when absent (read without
-    FastAPI's per-parameter machinery: the heartbeat is the hottest path). Raises 422 when malformed."""
+    """The `X-DCS-Node` header of a fenced heartbeat or unregister, or "" when absent and the coordinator does
+    not require it (read without FastAPI's per-parameter machinery: the heartbeat is the hottest path).
+    Raises 422 when malformed, or absent while DCS_NODE_IDENTITY_REQUIRED."""
     raw = next((v for k, v in request.scope["headers"] if k == NODE_HEADER), None)
     if raw is None:
+        if request.app.state.services.topology.identity_required:
+            raise HTTPException(status_code=422, detail=IDENTITY_REQUIRED.format(where="header X-DCS-Node"))
         return ""
     return checked_identity(raw.decode("latin-1"), "X-DCS-Node")
+
+
+IDENTITY_REQUIRED = (
+    "{where} is required: the `identity` /register returned for this node (DCS_NODE_IDENTITY_REQUIRED; "
+    "set it to false to accept unfenced requests, see docs/operations.md)"
+)
 
 
 def checked_identity(text: str, where: str) -> str:
@@ -91,9 +100,10 @@ async def heartbeat(role: RoleQuery, rank: RankQuery, request: Request) -> Respo
 
     Fencing: with header `X-DCS-Node: <identity>` (the `identity` /register returned: "ip:port", or an
     issued "anon:<hex>" for a node without a port), 409 when another node now holds the rank (this one was
-    presumed dead and replaced). Without the header the beat is not fenced; `CoordinatorAPI` always sends
-    it for nodes it registered. The hot path: declared first (routes match in order), no dependency layer,
-    pre-serialized answer (see bench/coordinator_load.py).
+    presumed dead and replaced). The header is required (422 without it) unless DCS_NODE_IDENTITY_REQUIRED
+    is false, when a beat without it is not fenced; `CoordinatorAPI` always sends it for nodes it registered.
+    The hot path: declared first (routes match in order), no dependency layer, pre-serialized answer (see
+    bench/coordinator_load.py).
     """
     topology: TopologyManager = request.app.state.services.topology
     try:
@@ -115,6 +125,10 @@ async def heartbeats(body: HeartbeatBatchRequest, request: Request) -> Response:
     answer is 200 with one outcome per beat, in order: `ok`, `not_found` (register it; GET /heartbeat's
     404) or `conflict` (another node now holds the rank; GET /heartbeat's 409)."""
     topology: TopologyManager = request.app.state.services.topology
+    if topology.identity_required:
+        missing = next((i for i, b in enumerate(body.beats) if not b.identity), None)
+        if missing is not None:
+            raise HTTPException(status_code=422, detail=IDENTITY_REQUIRED.format(where=f"beats.{missing}.identity"))
     beats = [
         (b.role, b.rank, checked_identity(b.identity, f"beats.{i}.identity") if b.identity else "")
         for i, b in enumerate(body.beats)
@@ -124,7 +138,7 @@ async def heartbeats(body: HeartbeatBatchRequest, request: Request) -> Response:
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
-@router.post("/register_batch", response_model=RegisterBatchResponse, responses=errors(*COMMON, 400, 413))
+@router.post("/register_batch", response_model=RegisterBatchResponse, responses=errors(*COMMON, 400, 409, 413))
 async def register_batch(body: RegisterBatchRequest, services: ServicesDep) -> RegisterBatchResponse:
     """Register many nodes (up to 2,048) in one call and one Redis round trip: each as /register would, in
     order (a later node of the batch sees the earlier ones' ranks). Nothing is stored when any node's
@@ -134,7 +148,10 @@ async def register_batch(body: RegisterBatchRequest, services: ServicesDep) -> R
         problem = metadata_problem(node.metadata, config.metadata_max_depth, config.metadata_max_bytes)
         if problem is not None:
             raise HTTPException(status_code=422, detail=f"invalid request: body.nodes.{i}.{problem}")
-    results = await services.topology.register_many(list(body.nodes))
+    try:
+        results = await services.topology.register_many(list(body.nodes))
+    except RankConflict as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
     return RegisterBatchResponse(
         nodes=[_register_answer(node, result) for node, result in zip(body.nodes, results, strict=True)]
     )
@@ -149,7 +166,7 @@ def _register_answer(body: RegisterRequest, result: Registration) -> RegisterRes
     )
 
 
-@router.post("/register", response_model=RegisterResponse, responses=errors(*COMMON, 400, 413))
+@router.post("/register", response_model=RegisterResponse, responses=errors(*COMMON, 400, 409, 413))
 async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResponse:
     """Register a node; a missing rank gets the smallest free one, the same node (ip:port) keeps its rank.
 
@@ -160,7 +177,10 @@ async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResp
     problem = metadata_problem(body.metadata, config.metadata_max_depth, config.metadata_max_bytes)
     if problem is not None:
         raise HTTPException(status_code=422, detail=f"invalid request: body.{problem}")
-    return _register_answer(body, await services.topology.register(body))
+    try:
+        return _register_answer(body, await services.topology.register(body))
+    except RankConflict as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
 
 
 @router.delete(

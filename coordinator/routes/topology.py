@@ -34,7 +34,7 @@ async def topology(
     `world_size` counts the live nodes returned; `rank_space` sums their roles' rank spans (highest live
     rank + 1): the two are equal unless a dead node leaves a gap below a live rank (see /global_rank).
     """
-    snap = await topo.snapshot(None if role_filter is None else [role_filter])
+    snap = await topo.snapshot(None if role_filter is None else [role_filter], alive_only=True)
     if role_filter is not None:
         nodes = {role_filter: snap.alive(role_filter)}
     else:
@@ -70,7 +70,7 @@ async def model_update_group_ranks(
     The actor_fwd and reference counts are rank spans as in /global_rank (the live counts when ranks are
     dense), so a dead node's gap never makes two members share a group rank.
     """
-    snap = await topo.snapshot([groups.ACTOR, groups.ACTOR_FWD, groups.REFERENCE, role])
+    snap = await topo.snapshot([groups.ACTOR, groups.ACTOR_FWD, groups.REFERENCE, role], alive_only=True)
     if rank not in snap.alive(role):
         raise not_found(role, rank)
     try:

@@ -175,7 +175,10 @@ class CheckpointEngineClient:
             and "master_port" not in self.role_info.metadata
         ):
             await self._reserve_pp_port(prefix)
-        answer = await self._api.register(self.role_info)
+        # a predecessor of this trainer that died without unregistering holds the rank until its heartbeat TTL
+        # runs out: wait that long for it (the coordinator refuses to hand a live node's rank over)
+        wait = cfg.heartbeat_timeout_seconds + cfg.heartbeat_interval_seconds
+        answer = await self._api.register(self.role_info, wait_for_rank_s=wait)
         self.role_info = self.role_info.model_copy(update={"rank": answer.rank})
         self._beats = HeartbeatLoop(self._api, self.role_info, cfg.heartbeat_interval_seconds).start()
         from dcs_tasks.checkpoint.telemetry import serve_trainer_metrics

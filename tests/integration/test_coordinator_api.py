@@ -63,15 +63,17 @@ async def test_hundred_concurrent_registrations_through_two_apps_get_distinct_ra
 async def test_unknown_node_is_404_everywhere(coord: InProcessCoordinator) -> None:
     api = coord.api
     for call in (
-        api.heartbeat("actor", 0),
+        api.heartbeat("actor", 0, ip="10.0.0.9", port=9),  # beats and unregisters carry an identity
         api.node("actor", 0),
         api.peer("actor", 0),
-        api.unregister("actor", 0),
         api.global_rank("actor", 0),
         api.model_update_group_ranks("actor", 0),
     ):
         with pytest.raises(NodeNotFound, match=r"(actor|rollout)_0"):
             await call
+    fenced = {"X-DCS-Node": "10.0.0.9:9"}
+    gone = await coord.authed.delete("/unregister", params={"role": "actor", "rank": 0}, headers=fenced)
+    assert gone.status_code == 404 and "actor_0" in gone.json()["detail"]
 
 
 async def test_unregister_removes_node(coord: InProcessCoordinator) -> None:
@@ -291,7 +293,7 @@ async def test_metrics_count_requests_by_route_template(coord: InProcessCoordina
     for _ in range(3):
         await coord.api.heartbeat("actor", 0)
     with pytest.raises(NodeNotFound):
-        await coord.api.heartbeat("actor", 9)
+        await coord.api.heartbeat("actor", 9, ip="10.0.0.9", port=9)
     text = (await coord.http.get("/metrics")).text
     assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="200"} 3.0' in text
     assert 'dcs_coordinator_requests_total{method="GET",route="/heartbeat",status="404"} 1.0' in text

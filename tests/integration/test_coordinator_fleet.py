@@ -49,11 +49,18 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
     await asyncio.sleep(0.05)
+    r.delete(keys.heartbeat("actor", 2))  # rank 2's node is presumed dead: another node may take its rank
     other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
     assert other.json()["rank"] == 2  # our client's identity for rank 2 (7002) is now fenced out
-    outcomes = await api.heartbeat_many([("actor", 0), ("actor", 1), ("actor", 2), ("actor", 9), ("nobody", 0)])
+    outcomes = await api.heartbeat_many([("actor", 0), ("actor", 1), ("actor", 2)])
     ok, nf, conflict = BeatOutcome.OK, BeatOutcome.NOT_FOUND, BeatOutcome.CONFLICT
-    assert outcomes == [ok, ok, conflict, nf, nf]
+    assert outcomes == [ok, ok, conflict]
+    unknown = [{"role": "actor", "rank": 9, "identity": "10.0.0.1:7009"}, {"role": "nobody", "rank": 0, "identity": ""}]
+    refused = await coord.authed.post("/heartbeats", json={"beats": unknown})  # every beat names its node
+    assert refused.status_code == 422 and "beats.1.identity is required" in refused.json()["detail"]
+    unknown[1]["identity"] = "10.0.0.1:7010"
+    answer = await coord.authed.post("/heartbeats", json={"beats": unknown})
+    assert answer.json()["results"] == [nf, nf]
     ttl = r.pttl(keys.heartbeat("actor", 0))
     assert 0.5 * dcs_config.heartbeat_timeout_seconds * 1000 < ttl <= dcs_config.heartbeat_timeout_seconds * 1000
     assert (r.zscore(keys.node_beats(), "actor:1") or 0) > (before or 0)  # the dead-node sweep sees the beat
@@ -157,16 +164,22 @@ async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records
     r.close()
 
 
-async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(coord: InProcessCoordinator) -> None:
+async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(
+    coord: InProcessCoordinator, dcs_config: DCSConfig
+) -> None:
     api = coord.api
     infos = [node(i, 7300 + i) for i in range(3)]
     await api.register_many(infos)
     loop = FleetHeartbeatLoop(api, infos, interval=0.05)
     await loop.beat_once()
     assert loop.beats == 3 and loop.lost == []
-    gone = await coord.authed.delete("/unregister", params={"role": "actor", "rank": 1})  # an operator forgot it:
+    fenced = {"X-DCS-Node": "10.0.0.1:7301"}  # an operator forgot it (naming the node, as fencing requires):
+    gone = await coord.authed.delete("/unregister", params={"role": "actor", "rank": 1}, headers=fenced)
     assert gone.status_code == 200  # the node (whose client still holds its identity) re-registers with its rank
-    await coord.http.post("/register", json=node(2, 7999).model_dump())  # rank 2 taken by another node
+    with raw_redis(dcs_config) as r:  # rank 2's node presumed dead (its TTL ran out): another node takes the rank
+        r.delete(Keys(dcs_config.namespace).heartbeat("actor", 2))
+    taken = await coord.http.post("/register", json=node(2, 7999).model_dump())
+    assert taken.status_code == 200
     loop.start()
     deadline = time.monotonic() + 10
     while not (loop.lost and loop.beats >= 8) and time.monotonic() < deadline:

@@ -213,7 +213,9 @@ async def test_long_dead_nodes_and_their_roles_are_swept(dcs_config: DCSConfig) 
             await coord.api.heartbeat("live", 0)
             await asyncio.sleep(0.1)
         assert (await coord.api.health()).dead_nodes == []
-        assert (await coord.http.get("/heartbeat", params={"role": "ghost", "rank": 0})).status_code == 404
+        ghost: dict[str, str | int] = {"role": "ghost", "rank": 0}
+        named = {"X-DCS-Node": "10.9.9.9:1"}  # beats carry an identity (issue 20, finding 11)
+        assert (await coord.http.get("/heartbeat", params=ghost, headers=named)).status_code == 404
 
 
 # --- state-changing GET, cross-site browsers, JSON errors --------------------------------------------------

@@ -46,7 +46,10 @@ async def test_is_registered_turns_false_when_another_node_takes_the_rank(
     from dcs_tasks.config import RoleInfo
     from dcs_tasks.coordinator_api import CoordinatorAPI
 
-    with sync_stack(dcs_config, tmp_path) as stack:
+    # a register takes a live node's rank over only with fencing off (DCS_NODE_IDENTITY_REQUIRED=false); with
+    # it on, the default, the register is refused instead (tests/integration/test_coordinator_fencing.py)
+    legacy = dcs_config.model_copy(update={"node_identity_required": False})
+    with sync_stack(legacy, tmp_path) as stack:
         client = await create_client(coordinator_url=stack.url, role="actor", rank=0, model={}, config=stack.config)
         try:
             assert client.is_registered
