@@ -351,7 +351,9 @@ class DCSConfig(BaseSettings):
     s3_part_bytes: int = Field(default=32 * MiB, ge=5 * MiB, le=5 * 1024 * MiB)
     """Part size of multipart uploads and of the ranged GETs of a restore (S3 takes 5 MiB to 5 GiB)."""
     s3_concurrency: int = Field(default=8, ge=1, le=64)
-    """Parts in flight per file a worker uploads, and ranged GETs in flight per restore."""
+    """Parts in flight per file a worker uploads (a worker uploads as many files at once as it has processes)."""
+    s3_read_concurrency: int = Field(default=16, ge=1, le=128)
+    """Ranged GETs in flight per restore (all of a step's files share them)."""
     s3_max_attempts: int = Field(default=5, ge=1, le=20)
     """Attempts per S3 request (botocore's standard retry mode: throttling, 5xx and connection errors, with
     exponential backoff and jitter)."""

@@ -2,7 +2,7 @@
 
 The object-store side of `fastread` (same contract: `read_many` lands each file in fresh memory, `read_scatter`
 lands each byte in its target or a scratch slot, and both check every file's size and checksum). Each file is
-cut into `s3_part_bytes` ranges; `s3_concurrency` threads GET them (`readinto` the destination: no second
+cut into `s3_part_bytes` ranges; `s3_read_concurrency` threads GET them (`readinto` the destination: no second
 copy), at most that many plus two ahead of the calling thread, which hashes the ranges in file order as they
 land. A short object or a checksum mismatch raises CorruptCheckpoint naming the object; nothing is still being
 written when a function returns or raises.
@@ -112,7 +112,7 @@ def _consume(rng: _Range, future: Future[list[memoryview]], progress: Progress |
 def _geometry(objects: list[_Object]) -> tuple[int, int]:
     settings = objects[0].path.store.settings if objects else None
     part = settings.part_bytes if settings is not None else 32 * 1024 * 1024
-    window = (settings.concurrency if settings is not None else 8) + 2
+    window = (settings.read_concurrency if settings is not None else 16) + 2
     return part, window
 
 

@@ -42,6 +42,7 @@ def s3_settings(config: DCSConfig) -> S3Settings:
         addressing_style=config.s3_addressing_style,
         part_bytes=config.s3_part_bytes,
         concurrency=config.s3_concurrency,
+        read_concurrency=config.s3_read_concurrency,
         max_attempts=config.s3_max_attempts,
         connect_timeout=config.s3_connect_timeout_seconds,
         read_timeout=config.s3_read_timeout_seconds,

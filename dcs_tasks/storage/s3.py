@@ -59,6 +59,7 @@ class S3Settings:
     addressing_style: str = "auto"  # path for most S3-compatible servers
     part_bytes: int = 32 * MiB
     concurrency: int = 8
+    read_concurrency: int = 16
     max_attempts: int = 5
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
@@ -170,7 +171,7 @@ def client(settings: S3Settings) -> Any:
             config = Config(
                 region_name=settings.region,
                 retries={"mode": "standard", "max_attempts": settings.max_attempts},
-                max_pool_connections=max(10, settings.concurrency * 2),
+                max_pool_connections=max(10, settings.concurrency * 2, settings.read_concurrency + 2),
                 connect_timeout=settings.connect_timeout,
                 read_timeout=settings.read_timeout,
                 s3={"addressing_style": settings.addressing_style},
@@ -463,7 +464,7 @@ class S3Store:
             body.close()
 
     def pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max(1, self.settings.concurrency), thread_name_prefix="dcs-s3-get")
+        return ThreadPoolExecutor(max(1, self.settings.read_concurrency), thread_name_prefix="dcs-s3-get")
 
 
 class NotPublishedObject(StorageError):
