@@ -143,7 +143,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
         # failed meanwhile (then this file must still be counted, or the step's files never all finish and the
         # save's staging buffer is never handed back)
         log.info(
-            "persist %s/%s step %d: no longer open (another delivery recorded it, or the step failed), this copy dropped",
+            "persist %s/%s step %d: no longer open (recorded elsewhere, or the step failed), this copy dropped",
             ref.run,
             req.file_name,
             ref.step,
