@@ -16,7 +16,7 @@ import torch
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES
-from dcs_tasks.config import DCSConfig
+from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import (
     CheckpointFailed,
     ConfigError,
@@ -425,7 +425,9 @@ def test_zstd_compressed_steps_in_s3_restore_bit_exact_and_verify(
     """checkpoint_compression=zstd on S3: compressible files are stored as `<name>.zst` objects smaller than the
     bytes, restore (new memory and into=) and `dcs ckpt verify` decompress and check them; a flipped byte in a
     compressed object is CorruptCheckpoint."""
-    config = s3_config(dcs_config, tmp_path, aws_env, checkpoint_compression="zstd", incremental_saves=False)
+    config = s3_config(
+        dcs_config, tmp_path, aws_env, checkpoint_compression=CheckpointCompression.ZSTD, incremental_saves=False
+    )
     worker_cleanup.append(start_worker(config, tmp_path))
     state = {"ids": torch.arange(1 << 18, dtype=torch.int64) % 7, "w": torch.randn(256, 256)}
     with Checkpointer("zst", config) as ckpt:
