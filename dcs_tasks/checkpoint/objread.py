@@ -24,11 +24,13 @@ from dcs_tasks.checkpoint.format import FileEntry, new_hasher
 from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
+from dcs_tasks.storage.objpath import listed_sizes
 
 
-def checked_size(path: ObjectPath, entry: FileEntry) -> int:
-    """The object's size, which must be the entry's stored size (CorruptCheckpoint otherwise)."""
-    size = path.size()
+def checked_size(path: ObjectPath, entry: FileEntry, listed: dict[str, int] | None = None) -> int:
+    """The object's size, which must be the entry's stored size (CorruptCheckpoint otherwise). `listed`: sizes
+    by key from a listing of the object's folder (`listed_sizes`), saving a HEAD per object."""
+    size = listed.get(path.key) if listed is not None else path.size()
     if size is None:
         raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
     if size != entry.disk_size:
@@ -132,7 +134,8 @@ def read_many(
             else:
                 out.extend(read_many([(path, entry)], verify, progress))
         return out
-    objects = [_Object(path, entry, checked_size(path, entry)) for path, entry in files]
+    listed = listed_sizes([path for path, _ in files])
+    objects = [_Object(path, entry, checked_size(path, entry, listed)) for path, entry in files]
     mappings = [anonymous(o.size) for o in objects]
     views = {id(o): memoryview(m) for o, m in zip(objects, mappings, strict=True)}
     part, window = _geometry(objects)
@@ -162,7 +165,10 @@ def read_scatter(
             with memoryview(scratch) as gap:
                 _decode(path, entry, verify, functools.partial(_pieces, index, gap), progress)
         files = [(path, entry, targets) for path, entry, targets in files if not entry.compression]
-    objects = [_Object(path, entry, checked_size(path, entry), targets=targets) for path, entry, targets in files]
+    listed = listed_sizes([path for path, _, _ in files])
+    objects = [
+        _Object(path, entry, checked_size(path, entry, listed), targets=targets) for path, entry, targets in files
+    ]
     part, window = _geometry(objects)
     slot_bytes = min(part, max((o.size for o in objects), default=0))
     scratch = anonymous(max(1, window * slot_bytes))

@@ -60,10 +60,12 @@ from dcs_tasks.checkpoint.format import (
 )
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage.objpath import listed_sizes
 from dcs_tasks.storage.s3 import ObjectMissing
 from dcs_tasks.tensors import CODE_ITEMSIZE
 
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+HEAD_PREFETCH = 256 * 1024  # bytes of an object fetched at once for its safetensors header
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 MAX_NDIM = 64
 MAX_REASON = 1000  # characters of a parser's complaint kept in the message
@@ -327,9 +329,10 @@ def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, 
     """`check_files` for a step in an object store: each object exists with its recorded size and, stored plain,
     its safetensors header (read with ranged GETs) agrees with the manifest. A compressed object's frame and
     header are checked when it is read (fetched whole, then decompressed: `objread`)."""
+    listed = listed_sizes([f.stored_path(step_dir) for f in manifest.files])
     for f in manifest.files:
         path = f.stored_path(step_dir)
-        size = path.size()
+        size = listed.get(path.key)
         if size is None:
             raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
         if size != f.disk_size:
@@ -341,20 +344,30 @@ def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, 
 
 
 def _object_reader(path: ObjectPath, size: int) -> Callable[[int], bytes]:
-    """`read(n)`: the object's next n bytes from its start (ranged GETs; n is bounded by the header checks)."""
+    """`read(n)`: the object's next n bytes from its start. The first `HEAD_PREFETCH` bytes come with one ranged
+    GET (a header is almost always shorter), the rest, if a header is longer, with one more."""
     pos = 0
+    first = bytearray(min(size, HEAD_PREFETCH))
+    fetched = False
 
     def read(n: int) -> bytes:
-        nonlocal pos
+        nonlocal pos, fetched
         n = max(0, min(n, size - pos))
-        buf = bytearray(n)
-        if n:
-            try:
-                path.store.read_into(path.key, pos, [memoryview(buf)])
-            except ObjectMissing as exc:
-                raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
+        try:
+            if not fetched and first:
+                path.store.read_into(path.key, 0, [memoryview(first)])
+                fetched = True
+            if pos + n <= len(first):
+                out = bytes(first[pos : pos + n])
+            else:
+                buf = bytearray(n)
+                if n:
+                    path.store.read_into(path.key, pos, [memoryview(buf)])
+                out = bytes(buf)
+        except ObjectMissing as exc:
+            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
         pos += n
-        return bytes(buf)
+        return out
 
     return read
 

@@ -66,3 +66,16 @@ class ObjectPath:
 
     def is_dir(self) -> bool:
         return next(iter(self.store.objects(self.key + "/", limit=1)), None) is not None
+
+
+MAX_FOLDER_OBJECTS = 100_000  # a step folder listed for sizes holds a step's files: more is not a checkpoint
+
+
+def listed_sizes(paths: list[ObjectPath]) -> dict[str, int]:
+    """Sizes by key of every object in the folders `paths` lie in: one listing per folder instead of a HEAD per
+    object (a step's files, and the earlier steps' that its references point into)."""
+    sizes: dict[str, int] = {}
+    for folder in {(p.bucket, p.parent.key): p for p in paths}.values():
+        for item in folder.store.objects(folder.parent.key + "/", limit=MAX_FOLDER_OBJECTS):
+            sizes[item.key] = item.size
+    return sizes
