@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcs_tasks.checkpoint.compression import Decoder, check_frame
+from dcs_tasks.checkpoint import zread
 from dcs_tasks.checkpoint.format import FileEntry, new_hasher
 from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
@@ -161,7 +161,7 @@ def read_scatter(
     if packed:
         for path, entry, targets in packed:
             index = TargetIndex(targets)
-            scratch = anonymous(min(entry.size, 32 * 1024 * 1024) or 1)
+            scratch = anonymous(min(entry.size, zread.CHUNK_BYTES) or 1)
             with memoryview(scratch) as gap:
                 _decode(path, entry, verify, functools.partial(_pieces, index, gap), progress)
         files = [(path, entry, targets) for path, entry, targets in files if not entry.compression]
@@ -207,7 +207,7 @@ def _decode(
     progress: Progress | None,
 ) -> None:
     """Fetch a compressed object whole (parallel ranged GETs into a memfd), then decompress it into `land`'s
-    views in 32 MiB steps, checking its frame, size, end and (`verify`) checksum (`compression.Decoder`)."""
+    views, checking its frame, size, end and (`verify`) checksum (`zread.decode_fd`, as for a file)."""
     stored = checked_size(path, entry)
     fd = os.memfd_create("dcs-zst-object", os.MFD_CLOEXEC)
     try:
@@ -229,20 +229,6 @@ def _decode(
                             f.cancel()
             finally:
                 mapping.close()
-        check_frame(fd, path, entry)
-        decoder = Decoder(fd, path, entry)
-        hasher = new_hasher() if verify else None
-        step = 32 * 1024 * 1024
-        for begin in range(0, entry.size, step):
-            end = min(begin + step, entry.size)
-            for piece in land(begin, end):
-                decoder.readinto(piece)
-                if hasher is not None:
-                    hasher.update(piece)
-            if progress is not None:
-                progress(entry.name, end, entry.size)
-        decoder.finish()
+        zread.decode_fd(fd, path, entry, verify, land, progress)
     finally:
         os.close(fd)
-    if hasher is not None and hasher.hexdigest() != entry.checksum:
-        raise CorruptCheckpoint(f"checkpoint object {path} fails its {entry.algorithm} checksum", str(path))

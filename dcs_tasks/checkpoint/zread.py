@@ -27,6 +27,7 @@ from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.checkpoint.validate import open_stored
 from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import ObjectPath
 
 CHUNK_BYTES = READ_CHUNK_BYTES  # decompressed bytes per step (fastread's chunk size; tests patch it here)
 IO_THREADS = READ_THREADS  # compressed files decoded at once
@@ -39,21 +40,29 @@ def decode(path: Path, entry: FileEntry, verify: bool, land: Land, progress: Pro
     """Decompress the whole file into `land`'s views, checking size, frame, end and (`verify`) checksum."""
     fd = open_stored(path, entry)
     try:
-        check_frame(fd, path, entry)
-        decoder = Decoder(fd, path, entry)
-        hasher = new_hasher() if verify else None
-        for begin in range(0, entry.size, CHUNK_BYTES):
-            end = min(begin + CHUNK_BYTES, entry.size)
-            for piece in land(begin, end):
-                with piece:
-                    decoder.readinto(piece)
-                    if hasher is not None:
-                        hasher.update(piece)
-            if progress is not None:
-                progress(entry.name, end, entry.size)
-        decoder.finish()
+        decode_fd(fd, path, entry, verify, land, progress)
     finally:
         os.close(fd)
+
+
+def decode_fd(
+    fd: int, path: Path | ObjectPath, entry: FileEntry, verify: bool, land: Land, progress: Progress | None
+) -> None:
+    """`decode` of the compressed bytes in the open file `fd` (a checkpoint file, or an object fetched whole
+    into a memfd: `objread`); `path` names them in errors."""
+    check_frame(fd, path, entry)
+    decoder = Decoder(fd, path, entry)
+    hasher = new_hasher() if verify else None
+    for begin in range(0, entry.size, CHUNK_BYTES):
+        end = min(begin + CHUNK_BYTES, entry.size)
+        for piece in land(begin, end):
+            with piece:
+                decoder.readinto(piece)
+                if hasher is not None:
+                    hasher.update(piece)
+        if progress is not None:
+            progress(entry.name, end, entry.size)
+    decoder.finish()
     if hasher is not None and hasher.hexdigest() != entry.checksum:
         raise CorruptCheckpoint(f"checkpoint file {path} fails its {entry.algorithm} checksum", str(path))
 

@@ -120,3 +120,11 @@ def s3_bucket(s3_server: S3Server) -> S3Bucket:
         bucket=name,
         server=s3_server,
     )
+
+
+@pytest.fixture
+def aws_env(s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """`s3_bucket` with the owner's credentials in the standard AWS environment (`s3_support.use_bucket`)."""
+    from tests.storage.s3_support import use_bucket
+
+    return use_bucket(s3_bucket, monkeypatch)

@@ -23,38 +23,11 @@ from dcs_tasks.errors import (
     CorruptCheckpoint,
     StorageAccessDenied,
 )
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import assert_same_state, start_worker, training_state
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import child_env
 from tests.storage.conftest import S3Bucket
-
-MiB = 1024 * 1024
-
-
-@pytest.fixture
-def aws_env(s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    """The owner's credentials in the standard AWS environment variables (the trainer here and the worker, which
-    inherits this environment, both find them through boto3's chain)."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_bucket.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_bucket.secret_key)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_bucket.region)
-    if s3_bucket.server.ca_bundle:
-        monkeypatch.setenv("AWS_CA_BUNDLE", str(s3_bucket.server.ca_bundle))
-    return s3_bucket
-
-
-def s3_config(dcs_config: DCSConfig, tmp_path: Path, bucket: S3Bucket, **overrides: object) -> DCSConfig:
-    values: dict[str, object] = {
-        "checkpoint_dir": DCSConfig.model_validate({"checkpoint_dir": bucket.url("fleet/ckpt")}).checkpoint_dir,
-        "s3_endpoint_url": bucket.endpoint_url,
-        "s3_addressing_style": "path",
-        "s3_part_bytes": 5 * MiB,
-        "s3_concurrency": 4,
-        "s3_max_attempts": 3,
-        "keep_last": None,
-    }
-    values.update(overrides)
-    return ckpt_config(dcs_config, tmp_path, **values)
+from tests.storage.s3_support import MiB, objects, open_uploads, s3_config
 
 
 def ckpt_cli(config: DCSConfig, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -62,19 +35,6 @@ def ckpt_cli(config: DCSConfig, tmp_path: Path, *args: str) -> subprocess.Comple
     done = run_module("dcs_tasks.cli.main", "ckpt", *args, workdir=tmp_path / "cli", env=child_env(config), timeout=120)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
-
-
-def objects(bucket: S3Bucket, prefix: str = "") -> dict[str, int]:
-    client = bucket.client()
-    found: dict[str, int] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket.bucket, Prefix=prefix):
-        found.update({item["Key"]: item["Size"] for item in page.get("Contents", [])})
-    return found
-
-
-def open_uploads(bucket: S3Bucket) -> list[str]:
-    answer = bucket.client().list_multipart_uploads(Bucket=bucket.bucket)
-    return [u["Key"] for u in answer.get("Uploads", [])]
 
 
 @pytest.fixture

@@ -16,58 +16,14 @@ import pytest
 from dcs_tasks import Checkpointer, storage
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, StorageAccessDenied, StorageError
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
+from tests.checkpoint_support import assert_same_state, start_worker, training_state, wait_until
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.helpers.s3server import S3Server
 from tests.storage.conftest import S3Bucket, s3_client
-
-MiB = 1024 * 1024
-ROOT = "fleet/ckpt"
-
+from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config, use_bucket
 
 # --- helpers -----------------------------------------------------------------------------------------------------
-
-
-def use_bucket(bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    """The bucket owner's credentials in the standard AWS variables (this process and the workers it starts)."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", bucket.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bucket.secret_key)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", bucket.region)
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CA_BUNDLE"):
-        monkeypatch.delenv(name, raising=False)
-    return bucket
-
-
-@pytest.fixture
-def aws_env(s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    return use_bucket(s3_bucket, monkeypatch)
-
-
-def s3_config(dcs_config: DCSConfig, tmp_path: Path, bucket: S3Bucket, **overrides: object) -> DCSConfig:
-    values: dict[str, object] = {
-        "checkpoint_dir": DCSConfig.model_validate({"checkpoint_dir": bucket.url(ROOT)}).checkpoint_dir,
-        "s3_endpoint_url": bucket.endpoint_url,
-        "s3_addressing_style": "path",
-        "s3_part_bytes": 5 * MiB,
-        "s3_concurrency": 4,
-        "s3_max_attempts": 3,
-        "keep_last": None,
-    }
-    values.update(overrides)
-    return ckpt_config(dcs_config, tmp_path, **values)
-
-
-def objects(bucket: S3Bucket, prefix: str = "") -> dict[str, int]:
-    found: dict[str, int] = {}
-    for page in bucket.client().get_paginator("list_objects_v2").paginate(Bucket=bucket.bucket, Prefix=prefix):
-        found.update({item["Key"]: item["Size"] for item in page.get("Contents", [])})
-    return found
-
-
-def open_uploads(bucket: S3Bucket) -> list[str]:
-    answer = bucket.client().list_multipart_uploads(Bucket=bucket.bucket)
-    return [u["Key"] for u in answer.get("Uploads", [])]
 
 
 def get(bucket: S3Bucket, key: str) -> bytes:
