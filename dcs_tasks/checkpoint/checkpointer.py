@@ -30,6 +30,7 @@ from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded
+from dcs_tasks.checkpoint.committer import committed
 from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
@@ -302,7 +303,7 @@ class Checkpointer:
             chunks=chunks,
         )
         step_dir = self._step_dir(step)
-        if (step_dir / MANIFEST_NAME).exists():  # committed on disk though the ledger forgot it (expired, lost)
+        if committed(step_dir):  # committed in storage though the ledger forgot it (expired, lost)
             raise CheckpointError(
                 f"step {step} of run {self.run!r} is already committed ({step_dir / MANIFEST_NAME} exists); DCS never "
                 "overwrites a committed step: save under a new step"
