@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint import Checkpointer
 from dcs_tasks.checkpoint.format import step_dir_name
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
@@ -22,7 +23,7 @@ from dcs_tasks.errors import CheckpointFailed, CoordinatorError, DCSTimeoutError
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import TopologyResponse, WeightMeta
 from dcs_tasks.redisconn import sync_client
-from tests.checkpoint_support import ckpt_config, training_state
+from tests.checkpoint_support import ckpt_config, training_state, wait_until
 from tests.helpers.procs import CoordinatorProcess, WorkerProcess
 from tests.helpers.sentinel import SentinelCluster
 
@@ -185,7 +186,17 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         await api.send_weight_meta(WeightMeta.end())
         assert (await asyncio.wait_for(poll, 5)).entries == [WeightMeta.end()]
 
-        # a new save after the failover commits, through the same worker process
+        # a new save after the failover commits, through the same worker process. The worker may still be
+        # restarting after kombu's crash on the failover (bounded by its stuck-stop watchdog): wait, bounded, for
+        # its presence on the new master, which a save checks first
+        def worker_present() -> bool:
+            client = sync_client(ha_config, socket_timeout=2)
+            try:
+                return bool(client.exists(Keys(ha_config.namespace).worker_presence(node_queue(ha_config.host_name))))
+            finally:
+                client.close()
+
+        await asyncio.to_thread(wait_until, worker_present, 45, "the worker serving its queue on the new master")
         try:
             third = await asyncio.to_thread(lambda: ckpt.save(state, step=3).wait(45))
         except DCSTimeoutError as exc:
