@@ -48,6 +48,7 @@ typecheck: install
 	$(BIN)/mypy
 
 test: install redis-bin sglang-engines lint typecheck
+	@df -h . "$${TMPDIR:-/tmp}" /dev/shm | sed "s/^/disk before the suite: /"
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # tests/unit: no Redis, worker or server processes (CLI and import checks run `python -c`); under a minute
