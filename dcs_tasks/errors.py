@@ -99,6 +99,36 @@ class ReplicaFailed(CheckpointError):
     task fails; the primary commit and the trainer's save are unaffected."""
 
 
+class PeerError(CheckpointError):
+    """Copying a step between hosts' memory tiers (`dcs_tasks.checkpoint.peerwire`) failed; the message names the
+    peer, the step (`<run>/[rank-N/]step-N`) and what went wrong. Nothing was installed: a partial copy is removed
+    and a step already committed at the target is never replaced."""
+
+
+class PeerRefused(PeerError):
+    """The peer refused the request: a bad step name, a step or manifest over its limits, a manifest the memory
+    tier does not take (compressed or incremental files), no room. Retrying the same request will not help."""
+
+
+class PeerAuthFailed(PeerRefused):
+    """The shared token did not match: the peer refused ours, or the peer could not prove it knows it (a server
+    that answers the challenge wrongly is never sent anything)."""
+
+
+class PeerCorrupt(PeerError):
+    """The peer sent bytes that do not verify: a file whose size or checksum differs from its manifest, a manifest
+    that fails the checks, a malformed or oversized header, a frame failing its MAC, bytes beyond those announced."""
+
+
+class PeerNotFound(PeerError):
+    """The peer holds no committed step under that name."""
+
+
+class PeerUnavailable(PeerError, ConnectionError):
+    """The peer could not be reached, closed the connection mid-transfer, did not answer within the timeout or
+    had no connection slot free: worth retrying (later, or on another peer)."""
+
+
 class StorageError(CheckpointError):
     """The checkpoint store (a file system or an object store) refused or failed an operation; the message names
     the store, the object and the operation, never a credential."""
