@@ -1,23 +1,114 @@
-"""Pieces the benchmarks share (bench/coordinator_load.py, fleet_heartbeats.py, save.py, task_latency.py): a
-private redis-server, `dcs coordinator` and `dcs worker` processes, the bare FastAPI+SET comparison app,
-per-process CPU time from /proc, a raw HTTP/1.1 answer reader and percentiles. Benchmarks do not import tests/."""
+"""Pieces the benchmarks share: the result file of a run (`Run`, below), a private redis-server, `dcs coordinator`
+and `dcs worker` processes, the bare FastAPI+SET comparison app, per-process CPU time from /proc, a raw HTTP/1.1
+answer reader and percentiles. Benchmarks do not import tests/."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
 import os
+import platform
+import shlex
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+RESULT_FORMAT = 1
+
+
+@dataclass
+class Row:
+    """One line of a benchmark's summary, as docs/benchmarks.md's table shows it (bench/report.py): what was
+    measured, DCS's figure, the contender's in the same run, the ratio (DCS against it, > 1 better unless the
+    text says otherwise) and the target with whether it was met (None: no target, or not judged)."""
+
+    what: str
+    ours: str
+    compared: str = ""
+    ratio: float | None = None
+    ratio_text: str = ""
+    target: str = ""
+    met: bool | None = None
+
+
+@dataclass
+class Run:
+    """A benchmark run: started when made (date, load average); `record` writes its result file,
+    bench/results/<benchmark>/<UTC start>.json: the command, when, the machine and its load average before and
+    after, the commit, every figure the script measured (`figures`, its own layout) and the summary rows."""
+
+    benchmark: str
+    started: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
+    load_before: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    command: str = field(default_factory=lambda: command_line())
+
+    def record(self, figures: Any, rows: list[Row] | None = None, notes: str = "", out: Path | None = None) -> Path:
+        ended = datetime.datetime.now(datetime.UTC)
+        document = {
+            "format": RESULT_FORMAT,
+            "benchmark": self.benchmark,
+            "command": self.command,
+            "started": _iso(self.started),
+            "ended": _iso(ended),
+            "machine": machine(self.load_before),
+            "commit": git_commit(),
+            "summary": [asdict(row) for row in rows or []],
+            "notes": notes,
+            "figures": figures,
+        }
+        stamp = self.started.strftime("%Y%m%dT%H%M%SZ")
+        path = out if out is not None else RESULTS / self.benchmark / f"{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+        print(f"result: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+        return path
+
+
+def command_line() -> str:
+    """This process's command as one would type it from the repository root (`python bench/x.py --flag`)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).is_absolute() and Path(argv[0]).is_relative_to(REPO):
+        argv[0] = str(Path(argv[0]).relative_to(REPO))
+    return shlex.join(["python", *argv])
+
+
+def machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": getattr(sys.modules.get("torch"), "__version__", None),
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD and whether tracked files differ from it (the working tree is shared; a dirty tree is common)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"head": None, "dirty": None}
+    return {"head": head.stdout.strip() or None, "dirty": bool(dirty.stdout.strip())}
+
+
+def _iso(moment: datetime.datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def free_port() -> int:

@@ -1,14 +1,18 @@
-"""Round trip of the trainer's calls to a rollout engine: httpx vs the kept-alive client (`dcs_tasks.http11`).
+"""Round trip of the trainer's calls to a rollout engine: the hand-written kept-alive client
+(`dcs_tasks.http11`), httpx and aiohttp.
 
 Two receiver apps as `dcs receiver` serves them (the same FastAPI app, guards and uvicorn options; no
 coordinator), each in a process of its own on loopback. Timed from this process, through `EngineAPI` with
-its kept-alive client (`fast`) and with it turned off (`httpx`):
+its kept-alive client (`fast`) and with it turned off (`httpx`), and through a kept-alive aiohttp session
+doing what `EngineAPI.post` does (JSON body, the whole call bounded by its timeout, the answer read up to
+1 MiB, JSON decoded, status judged; `aiohttp`):
   call             one POST /pause_generation: wall time and this thread's CPU time
   frame            an update's engine frame on both engines at once: per engine pause, begin, end, continue
   frame_packing    the same frame while a 32 MiB bucket of 300 tensors is packed in a worker thread (as
                    `BucketSender.send_fused` does), and how long that packing took meanwhile (`pack_alone`:
                    without the frame)
-Medians of --repeats; writes bench/results/http_roundtrip.json. Run it on an otherwise idle machine: the
+Medians of --repeats; the contenders are interleaved (each measured twice, the second kept); writes a
+result file under bench/results/. Run it on an otherwise idle machine: the
 figures are a few milliseconds, and any other load moves them.
 """
 
@@ -31,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.harness import REPO, free_port, wait_for_port
+from bench.harness import REPO, Row, Run, free_port, wait_for_port
 from bench.weight_sync import make_state
 from dcs_tasks.sync.engine_protocol import EngineAPI
 from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.sender import BucketSender
 
-RESULTS = Path(__file__).resolve().parent / "results" / "http_roundtrip.json"
+CLIENTS = ("httpx", "fast", "aiohttp")
 FRAME = ("/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation")
 
 
@@ -98,6 +102,44 @@ def receivers(count: int, logs: Path) -> Iterator[list[EngineEndpoint]]:
             proc.wait(10)
 
 
+class AiohttpAPI:
+    """`EngineAPI.post`'s work over one aiohttp session: keep-alive by aiohttp's connector (4 s, below
+    uvicorn's 5 s idle close), the whole call bounded by `timeout`, at most 1 MiB of answer, JSON decoded."""
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, timeout: float) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, object]) -> str:
+        if self._session is None:
+            connector = self._aiohttp.TCPConnector(keepalive_timeout=4.0)
+            self._session = self._aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False
+            )
+        async with self._session.post(f"{engine.url}{path}", json=body) as response:
+            data = await response.content.read(self.MAX_BYTES + 1)
+            while len(data) <= self.MAX_BYTES and not response.content.at_eof():
+                more = await response.content.read(self.MAX_BYTES + 1 - len(data))
+                if not more:
+                    break
+                data += more
+            if len(data) > self.MAX_BYTES:
+                raise RuntimeError("answer too large")
+        answer = json.loads(data) if data else {}
+        if response.status >= 400 or answer.get("success") is False:
+            raise RuntimeError(f"{path} refused ({response.status})")
+        return str(answer.get("message", ""))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
 async def timed(call: Callable[[], Awaitable[object]], repeats: int) -> tuple[float, float]:
     """Median wall and this thread's CPU seconds of `call`, after a few warm-ups."""
     for _ in range(5):
@@ -111,7 +153,7 @@ async def timed(call: Callable[[], Awaitable[object]], repeats: int) -> tuple[fl
     return statistics.median(walls), statistics.median(cpus)
 
 
-async def measure(api: EngineAPI, engines: list[EngineEndpoint], repeats: int) -> dict[str, float]:
+async def measure(api: EngineAPI | AiohttpAPI, engines: list[EngineEndpoint], repeats: int) -> dict[str, float]:
     state = make_state(32, 300)
     sender = BucketSender(None, torch.device("cpu"), 256 * 1024 * 1024, sglang=True)  # type: ignore[arg-type]
     layout = sender.plan(state)[0]
@@ -152,9 +194,9 @@ async def measure(api: EngineAPI, engines: list[EngineEndpoint], repeats: int) -
 async def run(args: argparse.Namespace, logs: Path) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     with receivers(2, logs) as engines:
-        for name in ("httpx", "fast", "httpx", "fast"):  # twice each, interleaved; the second round is kept
-            api = EngineAPI(None, 30.0)
-            if name == "httpx":
+        for name in (*args.clients, *args.clients):  # twice each, interleaved; the second round is kept
+            api: EngineAPI | AiohttpAPI = AiohttpAPI(30.0) if name == "aiohttp" else EngineAPI(None, 30.0)
+            if name == "httpx" and isinstance(api, EngineAPI):
                 api._fast = None
             try:
                 results[name] = await measure(api, engines, args.repeats)
@@ -166,21 +208,49 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--clients", nargs="+", default=list(CLIENTS), choices=CLIENTS)
+    parser.add_argument("--out", type=Path, default=None, help="the result file (default: bench/results/...)")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve)
         return
-    load_before = os.getloadavg()
+    run_ = Run("http_roundtrip")
     with tempfile.TemporaryDirectory() as tmp:
         results = asyncio.run(run(args, Path(tmp)))
-    result = {"repeats": args.repeats, "load_average": [load_before, os.getloadavg()], **results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
     for name, figures in results.items():
-        print(f"{name:6s} " + ", ".join(f"{key} {value * 1e3:.2f} ms" for key, value in figures.items()))
-    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+        print(f"{name:7s} " + ", ".join(f"{key} {value * 1e3:.2f} ms" for key, value in figures.items()))
+    run_.record({"repeats": args.repeats, **results}, summary(results), out=args.out)
+    print(f"load average before {run_.load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+
+
+def summary(results: dict[str, dict[str, float]]) -> list[Row]:
+    """The engine client in use (`fast` while http11 is kept) against the others, per call and per frame."""
+    rows = []
+    ours = "fast" if "fast" in results else next(iter(results))
+    for other in (name for name in results if name != ours):
+        a, b = results[ours], results[other]
+        rows.append(
+            Row(
+                what=f"one engine call, {ours} vs {other} (CPU per call)",
+                ours=f"{a['call_cpu'] * 1e3:.2f} ms CPU, {a['call_wall'] * 1e3:.2f} ms wall",
+                compared=f"{other}: {b['call_cpu'] * 1e3:.2f} ms CPU, {b['call_wall'] * 1e3:.2f} ms wall",
+                ratio=b["call_cpu"] / a["call_cpu"],
+                ratio_text=f"{other} {(b['call_cpu'] - a['call_cpu']) * 1e3:+.2f} ms CPU per call",
+                target="a library within 0.1 ms of CPU per call replaces the hand-written client",
+                met=None,
+            )
+        )
+        rows.append(
+            Row(
+                what=f"an update's frame on 2 engines (pause, begin, end, continue), {ours} vs {other}",
+                ours=f"{a['frame_wall'] * 1e3:.2f} ms ({a['frame_packing_wall'] * 1e3:.2f} ms beside a 32 MiB pack)",
+                compared=f"{other}: {b['frame_wall'] * 1e3:.2f} ms ({b['frame_packing_wall'] * 1e3:.2f} ms)",
+                ratio=b["frame_wall"] / a["frame_wall"],
+                ratio_text=f"{b['frame_wall'] / a['frame_wall']:.2f}x faster than {other}",
+            )
+        )
+    return rows
 
 
 if __name__ == "__main__":
