@@ -37,6 +37,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "retention",
         "objlocks",
         "models",
+        "peerwire",
     ),
     "save": ("pinning", "copier", "staging", "cuda"),
     "restore": ("fastread", "reader", "sharded", "dtensor"),
