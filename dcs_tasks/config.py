@@ -259,6 +259,13 @@ class DCSConfig(BaseSettings):
     """How often nodes send heartbeats."""
     heartbeat_timeout_seconds: float = Field(default=30.0, gt=0)
     """A node without a heartbeat for this long is dead."""
+    host_agent: bool = True
+    """`dcs worker` serves its host's agent on a Unix socket (`host_agent_socket`): trainers, `dcs receiver` and
+    `dcs engine attach` on the host register and beat through it (one POST /heartbeats per interval for the
+    host) while it answers, and beat per node themselves while it does not. False: none served, none used."""
+    host_agent_socket: Path | None = None
+    """The host agent's Unix socket (default: `<staging_dir>/dcs-agent-<hash>.sock`, hashed over the coordinator
+    URL, Redis URL, namespace and host name, so only processes configured alike share an agent)."""
 
     # storage
     checkpoint_dir: StorageRoot = Path("checkpoints")

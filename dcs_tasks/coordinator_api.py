@@ -238,6 +238,19 @@ class CoordinatorAPI:
             self._identities[(info.role_name, answer.rank)] = answer.identity
         return answer
 
+    def remember_identity(self, role: str, rank: int, identity: str) -> None:
+        """Fence this client's later calls for (role, rank) with `identity` (a registration made elsewhere: the
+        host agent registered the node, or the node's own process did and the agent beats it)."""
+        if identity:
+            self._identities[(role, rank)] = identity
+
+    def forget_identity(self, role: str, rank: int) -> None:
+        self._identities.pop((role, rank), None)
+
+    def identity_of(self, role: str, rank: int) -> str:
+        """The fencing identity this client holds for (role, rank), or ""."""
+        return self._identities.get((role, rank), "")
+
     async def unregister(self, role: str, rank: int) -> StatusResponse:
         """Remove (role, rank). Fenced with the identity this client's `register` got: RankConflict (nothing
         removed) when another node now holds the rank."""

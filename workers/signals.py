@@ -1,4 +1,5 @@
-"""Celery signal handlers: presence beacon start/stop, worker metrics export, dead-child metrics cleanup.
+"""Celery signal handlers: presence beacon and host agent start/stop, worker metrics export, dead-child metrics
+cleanup.
 
 Connected by `connect_signals()` at worker start.
 """
@@ -14,6 +15,7 @@ from celery import signals
 from dcs_tasks.storage import s3_settings
 from dcs_tasks.storage.s3 import prewarm
 from dcs_tasks.storage_url import ObjectURL
+from workers.agent import start_host_agent, stop_host_agent
 from workers.metrics import mark_dead, start_exporter
 from workers.presence import PresenceBeacon
 from workers.runtime import runtime
@@ -29,9 +31,11 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _beacon = PresenceBeacon(rt.redis, rt.keys, queues, worker_name=str(sender.hostname))
     _beacon.start()
     start_exporter(rt.config)
+    start_host_agent(rt.config)  # trainers, receivers and attach sidecars of this host beat through it
 
 
 def _on_worker_shutdown(**_: Any) -> None:
+    stop_host_agent()
     if _beacon is not None:
         _beacon.stop()
 

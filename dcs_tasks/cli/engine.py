@@ -134,7 +134,7 @@ async def _attach(config: DCSConfig, engine_url: str, api_key: str | None, setti
         CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
         EngineClient(engine_url, settings.rank, api_key, timeout=config.request_timeout_seconds) as engine,
     ):
-        task = asyncio.create_task(EngineAttachment(api, engine, settings).run())
+        task = asyncio.create_task(EngineAttachment(api, engine, settings, config).run())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         try:

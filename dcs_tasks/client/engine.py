@@ -20,8 +20,9 @@ import torch
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
+from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.netaddr import configure_comm_interface, route_address
 from dcs_tasks.sync.actor_fwd import (
@@ -95,7 +96,7 @@ class CheckpointEngineClient:
         self.rollout_role = rollout_role
         self._backend: DeviceDirectBackend | None = None
         self._api: CoordinatorAPI | None = None
-        self._beats: HeartbeatLoop | None = None
+        self._beats: NodeLiveness | None = None
         self._rollout: RolloutUpdater | None = None
         self._fwd_sender: ActorFwdSender | None = None
         self._fwd_receiver: ActorFwdReceiver | None = None
@@ -178,9 +179,11 @@ class CheckpointEngineClient:
         # a predecessor of this trainer that died without unregistering holds the rank until its heartbeat TTL
         # runs out: wait that long for it (the coordinator refuses to hand a live node's rank over)
         wait = cfg.heartbeat_timeout_seconds + cfg.heartbeat_interval_seconds
-        answer = await self._api.register(self.role_info, wait_for_rank_s=wait)
+        # through the host's agent (`dcs worker`) when one answers, else beating per node (dcs_tasks/hostagent.py)
+        self._beats = NodeLiveness(self._api, cfg, self.role_info)
+        answer = await self._beats.register(wait_for_rank_s=wait)
         self.role_info = self.role_info.model_copy(update={"rank": answer.rank})
-        self._beats = HeartbeatLoop(self._api, self.role_info, cfg.heartbeat_interval_seconds).start()
+        self._beats.start()
         from dcs_tasks.checkpoint.telemetry import serve_trainer_metrics
 
         serve_trainer_metrics(cfg)  # DCS_TRAINER_METRICS_PORT: a weight-sync-only trainer serves its metrics too

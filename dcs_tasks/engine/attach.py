@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dcs_tasks.config import RoleInfo
+from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import (
@@ -31,6 +31,7 @@ from dcs_tasks.errors import (
     RankConflict,
     WeightSyncError,
 )
+from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.models import RegisterResponse
 from dcs_tasks.sync.models import EngineInfo
 from dcs_tasks.sync.planning import new_instance
@@ -77,10 +78,16 @@ class Outage(enum.Enum):
 class EngineAttachment:
     """Keeps the engine behind `engine` registered in the coordinator behind `api` while it is healthy."""
 
-    def __init__(self, api: CoordinatorAPI, engine: EngineClient, settings: AttachSettings) -> None:
+    def __init__(
+        self, api: CoordinatorAPI, engine: EngineClient, settings: AttachSettings, config: DCSConfig | None = None
+    ) -> None:
+        """`config`: register and beat through the host's agent (`dcs worker`) when one answers
+        (dcs_tasks/hostagent.py); without it, or without an agent, the attachment beats per node itself."""
         self.api = api
         self.engine = engine
         self.settings = settings
+        self.config = config
+        self._liveness: NodeLiveness | None = None
         self.registered: RoleInfo | None = None
         self.registrations = 0
 
@@ -140,7 +147,14 @@ class EngineAttachment:
         deadline = time.monotonic() + self.settings.wait_timeout
         while True:
             try:
-                return await self.api.register(node)
+                if self.config is None:
+                    return await self.api.register(node)
+                # beats follow the engine's probes, one per interval: the lease lasts two of them
+                config = self.config.model_copy(update={"heartbeat_interval_seconds": self.settings.interval})
+                liveness = NodeLiveness(self.api, config, node, lease_s=2 * self.settings.interval + 1)
+                answer = await liveness.register()
+                self._liveness = liveness
+                return answer
             except CoordinatorUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise DCSTimeoutError(
@@ -155,7 +169,7 @@ class EngineAttachment:
         may have been replaced: it must be registered anew)."""
         assert self.registered is not None
         s = self.settings
-        beats = HeartbeatLoop(self.api, self.registered, s.interval)
+        beats = self._liveness or HeartbeatLoop(self.api, self.registered, s.interval)
         failing_since: float | None = None  # first probe of the current run without a 200
         unanswered = False  # a probe of the current run got no answer at all
         while True:
@@ -181,7 +195,7 @@ class EngineAttachment:
                 await self._beat(beats)
             await asyncio.sleep(max(0.0, s.interval - (time.monotonic() - started)))
 
-    async def _beat(self, beats: HeartbeatLoop) -> None:
+    async def _beat(self, beats: HeartbeatLoop | NodeLiveness) -> None:
         """One beat; transient coordinator failures are logged, RankConflict (rank taken over) propagates."""
         try:
             await beats.beat_once()
@@ -194,6 +208,9 @@ class EngineAttachment:
     async def unregister(self) -> None:
         """Remove the registered node, if any (best effort: the coordinator expires it anyway)."""
         node, self.registered = self.registered, None
+        liveness, self._liveness = self._liveness, None
+        if liveness is not None:
+            await liveness.stop()  # the agent stops beating it before it is removed
         if node is None or node.rank is None:
             return
         try:

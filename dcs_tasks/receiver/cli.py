@@ -27,8 +27,9 @@ import uvicorn
 
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import ConfigError
+from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.httpguard import guarded_server_options
 from dcs_tasks.netaddr import configure_comm_interface, interface_of, is_loopback, route_address
 from dcs_tasks.receiver.guard import secure_receiver_app
@@ -149,9 +150,10 @@ async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
     # every blocking call runs in the default executor: size it so waiting inits never starve digests
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(EXECUTOR_THREADS, "dcs-receiver"))
     api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
-    answer = await api.register(info)
+    beats = NodeLiveness(api, config, info)  # through the host's agent when one answers (dcs_tasks/hostagent.py)
+    answer = await beats.register()
     info = info.model_copy(update={"rank": answer.rank})
-    beats = HeartbeatLoop(api, info, config.heartbeat_interval_seconds).start()
+    beats.start()
     log.info("receiver %s serving on %s", answer.node_id, info.address)
     gc.freeze()  # start-up objects (torch, FastAPI) leave the collector's view: later collections stay short
     try:

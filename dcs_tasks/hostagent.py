@@ -1,0 +1,369 @@
+"""The host agent's protocol and its client: how a DCS process registers and stays alive through its host's
+`dcs worker` instead of beating the coordinator per node.
+
+The agent (`workers/agent.py`, a thread of `dcs worker`'s main process) listens on a Unix socket,
+`agent_socket_path(config)`: `DCS_HOST_AGENT_SOCKET`, default `<staging_dir>/dcs-agent-<hash>.sock` (the
+staging directory is the host-local directory a host's trainers and worker already share; the hash covers the
+coordinator URL, Redis URL, namespace and host name, so a process only meets an agent configured like itself).
+
+One connection per node, JSON lines of at most `MAX_MESSAGE_BYTES`:
+
+- hello (first line): `{"v": 1, "op": "register" | "adopt", "token": ..., "coordinator": <base_url>,
+  "node": <RoleInfo>, "lease_ms": N, "identity": ...}`. `register` has the agent register the node (batched
+  with the host's other registrations into one `POST /register_batch`); `adopt` hands it a node its process
+  registered itself (a process that beat per node while no agent answered). Answer: `{"ok": true, "rank",
+  "node_id", "identity", "message"}`, or `{"ok": false, "status", "detail", "source": "agent" | "coordinator"}`
+  and the connection is closed.
+- `{"op": "renew"}`: the process's lease, renewed every `renew_every` seconds by the process's own event loop.
+  Answer `{"ok": true, "identity": ...}` (the node's identity now: a re-registration may have changed an issued
+  one), or 409 once another node took the rank over.
+- EOF (the process exited or was killed): the agent stops beating the node at once; it is gone from the
+  topology one heartbeat timeout after its last beat, as a node that stops beating itself.
+
+The agent beats, with one `POST /heartbeats` per interval, every node whose lease was renewed within its
+`lease_ms`: a process that is alive but does not run (SIGSTOP, an event loop that does not turn) stops renewing
+and drops out of the beats after at most `lease_ms`, so it is reported dead at most `lease_ms` later than if it
+had beaten itself. When the agent does not answer (no worker, a killed or frozen worker), `NodeLiveness` beats
+per node itself (`HeartbeatLoop`) and offers the node to an agent again every interval (`adopt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.errors import (
+    AuthError,
+    ClientClosed,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    DCSError,
+    NodeNotFound,
+    RankConflict,
+)
+from dcs_tasks.models import IDENTITY_PATTERN, RegisterResponse
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 256 * 1024  # one JSON line: a registration's metadata is at most 64 KiB by default
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+RENEW_CAP_S = 1.0  # a process renews its lease every min(1 s, interval / 2) ...
+LEASE_RENEWALS = 3  # ... and the lease lasts three renewals
+MIN_LEASE_MS, MAX_LEASE_MS = 50, 600_000
+CONNECT_TIMEOUT_S = 1.0
+
+
+class AgentUnusable(DCSError):
+    """The host agent cannot be used (none listening, it broke the protocol, it serves another coordinator, it
+    stopped answering): the process beats per node instead."""
+
+
+def agent_socket_path(config: DCSConfig) -> Path:
+    """Where this host's agent listens for processes configured like `config`."""
+    if config.host_agent_socket is not None:
+        return config.host_agent_socket
+    scope = "\n".join((config.base_url, config.redis_url, config.namespace, config.host_name))
+    return config.staging_dir / f"dcs-agent-{hashlib.sha256(scope.encode()).hexdigest()[:16]}.sock"
+
+
+def renew_period(config: DCSConfig) -> float:
+    return min(RENEW_CAP_S, config.heartbeat_interval_seconds / 2)
+
+
+def answer_timeout(config: DCSConfig) -> float:
+    """How long a process waits for the agent's answer to a renewal before beating itself: well inside the
+    heartbeat timeout, so a frozen worker does not take its nodes down with it."""
+    return min(5.0, max(0.25, config.heartbeat_timeout_seconds / 4))
+
+
+class AgentHello(BaseModel):
+    """The first line of a connection to the agent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1]
+    op: Literal["register", "adopt"]
+    token: str | None = Field(default=None, max_length=4096)
+    coordinator: str = Field(min_length=1, max_length=2048)
+    node: RoleInfo
+    lease_ms: int = Field(ge=MIN_LEASE_MS, le=MAX_LEASE_MS)
+    identity: str = Field(default="", max_length=300, pattern=IDENTITY_PATTERN + "|^$")
+
+
+class AgentRequest(BaseModel):
+    """Every later line: a renewal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["renew"]
+
+
+class AgentAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ok: bool
+    status: int = Field(default=200, ge=100, le=599)
+    detail: str = Field(default="", max_length=4096)
+    source: Literal["agent", "coordinator"] = "agent"
+    rank: int | None = Field(default=None, ge=0)
+    node_id: str = Field(default="", max_length=400)
+    identity: str = Field(default="", max_length=300)
+    message: str = Field(default="", max_length=400)
+
+
+def encode(message: BaseModel | dict[str, Any]) -> bytes:
+    data = message.model_dump_json(exclude_defaults=False) if isinstance(message, BaseModel) else json.dumps(message)
+    return data.encode() + b"\n"
+
+
+def raise_coordinator_error(status: int, detail: str) -> None:
+    """The error `CoordinatorAPI` would have raised for the coordinator's answer the agent passes on."""
+    if status == 409:
+        raise RankConflict(detail, status)
+    if status == 404:
+        raise NodeNotFound(detail, status)
+    if status == 401:
+        raise AuthError(detail, status)
+    if status in (502, 503, 504):
+        raise CoordinatorUnavailable(detail, status)
+    raise CoordinatorError(detail, status)
+
+
+class _Link:
+    """One connection to the agent (one node)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.timeout = timeout
+
+    @classmethod
+    async def open(cls, path: Path, timeout: float) -> _Link:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(path), limit=MAX_MESSAGE_BYTES), CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as exc:
+            raise AgentUnusable(f"no host agent answers at {path}: {exc!r}") from exc
+        return cls(reader, writer, timeout)
+
+    async def ask(self, line: bytes, timeout: float | None = None) -> AgentAnswer:
+        try:
+            self.writer.write(line)
+            await self.writer.drain()
+            raw = await asyncio.wait_for(self.reader.readline(), timeout or self.timeout)
+        except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a line over the limit
+            raise AgentUnusable(f"the host agent did not answer: {exc!r}") from exc
+        if not raw:
+            raise AgentUnusable("the host agent closed the connection")
+        try:
+            return AgentAnswer.model_validate_json(raw)
+        except ValidationError as exc:
+            raise AgentUnusable(f"the host agent's answer is not an AgentAnswer: {str(exc)[:300]}") from exc
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class NodeLiveness:
+    """Register one node and keep it alive: through the host agent while one answers, else per node.
+
+    `register()` then `start()` (a background task renewing the lease, or beating per node) or, for a caller
+    that decides itself when the node is alive (`dcs engine attach` beats only while its engine answers),
+    `beat_once()` every interval. `lost` holds the RankConflict once another node took the rank over.
+    """
+
+    def __init__(self, api: CoordinatorAPI, config: DCSConfig, info: RoleInfo, *, lease_s: float | None = None) -> None:
+        self.api = api
+        self.config = config
+        self.info = info
+        self.interval = config.heartbeat_interval_seconds
+        self.renew_every = renew_period(config)
+        self.lease_s = lease_s if lease_s is not None else LEASE_RENEWALS * self.renew_every
+        self.path: Path | None = agent_socket_path(config) if config.host_agent else None
+        self.lost: RankConflict | None = None
+        self.renewals = 0
+        self.fallbacks = 0  # times the agent stopped answering and the node beat per node
+        self._link: _Link | None = None
+        self._direct: HeartbeatLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._next_offer = 0.0
+
+    @property
+    def via_agent(self) -> bool:
+        return self._link is not None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # --- registration --------------------------------------------------------------------------------
+    async def register(self, wait_for_rank_s: float = 0.0) -> RegisterResponse:
+        """Register through the agent when one answers (else directly); RankConflict after `wait_for_rank_s`
+        as `CoordinatorAPI.register`."""
+        deadline = time.monotonic() + wait_for_rank_s
+        answer: RegisterResponse | None = None
+        while self.path is not None:
+            try:
+                answer = await self._agent_hello("register")
+                break
+            except AgentUnusable as exc:
+                log.info("%s registers itself: %s", self.info.role_name, exc)
+                break
+            except RankConflict:
+                left = deadline - time.monotonic()
+                if self.info.rank is None or left <= 0:
+                    raise
+                await asyncio.sleep(min(1.0, left))
+        if answer is None:
+            answer = await self.api.register(self.info, wait_for_rank_s=max(0.0, deadline - time.monotonic()))
+            self._next_offer = time.monotonic() + self.interval
+        self.info = self.info.model_copy(update={"rank": answer.rank})
+        return answer
+
+    async def _agent_hello(self, op: Literal["register", "adopt"]) -> RegisterResponse:
+        assert self.path is not None
+        link = await _Link.open(self.path, answer_timeout(self.config))
+        hello = AgentHello(
+            v=PROTOCOL_VERSION,
+            op=op,
+            token=self.config.token(),
+            coordinator=self.config.base_url,
+            node=self.info,
+            lease_ms=max(MIN_LEASE_MS, min(MAX_LEASE_MS, int(self.lease_s * 1000))),
+            identity=self.api.identity_of(self.info.role_name, self.info.rank) if self.info.rank is not None else "",
+        )
+        # a registration waits for the coordinator (the agent retries it while unavailable)
+        wait = self.config.request_timeout_seconds + self.api.retry_for_s + 5 if op == "register" else None
+        try:
+            answer = await link.ask(encode(hello), wait)
+            if not answer.ok:
+                if answer.source == "coordinator":
+                    raise_coordinator_error(answer.status, answer.detail)
+                raise AgentUnusable(f"the host agent refused the node ({answer.status}): {answer.detail}")
+            if answer.rank is None:
+                raise AgentUnusable("the host agent's answer carries no rank")
+        except BaseException:
+            link.close()
+            raise
+        self._link = link
+        self.api.remember_identity(self.info.role_name, answer.rank, answer.identity)
+        return RegisterResponse(
+            rank=answer.rank, node_id=answer.node_id, message=answer.message, identity=answer.identity
+        )
+
+    # --- keeping it alive ----------------------------------------------------------------------------
+    def start(self) -> NodeLiveness:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"dcs-liveness-{self.info.node_id}")
+        return self
+
+    async def stop(self) -> None:
+        """Stop renewing and beating (the node is not unregistered: its owner does that, fenced)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._drop_link()
+        if self._direct is not None:
+            await self._direct.stop()
+            self._direct = None
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    async def _run(self) -> None:
+        while self.lost is None:
+            try:
+                await self._step(background=True)
+            except RankConflict as exc:
+                self.lost = exc
+                log.error("%s lost its rank, heartbeats stopped: %s", self.info.node_id, exc)
+            except ClientClosed:
+                log.info("heartbeats of %s stopped: the coordinator client was closed", self.info.node_id)
+                return
+            if self.lost is not None:
+                break
+            await asyncio.sleep(self.renew_every if self._link is not None else min(self.renew_every, self.interval))
+        self._drop_link()
+        if self._direct is not None:
+            await self._direct.stop()
+
+    async def beat_once(self) -> None:
+        """One renewal through the agent, or one beat of its own when no agent answers. Raises RankConflict
+        (the rank is another node's now) and, beating itself, CoordinatorError."""
+        try:
+            await self._step(background=False)
+        except RankConflict as exc:
+            self.lost = exc
+            raise
+
+    async def _step(self, background: bool) -> None:
+        if self._link is None:
+            await self._offer()
+        if self._link is not None:
+            try:
+                answer = await self._link.ask(b'{"op":"renew"}\n')
+            except AgentUnusable as exc:
+                self._fall_back(exc)
+            else:
+                if not answer.ok:
+                    self._drop_link()
+                    if answer.status == 409:
+                        raise RankConflict(answer.detail, 409)
+                    self._fall_back(AgentUnusable(f"the agent refused a renewal ({answer.status}): {answer.detail}"))
+                else:
+                    assert self.info.rank is not None
+                    self.api.remember_identity(self.info.role_name, self.info.rank, answer.identity)
+                    self.renewals += 1
+                    return
+        if self._direct is None:
+            self._direct = HeartbeatLoop(self.api, self.info, self.interval)
+            if background:
+                self._direct.start()
+                return
+        if background:
+            if not self._direct.running and self._direct.lost is not None:
+                raise self._direct.lost
+            if not self._direct.running and self._task is not None:
+                raise ClientClosed("the node's own heartbeats stopped")
+            return
+        await self._direct.beat_once()
+
+    def _fall_back(self, why: AgentUnusable) -> None:
+        self._drop_link()
+        self.fallbacks += 1
+        self._next_offer = time.monotonic() + self.interval
+        log.warning("%s beats per node itself: %s", self.info.node_id, why)
+
+    async def _offer(self) -> None:
+        """Hand the node to an agent (every interval while none has it)."""
+        if self.path is None or time.monotonic() < self._next_offer:
+            return
+        self._next_offer = time.monotonic() + self.interval
+        try:
+            await self._agent_hello("adopt")
+        except AgentUnusable as exc:
+            log.debug("no host agent for %s: %s", self.info.node_id, exc)
+            return
+        except CoordinatorError as exc:
+            log.warning("the host agent refused %s: %s", self.info.node_id, exc)
+            return
+        log.info("%s beats through the host agent at %s", self.info.node_id, self.path)
+        if self._direct is not None:
+            await self._direct.stop()
+            self._direct = None
