@@ -705,13 +705,13 @@ class PeerServer:
         self._lock = threading.Lock()
         self._conns: dict[threading.Thread, socket.socket] = {}
         self._acceptor: threading.Thread | None = None
+        self._bound: Address | None = None
 
     @property
     def address(self) -> Address:
-        if self._listener is None:
+        if self._bound is None:
             raise PeerError("the peer server is not started")
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
+        return self._bound
 
     def start(self) -> Address:
         """Bind, listen and accept in a thread; the bound (host, port). Removes temp directories that an earlier
@@ -733,6 +733,8 @@ class PeerServer:
             listener.close()
             raise
         self._listener = listener
+        host, port = listener.getsockname()[:2]
+        self._bound = (str(host), int(port))
         self._acceptor = threading.Thread(target=self._accept_loop, name="dcs-peer-accept", daemon=True)
         self._acceptor.start()
         return self.address
@@ -742,6 +744,9 @@ class PeerServer:
         at most `wait` seconds in all."""
         self._stopping.set()
         deadline = time.monotonic() + wait
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept at once
         if self._acceptor is not None:
             self._acceptor.join(max(0.0, deadline - time.monotonic()))
         if self._listener is not None:
