@@ -30,6 +30,8 @@ class TaskName(str, enum.Enum):
     COMMIT = "dcs.ckpt.commit"
     RETENTION = "dcs.ckpt.retention"
     REPLICATE = "dcs.ckpt.replicate"
+    FLUSH = "dcs.ckpt.flush"
+    PEER_COPY = "dcs.ckpt.peer_copy"
     BOOTSTRAP_GROUP = "dcs.sync.bootstrap_group"
     JOIN_ENGINE = "dcs.sync.join_engine"
     DESTROY_GROUP = "dcs.sync.destroy_group"

@@ -300,6 +300,33 @@ class DCSConfig(BaseSettings):
     relative path under this root (`<replica_dir>/<run>/step-.../`), verifies it and moves the replica's
     `latest`; restore falls back to it when the primary step is missing or corrupt; retention prunes both
     (docs/checkpoints.md, Replicas). Must not be `checkpoint_dir` or inside it."""
+    # memory tier (docs/checkpoints.md, "Memory tier")
+    memory_tier_bytes: int = Field(default=0, ge=0)
+    """Host memory the memory tier may hold (bytes; 0: off, every step goes to storage). On: a step is committed
+    in `memory_dir` first (restorable from there once verified), storage gets only the steps `storage_every_steps`,
+    `storage_every_seconds` or `save(durable=True)` pick, and steps leave memory by `memory_keep_last` and this
+    budget (never the newest complete one, never one held nowhere else). A save that does not fit goes to storage."""
+    memory_dir: Path = Path("/dev/shm/dcs-memory")
+    """The memory tier's directory (tmpfs: it outlives the worker and the trainer processes, not the host). The same
+    tree as `checkpoint_dir`; also holds the copies of peer hosts' steps."""
+    memory_keep_last: int = Field(default=2, ge=1)
+    """Memory tier: the newest steps kept in memory per run and rank (older ones leave once held elsewhere)."""
+    storage_every_steps: int = Field(default=1, ge=1)
+    """Memory tier: storage gets every step divisible by this (1: every step, also made durable)."""
+    storage_every_seconds: float = Field(default=0.0, ge=0)
+    """Memory tier: storage also gets a step when the last one sent there is this old (0: no time rule)."""
+    memory_replicas: int = Field(default=0, ge=0, le=8)
+    """Memory tier: peer hosts each memory step is copied to (their workers' memory), in failure domains other
+    than this host's (`failure_domain`). A step counts as replicated once every copy verified."""
+    failure_domain: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    """This host's failure domain (a rack, a switch, a power feed); peer copies of a host's steps go to hosts of
+    other domains. None: the host is its own domain."""
+    peer_host: str = "127.0.0.1"
+    """Address the worker's peer server (memory-tier copies) binds."""
+    peer_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the worker's peer server (0: any free port; the worker records the one it got in Redis)."""
+    peer_advertise_host: str | None = None
+    """Address peers connect to (None: `peer_host`)."""
     checkpoint_compression: CheckpointCompression = CheckpointCompression.NONE
     """Per-file compression of checkpoint files: none, or zstd. The worker compresses while it persists (never in
     save()'s stall); restore, verify and export read either kind transparently."""

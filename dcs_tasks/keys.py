@@ -111,6 +111,16 @@ class Keys:
         """Z steps of `run` still in flight (score = start time); retention skips them."""
         return self._k("ckpt", run, "inflight")
 
+    def step_places(self, run: str) -> str:
+        """H where the memory tier's steps of `run` (the base run) live: field `<step>|<rank>|<place>`, place
+        `mem@<host>` (the rank's own host), `peer@<host>` (a verified peer copy), `storage`, `replicated` (every
+        peer copy verified); value = the time it was recorded."""
+        return self._k("ckpt", run, "places")
+
+    def memory_peers(self) -> str:
+        """H the workers' peer servers: host -> JSON {address, port, domain, seen}."""
+        return self._k("memory", "peers")
+
     def task_deliveries(self, task_id: str) -> str:
         """K redelivery counter of one Celery task (caps acks_late redelivery loops)."""
         return self._k("task", task_id, "deliveries")

@@ -21,15 +21,18 @@ from typing import Any
 from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
+from dcs_tasks.checkpoint import tiers
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
 from dcs_tasks.checkpoint.models import (
     CommitRequest,
     FailedTask,
+    MemoryStepRequest,
     PersistRequest,
     ReplicateRequest,
     RetentionRequest,
 )
 from dcs_tasks.checkpoint.telemetry import record_error
+from workers import memory
 from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
@@ -89,7 +92,7 @@ def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
     req = parse_payload(PersistRequest, payload, self.name)
     verdict = persist(req, str(self.request.id))
     if verdict is Verdict.COMMIT:
-        body = CommitRequest(ref=req.ref, retention=req.retention)
+        body = CommitRequest(ref=req.ref, retention=req.retention, durable=req.durable)
         self.app.send_task(TaskName.COMMIT.value, args=[body.model_dump(mode="json")], queue=_local_queue())
     return verdict.value
 
@@ -99,12 +102,52 @@ def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
     """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
     req = parse_payload(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
-    if verdict is Verdict.WRITE and req.retention.active:
+    if verdict is not Verdict.WRITE:
+        return verdict.value
+    config = runtime().config
+    if memory.is_memory_step(config, req.ref.step_dir):  # retention and replicas follow the flush to storage
+        flush, copy = memory.after_commit(req.ref.step_dir, req.ref.run, req.ref.step, req.durable)
+        step = MemoryStepRequest(ref=req.ref, retention=req.retention).model_dump(mode="json")
+        if copy:
+            self.app.send_task(TaskName.PEER_COPY.value, args=[step], queue=_local_queue())
+        if flush:
+            self.app.send_task(TaskName.FLUSH.value, args=[step], queue=_local_queue())
+        return verdict.value
+    if tiers.enabled(config):
+        memory.after_commit(req.ref.step_dir, req.ref.run, req.ref.step, True)
+    if req.retention.active:
         body = RetentionRequest(run=req.ref.run, run_dir=req.ref.step_dir.rpartition("/")[0], policy=req.retention)
         self.app.send_task(TaskName.RETENTION.value, args=[body.model_dump(mode="json")], queue=_local_queue())
-    if verdict is Verdict.WRITE and runtime().config.replica_dir is not None:
+    if config.replica_dir is not None:
         _send_replica(self, req)
     return verdict.value
+
+
+class MemoryTask(DCSTask):
+    def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
+        record_error("checkpoint_memory_tier")
+        payload = args[0] if args and isinstance(args[0], dict) else {}
+        given = payload.get("ref")
+        ref = given if isinstance(given, dict) else {}
+        what = f"step {str(ref.get('step'))[:32]} of run {str(ref.get('run'))[:160]!r}"  # untrusted
+        log.error("%s of %s failed (the step stays in memory): %s", self.name, what, reason)
+
+
+@shared_task(name=TaskName.FLUSH.value, base=MemoryTask, bind=True)
+def flush_step(self: MemoryTask, payload: dict[str, Any]) -> dict[str, Any]:
+    """Copy a memory-tier step to storage (verified), move storage's `latest`, apply retention, send the replica."""
+    req = parse_payload(MemoryStepRequest, payload, self.name)
+    done = memory.flush(req, str(self.request.id))
+    if runtime().config.replica_dir is not None:
+        stored = CommitRequest(ref=req.ref.model_copy(update={"step_dir": done["storage"]}), retention=req.retention)
+        _send_replica(self, stored)
+    return done
+
+
+@shared_task(name=TaskName.PEER_COPY.value, base=MemoryTask, bind=True)
+def copy_to_peers(self: MemoryTask, payload: dict[str, Any]) -> dict[str, Any]:
+    """Copy a memory-tier step to `memory_replicas` peers' memory, each verified on arrival."""
+    return memory.peer_copy(parse_payload(MemoryStepRequest, payload, self.name))
 
 
 def replica_task_id(token: str) -> str:

@@ -16,6 +16,7 @@ from dcs_tasks.storage import s3_settings
 from dcs_tasks.storage.s3 import prewarm
 from dcs_tasks.storage_url import ObjectURL
 from workers.agent import start_host_agent, stop_host_agent
+from workers.memory import start_peer_server, stop_peer_server
 from workers.metrics import mark_dead, start_exporter
 from workers.presence import PresenceBeacon
 from workers.runtime import runtime
@@ -32,9 +33,11 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _beacon.start()
     start_exporter(rt.config)
     start_host_agent(rt.config)  # trainers, receivers and attach sidecars of this host beat through it
+    start_peer_server(rt.config)  # the memory tier's copies to and from peer hosts
 
 
 def _on_worker_shutdown(**_: Any) -> None:
+    stop_peer_server()
     stop_host_agent()
     if _beacon is not None:
         _beacon.stop()

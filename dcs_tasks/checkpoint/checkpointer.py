@@ -14,6 +14,7 @@ size (see `dcs_tasks.checkpoint.sharded`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -29,7 +30,7 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded
+from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded, tiers
 from dcs_tasks.checkpoint.committer import committed
 from dcs_tasks.checkpoint.compression import CompressionSpec
 from dcs_tasks.checkpoint.copier import HostCopier
@@ -93,10 +94,21 @@ class Checkpointer:
         # both roots resolved once, here: a restore then touches nothing outside the run directories
         self._roots = replicas.run_roots(self.config, run)
         self.run_root = self._roots[0][1]
+        # the memory tier (dcs_tasks.checkpoint.tiers): steps committed in memory_dir first, storage every Nth
+        self._memory = tiers.enabled(self.config)
+        self.memory_run_root = (tiers.memory_root(self.config, create=True) / run) if self._memory else None
+        if self.memory_run_root is not None:
+            self._roots = [(tiers.MEMORY, self.memory_run_root), *self._roots]
+        self._last_durable = time.monotonic()
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
         self._shard_run = validate_run_name(sharded.shard_run_name(run, rank)) if multi else run
         self.run_dir = self.run_root / sharded.rank_dir_name(rank) if multi else self.run_root
+        self.memory_run_dir = (
+            None
+            if self.memory_run_root is None
+            else (self.memory_run_root / sharded.rank_dir_name(rank) if multi else self.memory_run_root)
+        )
         self._keys = Keys(self.config.namespace)
         self._redis = sync_client(self.config)  # a Sentinel URL follows the current master
         self._ledger = StepLedger(self._redis, self._keys)
@@ -127,6 +139,7 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         timeout: float | None = None,
         sharding: Mapping[str, int] | None = None,
+        durable: bool | None = None,
     ) -> PendingCheckpoint:
         """Stage `state` and enqueue its persistence; returns once staged (with `async_io=False`, once
         committed, raising CheckpointFailed like `wait()`). `sharding`: flat tensor name ("model/w") ->
@@ -140,7 +153,12 @@ class Checkpointer:
         DTensors (Shard/Replicate on a 1-D or 2-D mesh) need no `sharding=`: each rank stages its local
         shard with its place in the global tensor, and a shard several ranks hold is written by one of them
         (`dcs_tasks.checkpoint.dtensor`). Other placements raise `UnsupportedPlacement` naming the placement
-        and the path; a DTensor mesh that does not place this process at `rank` raises CheckpointError."""
+        and the path; a DTensor mesh that does not place this process at `rank` raises CheckpointError.
+
+        With the memory tier on (`memory_tier_bytes`), the step is committed in this host's memory first (the
+        pending save completes then) and reaches storage too when `durable` is True, or, when None, when the
+        step is a multiple of `storage_every_steps` or `storage_every_seconds` have passed since the last step
+        sent there; a step that does not fit in the memory budget goes to storage only."""
         started = time.perf_counter()
         step = validate_step(step)
         self._require_worker()
@@ -159,11 +177,12 @@ class Checkpointer:
                 stall_seconds=time.perf_counter() - started,
                 skipped=True,
             )
+        durable, in_memory = self._tier_of(step, layout.nbytes, durable)
         with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
             self._stage(lease.buffer, layout, flat)
             chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
-            ref = self._begin(step, layout, flat, metadata or {}, dims, chunks)
-            dispatch = self._dispatcher.submit(self._send, ref, lease, layout)  # off the trainer's critical path
+            ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
+            dispatch = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -181,6 +200,28 @@ class Checkpointer:
         if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
             pending.wait(timeout=self.config.visibility_timeout_seconds)
         return pending
+
+    def _tier_of(self, step: int, nbytes: int, durable: bool | None) -> tuple[bool, bool]:
+        """(the step reaches storage, the step is committed in memory first)."""
+        if not self._memory:
+            return True, False
+        if durable is None:
+            every = self.config.storage_every_seconds
+            durable = step % self.config.storage_every_steps == 0 or (
+                every > 0 and time.monotonic() - self._last_durable >= every
+            )
+        in_memory = tiers.fits(self.config, nbytes)
+        if not in_memory:
+            log.warning(
+                "memory tier full (%d bytes budget): step %d of %r goes to storage only",
+                self.config.memory_tier_bytes,
+                step,
+                self._shard_run,
+            )
+            durable = True
+        if durable:
+            self._last_durable = time.monotonic()
+        return durable, in_memory
 
     @property
     def staging_buffers(self) -> list[StagingBuffer]:
@@ -289,6 +330,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         dims: dict[str, int],
         chunks: ChunkSums | None,
+        in_memory: bool = False,
     ) -> StepRef:
         draft = draft_of(
             self.run,
@@ -302,12 +344,13 @@ class Checkpointer:
             dtensors={n: m.entry() for n, m in flat.dtensors.items() if n in flat.tensors} if flat.dtensors else None,
             chunks=chunks,
         )
-        step_dir = self._step_dir(step)
-        if committed(step_dir):  # committed in storage though the ledger forgot it (expired, lost)
-            raise CheckpointError(
-                f"step {step} of run {self.run!r} is already committed ({step_dir / MANIFEST_NAME} exists); DCS never "
-                "overwrites a committed step: save under a new step"
-            )
+        step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
+        for existing in {step_dir, self._step_dir(step)}:
+            if committed(existing):  # committed though the ledger forgot it (expired, lost)
+                raise CheckpointError(
+                    f"step {step} of run {self.run!r} is already committed ({existing / MANIFEST_NAME} exists); DCS "
+                    "never overwrites a committed step: save under a new step"
+                )
         ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(step_dir))
         abandoned_after = self.config.abandoned_save_seconds()
         verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft, abandoned_after)
@@ -320,7 +363,9 @@ class Checkpointer:
             )
         return ref
 
-    def _send(self, ref: StepRef, lease: BufferLease, layout: Layout) -> None:
+    def _send(
+        self, ref: StepRef, lease: BufferLease, layout: Layout, durable: bool = True, in_memory: bool = False
+    ) -> None:
         """Enqueue one persist task per file (dispatcher thread). On failure the pending save fails with the
         reason; the lease ends here only when no task went out (a sent task may still read the buffer; the
         pending save ends it once the step is FAILED)."""
@@ -328,7 +373,7 @@ class Checkpointer:
         retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
         sent = 0
         try:
-            compression = compression_spec(self.config)
+            compression = None if in_memory else compression_spec(self.config)
             for f in layout.files:
                 request = PersistRequest(
                     ref=ref,
@@ -337,8 +382,9 @@ class Checkpointer:
                     offset=f.offset,
                     length=f.size,
                     retention=retention,
-                    incremental=self.config.incremental_saves,
+                    incremental=self.config.incremental_saves and not in_memory,  # memory steps stand alone
                     compression=compression,
+                    durable=durable,
                 )
                 self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
                 sent += 1
@@ -352,6 +398,10 @@ class Checkpointer:
 
     def _step_dir(self, step: int) -> Location:
         return self.run_dir / step_dir_name(step)
+
+    def _memory_step_dir(self, step: int) -> Path:
+        assert self.memory_run_dir is not None
+        return self.memory_run_dir / step_dir_name(step)
 
     # --- read -----------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -382,7 +432,18 @@ class Checkpointer:
         With `replica_dir` set, steps are looked for under both roots: the newest step that verifies in
         either wins, its primary copy first and the replica when the primary is missing or corrupt (a
         warning names the corrupt copy); the result's `location` ("primary"/"replica") and `path` say which
-        copy was read (`dcs_tasks.checkpoint.replicas`)."""
+        copy was read (`dcs_tasks.checkpoint.replicas`).
+
+        With the memory tier on, this host's memory is read first (`location` "memory"); parts of the newest
+        steps that only peer hosts' memory holds are fetched into this host's memory first (verified on arrival;
+        `location` "peer:<host>" when the step read came from there), then storage."""
+        pulled = self._pull_from_peers(step)
+        restored = self._restore(step, into, verify, strict)
+        if restored.location == tiers.MEMORY and restored.step in pulled:
+            restored = dataclasses.replace(restored, location=f"peer:{pulled[restored.step]}")
+        return restored
+
+    def _restore(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
         roots = self._roots
         if self.world_size > 1 or any(sharded.rank_dirs(root) for _, root in roots):
             return self._restore_sharded(step, into, verify, strict)
@@ -402,6 +463,15 @@ class Checkpointer:
                 raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
             return load(step)
         return self._newest_that_verifies(steps, load, f"committed checkpoint in {self.run_dir}")
+
+    def _pull_from_peers(self, step: int | None) -> dict[int, str]:
+        if self.memory_run_root is None:
+            return {}
+        try:
+            return tiers.pull_from_peers(self.config, self._redis, self._keys, self.run, step)
+        except redis.RedisError as exc:
+            log.warning("memory tier: places unreadable (%s): not looking at peers", exc)
+            return {}
 
     def _newest_that_verifies(
         self, steps: Sequence[int], load: Callable[[int], RestoredCheckpoint], what: str

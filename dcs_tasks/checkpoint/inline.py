@@ -44,6 +44,11 @@ class InlineCommitter:
     def __init__(self, config: DCSConfig, threads: int = 2) -> None:
         if config.replica_dir is not None:
             raise ConfigError("an inline committer does not replicate: unset replica_dir or run a `dcs worker`")
+        if config.memory_tier_bytes > 0:
+            raise ConfigError(
+                "an inline committer has no memory tier (flushes and peer copies run in `dcs worker`): "
+                "set memory_tier_bytes=0 or run a `dcs worker`"
+            )
         self.config = config
         self.keys = Keys(config.namespace)
         self.redis: redis.Redis = sync_client(config)

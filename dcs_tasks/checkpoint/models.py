@@ -136,10 +136,22 @@ class PersistRequest(BaseModel):
     retention: RetentionPolicy = Field(default_factory=lambda: RetentionPolicy())
     incremental: bool = Field(default=False, description="reuse the newest earlier step's file if the bytes equal")
     compression: CompressionSpec | None = None  # None: the file is written as it is
+    durable: bool = Field(default=True, description="a memory-tier step: also copied to storage after its commit")
 
 
 class CommitRequest(BaseModel):
     """Write `manifest.json` and move `latest` once every file of the step is durable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ref: StepRef
+    retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
+    durable: bool = True  # a memory-tier step (`ref.step_dir` under memory_dir): also copied to storage
+
+
+class MemoryStepRequest(BaseModel):
+    """A memory-tier step just committed under `memory_dir` (`ref.step_dir`): copy it to storage (the flush
+    task) or to peer hosts' memory (the peer-copy task)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

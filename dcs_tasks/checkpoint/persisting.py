@@ -41,7 +41,7 @@ from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
-from dcs_tasks.checkpoint.trust import open_staging, trusted_staging_path, trusted_step_dir
+from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from dcs_tasks.keys import Keys
@@ -92,7 +92,7 @@ def trusted_paths(ctx: Context, req: PersistRequest) -> PersistPaths:
     ref = req.ref
     return PersistPaths(
         staging=trusted_staging_path(req.staging_path, ref.run, config),
-        step_dir=trusted_step_dir(ref.step_dir, ref.run, ref.step, config),
+        step_dir=trusted_save_dir(ref.step_dir, ref.run, ref.step, config),
     )
 
 
@@ -263,7 +263,7 @@ def remove_partial_step_at(ctx: Context, step_dir: object, run: str, step: int) 
     try:
         if not isinstance(step_dir, str):
             raise UntrustedPath(f"step directory {str(step_dir)[:256]!r} is not a path")
-        trusted = trusted_step_dir(step_dir, run, step, ctx.config)
+        trusted = trusted_save_dir(step_dir, run, step, ctx.config)
     except UntrustedPath as exc:
         log.warning("not removing the partial directory of %s step %d: %s", run, step, exc)
         return
@@ -278,7 +278,7 @@ def remove_partial_step(step_dir: Location) -> None:
 def commit(ctx: Context, req: CommitRequest, task_id: str) -> Verdict:
     """Returns WRITE when this call committed the step, otherwise why it did nothing."""
     ref = req.ref
-    step_dir = trusted_step_dir(ref.step_dir, ref.run, ref.step, ctx.config)
+    step_dir = trusted_save_dir(ref.step_dir, ref.run, ref.step, ctx.config)
     book = ledger(ctx)
     verdict = book.claim_commit(ref.run, ref.step, ref.token, task_id)
     if verdict is not Verdict.WRITE:

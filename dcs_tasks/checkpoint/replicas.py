@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 PRIMARY = "primary"
 REPLICA = "replica"
 BOTH = "both"
+MEMORY = "memory"  # the memory tier (dcs_tasks.checkpoint.tiers.MEMORY)
 
 
 def run_roots(config: DCSConfig, run: str) -> list[tuple[str, Location]]:
@@ -62,7 +63,7 @@ def load_first_good(step: int, copies: Sequence[Copy], heal: bool = False) -> Re
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=5)
             continue
-        if location != PRIMARY:
+        if location not in (PRIMARY, MEMORY):  # the memory tier is read first by design
             log.warning("restored step %d from the %s at %s", step, location, path)
             if heal and first is not None and copies[0][0] == PRIMARY:
                 heal_from(first, copies[0][1], path)

@@ -140,6 +140,16 @@ def trusted_step_dir(
     return resolved
 
 
+def trusted_save_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> Location:
+    """`trusted_step_dir` for a save's step (persist, commit): under the checkpoint root, or, with the memory tier
+    on, under `memory_dir` (`dcs_tasks.checkpoint.tiers`)."""
+    if config.memory_tier_bytes > 0 and not step_dir.startswith("s3://"):
+        memory = _resolve(Path(config.memory_dir))
+        if _resolve(_clean(step_dir, "step directory")).is_relative_to(memory):
+            return trusted_step_dir(step_dir, run, step, config, root=memory)
+    return trusted_step_dir(step_dir, run, step, config)
+
+
 def trusted_staging_path(staging_path: str, run: str, config: DCSConfig) -> Path:
     """The staging file `staging_path` names, when it is one of run `run`'s buffers in `staging_dir`."""
     staging_dir = _resolve(Path(config.staging_dir))

@@ -139,6 +139,11 @@ def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
 
     found = [(PRIMARY, _run_dir(args))]
     config = DCSConfig()
+    if config.memory_tier_bytes > 0:  # this host's memory tier, read first by restore
+        from dcs_tasks.checkpoint.tiers import MEMORY, memory_root
+
+        run = memory_root(config) / args.run
+        found.insert(0, (MEMORY, run / rank_dir_name(args.rank) if args.rank is not None else run))
     replica = storage.parse_root(args.replica_dir) if args.replica_dir is not None else config.replica_dir
     if replica is not None:
         run = storage.root(replica, config) / args.run
@@ -146,22 +151,58 @@ def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
     return found
 
 
+def _where(locations: list[str]) -> str:
+    from dcs_tasks.checkpoint.replicas import where
+
+    if any(loc not in ("primary", "replica") for loc in locations):
+        return "+".join(sorted(locations))
+    return where(locations)
+
+
+def _recorded(args: argparse.Namespace) -> dict[int, str]:
+    """Memory tier on: step -> the places Redis records for it (`dcs_tasks.checkpoint.tiers`), rank by rank."""
+    config = DCSConfig()
+    if config.memory_tier_bytes <= 0:
+        return {}
+    import redis
+
+    from dcs_tasks.checkpoint.tiers import Places
+    from dcs_tasks.keys import Keys
+    from dcs_tasks.redisconn import sync_client
+
+    client = sync_client(config)
+    try:
+        found = Places(client, Keys(config.namespace)).read(args.run)
+    except redis.RedisError as exc:
+        print(f"dcs ckpt list: where steps live is unknown (Redis: {exc})", file=sys.stderr)
+        return {}
+    finally:
+        client.close()
+    by_step: dict[int, list[str]] = {}
+    for (step, rank), places in sorted(found.items()):
+        if args.rank is None or args.rank == rank:
+            by_step.setdefault(step, []).append(f"rank {rank}: " + " ".join(sorted(places)))
+    return {step: "; ".join(parts) for step, parts in by_step.items()}
+
+
 def _list(args: argparse.Namespace) -> int:
-    """One line per step: when, size, files, where it is (primary, replica, both), `<- latest`; a copy whose
-    manifest does not check is listed as BAD next to it."""
+    """One line per step: when, size, files, where it is (primary, replica, both; with the memory tier: memory
+    too, and the places Redis records: `mem@<host>`, `peer@<host>`, `storage`, `replicated`), `<- latest`; a
+    copy whose manifest does not check is listed as BAD next to it."""
     from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
-    from dcs_tasks.checkpoint.replicas import PRIMARY, where
+    from dcs_tasks.checkpoint.replicas import PRIMARY
     from dcs_tasks.checkpoint.sharded import rank_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
     places = [(location, d) for location, d in _locations(args) if d.is_dir()]
+    recorded = _recorded(args)
     shown = len(_locations(args)) > 1  # without a replica root: the listing it always had
     if not places:
         what = f"run {args.run!r}" + (f" rank {args.rank}" if args.rank is not None else "")
         print(f"dcs ckpt list: {what} has no checkpoints: {_run_dir(args)} does not exist", file=sys.stderr)
         return 1
     if args.rank is None and any(rank_dirs(d) for _, d in places):
-        return _list_ranks(places, shown)
+        return _list_ranks(places, shown, recorded)
     latest = max((s for _, d in places if (s := read_latest(d)) is not None), default=None)
     good: dict[int, dict[str, Any]] = {}
     bad: dict[int, dict[str, str]] = {}
@@ -179,9 +220,10 @@ def _list(args: argparse.Namespace) -> int:
         m = next(iter(good[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))
         mark = "  <- latest" if step == latest else ""
-        place = f"  {where(list(good[step])):<7}" if shown else ""
+        place = f"  {_where(list(good[step])):<7}" if shown else ""
         size = f"{m.total_bytes / 2**20:10.1f} MiB  {len(m.files):3d} files{_shared(m)}"
-        print(f"{step:>10}  {when}  {size}{place}{mark}{damaged}")
+        tiers = f"  [{recorded[step]}]" if step in recorded else ""
+        print(f"{step:>10}  {when}  {size}{place}{mark}{tiers}{damaged}")
     return 0
 
 
@@ -194,10 +236,10 @@ def _shared(manifest: Any) -> str:
     return f"  ({written:.1f} MiB written, {len(shared)} from earlier steps)"
 
 
-def _list_ranks(places: list[tuple[str, Location]], shown: bool) -> int:
+def _list_ranks(places: list[tuple[str, Location]], shown: bool, recorded: dict[int, str]) -> int:
     """A multi-rank run: steps every rank committed (restorable) and where, then corrupt steps, then steps some
     rank is missing."""
-    from dcs_tasks.checkpoint.replicas import PRIMARY, where
+    from dcs_tasks.checkpoint.replicas import PRIMARY
     from dcs_tasks.checkpoint.sharded import StepShards, incomplete_steps, scan_steps
 
     complete: dict[int, dict[str, StepShards]] = {}
@@ -212,13 +254,15 @@ def _list_ranks(places: list[tuple[str, Location]], shown: bool) -> int:
         shards = next(iter(complete[step].values()))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(shards.manifests[0].created_at))
         size = sum(m.total_bytes for m in shards.manifests.values()) / 2**20
-        place = f"  {where(list(complete[step]))}" if shown else ""
-        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks{place}")
+        place = f"  {_where(list(complete[step]))}" if shown else ""
+        tiers = f"  [{recorded[step]}]" if step in recorded else ""
+        print(f"{step:>10}  {when}  {size:10.1f} MiB  {shards.world_size:3d} ranks{place}{tiers}")
     for step, errors in sorted(broken.items()):
         if step not in complete:
             why = "; ".join(f"{loc}: {exc}" for loc, exc in errors.items()) if shown else str(errors[PRIMARY])
             print(f"{step:>10}  BAD (not restorable): {why}")
-    for step, ranks in sorted(incomplete_steps(places[0][1]).items()):
+    primary = next((d for loc, d in places if loc == PRIMARY), places[0][1])
+    for step, ranks in sorted(incomplete_steps(primary).items()):
         if step not in broken and step not in complete:
             print(f"{step:>10}  incomplete: only ranks {ranks} committed it (not restorable)")
     return 0

@@ -38,6 +38,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "objlocks",
         "models",
         "peerwire",
+        "tiers",
     ),
     "save": ("pinning", "copier", "staging", "cuda"),
     "restore": ("fastread", "reader", "sharded", "dtensor"),

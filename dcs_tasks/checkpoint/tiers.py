@@ -1,0 +1,436 @@
+"""The memory tier's bookkeeping (store stage: no torch): where it lives, where each step lives, which peers hold
+copies, and which steps may leave memory.
+
+A memory-tier step is a committed step like any other (same files, same manifest, manifest last), written under
+`memory_dir` (tmpfs) instead of `checkpoint_dir`, at the same relative path (`<run>/step-N`, a rank's part at
+`<run>/rank-0000r/step-N`). Restore therefore reads it with every restore path (plain, `sharding=`, DTensor,
+`strict=False`). tmpfs files outlive the trainer's and the worker's processes: a restarted worker finds its
+host's memory steps by scanning `memory_dir`; a restarted host has lost them (peer copies and storage remain).
+
+Where a step lives is recorded in Redis (`Keys.step_places`, one hash per base run, one field per place so that
+workers never race on a read-modify-write): `mem@<host>` (committed in the memory of the rank's host),
+`peer@<host>` (a peer copy, verified on arrival), `replicated` (every peer copy the placement asked for verified),
+`storage` (copied to `checkpoint_dir` and verified there); and two marks, `flushing` and `copying`, while a flush
+or a peer copy of the step is under way (recorded when it is sent, dropped when it ends). A place is recorded
+only after the bytes are verified at it and dropped before they are deleted from it, so the hash may lag (a place
+recorded late), never lie in the unsafe direction for long: eviction reads it to decide whether another copy
+exists.
+
+Eviction (`evictable`): per run and rank directory in memory, the newest complete step never leaves, nor a step
+being flushed or copied (a flush that failed for good leaves its mark: the step stays, safe but held); the
+`memory_keep_last` newest stay; an older step leaves once a copy of it, or of a newer step of the same rank,
+exists in storage or in a peer's memory (then losing it loses no recovery point that nothing newer covers).
+While the memory used exceeds the budget, further steps leave under the same rule, oldest first. A step that may
+not leave stays: the trainer then sends its next save straight to storage (`fits`), which makes the older steps
+superseded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from dcs_tasks.checkpoint import peerwire
+from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CheckpointError
+from dcs_tasks.keys import Keys
+
+log = logging.getLogger(__name__)
+
+MEMORY, STORAGE, REPLICATED = "memory", "storage", "replicated"
+FLUSHING, COPYING = "flushing", "copying"  # a flush / peer copy of the step is under way: it may not leave memory
+MARKS = {REPLICATED, FLUSHING, COPYING}  # fields that are not places
+MEM_PREFIX, PEER_PREFIX = "mem@", "peer@"
+MAX_PLACE_FIELDS = 100_000  # a hash bigger than this is not read (a hostile or runaway record)
+KEPT_STEPS_IN_PLACES = 256  # the places of a run's older steps are dropped from the hash
+PEER_FRESH_SECONDS = 15.0  # a peer server not re-registered for this long is not offered
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
+
+
+def enabled(config: DCSConfig) -> bool:
+    return config.memory_tier_bytes > 0
+
+
+def memory_root(config: DCSConfig, create: bool = False) -> Path:
+    """The memory tier's directory, resolved (created 0700 when `create`)."""
+    root = Path(config.memory_dir)
+    if create:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return root.resolve()
+
+
+def base_and_rank(run: str) -> tuple[str, int]:
+    """(base run, rank) of a ledger run name: `<base>.rank-0000r` -> (base, r); a plain run is rank 0."""
+    base, dot, suffix = run.rpartition(".")
+    found = RANK_DIR.fullmatch(suffix) if dot and base else None
+    return (base, int(found.group(1))) if found else (run, 0)
+
+
+def rel_step(rel: str) -> tuple[int, int] | None:
+    """(rank, step) of a step directory's path relative to the memory root (`<run>/step-N`, `<run>/rank-R/step-N`)."""
+    parts = rel.split("/")
+    step = STEP_DIR.fullmatch(parts[-1]) if parts else None
+    if step is None or len(parts) not in (2, 3):
+        return None
+    if len(parts) == 2:
+        return 0, int(step.group(1))
+    rank = RANK_DIR.fullmatch(parts[1])
+    return (int(rank.group(1)), int(step.group(1))) if rank else None
+
+
+def mem_place(host: str) -> str:
+    return MEM_PREFIX + host
+
+
+def peer_place(host: str) -> str:
+    return PEER_PREFIX + host
+
+
+# --- places ------------------------------------------------------------------------------------------------
+class Places:
+    """Where the steps of runs live (module docstring). Every method may raise redis.RedisError."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._redis = client
+        self._keys = keys
+
+    def record(self, run: str, step: int, rank: int, *places: str) -> None:
+        key = self._keys.step_places(run)
+        now = f"{time.time():.3f}"
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(key, mapping={f"{step}|{rank}|{p}": now for p in places})
+        pipe.hlen(key)
+        _, size = pipe.execute()
+        if int(size) > KEPT_STEPS_IN_PLACES * 8:
+            self._trim(run)
+
+    def forget(self, run: str, step: int, rank: int, *places: str) -> None:
+        self._redis.hdel(self._keys.step_places(run), *(f"{step}|{rank}|{p}" for p in places))
+
+    def read(self, run: str) -> dict[tuple[int, int], set[str]]:
+        """(step, rank) -> places. Malformed fields are skipped (the hash is Redis data: untrusted)."""
+        key = self._keys.step_places(run)
+        if int(self._redis.hlen(key)) > MAX_PLACE_FIELDS:
+            log.warning("places of run %r hold more than %d fields: not read", run, MAX_PLACE_FIELDS)
+            return {}
+        found: dict[tuple[int, int], set[str]] = {}
+        for raw in self._redis.hkeys(key):
+            parsed = _parse_field(raw)
+            if parsed is not None:
+                step, rank, place = parsed
+                found.setdefault((step, rank), set()).add(place)
+        return found
+
+    def _trim(self, run: str) -> None:
+        found = self.read(run)
+        steps = sorted({s for s, _ in found}, reverse=True)[KEPT_STEPS_IN_PLACES:]
+        if steps:
+            old = [f"{s}|{r}|{p}" for (s, r), ps in found.items() if s in set(steps) for p in ps]
+            self._redis.hdel(self._keys.step_places(run), *old)
+
+
+def _parse_field(raw: bytes | str) -> tuple[int, int, str] | None:
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    parts = text.split("|")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or len(parts[0]) > 18:
+        return None
+    place = parts[2]
+    if place != STORAGE and place not in MARKS:
+        host = place.removeprefix(MEM_PREFIX).removeprefix(PEER_PREFIX)
+        if host == place or not _HOST_RE.fullmatch(host):
+            return None
+    return int(parts[0]), int(parts[1]), place
+
+
+# --- peers -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Peer:
+    host: str
+    address: str
+    port: int
+    domain: str
+    seen: float
+
+
+def register_peer(client: redis.Redis, keys: Keys, peer: Peer) -> None:
+    value = {"address": peer.address, "port": peer.port, "domain": peer.domain, "seen": peer.seen}
+    client.hset(keys.memory_peers(), peer.host, json.dumps(value))
+
+
+def unregister_peer(client: redis.Redis, keys: Keys, host: str) -> None:
+    client.hdel(keys.memory_peers(), host)
+
+
+def peers(client: redis.Redis, keys: Keys, fresh_seconds: float = PEER_FRESH_SECONDS) -> dict[str, Peer]:
+    """The peer servers registered recently (malformed records skipped)."""
+    found: dict[str, Peer] = {}
+    now = time.time()
+    raw = client.hgetall(keys.memory_peers())
+    for host_b, value in list(raw.items())[:10_000]:
+        try:
+            host = host_b.decode() if isinstance(host_b, bytes) else str(host_b)
+            record = json.loads(value)
+            peer = Peer(host, str(record["address"]), int(record["port"]), str(record["domain"]), float(record["seen"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            continue
+        if _HOST_RE.fullmatch(host) and 0 < peer.port < 65536 and len(peer.address) <= 255:
+            if now - peer.seen <= fresh_seconds:
+                found[host] = peer
+    return found
+
+
+def choose_peers(own_host: str, own_domain: str, candidates: dict[str, Peer], count: int) -> list[Peer]:
+    """`count` peers for `own_host`'s steps: hosts of domains other than `own_domain`, walking the ring of hosts
+    (sorted by name) from the one after `own_host`, one host per domain first (so the copies spread over domains),
+    then more hosts of the same other domains. Fewer when fewer qualify."""
+    ring = sorted(candidates)
+    start = next((i for i, h in enumerate(ring) if h > own_host), 0)
+    ordered = [candidates[h] for h in ring[start:] + ring[:start] if h != own_host]
+    eligible = [p for p in ordered if p.domain != own_domain]
+    chosen: list[Peer] = []
+    domains: set[str] = set()
+    for peer in eligible:
+        if peer.domain not in domains and len(chosen) < count:
+            chosen.append(peer)
+            domains.add(peer.domain)
+    for peer in eligible:
+        if peer not in chosen and len(chosen) < count:
+            chosen.append(peer)
+    return chosen
+
+
+# --- what memory holds ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryStep:
+    run: str  # base run
+    rank: int
+    step: int
+    path: Path
+    committed: bool
+    nbytes: int
+
+    @property
+    def rel(self) -> str:
+        return self.path.as_posix()
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _children(path: Path) -> Iterator[os.DirEntry[str]]:
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        yield from entries
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for entry in _children(path):
+        with contextlib.suppress(OSError):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+def scan(root: Path, run: str | None = None) -> list[MemoryStep]:
+    """The step directories under the memory root (`run`: only that base run's), symlinks ignored."""
+    found: list[MemoryStep] = []
+    runs = [root / run] if run is not None else [Path(e.path) for e in _children(root) if not e.name.startswith(".")]
+    for run_dir in runs:
+        if not _is_dir(run_dir):
+            continue
+        rank_dirs: list[tuple[int, Path]] = [(0, run_dir)]
+        for entry in _children(run_dir):
+            found_rank = RANK_DIR.fullmatch(entry.name)
+            if found_rank and _is_dir(Path(entry.path)):
+                rank_dirs.append((int(found_rank.group(1)), Path(entry.path)))
+        for rank, rank_dir in rank_dirs:
+            for entry in _children(rank_dir):
+                matched = STEP_DIR.fullmatch(entry.name)
+                path = Path(entry.path)
+                if matched and _is_dir(path):
+                    found.append(
+                        MemoryStep(
+                            run=run_dir.name,
+                            rank=rank,
+                            step=int(matched.group(1)),
+                            path=path,
+                            committed=os.path.isfile(path / MANIFEST_NAME),
+                            nbytes=_dir_bytes(path),
+                        )
+                    )
+    return found
+
+
+def used_bytes(root: Path) -> int:
+    """Bytes the memory root holds (steps, peer copies and partial ones)."""
+    total = 0
+    for step in scan(root):
+        total += step.nbytes
+    for entry in _children(root):  # incoming peer copies not yet installed
+        if entry.name.startswith(".") and _is_dir(Path(entry.path)):
+            total += sum(_dir_bytes(Path(p)) for p, _, _ in os.walk(entry.path))
+    return total
+
+
+def fits(config: DCSConfig, nbytes: int) -> bool:
+    """Whether a step of `nbytes` fits in the memory budget now (else the trainer sends it to storage)."""
+    return used_bytes(memory_root(config)) + nbytes <= config.memory_tier_bytes
+
+
+# --- eviction ----------------------------------------------------------------------------------------------
+def evictable(
+    steps: Iterable[MemoryStep],
+    places: dict[tuple[int, int], set[str]],
+    this_host: str,
+    keep_last: int,
+    over_budget: int,
+) -> list[MemoryStep]:
+    """The steps that leave memory now (module docstring), oldest first. `steps`: one run's; `over_budget`: the
+    bytes above the budget (<= 0: only the keep_last rule)."""
+    mine = {mem_place(this_host), peer_place(this_host)}
+    by_rank: dict[int, list[MemoryStep]] = {}
+    for s in steps:
+        if s.committed:
+            by_rank.setdefault(s.rank, []).append(s)
+    leaving: list[MemoryStep] = []
+    spare: list[MemoryStep] = []
+    for rank, held in by_rank.items():
+        held.sort(key=lambda s: s.step)
+        newest_safe = max(
+            (s for (s, r), ps in places.items() if r == rank and (ps - mine - MARKS)),
+            default=-1,
+        )
+        for index, s in enumerate(held[:-1]):  # never the newest complete one
+            recorded = places.get((s.step, rank), set())
+            if recorded & {FLUSHING, COPYING}:
+                continue
+            if not (recorded - mine - MARKS or newest_safe > s.step):
+                continue
+            (leaving if index < len(held) - keep_last else spare).append(s)
+    freed = sum(s.nbytes for s in leaving)
+    for s in sorted(spare, key=lambda s: s.step):
+        if freed >= over_budget:
+            break
+        leaving.append(s)
+        freed += s.nbytes
+    return sorted(leaving, key=lambda s: (s.step, s.rank))
+
+
+def remove_step(step: MemoryStep) -> None:
+    """Delete a memory step: its manifest first (it stops being committed), then the rest."""
+    with contextlib.suppress(FileNotFoundError):
+        (step.path / MANIFEST_NAME).unlink()
+    shutil.rmtree(step.path, ignore_errors=True)
+
+
+def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = None) -> list[MemoryStep]:
+    """Apply the eviction rule to the memory root (one base run, or all); returns the steps removed. Redis
+    unreachable: nothing leaves (whether a copy exists elsewhere is unknown)."""
+    root = memory_root(config)
+    held = scan(root, run)
+    # room for one more step as big as the biggest held: else the next save would not fit and go to storage
+    over = used_bytes(root) + max((s.nbytes for s in held), default=0) - config.memory_tier_bytes
+    book = Places(client, keys)
+    removed: list[MemoryStep] = []
+    host = config.host_name
+    for name in sorted({s.run for s in held}):
+        try:
+            places = book.read(name)
+        except redis.RedisError as exc:
+            log.warning("memory tier: places of run %r unreadable (%s): nothing leaves memory", name, exc)
+            continue
+        for s in evictable([s for s in held if s.run == name], places, host, config.memory_keep_last, over):
+            with contextlib.suppress(redis.RedisError):
+                book.forget(name, s.step, s.rank, mem_place(host), peer_place(host))
+            remove_step(s)
+            over -= s.nbytes
+            removed.append(s)
+            log.info("memory tier: step %d of %s rank %d left memory (%d bytes)", s.step, name, s.rank, s.nbytes)
+    return removed
+
+
+# --- restore: fetching from peers --------------------------------------------------------------------------
+def _holders(places: dict[tuple[int, int], set[str]], me: str, live: dict[str, Peer]) -> dict[int, set[str]]:
+    """step -> the live peer hosts (not `me`) whose memory holds a part of it."""
+    holders: dict[int, set[str]] = {}
+    for (s, _), where in places.items():
+        for place in where:
+            host = place.partition("@")[2]
+            if host and host != me and host in live:
+                holders.setdefault(s, set()).add(host)
+    return holders
+
+
+def pull_from_peers(
+    config: DCSConfig, client: redis.Redis, keys: Keys, run: str, step: int | None, newest: int = 4
+) -> dict[int, str]:
+    """Fetch into this host's memory the parts of run `run`'s newest steps (of the `newest` newest that peers hold,
+    newest first, stopping at the first one something was fetched for; or of `step`) that live peers hold in memory
+    and this host does not (`peerwire.pull_step`: verified on arrival, installed atomically). Returns step -> the
+    peer a part came from. A peer that fails is skipped with a warning (the restore uses what it finds)."""
+    token = config.token()
+    if not token:
+        return {}
+    places = Places(client, keys).read(run)
+    live = peers(client, keys)
+    holders = _holders(places, config.host_name, live)
+    root = memory_root(config, create=True)
+    local = {(m.step, m.rank) for m in scan(root, run) if m.committed}
+    listed: dict[str, list[str]] = {}
+    pulled: dict[int, str] = {}
+    for s in [step] if step is not None else sorted(holders, reverse=True)[:newest]:
+        for host in sorted(holders.get(s, ())):
+            address = (live[host].address, live[host].port)
+            if host not in listed:
+                listed[host] = _list(address, token, run, host)
+            for rel in listed[host]:
+                found = rel_step(rel)
+                if found is None or found[1] != s or (s, found[0]) in local:
+                    continue
+                if _pull(address, token, rel, root, config, host):
+                    local.add((s, found[0]))
+                    pulled[s] = host
+        if step is None and s in pulled:
+            break
+    return pulled
+
+
+def _list(address: tuple[str, int], token: str, run: str, host: str) -> list[str]:
+    try:
+        return peerwire.list_steps(address, token, run, timeout=10.0)
+    except CheckpointError as exc:
+        log.warning("memory tier: peer %s cannot list run %r: %s", host, run, exc)
+        return []
+
+
+def _pull(address: tuple[str, int], token: str, rel: str, root: Path, config: DCSConfig, host: str) -> bool:
+    try:
+        peerwire.pull_step(
+            address,
+            token,
+            rel,
+            root,
+            timeout=config.task_soft_time_limit_seconds,
+            max_bytes=max(config.memory_tier_bytes, 1),
+        )
+    except CheckpointError as exc:
+        log.warning("memory tier: could not fetch %s from peer %s: %s", rel, host, exc)
+        return False
+    log.info("memory tier: fetched %s from peer %s", rel, host)
+    return True

@@ -1,0 +1,289 @@
+"""The memory tier on one host (`memory_tier_bytes`): a real `dcs worker` commits each step in `memory_dir` first,
+storage gets every Nth step (and `durable=True` ones), restore reads memory first and names it, a killed trainer
+and a restarted worker find the memory steps again, a full budget sends steps to storage and evicts only steps
+held elsewhere, and a restore at another world size reads memory copies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import SecretStr
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint import tiers
+from dcs_tasks.checkpoint.reader import step_dirs
+from dcs_tasks.checkpoint.sharded import rank_dir_name
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
+from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state, wait_until
+from tests.helpers.procs import REPO, child_env
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def memory_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConfig:
+    values: dict[str, Any] = {
+        "memory_tier_bytes": 64 * MiB,
+        "memory_dir": Path("/dev/shm") / f"dcs-test-{tmp_path.name}" / "memory",
+        "memory_keep_last": 2,
+        "storage_every_steps": 4,
+        "file_shard_bytes": MiB,
+        "incremental_saves": False,
+    }
+    return ckpt_config(base, tmp_path, **{**values, **overrides})
+
+
+def memory_steps(config: DCSConfig, run: str, rank: int | None = None) -> list[int]:
+    run_dir = Path(config.memory_dir) / run
+    return [s for s, _ in step_dirs(run_dir / rank_dir_name(rank) if rank is not None else run_dir)]
+
+
+def storage_steps(config: DCSConfig, run: str, rank: int | None = None) -> list[int]:
+    run_dir = Path(config.checkpoint_dir) / run
+    return [s for s, _ in step_dirs(run_dir / rank_dir_name(rank) if rank is not None else run_dir)]
+
+
+def places(config: DCSConfig, run: str) -> dict[tuple[int, int], set[str]]:
+    client = sync_client(config)
+    try:
+        return tiers.Places(client, Keys(config.namespace)).read(run)
+    finally:
+        client.close()
+
+
+def test_steps_commit_in_memory_and_every_nth_reaches_storage(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = memory_config(dcs_config, tmp_path)
+    worker = start_worker(config, tmp_path)
+    states = {s: training_state(seed=s, width=256) for s in range(1, 9)}
+    try:
+        with Checkpointer("mem", config) as ckpt:
+            for step, state in states.items():
+                ckpt.save(state, step=step).wait(timeout=120)
+                assert step in memory_steps(config, "mem")  # restorable from memory once the save completes
+            wait_until(lambda: storage_steps(config, "mem") == [4, 8], 120, "steps 4 and 8 in storage")
+            # the newest two stay; older ones leave once step 8, newer and in storage, covers them
+            wait_until(lambda: memory_steps(config, "mem") == [7, 8], 60, "memory to hold steps 7 and 8")
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (8, "memory")
+            assert_same_state(restored.state, states[8])
+            assert ckpt.restore(step=4).location == "primary"  # only storage holds it now
+            assert_same_state(ckpt.restore(step=4).state, states[4])
+        found = places(config, "mem")
+        assert found[(8, 0)] == {"mem@testhost", "storage"}
+        assert found[(7, 0)] == {"mem@testhost"}
+        assert (5, 0) not in found  # it left memory, and storage never had it
+        lines = {int(line.split()[0]): line for line in dcs_ckpt(config, "list", "--run", "mem").stdout.splitlines()}
+        assert "memory+primary" in lines[8] and "mem@testhost storage" in lines[8]
+        assert "memory" in lines[7] and "primary" not in lines[7]
+        assert "primary" in lines[4] and "memory" not in lines[4]
+    finally:
+        worker.discard()
+
+
+def test_a_durable_save_and_the_time_rule_reach_storage(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000, storage_every_seconds=3600.0)
+    worker = start_worker(config, tmp_path)
+    state = training_state(seed=3, width=128)
+    try:
+        with Checkpointer("ondemand", config) as ckpt:
+            ckpt.save(state, step=1).wait(timeout=120)
+            ckpt.save(state, step=2, durable=True).wait(timeout=120)
+            wait_until(lambda: storage_steps(config, "ondemand") == [2], 120, "step 2 in storage")
+            ckpt._last_durable -= 3600  # an hour since the last step sent to storage
+            ckpt.save(state, step=3).wait(timeout=120)
+            wait_until(lambda: storage_steps(config, "ondemand") == [2, 3], 120, "step 3 in storage (time rule)")
+    finally:
+        worker.discard()
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from dcs_tasks import Checkpointer
+    from dcs_tasks.config import DCSConfig
+    from tests.checkpoint_support import training_state
+
+    ckpt = Checkpointer("killed", DCSConfig())
+    for step in (1, 2, 3):
+        ckpt.save(training_state(seed=step, width=256), step=step).wait(timeout=120)
+    print("saved", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_trainer_restores_from_its_hosts_memory(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
+    worker = start_worker(config, tmp_path)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER], env=child_env(config), cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "saved"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert storage_steps(config, "killed") == []  # nothing reached storage: memory only
+        with Checkpointer("killed", config) as ckpt:
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (3, "memory")
+            assert_same_state(restored.state, training_state(seed=3, width=256))
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+        worker.discard()
+
+
+def test_a_restarted_worker_finds_its_memory_steps_again(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000, auth_token=SecretStr("memory-tier-token"))
+    worker = start_worker(config, tmp_path)
+    states = {s: training_state(seed=10 + s, width=128) for s in (1, 2)}
+    try:
+        with Checkpointer("restart", config) as ckpt:
+            for step, state in states.items():
+                ckpt.save(state, step=step).wait(timeout=120)
+        worker.kill()  # kill -9: tmpfs keeps the steps
+        client = sync_client(config)
+        client.delete(Keys(config.namespace).step_places("restart"))  # Redis lost where they live
+        client.close()
+        worker = start_worker(config, tmp_path, name="worker2")
+        wait_until(lambda: (2, 0) in places(config, "restart"), 60, "the restarted worker to record step 2 again")
+        assert places(config, "restart")[(2, 0)] == {"mem@testhost"}
+        with Checkpointer("restart", config) as ckpt:
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (2, "memory")
+            assert_same_state(restored.state, states[2])
+            ckpt.save(states[1], step=3).wait(timeout=120)  # the restarted worker serves new saves
+            assert memory_steps(config, "restart") == [1, 2, 3]  # held nowhere else: none may leave
+    finally:
+        worker.discard()
+
+
+def test_a_full_budget_sends_the_step_to_storage_and_evicts_only_covered_steps(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    state = training_state(seed=5, width=256)
+    with Checkpointer("probe", memory_config(dcs_config, tmp_path, memory_tier_bytes=0)) as probe:
+        step_bytes = probe._layout(probe._flatten(state)).nbytes
+    config = memory_config(
+        dcs_config, tmp_path, memory_tier_bytes=int(step_bytes * 2.5), memory_keep_last=5, storage_every_steps=1000
+    )
+    worker = start_worker(config, tmp_path)
+    try:
+        with Checkpointer("full", config) as ckpt:
+            ckpt.save(state, step=1).wait(timeout=120)
+            ckpt.save(state, step=2).wait(timeout=120)
+            assert memory_steps(config, "full") == [1, 2]  # neither may leave: nothing else holds them
+            ckpt.save(state, step=3).wait(timeout=120)  # does not fit: storage only
+            assert storage_steps(config, "full") == [3] and 3 not in memory_steps(config, "full")
+            # step 3 in storage covers step 1, which leaves; step 2 stays (the newest in memory)
+            wait_until(lambda: memory_steps(config, "full") == [2], 60, "step 1 to leave memory")
+            ckpt.save(state, step=4).wait(timeout=120)  # fits again
+            # step 2 leaves too: covered by step 3 in storage, and the budget keeps room for the next save
+            wait_until(lambda: memory_steps(config, "full") == [4], 60, "step 2 to leave memory")
+            assert storage_steps(config, "full") == [3]
+            assert ckpt.restore().location == "memory"
+            for step, where in ((3, "primary"), (4, "memory")):
+                restored = ckpt.restore(step=step)
+                assert restored.location == where
+                assert_same_state(restored.state, state)
+    finally:
+        worker.discard()
+
+
+def test_a_restore_at_another_world_size_reads_memory_copies(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
+    worker = start_worker(config, tmp_path)
+    full = torch.arange(4096 * 8, dtype=torch.float32).reshape(4096, 8)
+    try:
+        ranks = [Checkpointer("resharded", config, rank=r, world_size=2) for r in range(2)]
+        pending = [c.save({"w": full.chunk(2)[c.rank].clone()}, step=1, sharding={"w": 0}) for c in ranks]
+        for p in pending:
+            p.wait(timeout=120)
+        for c in ranks:
+            c.close()
+        assert memory_steps(config, "resharded", 0) == [1] and storage_steps(config, "resharded", 0) == []
+        with Checkpointer("resharded", config) as single:
+            restored = single.restore()
+            assert restored.location == "memory"
+            assert torch.equal(restored.state["w"], full)
+    finally:
+        worker.discard()
+
+
+TOKEN = "memory-tier-peers-token"
+
+
+def host_config(base: DCSConfig, tmp_path: Path, host: str, **overrides: Any) -> DCSConfig:
+    """Host `host` of a fleet on this machine: its own node queue and memory directory, the shared storage."""
+    values: dict[str, Any] = {
+        "node_name": host,
+        "memory_dir": Path("/dev/shm") / f"dcs-test-{tmp_path.name}" / f"memory-{host}",
+        "auth_token": SecretStr(TOKEN),
+        "memory_replicas": 1,
+        "storage_every_steps": 1000,
+    }
+    return memory_config(base, tmp_path, **{**values, **overrides})
+
+
+def registered(config: DCSConfig) -> set[str]:
+    client = sync_client(config)
+    try:
+        return set(tiers.peers(client, Keys(config.namespace)))
+    finally:
+        client.close()
+
+
+def test_steps_are_copied_to_a_peer_and_a_lost_hosts_rank_restores_from_it(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    small = {s: training_state(seed=20 + s, width=128) for s in (1, 2)}
+    big = training_state(seed=23, width=1024)  # more than host b's whole budget: b refuses to hold it
+    with Checkpointer("probe", memory_config(dcs_config, tmp_path, memory_tier_bytes=0)) as probe:
+        small_bytes = probe._layout(probe._flatten(small[1])).nbytes
+    a = host_config(dcs_config, tmp_path, "hosta")
+    b = host_config(dcs_config, tmp_path, "hostb", memory_tier_bytes=3 * small_bytes)
+    workers = {"a": start_worker(a, tmp_path, name="worker-a"), "b": start_worker(b, tmp_path, name="worker-b")}
+    try:
+        wait_until(lambda: registered(a) == {"hosta", "hostb"}, 60, "both peer servers to register")
+        with Checkpointer("peer", a) as ckpt:
+            for step, state in small.items():
+                ckpt.save(state, step=step).wait(timeout=120)
+            wait_until(lambda: "replicated" in places(a, "peer").get((2, 0), set()), 120, "step 2 to replicate")
+            assert places(a, "peer")[(2, 0)] == {"mem@hosta", "peer@hostb", "replicated"}
+            copy, own = Path(b.memory_dir) / "peer" / "step-000000002", Path(a.memory_dir) / "peer" / "step-000000002"
+            assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in own.iterdir())
+            assert all((copy / p.name).read_bytes() == p.read_bytes() for p in own.iterdir())
+
+            ckpt.save(big, step=3).wait(timeout=120)  # committed in a's memory, refused by b: not replicated
+            wait_until(lambda: "copying" not in places(a, "peer").get((3, 0), {"copying"}), 120, "step 3's copy")
+            assert places(a, "peer")[(3, 0)] == {"mem@hosta"}
+            assert ckpt.restore().step == 3  # host a itself still restores it
+        assert storage_steps(a, "peer") == []
+
+        # host a is lost (its worker killed, its memory gone): a replacement rank on host c restores the newest
+        # step that is complete somewhere, step 2, from host b's memory
+        workers["a"].kill()
+        shutil.rmtree(a.memory_dir)
+        c = host_config(dcs_config, tmp_path, "hostc")
+        with Checkpointer("peer", c) as replacement:
+            restored = replacement.restore()
+            assert (restored.step, restored.location) == (2, "peer:hostb")
+            assert_same_state(restored.state, small[2])
+            assert replacement.restore(step=2).location == "memory"  # now in host c's memory too
+    finally:
+        for worker in workers.values():
+            worker.discard()

@@ -1,0 +1,93 @@
+"""The memory tier's rules (`dcs_tasks.checkpoint.tiers`): which steps may leave memory, where peer copies go, and
+how a hostile places record is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dcs_tasks.checkpoint import tiers
+from dcs_tasks.checkpoint.tiers import MemoryStep, Peer, choose_peers, evictable
+
+ME = "hosta"
+
+
+def held(*steps: int, rank: int = 0, nbytes: int = 100) -> list[MemoryStep]:
+    return [MemoryStep("run", rank, s, Path(f"/m/run/step-{s:09d}"), True, nbytes) for s in steps]
+
+
+def leaving(steps: list[MemoryStep], places: dict[tuple[int, int], set[str]], keep: int, over: int = 0) -> list[int]:
+    return [s.step for s in evictable(steps, places, ME, keep, over)]
+
+
+def test_a_step_held_nowhere_else_never_leaves_whatever_its_age() -> None:
+    assert leaving(held(1, 2, 3, 4), {(s, 0): {"mem@hosta"} for s in (1, 2, 3, 4)}, keep=1, over=10_000) == []
+
+
+def test_steps_beyond_keep_last_leave_once_stored_or_covered_by_a_newer_stored_step() -> None:
+    places = {(1, 0): {"mem@hosta"}, (2, 0): {"mem@hosta", "storage"}, (3, 0): {"mem@hosta"}, (4, 0): {"mem@hosta"}}
+    # 2 is in storage, 1 is covered by it; 3 is within keep_last=2 (3 and 4 stay)
+    assert leaving(held(1, 2, 3, 4), places, keep=2) == [1, 2]
+
+
+def test_a_peer_copy_counts_as_held_elsewhere_but_this_hosts_own_marks_do_not() -> None:
+    places = {(1, 0): {"mem@hosta", "peer@hostb", "replicated"}, (2, 0): {"mem@hosta", "peer@hosta"}, (3, 0): set()}
+    assert leaving(held(1, 2, 3), places, keep=1) == [1]
+
+
+def test_the_newest_complete_step_never_leaves_even_over_budget() -> None:
+    places = {(s, 0): {"mem@hosta", "storage"} for s in (1, 2)}
+    assert leaving(held(1, 2), places, keep=1, over=10_000) == [1]
+    partial = [*held(1), MemoryStep("run", 0, 2, Path("/m/run/step-000000002"), False, 100)]
+    assert leaving(partial, places, keep=1, over=10_000) == []  # step 2 is not complete: 1 is the newest
+
+
+def test_over_budget_covered_steps_within_keep_last_leave_oldest_first_until_enough_is_freed() -> None:
+    places = {(s, 0): {"mem@hosta", "storage"} for s in (1, 2, 3, 4)}
+    assert leaving(held(1, 2, 3, 4), places, keep=10, over=150) == [1, 2]
+    assert leaving(held(1, 2, 3, 4), places, keep=10, over=0) == []
+
+
+def test_a_step_being_flushed_or_copied_stays() -> None:
+    places = {(1, 0): {"mem@hosta", "flushing"}, (2, 0): {"mem@hosta", "copying"}, (3, 0): {"storage"}}
+    assert leaving(held(1, 2, 3, 4), places, keep=1) == [3]
+
+
+def test_ranks_are_judged_apart() -> None:
+    steps = held(1, 2, rank=0) + held(1, 2, rank=1)
+    places = {(1, 0): {"storage"}, (1, 1): {"mem@hosta"}}
+    assert [(s.step, s.rank) for s in evictable(steps, places, ME, 1, 0)] == [(1, 0)]
+
+
+def peer(host: str, domain: str) -> Peer:
+    return Peer(host, "10.0.0.1", 7000, domain, 0.0)
+
+
+def test_peers_come_from_other_domains_one_domain_each_first() -> None:
+    candidates = {h: peer(h, d) for h, d in [("a2", "rack1"), ("b1", "rack2"), ("b2", "rack2"), ("c1", "rack3")]}
+    chosen = choose_peers("a1", "rack1", candidates, 2)
+    assert [p.host for p in chosen] == ["b1", "c1"]  # never a2 (same rack), not b1 and b2 (same rack) together
+    assert [p.host for p in choose_peers("a1", "rack1", candidates, 3)] == ["b1", "c1", "b2"]
+    assert choose_peers("a1", "rack1", {"a2": peer("a2", "rack1")}, 1) == []  # none qualifies
+
+
+def test_the_ring_starts_after_this_host_so_copies_spread() -> None:
+    candidates = {h: peer(h, h) for h in ("h1", "h2", "h3", "h4")}
+    assert [p.host for p in choose_peers("h2", "h2", candidates, 1)] == ["h3"]
+    assert [p.host for p in choose_peers("h4", "h4", candidates, 2)] == ["h1", "h2"]
+
+
+def test_hostile_place_fields_are_skipped() -> None:
+    good = "5|0|mem@hosta"
+    for bad in ["5|0", "x|0|storage", "5|0|nowhere", "5|0|mem@", "5|0|mem@a b", "1" * 30 + "|0|storage", "5|0|peer@/x"]:
+        assert tiers._parse_field(bad) is None, bad
+    assert tiers._parse_field(good) == (5, 0, "mem@hosta")
+    assert tiers._parse_field(b"7|3|replicated") == (7, 3, "replicated")
+
+
+def test_rel_names_a_rank_and_a_step_or_nothing() -> None:
+    assert tiers.rel_step("run/step-000000005") == (0, 5)
+    assert tiers.rel_step("run/rank-00003/step-000000005") == (3, 5)
+    for bad in ["run", "run/rank-3/step-000000005", "a/b/c/step-000000005", "run/step-5"]:
+        assert tiers.rel_step(bad) is None, bad
+    assert tiers.base_and_rank("run.rank-00002") == ("run", 2)
+    assert tiers.base_and_rank("run") == ("run", 0)
