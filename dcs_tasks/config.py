@@ -327,6 +327,8 @@ class DCSConfig(BaseSettings):
     """Port of the worker's peer server (0: any free port; the worker records the one it got in Redis)."""
     peer_advertise_host: str | None = None
     """Address peers connect to (None: `peer_host`)."""
+    peer_timeout_seconds: float = Field(default=30.0, gt=0)
+    """Memory tier: a peer copy or fetch gives up after this long without progress (connect, each send or read)."""
     checkpoint_compression: CheckpointCompression = CheckpointCompression.NONE
     """Per-file compression of checkpoint files: none, or zstd. The worker compresses while it persists (never in
     save()'s stall); restore, verify and export read either kind transparently."""

@@ -152,7 +152,7 @@ def _peer_copy(req: MemoryStepRequest) -> dict[str, Any]:
         if len(done) >= config.memory_replicas:
             break
         try:
-            peerwire.push_step((peer.address, peer.port), token, src, rel, timeout=config.task_soft_time_limit_seconds)
+            peerwire.push_step((peer.address, peer.port), token, src, rel, timeout=config.peer_timeout_seconds)
         except CheckpointError as exc:
             failures.append(f"{peer.host}: {exc}")
             log.warning("memory tier: copy of step %d of %s to %s failed: %s", ref.step, ref.run, peer.host, exc)
@@ -188,6 +188,7 @@ class _PeerService:
             config.peer_host,
             config.peer_port,
             max_step_bytes=config.memory_tier_bytes,
+            timeout=config.peer_timeout_seconds,
         )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._register_loop, name="dcs-peer-register", daemon=True)

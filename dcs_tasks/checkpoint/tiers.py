@@ -41,6 +41,7 @@ from pathlib import Path
 
 import redis
 
+from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint import peerwire
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.config import DCSConfig
@@ -173,8 +174,11 @@ def unregister_peer(client: redis.Redis, keys: Keys, host: str) -> None:
     client.hdel(keys.memory_peers(), host)
 
 
-def peers(client: redis.Redis, keys: Keys, fresh_seconds: float = PEER_FRESH_SECONDS) -> dict[str, Peer]:
-    """The peer servers registered recently (malformed records skipped)."""
+def peers(
+    client: redis.Redis, keys: Keys, fresh_seconds: float = PEER_FRESH_SECONDS, present: bool = True
+) -> dict[str, Peer]:
+    """The peer servers registered recently (malformed records skipped); with `present`, only those whose host's
+    worker is present too (its presence key expires seconds after the worker dies; the server dies with it)."""
     found: dict[str, Peer] = {}
     now = time.time()
     raw = client.hgetall(keys.memory_peers())
@@ -188,6 +192,11 @@ def peers(client: redis.Redis, keys: Keys, fresh_seconds: float = PEER_FRESH_SEC
         if _HOST_RE.fullmatch(host) and 0 < peer.port < 65536 and len(peer.address) <= 255:
             if now - peer.seen <= fresh_seconds:
                 found[host] = peer
+    if present and found:
+        pipe = client.pipeline(transaction=False)
+        for host in found:
+            pipe.exists(keys.worker_presence(node_queue(host)))
+        found = {host: peer for (host, peer), alive in zip(found.items(), pipe.execute(), strict=True) if alive}
     return found
 
 
@@ -398,7 +407,7 @@ def pull_from_peers(
         for host in sorted(holders.get(s, ())):
             address = (live[host].address, live[host].port)
             if host not in listed:
-                listed[host] = _list(address, token, run, host)
+                listed[host] = _list(address, token, run, host, config)
             for rel in listed[host]:
                 found = rel_step(rel)
                 if found is None or found[1] != s or (s, found[0]) in local:
@@ -411,9 +420,9 @@ def pull_from_peers(
     return pulled
 
 
-def _list(address: tuple[str, int], token: str, run: str, host: str) -> list[str]:
+def _list(address: tuple[str, int], token: str, run: str, host: str, config: DCSConfig) -> list[str]:
     try:
-        return peerwire.list_steps(address, token, run, timeout=10.0)
+        return peerwire.list_steps(address, token, run, timeout=min(10.0, config.peer_timeout_seconds))
     except CheckpointError as exc:
         log.warning("memory tier: peer %s cannot list run %r: %s", host, run, exc)
         return []
@@ -426,7 +435,7 @@ def _pull(address: tuple[str, int], token: str, rel: str, root: Path, config: DC
             token,
             rel,
             root,
-            timeout=config.task_soft_time_limit_seconds,
+            timeout=config.peer_timeout_seconds,
             max_bytes=max(config.memory_tier_bytes, 1),
         )
     except CheckpointError as exc:

@@ -83,7 +83,8 @@ class Trainer:
             return self.wait(int(cmd["step"]), float(cmd["timeout"]))
         if op == "restore":
             restored = self.ckpt.restore(step=cmd.get("step"))
-            return {"step": restored.step, "digests": digests(restored.state)}
+            answer = {"step": restored.step, "digests": digests(restored.state)}
+            return {**answer, "location": restored.location} if cmd.get("location") else answer
         raise ValueError(f"unknown op {op!r}")
 
     def wait(self, step: int, timeout: float) -> dict[str, Any]:
