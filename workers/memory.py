@@ -43,6 +43,7 @@ from workers.trust import checkpoint_root, trusted_step_dir
 log = logging.getLogger(__name__)
 
 PEER_REGISTER_SECONDS = 3.0
+REDISCOVER_ROUNDS = 10  # every 30 s the host's memory steps are recorded again where Redis lacks them
 
 
 def is_memory_step(config: DCSConfig, step_dir: str) -> bool:
@@ -226,16 +227,20 @@ class _PeerService:
                         book.record(run, s.step, s.rank, tiers.mem_place(host))
             except redis.RedisError as exc:
                 log.warning("memory tier: places of run %r not restored: %s", run, exc)
-        if held:
+        if held and not self.thread.is_alive():  # at start
             log.info("memory tier: %d committed steps found in %s", len(held), self.config.memory_dir)
 
     def _register_loop(self) -> None:
         """Re-register every few seconds, and apply eviction to the whole memory root (peer copies arrive without
         a task of this worker's that would)."""
+        rounds = 0
         while not self.stop_event.wait(PEER_REGISTER_SECONDS):
+            rounds += 1
             try:
                 self._register()
                 tiers.evict(self.config, self.client, runtime().keys)
+                if rounds % REDISCOVER_ROUNDS == 0:  # places lost with Redis's data come back
+                    self._rediscover()
             except redis.RedisError as exc:  # Redis failing over: the registration comes back with it
                 log.warning("memory tier: peer registration failed: %s", exc)
             except OSError as exc:
