@@ -28,12 +28,11 @@ import socket
 import time
 from collections.abc import Callable
 
-import httpx
 import redis
 
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.engine_http import EngineHTTPError, EngineTimeout, request_blocking
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
-from dcs_tasks.http11 import bounded_request_blocking
 from dcs_tasks.keys import Keys
 from dcs_tasks.lua import LuaScript
 from dcs_tasks.sync.engine_protocol import auth_headers
@@ -383,16 +382,16 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
     url = f"{request.engine.url}/init_weights_update_group"
     node = request.engine.node_id
     try:
-        response = bounded_request_blocking(  # total time and answer size bounded (a hostile engine's answer)
+        response = request_blocking(  # total time and answer size bounded (a hostile engine's answer)
             "POST",
             url,
             request.timeout_seconds + 5,
-            json=request.body.model_dump(mode="json"),
+            json_body=request.body.model_dump(mode="json"),
             headers=auth_headers(token),
         )
-    except httpx.TimeoutException as exc:
+    except EngineTimeout as exc:
         return JoinResult(node_id=node, success=False, outcome=JoinOutcome.TIMED_OUT, message=f"{url}: {exc!r}")
-    except httpx.HTTPError as exc:
+    except EngineHTTPError as exc:
         return JoinResult(
             node_id=node, success=False, outcome=JoinOutcome.UNREACHABLE, message=f"{url} unreachable: {exc!r}"
         )
@@ -407,11 +406,9 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
     # SGLang answers {"success": false, "message"}, FastAPI's {"detail"} for a body it cannot parse, or
     # {"error": "Unauthorized"} (401/403) for a wrong API key
     reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
-    if response.status_code in (401, 403):
+    if response.status in (401, 403):
         reason = f"{reason}: the engine refused DCS's API key (start it with --api-key equal to DCS_AUTH_TOKEN)"
-    return JoinResult(
-        node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=f"{response.status_code}: {reason}"
-    )
+    return JoinResult(node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=f"{response.status}: {reason}")
 
 
 def join_once(
@@ -460,15 +457,15 @@ def destroy_group(
     answered = 0
     for engine in request.engines:
         try:
-            bounded_request_blocking(
+            request_blocking(
                 "POST",
                 f"{engine.url}/destroy_weights_update_group",
                 timeout,
-                json={"group_name": request.group_name},
+                json_body={"group_name": request.group_name},
                 headers=auth_headers(token),
             )
             answered += 1
-        except httpx.HTTPError as exc:
+        except EngineHTTPError as exc:
             log.info("engine %s did not answer destroy of %s: %s", engine.node_id, request.group_name, exc)
     release_port(client, keys, request.host, request.master_port, request.group_name)
     mark_destroyed(client, keys, request.group_name, "destroyed by its trainer")

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from types import TracebackType
 from typing import NamedTuple
 
-import httpx
-
 from dcs_tasks.engine.errors import EngineUnavailable
-from dcs_tasks.http11 import bounded_request
+from dcs_tasks.engine_http import EngineHTTP, EngineHTTPError
 from dcs_tasks.sync.engine_protocol import EngineAPI
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
@@ -41,16 +40,15 @@ class EngineClient:
     `api_key` is sent on the server-info read and never logged."""
 
     def __init__(self, url: str, rank: int, api_key: str | None, timeout: float) -> None:
-        parsed = httpx.URL(url)
+        parsed = urllib.parse.urlsplit(url)
         self.base_url = url.rstrip("/")
-        self.endpoint = EngineEndpoint(rank=rank, ip=parsed.host, port=parsed.port or 80)
+        self.endpoint = EngineEndpoint(rank=rank, ip=parsed.hostname or "", port=parsed.port or 80)
         self.timeout = timeout
         self._api = EngineAPI(api_key, timeout)
-        # /health needs no key. A new connection per probe: a kept-alive one that the server closed while idle
-        # (uvicorn's 5 s against a 5 s probe interval) would fail a probe, and an unanswered probe makes the
-        # sidecar register the engine anew (a restart), which makes every trainer rebuild its group
-        no_keepalive = httpx.Limits(max_keepalive_connections=0)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=no_keepalive)
+        # /health needs no key. Kept alive by the shared engine client: a connection the engine closed as it was
+        # reused is replaced, so an idle close (uvicorn's 5 s against a 5 s probe interval) never fails a probe
+        # (an unanswered probe makes the sidecar register the engine anew, and every trainer rebuild its group)
+        self._http = EngineHTTP()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -64,10 +62,10 @@ class EngineClient:
     async def health(self, timeout: float) -> Health:
         """One `GET /health` bounded by `timeout`."""
         try:  # the whole probe within `timeout`, at most MAX_BODY_BYTES of answer (a trickling /health ends)
-            response = await bounded_request(self._http, "GET", "/health", timeout)
-        except httpx.HTTPError as exc:
+            response = await self._http.request("GET", f"{self.base_url}/health", timeout)
+        except EngineHTTPError as exc:
             return Health(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-        return Health(response.status_code, f"answered {response.status_code}")
+        return Health(response.status, f"answered {response.status}")
 
     async def wait_healthy(self, timeout: float, poll: float, health_timeout: float) -> None:
         """Poll `/health` until it answers 200; EngineUnavailable after `timeout` seconds."""

@@ -17,12 +17,10 @@ Every call carries `Authorization: Bearer <DCS_AUTH_TOKEN>` when DCS has a token
 sglang/srt/utils/auth.py); 401/403 raise `EngineAuthRefused`. Data parallelism (SGLang asserts dp_size == 1
 for these calls) and pipeline stages (every stage would join with the same ranks) are refused up front.
 
-Calls to plain `http://` engines go over `dcs_tasks.http11.KeepAliveClient` (one kept-alive connection per
-engine, ~0.2 ms of CPU per call instead of httpx's ~2 ms: an update makes ~5 sequential calls per engine
-while the trainer packs buckets); anything it does not handle (https, a proxy from the environment, headers
-it cannot write) goes through httpx. Both raise httpx's exception classes and answer `httpx.Response`s, and
-both bound what an engine can make DCS hold: every call takes at most its timeout in total (not per read),
-an answer's body at most `http11.MAX_BODY_BYTES` (1 MiB), and the values read are range-checked (a version
+Calls go over `dcs_tasks.engine_http.EngineHTTP`, the one client of every engine call (kept alive per engine,
+~0.3 ms of CPU per call: an update makes ~5 sequential calls per engine while the trainer packs buckets). It
+bounds what an engine can make DCS hold: every call takes at most its timeout in total (not per read), an
+answer's body at most `engine_http.MAX_BODY_BYTES` (1 MiB); the values read here are range-checked (a version
 of at most 64 characters, tp/dp/pp sizes in 1..4096, a weight version in 0..2^53-1). A bad answer is a
 `WeightSyncError` / `EngineIncompatible` naming that engine only.
 """
@@ -30,15 +28,12 @@ of at most 64 characters, tp/dp/pp sizes in 1..4096, a weight version in 0..2^53
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
-import urllib.request
 from typing import Any
 
-import httpx
 from packaging.version import InvalidVersion, Version
 
+from dcs_tasks.engine_http import Answer, EngineHTTP, EngineHTTPError
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
-from dcs_tasks.http11 import KeepAliveClient, bounded_request
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
 SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
@@ -56,16 +51,6 @@ RETRACT_SINCE = Version("0.5.21")
 def auth_headers(token: str | None) -> dict[str, str]:
     """SGLang's API-key header (none without a token)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def sent_direct(url: str) -> bool:
-    """Whether `url` goes straight to its host: the environment names no http or all proxy, or its NO_PROXY
-    covers the host (the standard library's reading of HTTP_PROXY/ALL_PROXY/NO_PROXY, as httpx's). A
-    proxied engine is left to httpx, which sends through the proxy."""
-    proxies = urllib.request.getproxies()
-    if not (proxies.get("http") or proxies.get("all")):
-        return True
-    return bool(urllib.request.proxy_bypass(urllib.parse.urlsplit(url).hostname or ""))
 
 
 def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
@@ -118,21 +103,17 @@ class EngineAPI:
     """HTTP calls to rollout engines, authenticated; failures raise WeightSyncError naming the engine."""
 
     def __init__(self, token: str | None, timeout_seconds: float) -> None:
-        headers = auth_headers(token)
         self._timeout = timeout_seconds
-        self._http = httpx.AsyncClient(timeout=timeout_seconds, headers=headers)
-        self._fast = KeepAliveClient(headers, direct=sent_direct) if KeepAliveClient.accepts(headers) else None
+        self._http = EngineHTTP(auth_headers(token))
 
     async def aclose(self) -> None:
-        if self._fast is not None:
-            await self._fast.aclose()
         await self._http.aclose()
 
     async def probe(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
         """`GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo."""
         for path in SERVER_INFO_PATHS:
             response = await self._request(engine, "GET", path, None, timeout)
-            if response.status_code == 404:
+            if response.status == 404:
                 continue
             _raise_for(engine, path, response)
             try:
@@ -167,32 +148,25 @@ class EngineAPI:
     async def alive(self, engine: EngineEndpoint, timeout: float) -> bool:
         """Whether GET /health answers at all (any status: SGLang's may run a generation and fail meanwhile)."""
         try:
-            await self._send("GET", f"{engine.url}/health", None, timeout)
-        except httpx.HTTPError:
+            await self._http.request("GET", f"{engine.url}/health", timeout)
+        except EngineHTTPError:
             return False
         return True
 
     async def _request(
         self, engine: EngineEndpoint, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
-    ) -> httpx.Response:
+    ) -> Answer:
         try:
-            return await self._send(method, f"{engine.url}{path}", body, timeout)
-        except httpx.HTTPError as exc:
+            return await self._http.request(
+                method, f"{engine.url}{path}", self._timeout if timeout is None else timeout, body
+            )
+        except EngineHTTPError as exc:
             raise WeightSyncError(
                 f"rollout engine {engine.node_id} at {engine.url} failed {method} {path}: {exc!r}", engine.node_id
             ) from exc
 
-    async def _send(self, method: str, url: str, body: dict[str, Any] | None, timeout: float | None) -> httpx.Response:
-        """One call, by the kept-alive client where it handles `url`, else by httpx."""
-        target = self._fast.target(url) if self._fast is not None else None
-        if target is not None:
-            assert self._fast is not None
-            return await self._fast.request(method, target, self._timeout if timeout is None else timeout, body)
-        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
-        return await bounded_request(self._http, method, url, self._timeout if timeout is None else timeout, **kwargs)
 
-
-def _json(response: httpx.Response) -> dict[str, Any]:
+def _json(response: Answer) -> dict[str, Any]:
     try:
         body = response.json()
     except ValueError:
@@ -200,11 +174,11 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def _raise_for(engine: EngineEndpoint, path: str, response: httpx.Response) -> None:
+def _raise_for(engine: EngineEndpoint, path: str, response: Answer) -> None:
     node = engine.node_id
-    if response.status_code in (401, 403):
+    if response.status in (401, 403):
         raise EngineAuthRefused(
-            f"{node} at {engine.url} refused DCS's API key on {path} ({response.status_code}): start the engine "
+            f"{node} at {engine.url} refused DCS's API key on {path} ({response.status}): start the engine "
             "with --api-key equal to DCS_AUTH_TOKEN (or set DCS_AUTH_TOKEN to its key)",
             node,
         )
@@ -212,7 +186,7 @@ def _raise_for(engine: EngineEndpoint, path: str, response: httpx.Response) -> N
         return
     body = _json(response)
     reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
-    raise WeightSyncError(f"rollout engine {node} refused {path} ({response.status_code}): {reason}", node)
+    raise WeightSyncError(f"rollout engine {node} refused {path} ({response.status}): {reason}", node)
 
 
 async def all_or_first_error(*calls: Any) -> list[Any]:

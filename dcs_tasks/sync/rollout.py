@@ -27,12 +27,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 import torch
 
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.coordinator_api import CoordinatorAPI
+from dcs_tasks.engine_http import EngineHTTPError
 from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error
@@ -355,7 +355,7 @@ class RolloutUpdater:
 def _unreachable(result: object) -> bool:
     """Whether an end call failed without an answer (an answer refusing it means no session was open)."""
     return isinstance(result, BaseException) and (
-        not isinstance(result, WeightSyncError) or isinstance(result.__cause__, httpx.HTTPError)
+        not isinstance(result, WeightSyncError) or isinstance(result.__cause__, EngineHTTPError)
     )
 
 

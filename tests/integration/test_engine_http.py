@@ -1,7 +1,8 @@
-"""The kept-alive HTTP/1.1 client the trainer calls rollout engines with (`dcs_tasks.http11`, through
-`EngineAPI`): against a real uvicorn server in a thread of the test (reuse, idle close, large bodies, chunked
-answers, concurrent calls), and against raw asyncio servers for what uvicorn cannot be made to do on demand
-(a close crossing a request, an answer cut short, silence)."""
+"""The one HTTP client of DCS's engine calls (`dcs_tasks.engine_http`, aiohttp; used by `EngineAPI`, the
+worker's join and destroy, and `dcs engine attach`): against a real uvicorn server in a thread of the test
+(reuse, idle close, large bodies, chunked answers, concurrent calls, timeouts), and against raw asyncio servers
+for what uvicorn cannot be made to do on demand (a close crossing a request on a kept-alive connection, an answer
+cut short, silence). Hostile answers (gigabytes, trickles): tests/integration/test_engine_hostile_answers.py."""
 
 from __future__ import annotations
 
@@ -11,14 +12,23 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+import dcs_tasks.engine_http as engine_http
+from dcs_tasks.engine_http import (
+    AnswerTooLarge,
+    ConnectError,
+    EngineHTTP,
+    EngineTimeout,
+    ProtocolError,
+    ReadTimeout,
+    encode_json,
+    request_blocking,
+)
 from dcs_tasks.errors import EngineAuthRefused, WeightSyncError
-from dcs_tasks.http11 import AnswerTooLarge, KeepAliveClient, Target, encode_json
-from dcs_tasks.sync.engine_protocol import EngineAPI, sent_direct
+from dcs_tasks.sync.engine_protocol import EngineAPI
 from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.rollout import _unreachable
 from tests.helpers.ports import free_port
@@ -42,6 +52,7 @@ def _app() -> FastAPI:
                 "sha": hashlib.sha256(raw).hexdigest(),
                 "auth": request.headers.get("authorization"),
                 "type": request.headers.get("content-type"),
+                "encoding": request.headers.get("accept-encoding"),
             }
         )
 
@@ -54,9 +65,9 @@ def _app() -> FastAPI:
         return {"data": "x" * n}
 
     @app.get("/chunked")
-    async def chunked() -> StreamingResponse:
+    async def chunked(request: Request) -> StreamingResponse:
         async def parts() -> AsyncIterator[bytes]:
-            for piece in (b'{"a":', b"[1,2,3]", b',"b":"' + b"y" * 70000 + b'"}'):
+            for piece in (b'{"a":', b"[1,2,3]", b',"b":"' + b"y" * 70000 + b'",', b'"port":%d}' % request.client.port):  # type: ignore[union-attr]
                 yield piece
                 await asyncio.sleep(0.01)
 
@@ -76,113 +87,71 @@ def _app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def server_port() -> Iterator[int]:
-    with uvicorn_in_thread(_app(), "http11-uvicorn", lifespan="off", timeout_keep_alive=KEEP_ALIVE) as port:
+    with uvicorn_in_thread(_app(), "engine-http-uvicorn", lifespan="off", timeout_keep_alive=KEEP_ALIVE) as port:
         yield port
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[KeepAliveClient]:
-    http = KeepAliveClient({"Authorization": "Bearer t0ken"})
+async def client() -> AsyncIterator[EngineHTTP]:
+    http = EngineHTTP({"Authorization": "Bearer t0ken"})
     yield http
     await http.aclose()
 
 
-def _target(http: KeepAliveClient, port: int, path: str) -> Target:
-    target = http.target(f"http://127.0.0.1:{port}{path}")
-    assert target is not None
-    return target
+async def _port(http: EngineHTTP, port: int) -> int:
+    answer = await http.request("GET", f"http://127.0.0.1:{port}/port", 5.0)
+    assert answer.status == 200
+    return int(answer.json()["port"])
 
 
-async def test_one_connection_is_kept_alive_and_reused(client: KeepAliveClient, server_port: int) -> None:
-    ports = []
-    for _ in range(5):
-        answer = await client.request("GET", _target(client, server_port, "/port"), 5.0)
-        assert answer.status_code == 200
-        ports.append(answer.json()["port"])
-    assert len(set(ports)) == 1, ports
-    assert client.open_connections == 1
+async def test_one_connection_is_kept_alive_and_reused(client: EngineHTTP, server_port: int) -> None:
+    ports = {await _port(client, server_port) for _ in range(5)}
+    assert len(ports) == 1, ports
 
 
-async def test_a_connection_the_server_closed_while_idle_is_replaced(client: KeepAliveClient, server_port: int) -> None:
-    first = (await client.request("GET", _target(client, server_port, "/port"), 5.0)).json()["port"]
+async def test_a_connection_the_server_closed_while_idle_is_replaced(client: EngineHTTP, server_port: int) -> None:
+    first = await _port(client, server_port)
     await asyncio.sleep(KEEP_ALIVE + 0.5)  # uvicorn closes it meanwhile
-    second = (await client.request("GET", _target(client, server_port, "/port"), 5.0)).json()["port"]
-    assert first != second
-    assert client.open_connections == 1
+    assert await _port(client, server_port) != first
 
 
-async def test_large_json_bodies_both_ways_arrive_whole(client: KeepAliveClient, server_port: int) -> None:
+async def test_large_json_bodies_both_ways_arrive_whole(client: EngineHTTP, server_port: int) -> None:
     body = {"names": [f"model.layers.{i}.mlp.weight" for i in range(200_000)], "unicode": "é✓"}
-    answer = await client.request("POST", _target(client, server_port, "/echo"), 10.0, body)
-    raw = encode_json(body)
+    answer = await client.request("POST", f"http://127.0.0.1:{server_port}/echo", 10.0, body)
+    raw = encode_json(body).encode()
+    echoed = answer.json()
+    assert echoed["bytes"] == len(raw) > 5_000_000 and echoed["sha"] == hashlib.sha256(raw).hexdigest()
+    assert echoed["auth"] == "Bearer t0ken" and echoed["type"] == "application/json"
+    assert echoed["encoding"] == "identity"  # answers are never compressed (nor decompressed: no bombs)
+    assert await _port(client, server_port) == echoed["port"]  # the same connection after a large body
     with pytest.raises(AnswerTooLarge, match="more than 1048576"):  # issue 20, finding 1: the default bound
-        await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0)
-    assert answer.json()["bytes"] == len(raw) > 5_000_000
-    assert answer.json()["sha"] == hashlib.sha256(raw).hexdigest()
-    assert answer.json()["auth"] == "Bearer t0ken" and answer.json()["type"] == "application/json"
-    big = await client.request("GET", _target(client, server_port, "/big?n=3000000"), 10.0, max_bytes=8 << 20)
+        await client.request("GET", f"http://127.0.0.1:{server_port}/big?n=3000000", 10.0)
+    before = await _port(client, server_port)  # a new connection: the one left unread was closed
+    big = await client.request("GET", f"http://127.0.0.1:{server_port}/big?n=3000000", 10.0, max_bytes=8 << 20)
     assert len(big.json()["data"]) == 3_000_000
-    again = await client.request("GET", _target(client, server_port, "/port"), 5.0)  # the same connection after
-    assert again.status_code == 200 and client.open_connections == 1
+    assert await _port(client, server_port) == before  # the same connection after a large answer read whole
 
 
-def test_the_body_is_encoded_byte_for_byte_as_httpx_does() -> None:
+def test_the_body_is_compact_utf8_json_and_nan_is_refused() -> None:
     body = {"names": ["a", "é", "✓"], "n": [1, 2.5, None, True], "nested": {"k": "v"}}
-    assert encode_json(body) == httpx.Request("POST", "http://x/", json=body).content
+    assert encode_json(body) == '{"names":["a","é","✓"],"n":[1,2.5,null,true],"nested":{"k":"v"}}'
     with pytest.raises(ValueError):
         encode_json({"nan": float("nan")})
 
 
-async def test_a_chunked_answer_is_read_and_the_connection_reused(client: KeepAliveClient, server_port: int) -> None:
-    answer = await client.request("GET", _target(client, server_port, "/chunked"), 5.0)
-    assert answer.json() == {"a": [1, 2, 3], "b": "y" * 70000}
-    await client.request("GET", _target(client, server_port, "/port"), 5.0)
-    assert client.open_connections == 1
+async def test_a_chunked_answer_is_read_and_the_connection_reused(client: EngineHTTP, server_port: int) -> None:
+    answer = (await client.request("GET", f"http://127.0.0.1:{server_port}/chunked", 5.0)).json()
+    assert answer["a"] == [1, 2, 3] and answer["b"] == "y" * 70000
+    assert await _port(client, server_port) == answer["port"]
 
 
-async def test_calls_at_once_to_one_origin_do_not_wait_for_each_other(
-    client: KeepAliveClient, server_port: int
-) -> None:
-    slow = asyncio.ensure_future(client.request("GET", _target(client, server_port, "/slow?s=1"), 5.0))
+async def test_calls_at_once_to_one_origin_do_not_wait_for_each_other(client: EngineHTTP, server_port: int) -> None:
+    slow = asyncio.ensure_future(client.request("GET", f"http://127.0.0.1:{server_port}/slow?s=1", 5.0))
     await asyncio.sleep(0.1)
     started = time.monotonic()
-    await client.request("GET", _target(client, server_port, "/port"), 5.0)
+    await _port(client, server_port)
     assert time.monotonic() - started < 0.5
     assert (await slow).json() == {"slept": 1.0}
-
-
-async def test_a_read_timeout_is_bounded_and_a_cancelled_call_leaves_no_connection(
-    client: KeepAliveClient, server_port: int
-) -> None:
-    started = time.monotonic()
-    with pytest.raises(httpx.ReadTimeout):
-        await client.request("GET", _target(client, server_port, "/slow?s=3"), 0.3)
-    assert time.monotonic() - started < 1.0
-    assert client.open_connections == 0  # its connection is closed: a late answer must not be read as the next one's
-    call = asyncio.ensure_future(client.request("GET", _target(client, server_port, "/slow?s=3"), 5.0))
-    await asyncio.sleep(0.1)
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    assert client.open_connections == 0
-    assert (await client.request("GET", _target(client, server_port, "/port"), 5.0)).status_code == 200
-
-
-def test_what_it_does_not_handle_is_left_to_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
-    http = KeepAliveClient({})
-    assert http.target("https://127.0.0.1:1/x") is None
-    assert http.target("http://user:pw@127.0.0.1:1/x") is None
-    assert http.target("http://127.0.0.1:1/x?y=1") == Target("127.0.0.1", 1, b"/x?y=1", b"127.0.0.1:1")
-    assert http.target("http://[::1]:8/x") == Target("::1", 8, b"/x", b"[::1]:8")
-    assert not KeepAliveClient.accepts({"Authorization": "Bearer a\r\nX: y"})
-    assert not KeepAliveClient.accepts({"Authorization": "Bearer é"})
-    assert sent_direct("http://127.0.0.1:30000/health")  # no proxy in the environment
-    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
-    monkeypatch.setenv("NO_PROXY", "10.0.0.7")
-    proxied = KeepAliveClient({"Authorization": "Bearer k"}, direct=sent_direct)  # as EngineAPI builds it
-    assert proxied.target("http://127.0.0.1:30000/health") is None  # httpx sends it through the proxy
-    assert proxied.target("http://10.0.0.7:30000/health") is not None
-    assert not KeepAliveClient.accepts({"Authorization": "Bearer bad\ntoken"})  # EngineAPI leaves it to httpx
 
 
 class RawServer:
@@ -270,7 +239,7 @@ def _engine(port: int) -> EngineEndpoint:
     return EngineEndpoint(rank=3, ip="127.0.0.1", port=port)
 
 
-async def test_a_reused_connection_closed_before_any_answer_byte_is_retried_once_on_a_fresh_one() -> None:
+async def test_a_reused_connection_closed_before_any_answer_is_retried_once_on_a_fresh_one() -> None:
     async with RawServer(_answer_once_then_drop, _answer_all) as server:
         api = EngineAPI(None, 5.0)
         try:
@@ -293,7 +262,7 @@ async def test_an_answer_cut_short_fails_naming_the_engine_and_is_not_retried() 
             await api.aclose()
         await asyncio.sleep(0.05)
     assert server.requests == [2]  # no second connection: the answer had started
-    assert isinstance(failed.value.__cause__, httpx.RemoteProtocolError)
+    assert isinstance(failed.value.__cause__, ProtocolError)
     assert _unreachable(failed.value)
 
 
@@ -312,6 +281,46 @@ async def test_a_fresh_connection_closed_unanswered_is_not_retried() -> None:
     assert server.requests == [1]
 
 
+async def test_an_idle_connection_is_closed_by_the_client_before_the_engine_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's idle bound (4 s, below uvicorn's 5 s) ends a kept-alive connection the engine keeps open."""
+    monkeypatch.setattr(engine_http, "KEEPALIVE_SECONDS", 0.3)
+    async with RawServer(_answer_all) as server:
+        http = EngineHTTP()
+        try:
+            for _ in range(3):
+                await http.request("POST", f"http://127.0.0.1:{server.port}/x", 5.0, {})
+            await asyncio.sleep(0.8)
+            await http.request("POST", f"http://127.0.0.1:{server.port}/x", 5.0, {})
+        finally:
+            await http.aclose()
+        await asyncio.sleep(0.05)
+    assert server.requests == [3, 1]
+
+
+async def test_a_timed_out_or_cancelled_call_leaves_its_connection_closed() -> None:
+    """A late answer must never be read as the next call's: the connection of a call that ended early is closed."""
+    async with RawServer(_silent, _silent, _answer_all) as server:
+        http = EngineHTTP()
+        url = f"http://127.0.0.1:{server.port}/x"
+        try:
+            started = time.monotonic()
+            with pytest.raises(ReadTimeout, match=r"within 0\.3s"):
+                await http.request("POST", url, 0.3, {})
+            assert time.monotonic() - started < 1.0
+            call = asyncio.ensure_future(http.request("POST", url, 5.0, {}))
+            await asyncio.sleep(0.2)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert (await http.request("POST", url, 5.0, {})).json()["message"] == "answer 1"
+        finally:
+            await http.aclose()
+        connections = len(server.requests)
+    assert connections == 3  # the silent connections were not reused: the third call got one of its own
+
+
 async def test_waits_are_bounded_by_the_timeout() -> None:
     async with RawServer(_silent) as server:
         api = EngineAPI(None, 0.3)
@@ -327,11 +336,11 @@ async def test_waits_are_bounded_by_the_timeout() -> None:
         finally:
             await api.aclose()
     async with RawServer(_never_reads) as server:  # the request cannot be written whole
-        http = KeepAliveClient({})
+        http = EngineHTTP()
         try:
             started = time.monotonic()
-            with pytest.raises(httpx.WriteTimeout):
-                await http.request("POST", _target(http, server.port, "/x"), 0.3, {"blob": "z" * 64_000_000})
+            with pytest.raises(EngineTimeout):
+                await http.request("POST", f"http://127.0.0.1:{server.port}/x", 0.3, {"blob": "z" * 64_000_000})
             assert time.monotonic() - started < 3.0
         finally:
             await http.aclose()
@@ -345,9 +354,47 @@ async def test_engine_errors_keep_their_classification(server_port: int) -> None
         gone = _engine(free_port())  # nothing listens there
         with pytest.raises(WeightSyncError, match="rollout_3") as failed:
             await api.post(gone, "/end_weight_update", {})
-        assert isinstance(failed.value.__cause__, httpx.ConnectError)
+        assert isinstance(failed.value.__cause__, ConnectError)
         assert _unreachable(failed.value)
         assert not await api.alive(gone, 1.0)
         assert await api.alive(_engine(server_port), 1.0) is True
     finally:
         await api.aclose()
+
+
+def test_a_proxy_from_the_environment_is_used_and_no_proxy_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines behind a proxy: the request goes to the proxy (absolute URL in the request line); NO_PROXY hosts
+    are called directly. Run against a raw server playing the proxy."""
+
+    async def main() -> list[bytes]:
+        heads: list[bytes] = []
+
+        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(_ok({"success": True, "message": "via proxy"}))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("NO_PROXY", "")
+        http = EngineHTTP()
+        try:
+            answer = await http.request("GET", "http://engine.invalid:30000/health", 5.0)
+            assert answer.json()["message"] == "via proxy"
+        finally:
+            await http.aclose()
+            server.close()
+        return heads
+
+    heads = asyncio.run(main())
+    assert heads and heads[0].startswith(b"GET http://engine.invalid:30000/health HTTP/1.1"), heads
+
+
+def test_the_blocking_form_uses_a_connection_of_its_own(server_port: int) -> None:
+    """What the worker's join and destroy calls use: a loop and a connection per call."""
+    answer = request_blocking("POST", f"http://127.0.0.1:{server_port}/echo", 5.0, {"a": 1}, {"Authorization": "B k"})
+    assert answer.is_success and answer.json()["auth"] == "B k" and answer.json()["bytes"] == len('{"a":1}')
+    with pytest.raises(ConnectError):
+        request_blocking("POST", f"http://127.0.0.1:{free_port()}/x", 2.0, {})
