@@ -15,7 +15,7 @@ evicted first). Throughputs count the uncompressed bytes.
 Part 2 (`end_to_end`, a private redis-server and a real `dcs worker` with `--workers` processes): the whole
 state saved with and without compression (at `--level`) (median of `--repeats` saves to the durable commit, after a
 warm-up) and restored (median of `--repeats`, page cache evicted before each, bit-exact checked).
-Writes bench/results/compression.json and prints a summary.
+Writes a result file under bench/results/compression/ and prints a summary.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import start_redis, start_worker, stop
+from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint import fastread
@@ -45,7 +45,6 @@ from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "compression.json"
 
 
 def build_state(hidden: int, layers: int, steps: int, int_mb: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -205,6 +204,7 @@ def _save_and_restore(config: DCSConfig, state: dict[str, Any], repeats: int) ->
 
 
 def main() -> None:
+    bench_run = Run("compression")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -233,8 +233,7 @@ def main() -> None:
             report_end_to_end(results["end_to_end"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    bench_run.record(results)
 
 
 def report_codec(category: str, r: dict[str, Any]) -> None:

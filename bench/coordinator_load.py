@@ -6,14 +6,14 @@ HTTP/1.1 keep-alive load generator drives `GET /heartbeat?role=actor&rank=i` (wi
 `X-DCS-Node: ip:port` that CoordinatorAPI sends) on each with `--connections`
 connections for `--duration` seconds; targets alternate for `--rounds` rounds so drift hits both alike.
 Prints req/s, p50/p99 and the ratio ours/bare (median over rounds), plus each server's CPU time per request
-(from /proc; steadier than req/s when other jobs share the cores); writes bench/results/coordinator_load.json.
+(from /proc; steadier than req/s when other jobs share the cores); writes a result file under
+bench/results/coordinator_load/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.harness import (  # noqa: E402
+    Run,
     cpu_seconds,
     percentile,
     read_response,
@@ -148,6 +149,7 @@ def summary_line(s: dict[str, Any], out: Path) -> str:
 
 
 def main() -> None:
+    bench_run = Run("coordinator_load")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per round and target")
@@ -171,9 +173,7 @@ def main() -> None:
             for proc in (bare, ours, redis_proc):
                 stop(proc)
     summary = summarize(results, args)
-    out = REPO / "bench" / "results" / "coordinator_load.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    out = bench_run.record(summary)
     print(summary_line(summary, out.relative_to(REPO)))
 
 

@@ -14,7 +14,6 @@ those. Written bytes = the manifest's files without `source_step` (and the step 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -24,14 +23,13 @@ from typing import Any
 
 import torch
 
-from bench.harness import start_redis, start_worker, stop
+from bench.harness import Run, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.reader import load_manifest
 from dcs_tasks.config import DCSConfig
 
 MiB = 1 << 20
 WARMUP = 2  # saves before the layout is stable (see the docstring)
-RESULTS = Path(__file__).resolve().parent / "results" / "incremental.json"
 
 
 def finetune_state(size_mb: int, layers: int, frozen: float) -> dict[str, Any]:
@@ -124,6 +122,7 @@ def summarize(rows: dict[str, list[dict[str, float]]]) -> dict[str, float]:
 
 
 def main() -> None:
+    bench_run = Run("incremental")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=32)
@@ -141,8 +140,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "saves": rows, "summary": summarize(rows)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    bench_run.record(results)
     for mode, mode_rows in rows.items():
         for r in mode_rows:
             times = f"stall {r['stall_s'] * 1e3:7.1f} ms, durable {r['durable_s']:6.2f} s"

@@ -10,13 +10,12 @@ private redis-server and a real `dcs worker` with `replica_dir` set, then:
   plain     `shutil.copyfile` of the same files + fsync + directory fsync (cold primary), and the same plus a
             read-back of the copy with the page cache evicted (what "copy and check" costs without DCS)
 The three in-process contenders take turns, `--repeats` rounds. GB/s = step bytes / seconds (1 GB = 1e9
-bytes). Writes bench/results/replica.json and prints a summary.
+bytes). Writes a result file under bench/results/replica/ and prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import start_redis, start_worker, stop
+from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache, make_state, nbytes
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import make_celery
@@ -44,7 +43,6 @@ from workers.ckpt_tasks import replica_task_id
 from workers.replica import copy_step
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "replica.json"
 
 
 def through_worker(state: dict[str, torch.Tensor], root: Path, repeats: int) -> tuple[list[float], Path]:
@@ -114,6 +112,7 @@ def alternating(contenders: dict[str, Any], src: Path, scratch: Path, repeats: i
 
 
 def main() -> None:
+    bench_run = Run("replica")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=16)
@@ -141,8 +140,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     rates = {k.removesuffix("_s") + "_gb_per_s": size / 1e9 / v for k, v in figures.items() if k.endswith("_s")}
     results = {"size_mb": args.size_mb, "tensor_bytes": total, "files": len(manifest.files), **figures, **rates}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
+    bench_run.record(results)
     for key, rate in rates.items():
         seconds = figures[key.removesuffix("_gb_per_s") + "_s"]
         print(f"{key.removesuffix('_gb_per_s'):<24} {seconds:7.3f} s  {rate:6.2f} GB/s")

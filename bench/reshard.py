@@ -8,7 +8,8 @@ restores into zeroed DTensors on its own mesh with `Checkpointer.restore(into=)`
 `dcp.load`, the page cache of both checkpoints evicted before each, and checks every local shard bit for bit
 against `distribute_tensor` of the full tensor. Per restore: wall time (slowest rank), and bytes read summed
 over ranks: /proc/self/io `read_bytes` (from the disk), `rchar` (every read syscall, sockets included) and,
-for DCS, its own count of checkpoint data bytes read. Writes bench/results/reshard.json and prints a summary.
+for DCS, its own count of checkpoint data bytes read. Writes a result file under bench/results/reshard/ and
+prints a summary.
 
     .venv/bin/python bench/reshard.py --size-mb 256
 """
@@ -30,11 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import REPO, free_port, start_redis, start_worker, stop
+from bench.harness import REPO, Run, free_port, start_redis, start_worker, stop
 from dcs_tasks.config import DCSConfig
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "reshard.json"
 COLS = 1024
 
 
@@ -195,6 +195,7 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
+    bench_run = Run("reshard")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--tensors", type=int, default=8)
@@ -231,8 +232,7 @@ def main() -> None:
         stop(redis)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(Path("/dev/shm") / work.name, ignore_errors=True)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
+    bench_run.record(result)
     print(f"state {args.size_mb} MiB saved by {args.save_world} ranks: DCS {result['dcs_save_s']:.2f}s to commit, "
           f"DCP {result['dcp_save_s']:.2f}s")  # fmt: skip
     for world, s in result["restore"].items():

@@ -8,7 +8,7 @@ One run, same state (~`--size-mb` MiB of fp32 in `--tensors` tensors), same dire
            default stager) and its best staging (process executor + shared-memory stager); dcp.load
   ours     Checkpointer.save stall (median of `--repeats` after a warm-up), time to durable commit, and
            restore (verified) through a private redis-server and a real `dcs worker`
-Ratios are the figures (docs/benchmarks.md). Writes bench/results/save.json and prints a summary.
+Ratios are the figures (docs/benchmarks.md). Writes a result file under bench/results/save/ and prints a summary.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import free_port, start_redis, start_worker, stop
+from bench.harness import Run, free_port, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.config import DCSConfig
 
 GiB = 1 << 30
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "save.json"
 
 
 def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
@@ -303,6 +302,7 @@ def summarize(total: int, r: dict[str, Any]) -> dict[str, float]:
 
 
 def main() -> None:
+    bench_run = Run("save")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=100)
@@ -326,8 +326,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["ratios"] = summarize(total, results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    bench_run.record(results)
     report(results)
 
 

@@ -11,7 +11,8 @@ bytes (the limit) and torch DCP's S3 writers, all against one S3 server in one r
 
 The server is whatever AWS_ENDPOINT_URL names (credentials from the standard AWS environment); `--bucket` must
 exist. The server's own caches are not dropped, for any contender. Prints a summary and writes
-bench/results/storage.json. Example (a Swift s3api server the test suite starts, see docs/benchmarks.md):
+a result file under bench/results/storage/. Example (a Swift s3api server the test suite starts, see
+docs/benchmarks.md):
     AWS_ENDPOINT_URL=http://127.0.0.1:PORT AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... \\
         python bench/storage.py --bucket bench --size-mb 1024
 """
@@ -35,12 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import start_redis, start_worker, stop
+from bench.harness import Run, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "storage.json"
 
 
 def make_state(size_mb: int, tensors: int) -> dict[str, torch.Tensor]:
@@ -203,6 +203,7 @@ def dcp_fsspec(bucket: str, state: dict[str, torch.Tensor], tag: str) -> dict[st
 
 
 def main() -> None:
+    bench_run = Run("storage")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--size-mb", type=int, default=1024)
@@ -324,8 +325,7 @@ def main() -> None:
         "rounds": rounds,
         "summary": summary,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    bench_run.record(record)
     print(json.dumps(summary, indent=2, default=str))
 
 

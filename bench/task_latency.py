@@ -1,13 +1,13 @@
 """Task latency: enqueue -> task start on an idle `dcs worker`, and the full round trip (result read back).
 
 Starts a private redis-server and one real worker, sends `--n` ping tasks one at a time to the node queue,
-and reports p50/p99 of (task start - send time) and of the round trip. Writes bench/results/task_latency.json.
+and reports p50/p99 of (task start - send time) and of the round trip. Writes a result file under
+bench/results/task_latency/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import start_redis, start_worker, stop
+from bench.harness import Run, start_redis, start_worker, stop
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
 
@@ -27,6 +27,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
+    bench_run = Run("task_latency")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=200)
     args = parser.parse_args()
@@ -56,8 +57,7 @@ def main() -> None:
         },
         "round_trip_ms": {"p50": percentile(round_trip, 0.5) * 1e3, "p99": percentile(round_trip, 0.99) * 1e3},
     }
-    out = Path(__file__).parent / "results" / "task_latency.json"
-    out.write_text(json.dumps(result, indent=2))
+    bench_run.record(result)
     s, r = result["enqueue_to_start_ms"], result["round_trip_ms"]
     print(
         f"task latency: enqueue->start p50 {s['p50']:.2f} ms p99 {s['p99']:.2f} ms; "
