@@ -96,7 +96,7 @@ MAX_MESSAGE = 500  # characters of a peer's error message kept
 NONCE_BYTES = 32
 TAG_BYTES = 32
 RECV_CHUNK_BYTES = 1 << 20  # received, hashed and written per step (one reusable buffer per connection)
-SOCKET_BUFFER_BYTES = 4 << 20  # asked for when the kernel allows that much (else TCP autotuning)
+SOCKET_BUFFER_BYTES = 16 << 20  # asked for when net.core.[rw]mem_max allow that much, else TCP autotuning
 INCOMING_PREFIX = ".incoming-"
 STOP_JOIN_SECONDS = 10.0
 _ACCEPT_POLL = 0.2
@@ -210,8 +210,9 @@ def _buffer_limit() -> int:
 
 
 def _tune(sock: socket.socket) -> None:
-    """TCP_NODELAY; large send and receive buffers when the kernel allows `SOCKET_BUFFER_BYTES` (setting a
-    smaller one would only switch off TCP's autotuning, which grows them further on its own)."""
+    """TCP_NODELAY; send and receive buffers of `SOCKET_BUFFER_BYTES` when the kernel allows that much. Else
+    they are left to TCP's autotuning, which grows them up to net.ipv4.tcp_rmem/tcp_wmem's maximum (32 MiB and
+    4 MiB by default): setting a smaller size would switch autotuning off and cap them lower."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCKET_BUFFER_BYTES and _buffer_limit() >= SOCKET_BUFFER_BYTES:
