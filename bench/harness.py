@@ -54,7 +54,10 @@ class Run:
     load_before: tuple[float, float, float] = field(default_factory=os.getloadavg)
     command: str = field(default_factory=lambda: command_line())
 
-    def record(self, figures: Any, rows: list[Row] | None = None, notes: str = "", out: Path | None = None) -> Path:
+    def record(
+        self, figures: Any, rows: list[Row] | None = None, notes: str = "", out: Path | None = None, headline: str = ""
+    ) -> Path:
+        """Write the result file; `headline`: the README's one short line for this run (the rows' ratios when empty)."""
         ended = datetime.datetime.now(datetime.UTC)
         document = {
             "format": RESULT_FORMAT,
@@ -64,6 +67,7 @@ class Run:
             "ended": _iso(ended),
             "machine": machine(self.load_before),
             "commit": git_commit(),
+            "headline": headline,
             "summary": [asdict(row) for row in rows or []],
             "notes": notes,
             "figures": figures,
