@@ -48,7 +48,8 @@ def test_a_run_writes_its_command_load_and_rows_and_the_report_tables_the_newest
     assert doc["started"].startswith("2026-12-01") and doc["summary"][0]["met"] is False
     assert doc["figures"] == {"seconds": 1.0} and "head" in doc["commit"]
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "b.md").write_text("# B\n\n<!-- bench-report:begin -->\nold\n<!-- bench-report:end -->\ntail\n")
+    doc = "# B\n\n<!-- bench-report:begin -->\nold\n<!-- bench-report:end -->\ntail\n"
+    (tmp_path / "docs" / "b.md").write_text(doc)
     (tmp_path / "README.md").write_text("x\n<!-- bench-readme:begin -->\n<!-- bench-readme:end -->\ny\n")
 
     assert _report(tmp_path, "--check").returncode == 1  # stale before the first build
