@@ -61,7 +61,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -678,7 +678,9 @@ def _send_files(ch: _Channel, fds: list[int], manifest: Manifest, rel: StepRel) 
 class PeerServer:
     """Serves the memory root `root` to peers that know `token` (module doc). `max_step_bytes` bounds the step
     a put may bring (and so each connection's temp directory); `timeout`: every socket call's, and the whole
-    handshake's plus request's. `errors` keeps the last failures (newest last), for logs and tests."""
+    handshake's plus request's. `on_installed(rel)` is called (in the connection's thread, after the peer was
+    answered) for every step a put installed. `errors` keeps the last failures (newest last), for logs and
+    tests."""
 
     def __init__(
         self,
@@ -690,6 +692,7 @@ class PeerServer:
         max_step_bytes: int,
         timeout: float = 30.0,
         max_connections: int = MAX_CONNECTIONS,
+        on_installed: Callable[[str], None] | None = None,
     ) -> None:
         self._token = _token_bytes(token)
         if max_step_bytes <= 0 or timeout <= 0 or max_connections <= 0:
@@ -700,6 +703,7 @@ class PeerServer:
         self.max_step_bytes = max_step_bytes
         self.timeout = timeout
         self.max_connections = max_connections
+        self.on_installed = on_installed
         self.errors: deque[PeerError] = deque(maxlen=64)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
@@ -872,6 +876,11 @@ class PeerServer:
             os.close(parent_fd)
         ch.send({"status": "ok" if installed else "have", "bytes": manifest.total_bytes})
         log.info("peer server: %s %s from %s", "installed" if installed else "already had", rel, ch.peer)
+        if installed and self.on_installed is not None:
+            try:
+                self.on_installed(str(rel))
+            except Exception:  # the step is installed and the peer told so: a failing hook is only logged
+                log.exception("peer server: on_installed(%r) failed", str(rel))
 
     def _get(self, ch: _Channel, request: dict[str, Any]) -> None:
         rel = parse_rel(request.get("rel"))
@@ -967,9 +976,10 @@ def _step_of(name: str) -> int | None:
 
 def push_step(address: Address, token: str, step_dir: Path, rel: str, *, timeout: float) -> int:
     """Send the committed step at `step_dir` to the peer at `address`, which installs it as `rel`; the bytes of
-    file data sent (0 when the peer holds the step already: it is never replaced). The local step is checked
-    first (CorruptCheckpoint: its manifest fails the checks, names another step than `rel`, or a file is not a
-    regular file of its recorded size; PeerRefused: it is compressed or incremental)."""
+    file data sent (0 when the peer said it holds the step already, before any byte went: it is never replaced;
+    a copy that another one beat to the rename counts its bytes and leaves the first in place). The local step is
+    checked first (CorruptCheckpoint: its manifest fails the checks, names another step than `rel`, or a file is
+    not a regular file of its recorded size; PeerRefused: it is compressed or incremental)."""
     step = parse_rel(rel)
     step_fd = _open_dir(str(step_dir), None, str(step_dir))
     try:

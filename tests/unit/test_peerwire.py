@@ -513,6 +513,21 @@ def test_stop_cuts_a_transfer_and_removes_its_partial_step(tmp_path: Path) -> No
     ch.sock.close()
 
 
+def test_on_installed_names_each_step_a_put_installed(tmp_path: Path) -> None:
+    step_dir, rel = make_step(tmp_path / "src", "exp", 1)
+    seen: list[str] = []
+
+    def hook(installed: str) -> None:
+        seen.append(installed)
+        raise RuntimeError("a failing hook changes nothing for the peer")
+
+    with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 30, on_installed=hook) as srv:
+        assert pw.push_step(srv.address, TOKEN, step_dir, rel, timeout=TIMEOUT) > 0
+        assert pw.push_step(srv.address, TOKEN, step_dir, rel, timeout=TIMEOUT) == 0
+        wait_until(lambda: seen == [rel], 10, "the hook to be called once")
+        assert verifies(srv.root / rel)
+
+
 def test_a_stale_incoming_directory_is_removed_at_start(tmp_path: Path) -> None:
     stale = tmp_path / "peer" / "exp" / "rank-00001" / (pw.INCOMING_PREFIX + "dead")
     stale.mkdir(parents=True)
