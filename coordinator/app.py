@@ -71,6 +71,7 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
             config.heartbeat_timeout_seconds,
             identity_required=config.node_identity_required,
             unbeaten_retention_seconds=config.unbeaten_node_retention_seconds,
+            heartbeat_interval_seconds=config.heartbeat_interval_seconds,
         ),
         weight_meta=WeightMetaStore(
             client,

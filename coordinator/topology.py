@@ -42,6 +42,7 @@ class RegistrationKind(str, enum.Enum):
 
 _MAX_CACHED_NODES = 65536
 _SWEEP_BATCH = 500
+_BEAT_CODES = {"1": 1, "0": 0, "x": -1}
 _KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: RegistrationKind.ASSIGNED}
 
 
@@ -139,6 +140,7 @@ class TopologyManager:
         *,
         identity_required: bool = False,
         unbeaten_retention_seconds: float | None = None,
+        heartbeat_interval_seconds: float | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -149,6 +151,20 @@ class TopologyManager:
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
+        # a node's last-beat record is rewritten once it is this old: with beats every interval it stays under half
+        # the TTL (rank assignment looks for dead ranks among older records); 0 (no interval given): every beat
+        refresh = (
+            0.0
+            if heartbeat_interval_seconds is None
+            else heartbeat_timeout_seconds / 2 - 1.5 * heartbeat_interval_seconds
+        )
+        self._beat_many_keys = [keys.node_beats(), keys.node_unbeaten()]
+        self._beat_many_argv = [  # ARGV[3..6] of scripts.HEARTBEAT_MANY
+            keys.role_nodes_prefix(),
+            keys.role_owners_prefix(),
+            keys.heartbeat_prefix(),
+            repr(max(0.0, refresh)),
+        ]
         self._prune_from = 0  # where the next role prune continues (a hint: any value is correct)
 
     # --- writes ---------------------------------------------------------------------------------
@@ -214,20 +230,17 @@ class TopologyManager:
     async def heartbeat_many(self, beats: list[tuple[str, int, str]]) -> tuple[float, list[int]]:
         """Beat every (role, rank, identity) in one Lua call; returns the beat time and one code per beat:
         1 recorded, 0 not registered, -1 fenced out (another node holds the rank; identity "" = unfenced)."""
+        now, codes = await self.heartbeat_many_packed("\n".join(f"{r}\n{k}\n{i}" for r, k, i in beats))
+        return now, [_BEAT_CODES[c] for c in codes]
+
+    async def heartbeat_many_packed(self, packed: str) -> tuple[float, str]:
+        """`heartbeat_many` for beats already packed as `scripts.HEARTBEAT_MANY` takes them ("role\nrank\nidentity"
+        joined by "\n", every part checked: no "\n" inside); returns the beat time and one character per beat
+        ("1" recorded, "0" not registered, "x" fenced out)."""
         now = time.time()
-        argv: list[str] = [
-            self._ttl_arg,
-            repr(now),
-            self.keys.role_nodes_prefix(),
-            self.keys.role_owners_prefix(),
-            self.keys.heartbeat_prefix(),
-        ]
-        for role, rank, identity in beats:
-            argv += (role, str(rank), identity)
-        codes = await scripts.HEARTBEAT_MANY.run_async(
-            self.redis, [self.keys.node_beats(), self.keys.node_unbeaten()], argv
-        )
-        return now, [int(c) for c in codes]
+        argv = [self._ttl_arg, repr(now), *self._beat_many_argv, packed]
+        codes = await scripts.HEARTBEAT_MANY.run_async(self.redis, self._beat_many_keys, argv)
+        return now, codes.decode() if isinstance(codes, bytes) else str(codes)
 
     def _heartbeat_keys(self, role: str, rank: int) -> tuple[list[str], str]:
         """The heartbeat script's KEYS and node_beats member, memoised: heartbeats are the hot path (bounded;

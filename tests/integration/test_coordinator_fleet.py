@@ -48,7 +48,8 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     assert [a.rank for a in answers] == [0, 1, 2] and answers[1].identity == "10.0.0.1:7001"
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
-    await asyncio.sleep(0.05)
+    # a beat rewrites the last-beat record once it is older than half the TTL less 1.5 intervals (0.25 s here)
+    await asyncio.sleep(0.5 * dcs_config.heartbeat_timeout_seconds - 1.5 * dcs_config.heartbeat_interval_seconds + 0.05)
     r.delete(keys.heartbeat("actor", 2))  # rank 2's node is presumed dead: another node may take its rank
     other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
     assert other.json()["rank"] == 2  # our client's identity for rank 2 (7002) is now fenced out
@@ -225,3 +226,15 @@ def test_beats_at_the_heartbeat_interval_reuse_one_connection(dcs_config: DCSCon
                 time.sleep(defaults.heartbeat_interval_seconds + 0.5)
     finally:
         coordinator.stop()
+
+
+async def test_a_batch_beat_replaces_a_heartbeat_key_of_the_wrong_type(
+    coord: InProcessCoordinator, dcs_config: DCSConfig
+) -> None:
+    api, keys, r = coord.api, Keys(dcs_config.namespace), raw_redis(dcs_config)
+    await api.register_many([node(0, 7000), node(1, 7001)])
+    r.delete(keys.heartbeat("actor", 0))
+    r.hset(keys.heartbeat("actor", 0), "planted", "by someone with Redis access")
+    assert await api.heartbeat_many([("actor", 0), ("actor", 1)]) == [BeatOutcome.OK, BeatOutcome.OK]
+    assert r.type(keys.heartbeat("actor", 0)) == "string" and r.pttl(keys.heartbeat("actor", 0)) > 0
+    r.close()
