@@ -566,6 +566,25 @@ ch.recv_exact(1 << 20, "the first MiB")
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
+# A peer that starts sending a step it was asked for (`get`), then dies.
+DYING_SENDER = """
+import os, signal, socket, sys
+from pathlib import Path
+from dcs_tasks.checkpoint import peerwire as pw
+step_dir = Path(sys.argv[3])
+me = pw.PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30)  # not started: its handshake only
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+sock, _ = listener.accept()
+ch = pw._Channel(sock, "client", 5.0, server=True)
+me._authenticate(ch)
+ch.recv()
+ch.send({"status": "send"})
+ch.send_blob((step_dir / "manifest.json").read_bytes())
+sock.sendall(sorted(step_dir.glob("*.safetensors"))[0].read_bytes()[: 1 << 20])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
 # A client that sends part of a step, then dies.
 DYING_CLIENT = """
 import os, signal, sys
@@ -645,6 +664,22 @@ def test_a_peer_killed_mid_transfer_is_unavailable_within_the_timeout(tmp_path: 
         assert proc.wait(10) == -signal.SIGKILL
     finally:
         finish(proc)
+
+
+def test_a_sender_killed_mid_transfer_leaves_the_puller_nothing(tmp_path: Path) -> None:
+    step_dir, rel = make_step(tmp_path / "src", "exp", 1, (4 << 20, 4 << 20))
+    proc = spawn(DYING_SENDER, str(tmp_path / "unused"), TOKEN, str(step_dir))
+    dest = tmp_path / "dest"
+    try:
+        address = ("127.0.0.1", int(first_line(proc)))
+        began = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="closed the connection"):
+            pw.pull_step(address, TOKEN, rel, dest, timeout=TIMEOUT, max_bytes=1 << 30)
+        assert time.monotonic() - began < TIMEOUT
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        finish(proc)
+    assert not (dest / rel).exists() and leftovers(dest) == []
 
 
 def test_a_client_killed_mid_transfer_leaves_no_partial_step(server: pw.PeerServer, tmp_path: Path) -> None:
