@@ -286,7 +286,8 @@ class SGLangFloor:
     def __init__(self, urls: list[str], state: dict[str, torch.Tensor], bucket_bytes: int) -> None:
         from dcs_tasks.sync.sender import BucketSender
 
-        sender = BucketSender(None, torch.device("cpu"), bucket_bytes, sglang=True)  # type: ignore[arg-type]
+        # the plan DCS's client makes for SGLang engines (client/engine.py: no tensor sent alone below a bucket)
+        sender = BucketSender(None, torch.device("cpu"), bucket_bytes, alone_bytes=None, sglang=True)  # type: ignore[arg-type]
         self.urls = urls
         self.layouts = sender.plan(state)
         self.flats = [
@@ -427,7 +428,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
                 await client.stop()
             baselines.close()
     last_phases = {name: {key: statistics.median(v) for key, v in per.items()} for name, per in phases.items()}
-    return times, {"last_update": last, "median_phases": last_phases}
+    floor_buckets = len(floor.layouts) if floor is not None else None
+    return times, {"last_update": last, "median_phases": last_phases, "floor_buckets": floor_buckets}
 
 
 def main() -> None:
@@ -472,6 +474,7 @@ def main() -> None:
         "target": f"dcs_vs_flat >= {target} (1 GiB: {TARGETS['1 GiB']}, 32 MiB: {TARGETS['32 MiB']})",
     }
     if "sglang_floor" in med:
+        result["sglang_floor_buckets"] = push_metrics.get("floor_buckets")
         result["sglang_over_floor"] = med["sglang"] / med["sglang_floor"]
         result["sglang_overhead_seconds"] = med["sglang"] - med["sglang_floor"]
     bench_run.record(result, summary(args, med, target), out=args.out)
