@@ -238,3 +238,21 @@ async def test_a_batch_beat_replaces_a_heartbeat_key_of_the_wrong_type(
     assert await api.heartbeat_many([("actor", 0), ("actor", 1)]) == [BeatOutcome.OK, BeatOutcome.OK]
     assert r.type(keys.heartbeat("actor", 0)) == "string" and r.pttl(keys.heartbeat("actor", 0)) > 0
     r.close()
+
+
+async def test_batch_beats_outside_the_plain_path_are_normalised_or_refused_by_name(
+    coord: InProcessCoordinator,
+) -> None:
+    """A body the fast path does not take (an identity to normalise, an unknown field) gets the full validation:
+    the same outcomes, or a 422 naming the field."""
+    await coord.api.register_many([node(0, 7000), node(1, 7001)])
+    plain = {"beats": [{"role": "actor", "rank": 0, "identity": "10.0.0.1:7000"}]}
+    padded = {"beats": [{"role": "actor", "rank": 1, "identity": "10.0.0.1:07001", "note": "ignored"}]}
+    for body in (plain, padded):
+        answer = await coord.authed.post("/heartbeats", json=body)
+        assert answer.status_code == 200 and answer.json()["results"] == ["ok"], answer.text
+    for bad, field in (({"role": "actor", "rank": -1, "identity": "10.0.0.1:7000"}, "beats.0.rank"),
+                       ({"role": "actor", "rank": 0, "identity": "10.0.0.1:0"}, "beats.0.identity"),
+                       ({"role": "act or", "rank": 0, "identity": "10.0.0.1:7000"}, "beats.0.role")):  # fmt: skip
+        answer = await coord.authed.post("/heartbeats", json={"beats": [bad]})
+        assert answer.status_code == 422 and field in answer.json()["detail"], answer.text
