@@ -65,6 +65,7 @@ bench: install redis-bin
 	$(BIN)/python bench/coordinator_load.py
 	$(BIN)/python bench/fleet_heartbeats.py
 	$(BIN)/python bench/save.py
+	$(BIN)/python bench/goodput.py
 	$(BIN)/python bench/reshard.py
 	$(BIN)/python bench/incremental.py
 	$(BIN)/python bench/replica.py
