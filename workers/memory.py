@@ -2,9 +2,9 @@
 flush of a step to storage, the copies to peer hosts, eviction, and this host's peer server.
 
 After a memory step commits (`after_commit`): its place `mem@<host>` is recorded; a durable step is sent to the
-flush task (copy to `checkpoint_dir` with `replica.copy_step`: files hashed against the manifest, the copy read
-back and verified, manifest last; then `latest`, retention and the replica as after a storage commit); with
-`memory_replicas` > 0 the peer-copy task pushes the step to peers chosen by `tiers.choose_peers`
+flush task (copy to `checkpoint_dir` with `replica.copy_step`: every file hashed while written and compared
+with the manifest, fsynced, headers checked, manifest last; then `latest`, retention and the replica as after a
+storage commit); with `memory_replicas` > 0 the peer-copy task pushes the step to peers chosen by `tiers.choose_peers`
 (`dcs_tasks.checkpoint.peerwire`: authenticated with the shared token, every file verified on arrival); each
 copy's place is recorded once it verified, and `replicated` once every copy asked for did. Every one of these
 ends with eviction (`tiers.evict`).
@@ -96,7 +96,7 @@ def flush(req: MemoryStepRequest, task_id: str) -> dict[str, Any]:
     manifest = _primary_manifest(src)  # ReplicaFailed when the memory step is gone or corrupt
     copied = 0
     if not _complete(dst, manifest):
-        copied = copy_step(src, dst, manifest, task_id, config.persist_throttle_bytes_per_second)
+        copied = copy_step(src, dst, manifest, task_id, config.persist_throttle_bytes_per_second, read_back=False)
     if isinstance(dst, ObjectPath):
         move_object_latest(dst.parent, ref.step, run_lock)
     else:

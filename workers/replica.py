@@ -170,15 +170,26 @@ def _remove(path: Location) -> None:
         path.unlink(missing_ok=True)
 
 
-def copy_step(src_dir: Location, dst_dir: Location, manifest: Manifest, tag: str, throttle: float | None = None) -> int:
-    """Copy every file of the checked primary step `src_dir` to `dst_dir` (durably, hashed), verify the copy as
-    read back, then write its manifest last; returns the bytes copied. No Redis, no `latest` (bench/replica.py
-    times this). Either side may be an object store (`_copy_across`)."""
+def copy_step(
+    src_dir: Location,
+    dst_dir: Location,
+    manifest: Manifest,
+    tag: str,
+    throttle: float | None = None,
+    read_back: bool = True,
+) -> int:
+    """Copy every file of the checked primary step `src_dir` to `dst_dir` (durably, hashed on the way and compared
+    with the manifest), verify the copy as read back (`read_back`; the memory tier's flush skips it: its writes
+    are checked as a save's are, hashed while written), then write its manifest last; returns the bytes copied.
+    No Redis, no `latest` (bench/replica.py times this). Either side may be an object store (`_copy_across`)."""
     if isinstance(dst_dir, Path):
         make_dirs_durable(dst_dir)
     copied = sum(_copy_file(entry, src_dir, dst_dir, tag, throttle) for entry in manifest.files)
     try:
-        verify_step(dst_dir, manifest)
+        if read_back:
+            verify_step(dst_dir, manifest)
+        else:
+            check_files(dst_dir, manifest)  # sizes and headers as stored
     except CorruptCheckpoint as exc:
         if exc.path and isinstance(dst_dir, Path) and Path(exc.path).is_relative_to(dst_dir.parent):
             Path(exc.path).unlink(missing_ok=True)  # a redelivery copies it again

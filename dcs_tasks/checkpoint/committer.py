@@ -52,19 +52,20 @@ def write_file(
     threads: int = 0,
     throttle: float | None = None,
     publish: Callable[[], bool] | None = None,
+    recycled: Path | None = None,
 ) -> FileEntry:
     """Store `length` bytes at `offset` (page-aligned) of the open file `source_fd` as the step file `final`;
     returns its manifest entry (zstd-compressed as `<name>.zst` when `compression` asks and the bytes shrink
-    enough, on either store)."""
+    enough, on either store). `recycled`: a file to overwrite instead of a new one (files only; the memory
+    tier's, `fsio.durable_file`)."""
     if isinstance(final, ObjectPath):
         if compression is not None and length > 0:
             packed = _upload_compressed(source_fd, offset, length, final, compression, threads, throttle, publish)
             if packed is not None:
                 return packed
         return _upload(source_fd, offset, length, final, publish, throttle)
-    return write_region(
-        Path(f"/proc/self/fd/{source_fd}"), offset, length, final, tag, compression, threads, throttle, publish
-    )
+    source = Path(f"/proc/self/fd/{source_fd}")
+    return write_region(source, offset, length, final, tag, compression, threads, throttle, publish, recycled)
 
 
 def _upload(

@@ -136,11 +136,12 @@ def write_region(
     threads: int = 0,
     throttle_bytes_per_second: float | None = None,
     publish: Callable[[], bool] | None = None,
+    recycled: Path | None = None,
 ) -> FileEntry:
     """Persist `length` bytes at `offset` (page-aligned) of `source` as the step file `final` (its manifest
     name): as they are without `spec` or when the probe says they do not shrink enough, else zstd-compressed
-    as `final` + ".zst". Durable either way; returns the file's manifest entry. `publish`: see
-    `fsio.durable_file` (NotPublished when it refuses the rename)."""
+    as `final` + ".zst". Durable either way; returns the file's manifest entry. `publish` and `recycled` (an
+    uncompressed file only): see `fsio.durable_file` (NotPublished when it refuses the rename)."""
     if spec is not None and length > 0:
         with open(source, "rb") as src:
             mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
@@ -150,7 +151,7 @@ def write_region(
                     return _write_compressed(view, final, tag, spec, threads, throttle_bytes_per_second, publish)
         finally:
             mapping.close()
-    checksum = stream_region(source, offset, length, final, tag, throttle_bytes_per_second, publish)
+    checksum = stream_region(source, offset, length, final, tag, throttle_bytes_per_second, publish, recycled)
     return FileEntry(name=final.name, size=length, checksum=checksum)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -27,6 +28,8 @@ from dcs_tasks.checkpoint.format import new_hasher
 from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.errors import UntrustedPath
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = WRITE_CHUNK_BYTES
 O_DIRECT: int = iosizes.O_DIRECT  # a module attribute: tests patch it here
@@ -109,7 +112,13 @@ def write_all(fd: int, data: memoryview) -> None:
             pos += os.write(fd, rest)
 
 
-def _open_temp(tmp: Path, direct: bool) -> int:
+def _open_temp(tmp: Path, direct: bool, recycled: Path | None = None) -> int:
+    if recycled is not None:  # a file of this writer's own (claimed by a rename), overwritten in place
+        try:
+            os.rename(recycled, tmp)
+            return os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # gone, or on another file system: a new file
+            log.debug("recycled file %s not used: %s", recycled, exc)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a temp name is never reused
     if direct and O_DIRECT:
         try:
@@ -128,16 +137,22 @@ class NotPublished(Exception):
 
 @contextlib.contextmanager
 def durable_file(
-    final: Path, tag: str, direct: bool = False, publish: Callable[[], bool] | None = None
+    final: Path,
+    tag: str,
+    direct: bool = False,
+    publish: Callable[[], bool] | None = None,
+    recycled: Path | None = None,
 ) -> Iterator[int]:
     """Yield a fd on a temp file; on success fsync it, rename it to `final` and fsync the directory.
     On any error the temp file is removed and the final name is untouched. `direct`: open with O_DIRECT
     when the filesystem allows it (the fd may be switched to buffered mode for an unaligned tail).
     `publish`: asked after the bytes are durable, just before the rename; False raises NotPublished (a
     redelivered persist whose file another delivery already recorded must not replace it: its source, the
-    staging buffer, may have been released and reused meanwhile)."""
+    staging buffer, may have been released and reused meanwhile). `recycled`: a file of the writer's own to
+    overwrite in place instead of a new one (the memory tier reuses tmpfs pages: a new file costs their allocation
+    and zeroing); the writer truncates it to what it wrote."""
     tmp = temp_path(final, tag)
-    fd = _open_temp(tmp, direct)
+    fd = _open_temp(tmp, direct and recycled is None, recycled)
     try:
         try:
             yield fd
@@ -167,20 +182,22 @@ def stream_region(
     tag: str,
     throttle_bytes_per_second: float | None = None,
     publish: Callable[[], bool] | None = None,
+    recycled: Path | None = None,
 ) -> str:
     """Copy `length` bytes at `offset` of `source` into `final` durably; return their xxh3_128 hex digest,
-    computed on the same pass. `throttle_bytes_per_second` slows the copy (fault tests only); `publish`: see
-    `durable_file`."""
+    computed on the same pass. `throttle_bytes_per_second` slows the copy (fault tests only); `publish` and
+    `recycled`: see `durable_file`."""
     hasher = new_hasher()
     direct = throttle_bytes_per_second is None and offset % DIRECT_ALIGN == 0
-    with open(source, "rb") as src, durable_file(final, tag, direct=direct, publish=publish) as fd:
-        if length == 0:
-            return str(hasher.hexdigest())
-        mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
-        try:
-            _copy_chunks(memoryview(mapping), fd, hasher, throttle_bytes_per_second)
-        finally:
-            mapping.close()
+    with open(source, "rb") as src, durable_file(final, tag, direct, publish, recycled) as fd:
+        if length > 0:
+            mapping = mmap.mmap(src.fileno(), length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
+            try:
+                _copy_chunks(memoryview(mapping), fd, hasher, throttle_bytes_per_second)
+            finally:
+                mapping.close()
+        if recycled is not None:
+            os.ftruncate(fd, length)  # a longer recycled file's tail goes
     return str(hasher.hexdigest())
 
 

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import redis
 
-from dcs_tasks.checkpoint import committer, incremental, objlocks
+from dcs_tasks.checkpoint import committer, incremental, objlocks, tiers
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
 from dcs_tasks.checkpoint.format import FileEntry, Manifest
 from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
@@ -217,6 +217,11 @@ def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPa
         def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
             return book.file_open(ref.run, ref.step, ref.token, req.file_name)
 
+        recycled = None
+        if tiers.enabled(config) and isinstance(paths.step_dir, Path) and req.compression is None:
+            root = tiers.memory_root(config)
+            if paths.step_dir.is_relative_to(root):  # a memory-tier step: reuse the pages of one that left
+                recycled = tiers.take_recycled(root, req.length)
         return committer.write_file(
             fd,
             req.offset,
@@ -227,6 +232,7 @@ def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPa
             threads=config.checkpoint_compression_threads,
             throttle=config.persist_throttle_bytes_per_second,
             publish=still_open,
+            recycled=recycled,
         )
     finally:
         os.close(fd)

@@ -91,3 +91,34 @@ def test_rel_names_a_rank_and_a_step_or_nothing() -> None:
         assert tiers.rel_step(bad) is None, bad
     assert tiers.base_and_rank("run.rank-00002") == ("run", 2)
     assert tiers.base_and_rank("run") == ("run", 0)
+
+
+def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_overwrites_one(tmp_path: Path) -> None:
+    from dcs_tasks.checkpoint.format import new_hasher
+    from dcs_tasks.checkpoint.fsio import stream_region
+
+    root = tmp_path / "memory"
+    step_dir = root / "run" / "step-000000001"
+    step_dir.mkdir(parents=True)
+    (step_dir / "a.safetensors").write_bytes(b"a" * 5000)
+    (step_dir / "b.safetensors").write_bytes(b"b" * 9000)
+    (step_dir / "manifest.json").write_text("{}")
+    tiers.remove_step(MemoryStep("run", 0, 1, step_dir, True, 14_000), root, room=14_100)
+    assert not step_dir.exists()
+    assert [size for size, _ in tiers._recycled(root)] == [5000, 9000]  # the manifest went first
+    assert tiers.recycled_bytes(root) == 14_000
+
+    first = tiers.take_recycled(root, 6000)  # the smallest that holds 6000 bytes, now the caller's alone
+    assert first is not None and first.read_bytes() == b"b" * 9000
+    assert tiers.take_recycled(root, 6000) is None  # taken: never handed out twice
+    source = tmp_path / "staged"
+    source.write_bytes(bytes(range(256)) * 24)  # 6144 bytes
+    final = tmp_path / "out" / "c.safetensors"
+    final.parent.mkdir()
+    digest = stream_region(source, 0, 6144, final, "t", recycled=first)
+    assert final.read_bytes() == source.read_bytes()  # overwritten in place and cut to what was written
+    hasher = new_hasher()
+    hasher.update(source.read_bytes())
+    assert digest == hasher.hexdigest() and not first.exists()
+    tiers.remove_step(MemoryStep("run", 0, 2, final.parent, True, 6144), root, room=0)  # no room: deleted
+    assert not final.parent.exists() and tiers.recycled_bytes(root) == 5000
