@@ -11,6 +11,7 @@ Runs without summary rows (older scripts, or a run that printed only figures) ar
     python bench/report.py             # rewrite both tables
     python bench/report.py --check     # exit 1 if either table differs from what the result files give
     python bench/report.py --list      # every run, newest first
+Only result files git tracks count (commit a run's file to table it), unless --untracked.
 
 A new benchmark needs nothing here: a script that records rows with `Run(...).record(figures, rows)` appears.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +73,25 @@ class Result:
         return f"[{self.path.stem}]({Path(os.path.relpath(self.path, base.parent)).as_posix()})"
 
 
-def load(results: Path) -> list[Result]:
+def tracked(results: Path) -> set[Path] | None:
+    """The result files git tracks under `results` (None: not in a git work tree, every file counts)."""
+    try:
+        listing = subprocess.run(
+            ["git", "ls-files", "-z", "--", "."], cwd=results, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {(results / name).resolve() for name in listing.stdout.split("\0") if name}
+
+
+def load(results: Path, untracked: bool = False) -> list[Result]:
+    """Result files of format 1 under `results`; in a git work tree only those git tracks unless `untracked`
+    (the tables cite committed runs)."""
     found = []
+    known = None if untracked else tracked(results)
     for path in sorted(results.glob("*/*.json")):
+        if known is not None and path.resolve() not in known:
+            continue
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -140,7 +158,7 @@ def readme_table(picked: list[Result]) -> str:
             if targets
             else "reported"
         )
-        cells = [f"`{result.benchmark}`", headline, met, result.started[:10]]
+        cells = [f"`{result.benchmark}`", headline, met, result.when().replace(" UTC", "")]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -162,8 +180,9 @@ def main() -> int:
     parser.add_argument("--pick", action="append", default=[], help="BENCHMARK=FILE: that run instead of the newest")
     parser.add_argument("--check", action="store_true", help="exit 1 if a table is not what the result files give")
     parser.add_argument("--list", action="store_true", help="every run, newest first")
+    parser.add_argument("--untracked", action="store_true", help="also result files git does not track (yet)")
     args = parser.parse_args()
-    results = load(args.results)
+    results = load(args.results, args.untracked)
     if args.list:
         for result in sorted(results, key=lambda r: r.started, reverse=True):
             rows = len(result.rows)

@@ -477,7 +477,13 @@ def main() -> None:
         result["sglang_floor_buckets"] = push_metrics.get("floor_buckets")
         result["sglang_over_floor"] = med["sglang"] / med["sglang_floor"]
         result["sglang_overhead_seconds"] = med["sglang"] - med["sglang_floor"]
-    bench_run.record(result, summary(args, med, target), out=args.out)
+    rows = summary(args, med, target, bench_run.load_before[0])
+    bench_run.record(
+        result,
+        rows,
+        out=args.out,
+        headline="; ".join(f"{row.what.split(', ', 1)[1]}: {row.ratio_text}" for row in rows),
+    )
     line = (
         f"weight_sync {nbytes / MiB:.0f} MiB in {args.tensors} tensors -> 2 receivers (gloo), median of "
         f"{args.repeats} interleaved rounds: flat {med['flat']:.3f}s ({result['gb_per_s']['flat']:.2f} GB/s), "
@@ -500,30 +506,34 @@ def main() -> None:
         )
 
 
-def summary(args: argparse.Namespace, med: dict[str, float], target: float) -> list[Row]:
-    """The rows of docs/benchmarks.md: DCS into `dcs receiver`s against flat; into SGLang against its floor."""
+def summary(args: argparse.Namespace, med: dict[str, float], target: float, load: float) -> list[Row]:
+    """The rows of docs/benchmarks.md: DCS into `dcs receiver`s against flat; into SGLang against its floor. With a
+    load average above the core count at the start the targets are not judged: the flat broadcast, three processes
+    of its own, is then starved more than DCS (it came out slower than DCS at load 8-11)."""
     size = f"{args.size_mb} MiB" if args.size_mb < 1024 else f"{args.size_mb / 1024:g} GiB"
+    judge = load <= (os.cpu_count() or 1)
+    note = "" if judge else f" (load {load:.1f}: not judged)"
     rows = [
         Row(
             what=f"weight sync {size}, 1 -> 2 `dcs receiver`s, gloo",
             ours=f"{med['dcs']:.3f} s",
             compared=f"flat broadcast {med['flat']:.3f} s; per-tensor {med['per_tensor']:.3f} s",
             ratio=med["flat"] / med["dcs"],
-            ratio_text=f"{med['flat'] / med['dcs']:.2f}x flat",
+            ratio_text=f"{med['flat'] / med['dcs']:.2f}x flat{note}",
             target=f">= {target}x flat",
-            met=med["flat"] / med["dcs"] >= target,
+            met=med["flat"] / med["dcs"] >= target if judge else None,
         )
     ]
     if "sglang_floor" in med:
         over = med["sglang"] / med["sglang_floor"]
-        judged = args.size_mb >= 1024
+        judged = args.size_mb >= 1024 and judge
         rows.append(
             Row(
                 what=f"weight sync {size}, 1 -> 2 SGLang {SGLANG_VERSION} engines (CPU)",
                 ours=f"{med['sglang']:.3f} s",
                 compared=f"the engines' own receive-and-load (floor) {med['sglang_floor']:.3f} s",
                 ratio=over,
-                ratio_text=f"{over:.2f}x the floor (+{(med['sglang'] - med['sglang_floor']) * 1e3:.0f} ms)",
+                ratio_text=f"{over:.2f}x the floor (+{(med['sglang'] - med['sglang_floor']) * 1e3:.0f} ms){note}",
                 target=f"<= {SGLANG_OVER_FLOOR}x the floor at 1 GiB",
                 met=over <= SGLANG_OVER_FLOOR if judged else None,
             )

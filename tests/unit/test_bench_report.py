@@ -61,10 +61,10 @@ def test_a_run_writes_its_command_load_and_rows_and_the_report_tables_the_newest
     assert len(alpha) == 1 and "0.97x the limit" in alpha[0] and ">= 0.95x: met" in alpha[0]
     assert "(../results/alpha/20261202T000000Z.json)" in alpha[0]  # the run's file, linked from the doc
     readme = (tmp_path / "README.md").read_text()
-    assert "| `alpha` | 0.97x the limit | 1 of 1 | 2026-12-02 |" in readme
-    assert "| `beta` | 1.2x the limit | 1 of 1 | 2026-12-01 |" in readme
+    assert "| `alpha` | 0.97x the limit | 1 of 1 | 2026-12-02 " in readme  # the run's date, time and load follow
+    assert "| `beta` | 1.2x the limit | 1 of 1 | 2026-12-01 " in readme and ", load " in readme
     assert _report(tmp_path, "--check").returncode == 0
 
     picked = _report(tmp_path, "--pick", "alpha=20261201T000000Z")
     assert picked.returncode == 0
-    assert "| `alpha` | 0.9x the limit | 0 of 1 | 2026-12-01 |" in (tmp_path / "README.md").read_text()
+    assert "| `alpha` | 0.9x the limit | 0 of 1 | 2026-12-01 " in (tmp_path / "README.md").read_text()
