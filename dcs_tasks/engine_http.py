@@ -4,8 +4,9 @@
 
 It is aiohttp (its C parser; https and proxies from the environment built in), kept alive per engine by
 aiohttp's connector. `bench/http_roundtrip.py` measured it against the hand-written HTTP/1.1 client it
-replaces (`dcs_tasks/http11.py`, removed) and httpx: ~0.07 ms more CPU per call than the hand-written one and
-~6x less than httpx (docs/benchmarks.md; result files in bench/results/http_roundtrip/).
+replaces (`dcs_tasks/http11.py`, removed) and httpx, CPU per call: +0.04 and +0.07 ms against the hand-written
+one on the 2-core machine at load 1.3-4.1, +0.2-0.4 ms at load 5-11 (the hand-written one: 0.20-0.44 ms), and
+a quarter of httpx's (bench/results/http_roundtrip/).
 
 What is DCS's own on top of aiohttp:
 - Bounds on what an engine can make DCS hold (an engine's answer is untrusted input): every call, connect and

@@ -17,12 +17,12 @@ Every call carries `Authorization: Bearer <DCS_AUTH_TOKEN>` when DCS has a token
 sglang/srt/utils/auth.py); 401/403 raise `EngineAuthRefused`. Data parallelism (SGLang asserts dp_size == 1
 for these calls) and pipeline stages (every stage would join with the same ranks) are refused up front.
 
-Calls go over `dcs_tasks.engine_http.EngineHTTP`, the one client of every engine call (kept alive per engine,
-~0.3 ms of CPU per call: an update makes ~5 sequential calls per engine while the trainer packs buckets). It
-bounds what an engine can make DCS hold: every call takes at most its timeout in total (not per read), an
-answer's body at most `engine_http.MAX_BODY_BYTES` (1 MiB); the values read here are range-checked (a version
-of at most 64 characters, tp/dp/pp sizes in 1..4096, a weight version in 0..2^53-1). A bad answer is a
-`WeightSyncError` / `EngineIncompatible` naming that engine only.
+Calls go over `dcs_tasks.engine_http.EngineHTTP`, the one client of every engine call (kept alive per engine;
+0.3-0.8 ms of CPU per call on a 2-core machine, and an update makes ~5 sequential calls per engine while the
+trainer packs buckets). It bounds what an engine can make DCS hold: every call takes at most its timeout in
+total (not per read), an answer's body at most `engine_http.MAX_BODY_BYTES` (1 MiB); the values read here are
+range-checked (a version of at most 64 characters, tp/dp/pp sizes in 1..4096, a weight version in
+0..2^53-1). A bad answer is a `WeightSyncError` / `EngineIncompatible` naming that engine only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from dcs_tasks.engine_http import Answer, EngineHTTP, EngineHTTPError
-from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
+from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, UnsupportedEngineVersion, WeightSyncError
+from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
 SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
@@ -69,7 +70,7 @@ def engine_info(engine: EngineEndpoint, payload: Any) -> EngineInfo:
     except (InvalidVersion, ValueError):  # ValueError: digits past int()'s limit
         raise EngineIncompatible(f"{node}: {text!r} is not an SGLang version", node) from None
     if str(version) not in SUPPORTED_VERSIONS:
-        raise EngineIncompatible(
+        raise UnsupportedEngineVersion(
             f"{node} at {engine.url} runs SGLang {version}; DCS supports {', '.join(SUPPORTED_VERSIONS)}", node
         )
     sizes = {key: _size(payload, key, node) for key in ("tp_size", "dp_size", "pp_size")}
@@ -110,7 +111,10 @@ class EngineAPI:
         await self._http.aclose()
 
     async def probe(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
-        """`GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo."""
+        """SGLang: `GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo; vLLM (kind
+        "vllm"): `GET /version` and `GET /get_world_size` (`vllm_protocol`)."""
+        if engine.kind == "vllm":
+            return await self._probe_vllm(engine, timeout)
         for path in SERVER_INFO_PATHS:
             response = await self._request(engine, "GET", path, None, timeout)
             if response.status == 404:
@@ -123,6 +127,18 @@ class EngineAPI:
             return engine_info(engine, payload)
         raise EngineIncompatible(f"{engine.node_id} at {engine.url} serves no /server_info: not SGLang", engine.node_id)
 
+    async def _probe_vllm(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
+        response = await self._request(engine, "GET", "/version", None, timeout)
+        if response.status == 404:
+            raise EngineIncompatible(f"{engine.node_id} at {engine.url} serves no /version: not vLLM", engine.node_id)
+        _raise_for(engine, "/version", response)
+        version = vllm_protocol.vllm_version(engine, _json(response))
+        response = await self._request(engine, "GET", "/get_world_size", None, timeout)
+        if response.status == 404:
+            raise vllm_protocol.dev_mode_off(engine, "/get_world_size")
+        _raise_for(engine, "/get_world_size", response)
+        return vllm_protocol.vllm_engine_info(engine, version, _json(response))
+
     async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any], timeout: float | None = None) -> str:
         """POST `body`; returns SGLang's `message`. Any non-2xx answer or `success: false` raises."""
         response = await self._request(engine, "POST", path, body, timeout)
@@ -133,10 +149,11 @@ class EngineAPI:
         return str(answer.get("message", ""))
 
     async def weight_version(self, engine: EngineEndpoint, timeout: float) -> int:
-        """The engine's published version from `/model_info`; 0 where it is not an integer (SGLang's initial
-        `"default"`, or a name an operator set)."""
+        """The engine's published version from `/model_info` (vLLM: `/weight_info`); 0 where it is not an integer
+        (SGLang's and vLLM's initial `"default"`, or a name an operator set)."""
+        path = "/weight_info" if engine.kind == "vllm" else "/model_info"
         try:
-            response = await self._request(engine, "GET", "/model_info", None, timeout)
+            response = await self._request(engine, "GET", path, None, timeout)
             value = _json(response).get("weight_version")
             if isinstance(value, str) and len(value) > 20:  # no int() of thousands of digits
                 return 0
@@ -184,6 +201,8 @@ def _raise_for(engine: EngineEndpoint, path: str, response: Answer) -> None:
         )
     if response.is_success:
         return
+    if engine.kind == "vllm" and response.status == 404:
+        raise vllm_protocol.dev_mode_off(engine, path.split("?")[0])
     body = _json(response)
     reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
     raise WeightSyncError(f"rollout engine {node} refused {path} ({response.status}): {reason}", node)
