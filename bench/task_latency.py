@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Run, start_redis, start_worker, stop
+from bench.harness import Row, Run, start_redis, start_worker, stop
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
 
@@ -57,8 +57,14 @@ def main() -> None:
         },
         "round_trip_ms": {"p50": percentile(round_trip, 0.5) * 1e3, "p99": percentile(round_trip, 0.99) * 1e3},
     }
-    bench_run.record(result)
     s, r = result["enqueue_to_start_ms"], result["round_trip_ms"]
+    row = Row(
+        what=f"task latency, idle worker, n={args.n}",
+        ours=f"enqueue -> start p50 {s['p50']:.1f} ms, p99 {s['p99']:.1f} ms; round trip p50 {r['p50']:.1f} ms, "
+        f"p99 {r['p99']:.1f} ms",
+        ratio_text=f"p50 {s['p50']:.1f} ms, p99 {s['p99']:.1f} ms",
+    )
+    bench_run.record(result, [row], headline=f"enqueue -> start p50 {s['p50']:.1f} ms, p99 {s['p99']:.1f} ms")
     print(
         f"task latency: enqueue->start p50 {s['p50']:.2f} ms p99 {s['p99']:.2f} ms; "
         f"round trip p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms (n={args.n})"
