@@ -215,3 +215,14 @@ class ActorWaitTimeout(DCSTimeoutError):
     """An actor_fwd / reference waited its bound (`init_process_groups_for_actor_fwd_ref(wait_timeout_s=...)`,
     default `group_init_timeout_seconds`) for the source actor of every pp stage to register, and the message
     names the stages still missing."""
+
+
+class UnsupportedEngineVersion(EngineIncompatible):
+    """A rollout engine runs an SGLang or vLLM version DCS does not support (docs/weight_sync.md names the
+    supported ones); the message names the engine, its version and the supported list."""
+
+
+class VLLMDevModeOff(EngineIncompatible):
+    """A vLLM engine does not serve its RL weight-transfer API (`/get_world_size`, `/pause`,
+    `/init_weight_transfer_engine`, ... answer 404): start `vllm serve` with `VLLM_SERVER_DEV_MODE=1` and a
+    `--weight-transfer-config`."""

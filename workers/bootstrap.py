@@ -35,6 +35,7 @@ from dcs_tasks.engine_http import EngineHTTPError, EngineTimeout, request_blocki
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
 from dcs_tasks.keys import Keys
 from dcs_tasks.lua import LuaScript
+from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.engine_protocol import auth_headers
 from dcs_tasks.sync.models import (
     BootstrapRequest,
@@ -379,15 +380,19 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
 
     The HTTP timeout exceeds the rendezvous timeout by a margin, so an engine's own failure message wins.
     """
-    url = f"{request.engine.url}/init_weights_update_group"
     node = request.engine.node_id
+    if request.engine.kind == "vllm":  # vLLM's RL API: the same rendezvous, vLLM's init-info body
+        url = f"{request.engine.url}/init_weight_transfer_engine"
+        b = request.body
+        body = vllm_protocol.init_info(
+            b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name, request.timeout_seconds
+        )
+    else:
+        url = f"{request.engine.url}/init_weights_update_group"
+        body = request.body.model_dump(mode="json")
     try:
         response = request_blocking(  # total time and answer size bounded (a hostile engine's answer)
-            "POST",
-            url,
-            request.timeout_seconds + 5,
-            json_body=request.body.model_dump(mode="json"),
-            headers=auth_headers(token),
+            "POST", url, request.timeout_seconds + 5, json_body=body, headers=auth_headers(token)
         )
     except EngineTimeout as exc:
         return JoinResult(node_id=node, success=False, outcome=JoinOutcome.TIMED_OUT, message=f"{url}: {exc!r}")
@@ -408,6 +413,8 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
     reason = body.get("message") or body.get("detail") or body.get("error") or response.text[:500]
     if response.status in (401, 403):
         reason = f"{reason}: the engine refused DCS's API key (start it with --api-key equal to DCS_AUTH_TOKEN)"
+    if response.status == 404 and request.engine.kind == "vllm":
+        reason = f"{reason}: vLLM serves no RL API; {vllm_protocol.DEV_MODE_HINT}"
     return JoinResult(node_id=node, success=False, outcome=JoinOutcome.REFUSED, message=f"{response.status}: {reason}")
 
 
@@ -457,13 +464,11 @@ def destroy_group(
     answered = 0
     for engine in request.engines:
         try:
-            request_blocking(
-                "POST",
-                f"{engine.url}/destroy_weights_update_group",
-                timeout,
-                json_body={"group_name": request.group_name},
-                headers=auth_headers(token),
-            )
+            if engine.kind == "vllm":  # its workers drop the group (refused while an update is active)
+                path, body = "/shutdown_weight_transfer_engine", {}
+            else:
+                path, body = "/destroy_weights_update_group", {"group_name": request.group_name}
+            request_blocking("POST", f"{engine.url}{path}", timeout, json_body=body, headers=auth_headers(token))
             answered += 1
         except EngineHTTPError as exc:
             log.info("engine %s did not answer destroy of %s: %s", engine.node_id, request.group_name, exc)

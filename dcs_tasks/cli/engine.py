@@ -1,4 +1,4 @@
-"""`dcs engine attach`: register a running SGLang server as a rollout engine and keep it registered.
+"""`dcs engine attach`: register a running SGLang or vLLM server as a rollout engine and keep it registered.
 
     dcs engine attach --coordinator-url http://coord:8000 --engine-url http://10.0.0.5:30000 --rank 0
 
@@ -25,6 +25,7 @@ from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.engine.attach import AttachSettings, EngineAttachment
 from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import ConfigError, DCSError
+from dcs_tasks.sync.models import ENGINE_KINDS, EngineKind
 
 log = logging.getLogger("dcs_tasks.engine")
 ENGINE_API_KEY_ENV = "DCS_ENGINE_API_KEY"
@@ -52,6 +53,12 @@ def register(sub: Any) -> None:
     attach.add_argument("--engine-url", required=True, help="the SGLang server as this host reaches it")
     attach.add_argument("--rank", type=_rank, required=True, help="rollout rank to register the engine as")
     attach.add_argument("--role", default="rollout", help="role to register as (default rollout)")
+    attach.add_argument(
+        "--kind",
+        choices=ENGINE_KINDS,
+        default="sglang",
+        help="engine family: sglang (default) or vllm (`vllm serve` with VLLM_SERVER_DEV_MODE=1)",
+    )
     attach.add_argument(
         "--advertise-url", help="http://ip:port trainers use to reach the engine (default: --engine-url)"
     )
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         api_key = args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or config.token()
         if api_key != config.token():
             log.warning("the engine API key differs from DCS_AUTH_TOKEN: trainers send DCS_AUTH_TOKEN to engines")
-        asyncio.run(_attach(config, args.engine_url, api_key, settings))
+        asyncio.run(_attach(config, args.engine_url, api_key, settings, args.kind))
     except ValidationError as exc:  # a DCS_* setting or the coordinator URL
         log.error("dcs engine attach: invalid setting: %s", exc)
         return 2
@@ -127,12 +134,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _attach(config: DCSConfig, engine_url: str, api_key: str | None, settings: AttachSettings) -> None:
+async def _attach(
+    config: DCSConfig, engine_url: str, api_key: str | None, settings: AttachSettings, kind: EngineKind = "sglang"
+) -> None:
     """Run the attachment until SIGTERM/SIGINT (then unregister and return) or a named error."""
     loop = asyncio.get_running_loop()
     async with (
         CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
-        EngineClient(engine_url, settings.rank, api_key, timeout=config.request_timeout_seconds) as engine,
+        EngineClient(engine_url, settings.rank, api_key, config.request_timeout_seconds, kind) as engine,
     ):
         task = asyncio.create_task(EngineAttachment(api, engine, settings, config).run())
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 def engine_metadata(info: EngineInfo) -> dict[str, Any]:
     """Topology metadata of an attached engine, for operators: the trainer reads none of it (it asks the
     engine's `/server_info` itself, dcs_tasks/sync/planning.py); `num_gpus` is the engine's rank span."""
-    return {"engine": "sglang", "engine_version": info.version, "tp_size": info.tp_size, "num_gpus": info.tp_size}
+    # "engine" is the one key the trainer reads: it picks the protocol (SGLang's or vLLM's RL API)
+    return {"engine": info.kind, "engine_version": info.version, "tp_size": info.tp_size, "num_gpus": info.tp_size}
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class EngineAttachment:
         self.registered = node.model_copy(update={"rank": answer.rank})
         self.registrations += 1
         log.info(
-            "registered SGLang %s engine %s as %s at %s (tp_size %d: %d ranks of the update group)",
+            "registered %s %s engine %s as %s at %s (tp_size %d: %d ranks of the update group)",
+            "vLLM" if info.kind == "vllm" else "SGLang",
             info.version,
             self.engine.base_url,
             answer.node_id,

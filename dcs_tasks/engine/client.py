@@ -16,7 +16,7 @@ from typing import NamedTuple
 from dcs_tasks.engine.errors import EngineUnavailable
 from dcs_tasks.engine_http import EngineHTTP, EngineHTTPError
 from dcs_tasks.sync.engine_protocol import EngineAPI
-from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
+from dcs_tasks.sync.models import EngineEndpoint, EngineInfo, EngineKind
 
 
 class Health(NamedTuple):
@@ -39,10 +39,11 @@ class EngineClient:
 
     `api_key` is sent on the server-info read and never logged."""
 
-    def __init__(self, url: str, rank: int, api_key: str | None, timeout: float) -> None:
+    def __init__(self, url: str, rank: int, api_key: str | None, timeout: float, kind: EngineKind = "sglang") -> None:
         parsed = urllib.parse.urlsplit(url)
         self.base_url = url.rstrip("/")
-        self.endpoint = EngineEndpoint(rank=rank, ip=parsed.hostname or "", port=parsed.port or 80)
+        self.kind = kind
+        self.endpoint = EngineEndpoint(rank=rank, ip=parsed.hostname or "", port=parsed.port or 80, kind=kind)
         self.timeout = timeout
         self._api = EngineAPI(api_key, timeout)
         # /health needs no key. Kept alive by the shared engine client: a connection the engine closed as it was
@@ -83,5 +84,6 @@ class EngineClient:
             await asyncio.sleep(min(poll, left))
 
     async def server_info(self) -> EngineInfo:
-        """`GET /server_info` (or `/get_server_info`), judged as the trainer judges it (typed refusals)."""
+        """`GET /server_info` (or `/get_server_info`; vLLM: `/version` and `/get_world_size`), judged as the
+        trainer judges it (typed refusals)."""
         return await self._api.probe(self.endpoint, self.timeout)

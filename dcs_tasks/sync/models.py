@@ -109,18 +109,25 @@ class QuantizationConfig(BaseModel):
     source_dtypes: tuple[str, ...] = ("float32",)
 
 
+EngineKind = Literal["sglang", "vllm"]
+"""The engine family of a rollout engine: SGLang's weight-update API (`engine_protocol`) or vLLM's RL API in dev
+mode (`vllm_protocol`). Chosen at registration (`dcs engine attach --kind`, metadata `engine`); default SGLang."""
+ENGINE_KINDS: tuple[str, ...] = ("sglang", "vllm")
+
+
 class EngineInfo(BaseModel):
-    """What an engine's `GET /server_info` said, and the protocol its SGLang version speaks
-    (`dcs_tasks.sync.engine_protocol.engine_info`)."""
+    """What an engine said about itself (SGLang: `GET /server_info`, `dcs_tasks.sync.engine_protocol.engine_info`;
+    vLLM: `GET /version` and `/get_world_size`, `dcs_tasks.sync.vllm_protocol`), and the protocol it speaks."""
 
     model_config = ConfigDict(frozen=True)
 
+    kind: EngineKind = "sglang"
     version: str
     tp_size: int = Field(default=1, ge=1)
     sessions: bool = Field(description="updates must run between /begin_weight_update and /end_weight_update")
     flattened_bucket: bool = Field(description="update_weights_from_distributed takes load_format=flattened_bucket")
     pause: bool = Field(description="serves /pause_generation and /continue_generation")
-    pause_mode: Literal["abort", "retract"] = Field(
+    pause_mode: Literal["abort", "retract", "wait", "keep"] = Field(
         default="retract", description="the /pause_generation mode whose queued requests let the cache flush"
     )
 
@@ -148,6 +155,8 @@ class EngineEndpoint(BaseModel):
     instance: str = Field(default="", max_length=INSTANCE_MAX_LENGTH, pattern=INSTANCE_PATTERN)
     """The registration's `metadata["instance"]` ("" when it has none): a new one per engine process, so an
     engine restarted at the same address is not taken for the group member it replaced."""
+    kind: EngineKind = "sglang"
+    """The registration's `metadata["engine"]`: which protocol the trainer speaks to it (SGLang's by default)."""
 
     @property
     def url(self) -> str:

@@ -15,6 +15,8 @@ or `dcs engine attach` for a real SGLang server):
   unchanged, so an engine restarted at the same address gets a new group before any bucket is sent, instead
   of failing the first update after its restart. Without one (""), only the address is compared. A value
   that is not a string of up to 64 characters `[A-Za-z0-9_.-]` is ignored.
+- `metadata["engine"]`: "vllm" for a vLLM server (its RL API, `dcs_tasks.sync.vllm_protocol`); absent or
+  anything else means SGLang's weight-update API.
 - Other `metadata` is NOT read by the planner. The rank span, version and capabilities come from the engine
   itself: once per group formation the trainer reads `GET /server_info` (`version`, `tp_size`,
   `dp_size`, `pp_size`), see `dcs_tasks.sync.engine_protocol`. Metadata keys such as `num_gpus` or
@@ -31,14 +33,27 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.sync.models import INSTANCE_MAX_LENGTH, INSTANCE_PATTERN, EngineEndpoint, EngineInfo, GroupPlan
+from dcs_tasks.sync.models import (
+    INSTANCE_MAX_LENGTH,
+    INSTANCE_PATTERN,
+    EngineEndpoint,
+    EngineInfo,
+    EngineKind,
+    GroupPlan,
+)
 
 
 def endpoint_of(node: RoleInfo) -> EngineEndpoint:
     """A registered rollout node's address (rank offset and engine facts are filled in by `plan_rollout_group`)."""
     if node.rank is None:
         raise ValueError(f"rollout node at {node.address} has no rank")
-    return EngineEndpoint(rank=node.rank, ip=node.ip, port=node.port, instance=instance_of(node))
+    return EngineEndpoint(rank=node.rank, ip=node.ip, port=node.port, instance=instance_of(node), kind=kind_of(node))
+
+
+def kind_of(node: RoleInfo) -> EngineKind:
+    """The registration's engine family (`metadata["engine"]`, written by `dcs engine attach --kind`): "vllm"
+    speaks vLLM's RL API; anything else (none, "sglang", a `dcs receiver`) SGLang's weight-update API."""
+    return "vllm" if node.metadata.get("engine") == "vllm" else "sglang"
 
 
 def instance_of(node: RoleInfo) -> str:

@@ -34,6 +34,7 @@ from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.engine_http import EngineHTTPError
 from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
+from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error
 from dcs_tasks.sync.models import (
@@ -69,11 +70,18 @@ class Marks:
 
 
 class EngineSessions:
-    """The engine-side frame of one update: pause, begin, (buckets), end, continue; `abandon` after a failure."""
+    """The engine-side frame of one update: pause, begin, (buckets), end, continue; `abandon` after a failure.
 
-    def __init__(self, api: EngineAPI, engines: tuple[EngineEndpoint, ...], marks: Marks | None = None) -> None:
+    Per engine family: SGLang `/pause_generation`, `/begin_weight_update`, `/end_weight_update`,
+    `/continue_generation`; vLLM `/pause?mode=abort`, `/start_weight_update`, `/finish_weight_update` (with the
+    update's `weight_version`), `/resume` (`vllm_protocol`)."""
+
+    def __init__(
+        self, api: EngineAPI, engines: tuple[EngineEndpoint, ...], marks: Marks | None = None, version: int = 0
+    ) -> None:
         self.api = api
         self.engines = engines
+        self.version = version
         self.marks = marks or Marks()
         self.paused: list[EngineEndpoint] = []
         self.begun: list[EngineEndpoint] = []
@@ -88,7 +96,10 @@ class EngineSessions:
         assert engine.info is not None
         if engine.info.pause:
             self.paused.append(engine)  # before the call: a pause cancelled in flight may still have landed
-            await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
+            if engine.kind == "vllm":
+                await self.api.post(engine, f"/pause?mode={engine.info.pause_mode}", {})
+            else:
+                await self.api.post(engine, "/pause_generation", {"mode": engine.info.pause_mode})
             self.marks.mark("paused_at")
         if engine.info.sessions:
             await self._begin(engine)
@@ -96,6 +107,9 @@ class EngineSessions:
 
     async def _begin(self, engine: EngineEndpoint) -> None:
         self.begun.append(engine)  # before the call: a begin cancelled in flight may still have opened one
+        if engine.kind == "vllm":
+            await self._start_vllm(engine)
+            return
         try:
             await self.api.post(engine, "/begin_weight_update", {})
         except WeightSyncError as exc:
@@ -106,18 +120,35 @@ class EngineSessions:
             await self.api.post(engine, "/end_weight_update", {})
             await self.api.post(engine, "/begin_weight_update", {})
 
+    async def _start_vllm(self, engine: EngineEndpoint) -> None:
+        """vLLM's `/start_weight_update`; its workers refuse a second start while one is active (a 500 naming
+        `start_weight_update called while a weight update is already active`), left by an updater that died
+        mid-update: finish that one (vLLM keeps what it loaded) and start again."""
+        try:
+            await self.api.post(engine, "/start_weight_update", {})
+        except WeightSyncError as exc:
+            if isinstance(exc, EngineAuthRefused) or "already active" not in str(exc):
+                raise
+            log.warning("%s had a weight update active; finishing it first", engine.node_id)
+            await self.api.post(engine, "/finish_weight_update", {})
+            await self.api.post(engine, "/start_weight_update", {})
+
     async def close(self) -> None:
         """Per engine end, then continue (continuing first would make the end wait for the resumed requests);
         engines concurrently."""
         await all_or_first_error(*(self._close_one(e) for e in self.engines))
 
     async def _close_one(self, engine: EngineEndpoint) -> None:
+        vllm = engine.kind == "vllm"
         if engine in self.begun:
-            await self.api.post(engine, "/end_weight_update", {})
+            if vllm:
+                await self.api.post(engine, "/finish_weight_update", {"weight_version": str(self.version)})
+            else:
+                await self.api.post(engine, "/end_weight_update", {})
             self.begun.remove(engine)
             self.marks.mark("ended_at")
         if engine in self.paused:
-            await self.api.post(engine, "/continue_generation", {})
+            await self.api.post(engine, "/resume" if vllm else "/continue_generation", {})
             self.paused.remove(engine)
             self.marks.mark("continued_at")
 
@@ -133,19 +164,17 @@ class EngineSessions:
         timeout = CLEANUP_TIMEOUT_SECONDS
         ending = [e for e in self.begun if e.node_id != unreachable]
         ended = await asyncio.gather(
-            *(self.api.post(e, "/end_weight_update", {}, timeout) for e in ending), return_exceptions=True
+            *(self.api.post(e, _end_path(e), {}, timeout) for e in ending), return_exceptions=True
         )
         unended = [e.node_id for e, r in zip(ending, ended, strict=True) if _unreachable(r)]
         unended += [e.node_id for e in self.begun if e.node_id == unreachable]
         resume = [e for e in self.paused if e.node_id not in self.loaded and e.node_id != unreachable]
-        await asyncio.gather(
-            *(self.api.post(e, "/continue_generation", {}, timeout) for e in resume), return_exceptions=True
-        )
+        await asyncio.gather(*(self.api.post(e, _resume_path(e), {}, timeout) for e in resume), return_exceptions=True)
         kept = [e.node_id for e in self.paused if e.node_id in self.loaded]
         self.begun, self.paused = [], []
         note = ""
         if kept:
-            note += f"; left paused with a partial update (SGLang has no rollback): {', '.join(kept)}"
+            note += f"; left paused with a partial update (SGLang and vLLM have no rollback): {', '.join(kept)}"
         if unended:
             note += f"; could not end the weight-update session of {', '.join(unended)} (unreachable)"
         return note
@@ -218,7 +247,7 @@ class RolloutUpdater:
         """Open the sessions (after confirming the engines from the topology unless `checked`), send, close."""
         version = self.weight_version + 1
         phases = marks.phases
-        sessions = EngineSessions(self.engines, group.plan.engines, marks)
+        sessions = EngineSessions(self.engines, group.plan.engines, marks, version)
         ready = asyncio.ensure_future(self._ready(group, sessions, checked))
         try:
             if not group.plan.flattened:  # one broadcast per tensor: nothing to pack ahead
@@ -327,6 +356,9 @@ class RolloutUpdater:
         load_format = SGLANG_FLAT_FORMAT if group.plan.flattened else None
 
         async def announce(index: int, layout: FusionLayout, last: bool) -> None:
+            dtypes = [s.dtype for s in layout.specs]
+            shapes = [list(s.shape) for s in layout.specs]
+            vllm_body = vllm_protocol.update_body(layout.names, dtypes, shapes)
             body = UpdateWeightsFromDistributedRequest(
                 names=layout.names,
                 dtypes=[s.dtype for s in layout.specs],
@@ -339,7 +371,14 @@ class RolloutUpdater:
             sessions.loaded.update(e.node_id for e in engines)
             sessions.marks.mark("first_request_at" if index == 0 else "last_request_at")
             t0 = time.perf_counter()
-            await all_or_first_error(*(self.engines.post(e, "/update_weights_from_distributed", body) for e in engines))
+            await all_or_first_error(
+                *(
+                    self.engines.post(e, "/update_weights", vllm_body)
+                    if e.kind == "vllm"
+                    else self.engines.post(e, "/update_weights_from_distributed", body)
+                    for e in engines
+                )
+            )
             sessions.marks.add("requests_seconds", time.perf_counter() - t0)
 
         return announce
@@ -350,6 +389,14 @@ class RolloutUpdater:
             if not await self.engines.alive(engine, BLAME_TIMEOUT_SECONDS):
                 return engine.node_id
         return None
+
+
+def _end_path(engine: EngineEndpoint) -> str:
+    return "/finish_weight_update" if engine.kind == "vllm" else "/end_weight_update"
+
+
+def _resume_path(engine: EngineEndpoint) -> str:
+    return "/resume" if engine.kind == "vllm" else "/continue_generation"
 
 
 def _unreachable(result: object) -> bool:

@@ -1,0 +1,79 @@
+"""Serve one vLLM engine on CPU: vLLM's own CLI parser and HTTP app, the harness's engine client and workers.
+
+    python -m tests.vllm_engine.serve --vllm-dir .vllm/0.33.0 -- --model /any/dir --port 8100 \
+        --tensor-parallel-size 2 --weight-transfer-config '{"backend": "gloo"}' [--api-key KEY]
+
+Everything after `--` goes to vLLM's `make_arg_parser` (the flags of `vllm serve`). The app is vLLM's
+`build_app` (every router it registers, the dev-mode RL router only when VLLM_SERVER_DEV_MODE=1, its exception
+handlers, CORS and API-key middleware); `app.state.engine_client` is `client.HarnessEngineClient`. One route is
+the harness's own, for tests only: `GET /harness/weights` -> {name: {dtype, shape, hex}} of the full tensors
+(TP shards joined).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-dir", required=True)
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    ours = parser.parse_args()
+    vllm_dir = Path(ours.vllm_dir).resolve()
+    paths = [str(vllm_dir), str(vllm_dir.parent / "deps"), str(Path(__file__).resolve().parents[2])]
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    args_list = ours.vllm_args[1:] if ours.vllm_args[:1] == ["--"] else ours.vllm_args
+
+    import torch
+    import uvicorn
+    from fastapi.responses import JSONResponse
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tests.vllm_engine.client import make_client
+    from tests.vllm_engine.shapes import SHARDED
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(args_list)
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+    )
+    config = VllmConfig(parallel_config=parallel, weight_transfer_config=args.weight_transfer_config)
+    backend = args.weight_transfer_config.backend if args.weight_transfer_config is not None else None
+    client = make_client(config, backend)
+    app = build_app(args, supported_tasks=())
+    app.state.engine_client = client
+    app.state.log_stats = False
+
+    @app.get("/harness/weights")
+    async def weights() -> JSONResponse:
+        shards = await client.collective_rpc("harness_weights")
+        out = {}
+        for name, (dtype, _shape, _) in shards[0].items():
+            parts = [torch.frombuffer(bytearray(s[name][2]), dtype=torch.uint8) for s in shards]
+            parts = [p.view(getattr(torch, dtype)).reshape(s[name][1]) for p, s in zip(parts, shards, strict=True)]
+            full = torch.cat(parts) if name in SHARDED else parts[0]
+            out[name] = {
+                "dtype": dtype,
+                "shape": list(full.shape),
+                "hex": full.view(torch.uint8).numpy().tobytes().hex(),
+            }
+        return JSONResponse(out)
+
+    try:
+        uvicorn.run(app, host=args.host or "127.0.0.1", port=args.port, log_level="info")
+    finally:
+        client.shutdown()
+
+
+if __name__ == "__main__":
+    main()
