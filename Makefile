@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # and order). 2 on the 2-core CI machines cut the suite from 27 to 18 minutes; 0 runs everything in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install redis-bin sglang-engines lint typecheck test test-unit test-fast demo bench bench-storage clean format
+.PHONY: install redis-bin sglang-engines vllm-engines lint typecheck test test-unit test-fast demo bench bench-storage clean format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ redis-bin:
 sglang-engines: install
 	$(BIN)/python -m tests.sglang_engine.install
 
+# Real vLLM (no GPU deps) under .vllm/ for tests/vllm_engine (see tests/vllm_engine/README.md).
+vllm-engines: install
+	$(BIN)/python -m tests.vllm_engine.install
+
 format: install
 	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples
 	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples
@@ -47,7 +51,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install redis-bin sglang-engines lint typecheck
+test: install redis-bin sglang-engines vllm-engines lint typecheck
 	@df -h . "$${TMPDIR:-/tmp}" /dev/shm | sed "s/^/disk before the suite: /"
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
