@@ -172,6 +172,7 @@ class HostAgent:
             with contextlib.suppress(OSError):
                 self.path.unlink()
             await self._api.aclose()
+            self._fds.clear()  # closed: a later fork must not close whatever reuses their numbers
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")

@@ -1,0 +1,155 @@
+"""The host agent's socket against hostile local clients (named errors, bounds), and a process whose agent breaks
+the protocol registering and beating by itself (a real `dcs coordinator` process and redis-server). The agent
+is `workers/agent.py`'s HostAgent in this process (its own thread and loop, a real Unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
+from dcs_tasks.hostagent import MAX_MESSAGE_BYTES, NodeLiveness
+from tests.helpers.procs import CoordinatorProcess
+from workers.agent import HostAgent
+
+pytestmark = pytest.mark.integration
+TOKEN = "agent-test-token"
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[HostAgent]:
+    config = DCSConfig(
+        host_agent_socket=tmp_path / "agent.sock",
+        auth_token=SecretStr(TOKEN),
+        coordinator_url="http://127.0.0.1:9",  # never reached: no registration here
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+    )
+    host_agent = HostAgent(config)
+    assert host_agent.start()
+    yield host_agent
+    host_agent.stop()
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(0.02)
+
+
+def ask(path: Path, *lines: bytes) -> list[dict[str, Any]]:
+    """Send `lines` on one connection; every answer line until the agent closes it (or 5 s pass)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(str(path))
+        for line in lines:
+            conn.sendall(line)
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except TimeoutError:
+            pass
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def hello(op: str = "adopt", **changes: Any) -> bytes:
+    body = {
+        "v": 1,
+        "op": op,
+        "token": TOKEN,
+        "coordinator": "http://127.0.0.1:9",
+        "node": {"role_name": "actor", "rank": 3, "ip": "10.0.0.1", "port": 7003},
+        "lease_ms": 1000,
+    } | changes
+    return json.dumps(body).encode() + b"\n"
+
+
+def test_hostile_lines_get_named_errors_and_the_connection_closed(agent: HostAgent) -> None:
+    path = agent.path
+    [answer] = ask(path, b"not json\n")
+    assert answer["status"] == 400 and "not an AgentHello" in answer["detail"]
+    [answer] = ask(path, hello(token="wrong"))
+    assert answer["status"] == 401 and "token" in answer["detail"]
+    [answer] = ask(path, hello(coordinator="http://10.9.9.9:8000"))
+    assert answer["status"] == 400 and "beats for http://127.0.0.1:9" in answer["detail"]
+    [answer] = ask(path, hello(lease_ms=10**9))
+    assert answer["status"] == 400 and "lease_ms" in answer["detail"]
+    [answer] = ask(path, hello(node={"role_name": "actor", "rank": None, "ip": "10.0.0.1", "port": 0}))
+    assert answer["status"] == 400 and "adopt needs" in answer["detail"]
+    [answer] = ask(path, b"x" * (MAX_MESSAGE_BYTES + 10) + b"\n")
+    assert answer["status"] == 413 and str(MAX_MESSAGE_BYTES) in answer["detail"]
+    adopted, refused = ask(path, hello(), b'{"op": "bogus"}\n')
+    assert adopted["ok"] and adopted["identity"] == "10.0.0.1:7003" and adopted["rank"] == 3
+    assert refused["status"] == 400 and "not a renewal" in refused["detail"]
+    wait_until(lambda: not agent.leases, 5, "the refused connection's lease gone")
+
+
+def test_a_renewing_connection_holds_a_lease_and_its_close_drops_it(agent: HostAgent) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(str(agent.path))
+        reader = conn.makefile("rb")
+        conn.sendall(hello())
+        assert json.loads(reader.readline())["ok"]
+        conn.sendall(b'{"op": "renew"}\n')
+        assert json.loads(reader.readline()) == {"ok": True, "identity": "10.0.0.1:7003"}
+        assert list(agent.leases) == [("actor", 3)]
+        reader.close()
+    wait_until(lambda: not agent.leases, 5, "the lease dropped at EOF")
+
+
+async def test_a_process_whose_agent_breaks_the_protocol_registers_and_beats_itself(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """A socket that answers garbage is no agent: the node registers with the coordinator itself and stays
+    alive with its own beats."""
+    path = tmp_path / "liar.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(8)
+    stop = threading.Event()
+
+    def liar() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b'{"ok": "maybe", "rank": -4}\n')
+
+    thread = threading.Thread(target=liar, daemon=True)
+    thread.start()
+    coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
+    config = dcs_config.model_copy(update={"host_agent_socket": path, "coordinator_url": coordinator.url})
+    api = CoordinatorAPI(coordinator.url, timeout=10)
+    liveness = NodeLiveness(api, config, RoleInfo(role_name="actor", rank=5, ip="10.0.0.1", port=7005))
+    try:
+        answer = await liveness.register()
+        assert answer.rank == 5 and answer.identity == "10.0.0.1:7005" and not liveness.via_agent
+        liveness.start()
+        await asyncio.sleep(3 * config.heartbeat_timeout_seconds / 2)  # past one timeout: only its own beats hold it
+        assert 5 in (await api.topology()).nodes.get("actor", {})
+        assert liveness.running and liveness.lost is None and not liveness.via_agent
+    finally:
+        await liveness.stop()
+        await api.aclose()
+        coordinator.stop()
+        stop.set()
+        thread.join(5)
+        server.close()
