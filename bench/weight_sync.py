@@ -20,6 +20,15 @@ a shared machine, and rounds alternate whether the baselines or DCS go first):
                     the cache flushed after the last) while broadcasting it from a buffer packed before the
                     clock starts, and ends the session: no pause/continue, topology, packing or checks.
                     `sglang` over `sglang_floor` is what DCS adds to SGLang's own cost
+  vllm              the same, into two engines running vLLM 0.33.0's own HTTP app, RL router and
+                    weight-transfer code on CPU (tests/vllm_engine: only the GPU model, executor and NCCL
+                    transport replaced; a gloo engine registered through vLLM's factory), attached with `dcs
+                    engine attach --kind vllm`: pause, start, one POST /update_weights per bucket, finish, resume
+  vllm_floor        the two vLLM engines' own receive-and-load of the same buckets with DCS out of the path:
+                    /start_weight_update, each bucket's /update_weights while it is broadcast from a buffer
+                    packed before the clock starts, /finish_weight_update; no pause/resume, topology or packing.
+                    Run after the interleaved rounds (warm-ups, then --repeats): a vLLM engine holds one
+                    weight-transfer group at a time, and the floor's group replaces DCS's
 The baselines run in three raw gloo processes (one sender, two receivers) that wait between rounds.
 The first two rounds are warm-ups; the figure is the median of the next --repeats. Prints ratios and
 writes a result file under bench/results/weight_sync/ (bench/harness.py). Every process (redis-server,
@@ -27,7 +36,8 @@ coordinator, worker, receivers, engines) is started as a subprocess; this script
 
 The `sglang` contender needs a repository checkout with `make sglang-engines` run (it starts
 `python -m tests.sglang_engine.serve --sglang-dir .sglang/0.5.23` by path, as a separate process); without
-that install it is skipped with a note, and `--no-sglang` skips it anyway.
+that install it is skipped with a note, and `--no-sglang` skips it anyway. The same for `vllm` (`make
+vllm-engines`, `.vllm/0.33.0`, `--no-vllm`).
 """
 
 from __future__ import annotations
@@ -62,6 +72,9 @@ WARMUPS = 2
 BASELINES = ("flat", "per_tensor", "per_tensor_async")
 SGLANG_VERSION = "0.5.23"
 SGLANG_DIR = REPO / ".sglang" / SGLANG_VERSION
+VLLM_VERSION = "0.33.0"
+VLLM_DIR = REPO / ".vllm" / VLLM_VERSION
+VLLM_ROLE = "rollout_vllm"
 # per-update metrics of the pushes whose medians are reported (seconds). `*_at`: after the update started (the
 # latest engine's): paused, begun (session open), ready (engines confirmed and every session open), first / last
 # bucket request sent, ended, continued. Durations: topology read, packing, waiting on broadcasts + answers,
@@ -225,7 +238,14 @@ def _registered(url: str, role: str, rank: int) -> Callable[[], bool]:
 
 
 @contextmanager
-def processes(config: DCSConfig, tmp: Path, sglang: bool, engine_urls: list[str]) -> Iterator[DCSConfig]:
+def processes(
+    config: DCSConfig,
+    tmp: Path,
+    sglang: bool,
+    engine_urls: list[str],
+    vllm: bool = False,
+    vllm_urls: list[str] | None = None,
+) -> Iterator[DCSConfig]:
     """redis-server, `dcs coordinator`, a thread-pool `dcs worker`, two `dcs receiver`s (role rollout) and, with
     `sglang`, two SGLang engines with their `dcs engine attach` sidecars (role SGLANG_ROLE); yields the config
     with the coordinator's URL."""
@@ -250,6 +270,8 @@ def processes(config: DCSConfig, tmp: Path, sglang: bool, engine_urls: list[str]
             _wait(f"receiver {rank}", _registered(url, "rollout", rank), _spawn(stack, cmd, env, log), log, 60)
         if sglang:
             engine_urls.extend(start_engines(stack, config, tmp))
+        if vllm and vllm_urls is not None:
+            vllm_urls.extend(start_vllm_engines(stack, config, tmp))
         yield config
 
 
@@ -274,6 +296,31 @@ def start_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> list[str]:
         _wait(
             f"attach {rank}", _registered(url, SGLANG_ROLE, rank), _spawn(stack, cmd, env, attach_log), attach_log, 60
         )
+    return [f"http://127.0.0.1:{port}" for port, _, _ in engines]
+
+
+def start_vllm_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> list[str]:
+    """Two vLLM engines (tests/vllm_engine/serve.py run by path, `vllm serve` flags after `--`, a model that holds
+    any names), then one `dcs engine attach --kind vllm` each at ranks 0 and 1 of VLLM_ROLE."""
+    env = {k: v for k, v in _env(config).items() if not k.startswith("VLLM_")}
+    env.update(VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu")
+    engines = []
+    for rank in range(2):
+        port, work = free_port(), tmp / f"vllm{rank}"
+        (work / "model").mkdir(parents=True)
+        (work / "model" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        cmd = [sys.executable, "-m", "tests.vllm_engine.serve", "--vllm-dir", str(VLLM_DIR), "--sink-model", "--"]
+        cmd += ["--model", str(work / "model"), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--weight-transfer-config", '{"backend": "gloo"}']
+        engines.append((port, _spawn(stack, cmd, env, work / "engine.log"), work / "engine.log"))
+    url, dcs = str(config.coordinator_url), [sys.executable, "-m", "dcs_tasks.cli.main"]
+    for rank, (port, proc, log) in enumerate(engines):
+        health = f"http://127.0.0.1:{port}/health"
+        _wait(f"vLLM engine {rank}", lambda h=health: httpx.get(h, timeout=2).status_code == 200, proc, log, 900)
+        cmd = [*dcs, "engine", "attach", "--kind", "vllm", "--coordinator-url", url]
+        cmd += ["--engine-url", f"http://127.0.0.1:{port}", "--rank", str(rank), "--role", VLLM_ROLE]
+        attach_log = tmp / f"vattach{rank}.log"
+        _wait(f"attach {rank}", _registered(url, VLLM_ROLE, rank), _spawn(stack, cmd, env, attach_log), attach_log, 60)
     return [f"http://127.0.0.1:{port}" for port, _, _ in engines]
 
 
@@ -361,6 +408,62 @@ class SGLangFloor:
             dist.destroy_process_group(self.pg)  # type: ignore[arg-type]
 
 
+class VLLMFloor(SGLangFloor):
+    """vLLM's own receive-and-load of `state`'s buckets (the same plan and packed buffers), driven directly through
+    its RL API: start, each bucket's /update_weights while it is broadcast, finish."""
+
+    GROUP = "dcs-bench-vllm-floor"
+
+    def __init__(self, urls: list[str], state: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+        super().__init__(urls, state, bucket_bytes)
+        self.bodies = [
+            {
+                "update_info": {
+                    "names": [spec.name for spec in lay.specs],
+                    "dtype_names": [spec.dtype for spec in lay.specs],
+                    "shapes": [list(spec.shape) for spec in lay.specs],
+                }
+            }
+            for lay in self.layouts
+        ]
+
+    async def start(self) -> None:
+        import aiohttp
+
+        from dcs_tasks.backends.process_group import new_group
+        from dcs_tasks.sync.vllm_protocol import init_info
+
+        timeout = aiohttp.ClientTimeout(total=600)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4.0), timeout=timeout)
+        port, world = free_port(), 1 + len(self.urls)
+        joins = [init_info("127.0.0.1", port, 1 + i, world, self.GROUP, 120.0) for i in range(len(self.urls))]
+        pairs = zip(self.urls, joins, strict=True)
+        pending = asyncio.gather(*(self._post_one(url, "/init_weight_transfer_engine", body) for url, body in pairs))
+        self.pg = await asyncio.to_thread(new_group, "gloo", "127.0.0.1", port, world, 0, self.GROUP, 120, 600)
+        await pending
+
+    async def update(self) -> float:
+        t0 = time.perf_counter()
+        await self._post("/start_weight_update", {})
+        for body, flat in zip(self.bodies, self.flats, strict=True):
+            requests = asyncio.ensure_future(self._post("/update_weights", body))
+            await asyncio.to_thread(dist.broadcast, flat, 0, group=self.pg)
+            await requests
+        await self._post("/finish_weight_update", {})
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        import aiohttp
+
+        if isinstance(self.session, aiohttp.ClientSession):
+            try:
+                await self._post("/shutdown_weight_transfer_engine", {})
+            finally:
+                await self.session.close()
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)  # type: ignore[arg-type]
+
+
 async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float]], dict[str, object]]:
     from dcs_tasks.client.engine import CheckpointEngineClient
 
@@ -371,19 +474,21 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
         heartbeat_interval_seconds=1.0,
         heartbeat_timeout_seconds=10.0,
     )
-    pushes = ("dcs", "sglang") if args.sglang else ("dcs",)
-    floors = ("sglang_floor",) if args.sglang else ()
+    pushes = ("dcs", *(("sglang",) if args.sglang else ()), *(("vllm",) if args.vllm else ()))
+    floors = (*(("sglang_floor",) if args.sglang else ()), *(("vllm_floor",) if args.vllm else ()))
     times: dict[str, list[float]] = {name: [] for name in (*BASELINES, *pushes, *floors)}
     engine_urls: list[str] = []
+    vllm_urls: list[str] = []
     last: dict[str, dict[str, object]] = {}
     phases: dict[str, dict[str, list[float]]] = {name: {key: [] for key in PHASES} for name in pushes}
-    with processes(config, tmp, args.sglang, engine_urls) as config:
+    with processes(config, tmp, args.sglang, engine_urls, args.vllm, vllm_urls) as config:
         state = make_state(args.size_mb, args.tensors)
         floor = SGLangFloor(engine_urls, state, config.bucket_size_bytes) if args.sglang else None
+        vfloor = VLLMFloor(vllm_urls, state, config.bucket_size_bytes) if args.vllm else None
         clients = {
             name: CheckpointEngineClient(
                 coordinator_url=config.coordinator_url, role="actor", rank=rank, model=state, model_name="bench",
-                config=config, rollout_role="rollout" if name == "dcs" else SGLANG_ROLE,
+                config=config, rollout_role={"dcs": "rollout", "sglang": SGLANG_ROLE, "vllm": VLLM_ROLE}[name],
             )
             for rank, name in enumerate(pushes)
         }  # fmt: skip
@@ -394,10 +499,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
             if floor is not None:
                 await floor.start()
             floor_seconds: list[float] = []
+            vfloor_seconds: list[float] = []
 
             async def push(rnd: int) -> None:
                 if floor is not None and rnd % 2:  # the floor before SGLang one round, after it the next
                     floor_seconds.append(await floor.update())
+
                 for name, client in clients.items():
                     last[name] = (await client.update_weights_for_rollout(rollout_only=True))["rollout"]
                 if floor is not None and not rnd % 2:
@@ -415,15 +522,24 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
                         times[name].append(base[name])
                     if floor is not None:
                         times["sglang_floor"].append(floor_seconds[-1])
+
                     for name in pushes:
                         times[name].append(float(last[name]["total_seconds"]))  # type: ignore[arg-type]
                         for key in PHASES:
                             phases[name][key].append(float(last[name].get(key, 0.0)))  # type: ignore[arg-type]
             for name, client in clients.items():
                 assert client.weight_version == args.repeats + WARMUPS, f"{name}: an update went missing"
+            if vfloor is not None:  # a vLLM engine holds one weight-transfer group: the floor's replaces DCS's
+                await clients.pop("vllm").stop()
+                await vfloor.start()
+                for _ in range(args.repeats + WARMUPS):
+                    vfloor_seconds.append(await vfloor.update())
+                times["vllm_floor"] = vfloor_seconds[WARMUPS:]
         finally:
             if floor is not None:
                 await floor.close()
+            if vfloor is not None:
+                await vfloor.close()
             for client in clients.values():
                 await client.stop()
             baselines.close()
@@ -443,6 +559,7 @@ def main() -> None:
     parser.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="the result file (default: bench/results/...)")
     parser.add_argument("--no-sglang", dest="sglang", action="store_false", help="skip the SGLang-engine contender")
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM-engine contender")
     args = parser.parse_args()
     if args.baseline_rank is not None:
         baseline_rank(args)
@@ -450,6 +567,9 @@ def main() -> None:
     if args.sglang and not (SGLANG_DIR / ".installed").exists():
         print(f"SGLang {SGLANG_VERSION} is not installed under {SGLANG_DIR} (`make sglang-engines`): no sglang run")
         args.sglang = False
+    if args.vllm and not (VLLM_DIR / ".installed").exists():
+        print(f"vLLM {VLLM_VERSION} is not installed under {VLLM_DIR} (`make vllm-engines`): no vllm run")
+        args.vllm = False
     bench_run = Run("weight_sync")
     with tempfile.TemporaryDirectory() as tmp:
         times, push_metrics = asyncio.run(run(args, Path(tmp)))
@@ -477,6 +597,9 @@ def main() -> None:
         result["sglang_floor_buckets"] = push_metrics.get("floor_buckets")
         result["sglang_over_floor"] = med["sglang"] / med["sglang_floor"]
         result["sglang_overhead_seconds"] = med["sglang"] - med["sglang_floor"]
+    if "vllm_floor" in med:
+        result["vllm_over_floor"] = med["vllm"] / med["vllm_floor"]
+        result["vllm_overhead_seconds"] = med["vllm"] - med["vllm_floor"]
     rows = summary(args, med, target, bench_run.load_before[0])
     bench_run.record(
         result,
@@ -497,6 +620,12 @@ def main() -> None:
         line += (
             f", their own floor {med['sglang_floor']:.3f}s (DCS adds {result['sglang_overhead_seconds'] * 1e3:.0f} ms:"
             f" {result['sglang_over_floor']:.2f}x the floor; target <= {SGLANG_OVER_FLOOR}x at 1 GiB)"
+        )
+    if "vllm_floor" in med:
+        line += (
+            f", vLLM {VLLM_VERSION} engines {med['vllm']:.3f}s ({ratio['vllm_vs_flat']:.2f}x flat), their own floor "
+            f"{med['vllm_floor']:.3f}s (DCS adds {result['vllm_overhead_seconds'] * 1e3:.0f} ms: "
+            f"{result['vllm_over_floor']:.2f}x the floor)"
         )
     print(line)
     for name, per in push_metrics["median_phases"].items():  # type: ignore[attr-defined]
@@ -534,6 +663,20 @@ def summary(args: argparse.Namespace, med: dict[str, float], target: float, load
                 compared=f"the engines' own receive-and-load (floor) {med['sglang_floor']:.3f} s",
                 ratio=over,
                 ratio_text=f"{over:.2f}x the floor (+{(med['sglang'] - med['sglang_floor']) * 1e3:.0f} ms){note}",
+                target=f"<= {SGLANG_OVER_FLOOR}x the floor at 1 GiB",
+                met=over <= SGLANG_OVER_FLOOR if judged else None,
+            )
+        )
+    if "vllm_floor" in med:
+        over = med["vllm"] / med["vllm_floor"]
+        judged = args.size_mb >= 1024 and judge
+        rows.append(
+            Row(
+                what=f"weight sync {size}, 1 -> 2 vLLM {VLLM_VERSION} engines (CPU)",
+                ours=f"{med['vllm']:.3f} s",
+                compared=f"the engines' own receive-and-load (floor) {med['vllm_floor']:.3f} s",
+                ratio=over,
+                ratio_text=f"{over:.2f}x the floor (+{(med['vllm'] - med['vllm_floor']) * 1e3:.0f} ms){note}",
                 target=f"<= {SGLANG_OVER_FLOOR}x the floor at 1 GiB",
                 met=over <= SGLANG_OVER_FLOOR if judged else None,
             )

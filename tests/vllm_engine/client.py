@@ -72,7 +72,7 @@ def _bind_async_llm_methods(cls: type) -> type:
 class HarnessEngineClient:
     """Starts `tp_size` worker processes; `vllm_config` is what /get_world_size reads."""
 
-    def __init__(self, vllm_config: Any, backend: str | None) -> None:
+    def __init__(self, vllm_config: Any, backend: str | None, sink: bool = False) -> None:
         self.vllm_config = vllm_config
         self.engine_core = _EngineCore()
         self.renderer = _Renderer()
@@ -86,7 +86,7 @@ class HarnessEngineClient:
             parent, child = ctx.Pipe()
             from tests.vllm_engine import worker
 
-            proc = ctx.Process(target=worker.main, args=(child, rank, tp, backend, list(sys.path)), daemon=True)
+            proc = ctx.Process(target=worker.main, args=(child, rank, tp, backend, list(sys.path), sink), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -129,6 +129,6 @@ class HarnessEngineClient:
                 proc.kill()
 
 
-def make_client(vllm_config: Any, backend: str | None) -> HarnessEngineClient:
+def make_client(vllm_config: Any, backend: str | None, sink: bool = False) -> HarnessEngineClient:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return _bind_async_llm_methods(HarnessEngineClient)(vllm_config, backend)  # type: ignore[no-any-return]
+    return _bind_async_llm_methods(HarnessEngineClient)(vllm_config, backend, sink)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ from pathlib import Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-dir", required=True)
+    parser.add_argument("--sink-model", action="store_true", help="hold any weights under any names (benchmarks)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER)
     ours = parser.parse_args()
     vllm_dir = Path(ours.vllm_dir).resolve()
@@ -49,7 +50,7 @@ def main() -> None:
     )
     config = VllmConfig(parallel_config=parallel, weight_transfer_config=args.weight_transfer_config)
     backend = args.weight_transfer_config.backend if args.weight_transfer_config is not None else None
-    client = make_client(config, backend)
+    client = make_client(config, backend, ours.sink_model)
     app = build_app(args, supported_tasks=())
     app.state.engine_client = client
     app.state.log_stats = False
@@ -61,7 +62,7 @@ def main() -> None:
         for name, (dtype, _shape, _) in shards[0].items():
             parts = [torch.frombuffer(bytearray(s[name][2]), dtype=torch.uint8) for s in shards]
             parts = [p.view(getattr(torch, dtype)).reshape(s[name][1]) for p, s in zip(parts, shards, strict=True)]
-            full = torch.cat(parts) if name in SHARDED else parts[0]
+            full = torch.cat(parts) if name in SHARDED and len(parts) > 1 else parts[0]
             out[name] = {
                 "dtype": dtype,
                 "shape": list(full.shape),

@@ -59,3 +59,26 @@ class TinyModel(torch.nn.Module):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         return {name: self.param(name).detach().clone() for name in SHAPES}
+
+
+class SinkModel(torch.nn.Module):
+    """For benchmarks (`serve.py --sink-model`): holds whatever weights arrive under whatever names (the first load
+    of a name allocates it, later ones copy into it in place), so a trainer's arbitrary state can be pushed."""
+
+    def __init__(self, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.held: dict[str, torch.Tensor] = {}
+        record_metadata_for_reloading(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name in self.held:
+                self.held[name].copy_(tensor)
+            else:
+                self.held[name] = tensor.clone()
+            loaded.add(name)
+        return loaded
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.held)

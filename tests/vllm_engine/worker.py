@@ -25,7 +25,7 @@ WORKER_METHODS = (
 )
 
 
-def build_worker(tp_rank: int, tp_size: int, backend: str | None) -> Any:
+def build_worker(tp_rank: int, tp_size: int, backend: str | None, sink: bool = False) -> Any:
     import torch
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
@@ -33,7 +33,7 @@ def build_worker(tp_rank: int, tp_size: int, backend: str | None) -> Any:
     from vllm.v1.worker.gpu_worker import Worker
 
     from tests.vllm_engine import gloo_engine
-    from tests.vllm_engine.tiny_model import TinyModel
+    from tests.vllm_engine.tiny_model import SinkModel, TinyModel
 
     gloo_engine.register()
     transfer = WeightTransferConfig(backend=backend) if backend else None
@@ -48,7 +48,7 @@ def build_worker(tp_rank: int, tp_size: int, backend: str | None) -> Any:
         def __init__(self) -> None:
             self.vllm_config = config
             self.rank = tp_rank
-            self.model = TinyModel(tp_rank, tp_size)
+            self.model = (SinkModel if sink else TinyModel)(tp_rank, tp_size)
             self.model_runner = _Runner()
             self._weight_update_active = False
             self._weight_update_is_draft = False
@@ -72,13 +72,15 @@ def build_worker(tp_rank: int, tp_size: int, backend: str | None) -> Any:
     return HarnessWorker()
 
 
-def main(conn: Connection, tp_rank: int, tp_size: int, backend: str | None, sys_path: list[str]) -> None:
+def main(
+    conn: Connection, tp_rank: int, tp_size: int, backend: str | None, sys_path: list[str], sink: bool = False
+) -> None:
     import sys
 
     sys.path[:0] = sys_path
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
-        worker = build_worker(tp_rank, tp_size, backend)
+        worker = build_worker(tp_rank, tp_size, backend, sink)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
