@@ -464,11 +464,18 @@ def destroy_group(
     answered = 0
     for engine in request.engines:
         try:
-            if engine.kind == "vllm":  # its workers drop the group (refused while an update is active)
-                path, body = "/shutdown_weight_transfer_engine", {}
-            else:
-                path, body = "/destroy_weights_update_group", {"group_name": request.group_name}
-            request_blocking("POST", f"{engine.url}{path}", timeout, json_body=body, headers=auth_headers(token))
+            if engine.kind == "vllm":
+                # vLLM's /shutdown_weight_transfer_engine names no group: sent by this task, which runs after the
+                # trainer moved on, it could drop the group a newer join just formed. The next
+                # /init_weight_transfer_engine replaces the engine's group; the trainer's side is gone already
+                continue
+            request_blocking(
+                "POST",
+                f"{engine.url}/destroy_weights_update_group",
+                timeout,
+                json_body={"group_name": request.group_name},
+                headers=auth_headers(token),
+            )
             answered += 1
         except EngineHTTPError as exc:
             log.info("engine %s did not answer destroy of %s: %s", engine.node_id, request.group_name, exc)

@@ -17,7 +17,8 @@ What DCS calls, per engine (the HTTP `EngineAPI` of `engine_protocol`: kept-aliv
   {"update_info": {"names", "dtype_names", "shapes"}}` (answered once loaded); `POST /finish_weight_update
   {"weight_version": "N"}`, `POST /resume`
 - version read: `GET /weight_info` -> `{"weight_version"}` ("default" before any update)
-- teardown: `POST /shutdown_weight_transfer_engine`
+- teardown: none. `/shutdown_weight_transfer_engine` names no group, and DCS's teardown task runs after the
+  trainer moved on, so it could drop a group formed since; the next join replaces the engine's group
 
 The engine's rank span is its `/get_world_size` (every worker of every TP/PP/DP rank joins, at
 rank_offset + dp_rank * TP * PP + rank, vLLM's `_worker_group_rank`). Each bucket is one packed broadcast:
