@@ -30,10 +30,12 @@ its token anyway); keep a dev-mode server's port on a trusted network.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from dcs_tasks.config import BackendType
 from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMDevModeOff
 from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
 
@@ -86,6 +88,23 @@ def vllm_engine_info(engine: EngineEndpoint, version: str, world_payload: Any) -
         pause=True,
         pause_mode=VLLM_PAUSE_MODE,
     )
+
+
+def check_transport(engines: Iterable[EngineEndpoint], backend: BackendType) -> None:
+    """EngineIncompatible naming the first vLLM engine when the trainer's backend is not gloo: DCS joins vLLM
+    through a gloo weight-transfer engine only (vLLM's own `nccl` engine rendezvouses through its
+    `StatelessProcessGroup` + `PyNcclCommunicator`, which DCS's trainer does not speak). Refused before any join:
+    the group could only time out."""
+    if backend is BackendType.GLOO:
+        return
+    for engine in engines:
+        if engine.kind == "vllm":
+            raise EngineIncompatible(
+                f"{engine.node_id} at {engine.url} is a vLLM engine: DCS joins vLLM's weight-transfer group over "
+                f"gloo only (backend_type=BackendType.GLOO, vllm serve --weight-transfer-config "
+                f'\'{{"backend": "gloo"}}\'), not {backend.value}',
+                engine.node_id,
+            )
 
 
 def dev_mode_off(engine: EngineEndpoint, path: str) -> VLLMDevModeOff:

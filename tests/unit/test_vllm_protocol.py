@@ -64,3 +64,14 @@ def test_the_join_body_is_vllms_init_info_with_one_chunk_per_request() -> None:
     assert (body["rank_offset"], body["world_size"], body["group_name"]) == (2, 5, "g-e1")
     update = vllm_protocol.update_body(["a"], ["float32"], [[2, 3]])
     assert update == {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2, 3]]}}
+
+
+def test_a_trainer_on_nccl_is_refused_for_vllm_engines_only() -> None:
+    from dcs_tasks.config import BackendType
+
+    sglang = EngineEndpoint(rank=0, ip="10.0.0.7", port=30000)
+    vllm_protocol.check_transport([sglang, ENGINE], BackendType.GLOO)
+    vllm_protocol.check_transport([sglang], BackendType.NCCL)
+    with pytest.raises(EngineIncompatible) as refused:
+        vllm_protocol.check_transport([sglang, ENGINE], BackendType.NCCL)
+    assert refused.value.member == "rollout_3" and "gloo" in str(refused.value)
