@@ -105,7 +105,11 @@ class EngineAPI:
 
     def __init__(self, token: str | None, timeout_seconds: float) -> None:
         self._timeout = timeout_seconds
-        self._http = EngineHTTP(auth_headers(token))
+        self._headers = auth_headers(token)
+        self._http = EngineHTTP(self._headers)
+        # vLLM engines whose last answer was a 5xx: uvicorn closes the connection after a handler raised, without
+        # saying so, so their next call goes on a connection of its own (a kept-alive one fails as it is reused)
+        self._after_error: set[str] = set()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -173,10 +177,20 @@ class EngineAPI:
     async def _request(
         self, engine: EngineEndpoint, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
     ) -> Answer:
+        url, limit = f"{engine.url}{path}", self._timeout if timeout is None else timeout
         try:
-            return await self._http.request(
-                method, f"{engine.url}{path}", self._timeout if timeout is None else timeout, body
-            )
+            if engine.url in self._after_error:
+                self._after_error.discard(engine.url)
+                fresh = EngineHTTP(self._headers, keep_alive=False)
+                try:
+                    answer = await fresh.request(method, url, limit, body)
+                finally:
+                    await fresh.aclose()
+            else:
+                answer = await self._http.request(method, url, limit, body)
+            if engine.kind == "vllm" and answer.status >= 500:
+                self._after_error.add(engine.url)
+            return answer
         except EngineHTTPError as exc:
             raise WeightSyncError(
                 f"rollout engine {engine.node_id} at {engine.url} failed {method} {path}: {exc!r}", engine.node_id

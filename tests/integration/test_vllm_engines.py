@@ -108,6 +108,9 @@ async def test_three_updates_reach_a_tp2_and_a_tp1_vllm_engine_beside_an_sglang_
         assert [nodes[r].metadata.get("engine") for r in (0, 1)] == ["vllm", "vllm"]
         assert nodes[0].metadata["tp_size"] == 2 and nodes[0].metadata["engine_version"] == "0.33.0"
         assert tp2.weight_version() == "default"
+        # an update left active on tp1, as by a trainer that died mid-update: vLLM refuses a second start
+        assert tp1.post("/start_weight_update").status_code == 200
+        assert "already active" in tp1.post("/start_weight_update").text
         model = TrainerModel()
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="llama", config=stack.config
