@@ -405,14 +405,18 @@ class Checkpointer:
 
     # --- read -----------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints of this run, oldest first (newest last)."""
-        infos = []
-        for _, step_dir in reader.step_dirs(self.run_dir):
-            try:
-                infos.append(CheckpointInfo.of(reader.load_manifest(step_dir), step_dir))
-            except CorruptCheckpoint as exc:
-                log.warning("skipping unreadable checkpoint: %s", exc)
-        return infos
+        """Committed checkpoints of this run, oldest first (newest last); with the memory tier on, the steps in this
+        host's memory too (a step in both: its memory copy, the one restore reads first)."""
+        found: dict[int, CheckpointInfo] = {}
+        for run_dir in (d for d in (self.memory_run_dir, self.run_dir) if d is not None):
+            for step, step_dir in reader.step_dirs(run_dir):
+                if step in found:
+                    continue
+                try:
+                    found[step] = CheckpointInfo.of(reader.load_manifest(step_dir), step_dir)
+                except CorruptCheckpoint as exc:
+                    log.warning("skipping unreadable checkpoint: %s", exc)
+        return [found[step] for step in sorted(found)]
 
     def restore(
         self, step: int | None = None, into: Any = None, verify: bool = True, strict: bool = True

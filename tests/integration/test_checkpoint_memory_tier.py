@@ -137,6 +137,7 @@ def test_a_killed_trainer_restores_from_its_hosts_memory(dcs_config: DCSConfig, 
         trainer.wait(timeout=30)
         assert storage_steps(config, "killed") == []  # nothing reached storage: memory only
         with Checkpointer("killed", config) as ckpt:
+            assert [info.step for info in ckpt.list()] == [1, 2, 3]  # the README's `if ckpt.list(): restore()`
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (3, "memory")
             assert_same_state(restored.state, training_state(seed=3, width=256))
