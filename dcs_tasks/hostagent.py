@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -143,25 +144,43 @@ def raise_coordinator_error(status: int, detail: str) -> None:
 class _Link:
     """One connection to the agent (one node)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket, timeout: float
+    ) -> None:
         self.reader = reader
-        self.writer = writer
+        self.writer = writer  # read side only: every line is sent by `_send` on `sock`
+        self.sock = sock
         self.timeout = timeout
 
     @classmethod
     async def open(cls, path: Path, timeout: float) -> _Link:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(path), limit=MAX_MESSAGE_BYTES), CONNECT_TIMEOUT_S
-            )
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, str(path)), CONNECT_TIMEOUT_S)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_MESSAGE_BYTES)
         except (OSError, TimeoutError) as exc:
+            sock.close()
             raise AgentUnusable(f"no host agent answers at {path}: {exc!r}") from exc
-        return cls(reader, writer, timeout)
+        return cls(reader, writer, sock, timeout)
+
+    async def _send(self, line: bytes, timeout: float) -> None:
+        """The line, sent with MSG_NOSIGNAL: when the agent is gone (its worker killed) this is EPIPE, never a
+        SIGPIPE, which kills a process that set SIGPIPE's default action (a trainer script may, as `dcs ckpt`
+        does for pipes). Lines are small; a full socket buffer is waited for in short sleeps, within `timeout`."""
+        view = memoryview(line)
+        deadline = time.monotonic() + timeout
+        while view:
+            try:
+                view = view[self.sock.send(view, socket.MSG_NOSIGNAL) :]
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the host agent took no message for {timeout:g}s") from None
+                await asyncio.sleep(0.005)
 
     async def ask(self, line: bytes, timeout: float | None = None) -> AgentAnswer:
         try:
-            self.writer.write(line)
-            await self.writer.drain()
+            await self._send(line, timeout or self.timeout)
             raw = await asyncio.wait_for(self.reader.readline(), timeout or self.timeout)
         except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a line over the limit
             raise AgentUnusable(f"the host agent did not answer: {exc!r}") from exc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +105,15 @@ def worker(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[WorkerProcess]:
     proc = WorkerProcess(dcs_config, tmp_path / "worker.log").start()
     yield proc
     proc.discard()
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigpipe_handling() -> Iterator[None]:
+    """Tests that call `dcs_tasks.cli.main.main` in this process get SIGPIPE's default action set (as `dcs ckpt`
+    wants); put back what this process had, or a later test in it dies silently on a write to a closed socket."""
+    before = signal.getsignal(signal.SIGPIPE)
+    yield
+    signal.signal(signal.SIGPIPE, before)
 
 
 @pytest.fixture(autouse=True)

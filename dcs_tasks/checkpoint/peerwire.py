@@ -292,7 +292,8 @@ class _Channel:
     def sendall(self, data: bytes, what: str) -> None:
         with self.io(what):
             self.arm()
-            self.sock.sendall(data)
+            # a peer gone: EPIPE, never SIGPIPE (a trainer process may not ignore it)
+            self.sock.sendall(data, socket.MSG_NOSIGNAL)
 
     # -- frames
     def _tag(self, label: bytes, seq: int, body: bytes) -> bytes:
