@@ -193,7 +193,10 @@ async def test_an_engine_killed_mid_update_fails_the_update_naming_it_and_the_su
             with pytest.raises(WeightSyncError) as failure:
                 await asyncio.wait_for(update, timeout=90)
             assert time.monotonic() - started < config.comm_timeout_seconds + 10
-            assert failure.value.member == "rollout_1", failure.value
+            # the victim's death also breaks the survivor's share of the collective: whichever answer comes first
+            # is the member named (a fresh-clone run saw rollout_0's 500 first); the victim is named either way
+            assert failure.value.member in ("rollout_1", "rollout_0"), failure.value
+            assert "rollout_1" in str(failure.value), failure.value
             assert "left paused with a partial update" in str(failure.value)
             assert survivor.get("/is_paused").json() == {"is_paused": True}  # it holds part of v2
             wait_for("the victim unregistered", lambda: 1 not in rollout_nodes(stack.url, TOKEN), 90)
