@@ -26,17 +26,11 @@ from typing import Any
 import redis
 
 from dcs_tasks.checkpoint import peerwire, tiers
-from dcs_tasks.checkpoint.committer import move_object_latest
-from dcs_tasks.checkpoint.latest import move_latest
 from dcs_tasks.checkpoint.models import MemoryStepRequest
-from dcs_tasks.checkpoint.retention import apply_retention
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, ReplicaFailed
-from dcs_tasks.storage import ObjectPath
-from workers.objlocks import run_lock
-from workers.persist import ledger
-from workers.replica import _complete, _primary_manifest, copy_step, relative
+from workers.replica import _complete, _primary_manifest, copy_step, publish_copy, relative
 from workers.runtime import runtime
 from workers.trust import checkpoint_root, trusted_step_dir
 
@@ -97,18 +91,7 @@ def flush(req: MemoryStepRequest, task_id: str) -> dict[str, Any]:
     copied = 0
     if not _complete(dst, manifest):
         copied = copy_step(src, dst, manifest, task_id, config.persist_throttle_bytes_per_second, read_back=False)
-    if isinstance(dst, ObjectPath):
-        move_object_latest(dst.parent, ref.step, run_lock)
-    else:
-        move_latest(dst.parent, ref.step, task_id)
-    deleted: list[int] = []
-    if req.retention.active:
-        deleted = apply_retention(
-            dst.parent,
-            req.retention,
-            ledger().in_flight_steps(ref.run),
-            object_lock=lambda where: run_lock(where, "refs"),
-        )
+    deleted = publish_copy(dst, ref.run, ref.step, req.retention, task_id)
     base, rank = tiers.base_and_rank(ref.run)
     book = tiers.Places(rt.redis, rt.keys)
     book.record(base, ref.step, rank, tiers.STORAGE)

@@ -45,7 +45,7 @@ from dcs_tasks.checkpoint.fsio import (
 )
 from dcs_tasks.checkpoint.landing import anonymous
 from dcs_tasks.checkpoint.latest import move_latest
-from dcs_tasks.checkpoint.models import ReplicateRequest
+from dcs_tasks.checkpoint.models import ReplicateRequest, RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
@@ -86,24 +86,27 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
             if exc.errno in UNWRITABLE:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
             raise  # transient (ENOSPC, EIO): retried by the task base
-    if isinstance(dst_dir, ObjectPath):
-        move_object_latest(dst_dir.parent, req.step, run_lock)
-    else:
-        move_latest(dst_dir.parent, req.step, task_id)
-    deleted: list[int] = []
-    if req.retention.active:
-        deleted = apply_retention(
-            dst_dir.parent,
-            req.retention,
-            ledger().in_flight_steps(req.run),
-            object_lock=lambda where: run_lock(where, "refs"),
-        )
+    deleted = publish_copy(dst_dir, req.run, req.step, req.retention, task_id)
     seconds = time.monotonic() - started
     record_replica(seconds, copied)
     log.info(
         "replicated step %d of run %s to %s (%d bytes copied, %.3f s)", req.step, req.run, dst_dir, copied, seconds
     )
     return ReplicaResult(req.step, dst_dir, copied, deleted, seconds)
+
+
+def publish_copy(dst_dir: Location, run: str, step: int, retention: RetentionPolicy, task_id: str) -> list[int]:
+    """After a step was copied to `dst_dir` (a replica, or the memory tier's flush to storage): move that run
+    directory's `latest` forward and apply `retention` there; the steps retention let go."""
+    if isinstance(dst_dir, ObjectPath):
+        move_object_latest(dst_dir.parent, step, run_lock)
+    else:
+        move_latest(dst_dir.parent, step, task_id)
+    if not retention.active:
+        return []
+    return apply_retention(
+        dst_dir.parent, retention, ledger().in_flight_steps(run), object_lock=lambda where: run_lock(where, "refs")
+    )
 
 
 def relative(location: Location, root: Location) -> str:

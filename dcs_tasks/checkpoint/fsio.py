@@ -255,6 +255,18 @@ def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None)
         view.release()
 
 
+def read_exactly(fd: int, size: int) -> bytes:
+    """Up to `size` bytes from `fd`'s position (fewer only when the file ends first)."""
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def file_checksum(path: Path) -> str:
     hasher = new_hasher()
     buf = bytearray(CHUNK_BYTES)

@@ -68,7 +68,7 @@ from typing import Any
 
 from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
 from dcs_tasks.checkpoint.format import step_dir_name as step_dir_name
-from dcs_tasks.checkpoint.fsio import write_all
+from dcs_tasks.checkpoint.fsio import read_exactly, write_all
 from dcs_tasks.checkpoint.models import run_name_problem
 from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
 from dcs_tasks.checkpoint.validate import check_files, check_manifest
@@ -644,14 +644,7 @@ def _read_manifest_at(step_fd: int, rel: StepRel) -> bytes | None:
             raise CorruptCheckpoint(
                 f"{rel}/{MANIFEST_NAME} is not a regular file of at most {MAX_MANIFEST_BYTES} bytes"
             )
-        chunks, left = [], found.st_size
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_exactly(fd, found.st_size)
     finally:
         os.close(fd)
 

@@ -58,6 +58,7 @@ from dcs_tasks.checkpoint.format import (
     Manifest,
     TensorEntry,
 )
+from dcs_tasks.checkpoint.fsio import read_exactly
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.storage.objpath import listed_sizes
@@ -109,15 +110,8 @@ def read_small(path: Location, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} it may have", str(path))
-        chunks, left = [], size
         with _reading(path):
-            while left > 0:
-                chunk = os.read(fd, left)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-        return b"".join(chunks)
+            return read_exactly(fd, size)
     finally:
         os.close(fd)
 
