@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import logging
 import urllib.parse
 import urllib.request
 import weakref
@@ -38,6 +39,9 @@ import aiohttp
 MAX_BODY_BYTES = 1 << 20  # an engine answer's body: SGLang's largest (/server_info, its server args) is ~10 KiB
 KEEPALIVE_SECONDS = 4.0  # an idle connection's life: below uvicorn's default 5-s idle close
 _PROXY_CACHE = 4096  # URLs whose proxy (or none) is kept (engines x paths)
+CLOSE_TIMEOUT_SECONDS = 5.0  # aclose's wait for the connections to close (aiohttp waits for each one's end)
+
+log = logging.getLogger(__name__)
 
 
 class EngineHTTPError(Exception):
@@ -204,10 +208,18 @@ class EngineHTTP:
             _CALL.reset(token)
 
     async def aclose(self) -> None:
+        """Close every connection; waits at most CLOSE_TIMEOUT_SECONDS for them to end (aiohttp's own close
+        waits for each transport's end, which a peer that stopped reading can hold back), then leaves them to
+        the event loop."""
         self._closed = True
-        if self._session is not None and self._loop is asyncio.get_running_loop():
-            await self._session.close()
-        self._session = None
+        session, self._session = self._session, None
+        if session is None or self._loop is not asyncio.get_running_loop():
+            return
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
+                await session.close()
+        except TimeoutError:
+            log.warning("engine connections still closing after %gs: left to close on their own", CLOSE_TIMEOUT_SECONDS)
 
 
 async def _exchange(

@@ -6,11 +6,14 @@ instead (AOF, appendfsync always)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import shutil
 import signal
+import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(name, len(rank))
 
     items.sort(key=key)  # stable
+
+
+# Seconds before pytest-timeout ends a test at which the stacks of the test's asyncio tasks are printed (to the
+# test's captured stderr, shown with its failure). pytest-timeout prints the threads' stacks only, and an async
+# test stuck on an await shows nothing but its event loop's select.
+TASK_DUMP_LEAD_SECONDS = 20.0
+
+
+def _dump_asyncio_tasks(signum: int, frame: object) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    tasks = asyncio.all_tasks(loop)
+    print(f"--- {len(tasks)} asyncio tasks, {TASK_DUMP_LEAD_SECONDS:g}s before the test's timeout ---", file=sys.stderr)
+    for task in tasks:
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        awaited: object = task.get_coro()
+        for _ in range(64):  # the chain of awaits down to what the task waits on
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                print(f"  waits on {awaited!r}"[:500], file=sys.stderr)
+                break
+            print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=sys.stderr)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+            if awaited is None:
+                break
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Shortly before the test's timeout, print its asyncio tasks' stacks (a SIGUSR2 to the main thread, whose
+    handler runs while the event loop waits)."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
+    timer = None
+    if limit > TASK_DUMP_LEAD_SECONDS and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGUSR2, _dump_asyncio_tasks)
+        main = threading.main_thread().ident
+        assert main is not None
+        timer = threading.Timer(limit - TASK_DUMP_LEAD_SECONDS, signal.pthread_kill, (main, signal.SIGUSR2))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+            signal.signal(signal.SIGUSR2, previous)
 
 
 @pytest.fixture(scope="session")

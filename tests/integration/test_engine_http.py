@@ -346,6 +346,27 @@ async def test_waits_are_bounded_by_the_timeout() -> None:
             await http.aclose()
 
 
+async def test_closing_the_client_is_bounded_while_a_peer_that_stopped_reading_holds_a_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiohttp's close waits for each connection's end, and a connection whose unsent bytes a peer never reads
+    does not end: `aclose` gives up after CLOSE_TIMEOUT_SECONDS (a trainer's stop must not hang on an engine)."""
+    monkeypatch.setattr(engine_http, "CLOSE_TIMEOUT_SECONDS", 0.5)
+    async with RawServer(_never_reads) as server:
+        http = EngineHTTP()
+        call = asyncio.ensure_future(
+            http.request("POST", f"http://127.0.0.1:{server.port}/x", 20.0, {"blob": "z" * 64_000_000})
+        )
+        try:
+            await asyncio.sleep(1.0)  # connected, the socket buffers full
+            started = time.monotonic()
+            await asyncio.wait_for(http.aclose(), 10)
+            assert time.monotonic() - started < 2.0
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+
+
 async def test_engine_errors_keep_their_classification(server_port: int) -> None:
     api = EngineAPI("t0ken", 5.0)
     try:
