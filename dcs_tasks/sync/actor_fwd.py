@@ -215,6 +215,8 @@ class ActorFwdReceiver:
                 self.meta_index += 1
                 if meta.is_end:
                     ends += 1 if received else 0  # sentinels before our first bucket close an older update
+                    if ends >= self.train_pp_size:
+                        break  # what follows in this answer is the next update's: left for the next call
                     continue
                 if meta.group_name not in self.group_names:
                     continue  # an older update's bucket, or another group's

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -88,6 +89,8 @@ async def run_fully_async(
             state.update(stage_state(args.pp_rank, update))
             await client.update_weights_for_rollout(actor_fwd_only=True)
         return {"version": args.rollouts, "digest": digest(state)}
+    if args.slow_log_reads:
+        slow_log_reads(client, args.slow_log_reads)
     task = await client.recv_weight_fully_async()
     deadline = time.monotonic() + 60
     while client.weight_version < args.rollouts:
@@ -95,6 +98,20 @@ async def run_fully_async(
         assert time.monotonic() < deadline, f"stuck at v{client.weight_version}"
         await asyncio.sleep(0.05)
     return {"version": client.weight_version, "digest": digest(client.received_weights)}
+
+
+def slow_log_reads(client: CheckpointEngineClient, seconds: float) -> None:
+    """Every read of the weight-meta log starts `seconds` late: by then the sender has ended one update and
+    announced the next one's first bucket, so one answer holds both (the receiver's coordinator client is
+    wrapped in this test process; nothing in DCS is told)."""
+    api = client._require_api()
+    read = api.recv_weight_meta
+
+    async def late_read(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(seconds)
+        return await read(*args, **kwargs)
+
+    api.recv_weight_meta = late_read  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -107,6 +124,7 @@ def main() -> None:
     parser.add_argument("--expect", required=True, help="role=count,... to wait for before the first rollout")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--fully-async", action="store_true")
+    parser.add_argument("--slow-log-reads", type=float, default=0.0, help="actor_fwd: each log read this late")
     args = parser.parse_args()
     args.out.write_text(json.dumps(asyncio.run(run(args))))
 

@@ -71,15 +71,21 @@ def test_pp2_actors_update_actor_fwd_every_rollout_and_reference_on_its_interval
     assert results["reference0"]["2"]["version"] == 1
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["following", "reading-the-log-late"])
 def test_actor_fwd_follows_back_to_back_updates_with_recv_weight_fully_async(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, slow: bool
 ) -> None:
+    """Every update the receiver commits is whole, also when one answer of the weight-meta log holds the end of
+    one update and the start of the next (`slow`: each log read starts 0.5 s late; an update used to take the
+    next one's first bucket, and the next one then lacked that bucket's tensors)."""
     config = dcs_config.model_copy(update={"bucket_size_bytes": 2048, "comm_timeout_seconds": 30.0})
     nodes = [("actor", 0), ("actor_fwd", 0)]
     with sync_stack(config, tmp_path) as stack:
         procs = []
         for role, rank in nodes:
+            extra = ["--slow-log-reads", "0.5"] if slow and role == "actor_fwd" else []
             args = [
+                *extra,
                 "--role",
                 role,
                 "--rank",
