@@ -46,8 +46,8 @@ import torch
 from bench.harness import REPO, Row, Run, free_port, wait_for_port
 from bench.weight_sync import make_state
 from dcs_tasks.sync.engine_protocol import EngineAPI
-from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.sender import BucketSender
+from dcs_tasks.sync.wire import EngineEndpoint
 
 CLIENTS = ("engine", "aiohttp", "httpx", "http11")
 FRAME = ("/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation")
@@ -64,8 +64,8 @@ def serve(port: int) -> None:
     from dcs_tasks.backends.device_direct import DeviceDirectBackend
     from dcs_tasks.config import DCSConfig, RoleInfo
     from dcs_tasks.httpguard import guarded_server_options
-    from dcs_tasks.receiver.guard import secure_receiver_app
-    from dcs_tasks.receiver.server import create_receiver_app
+    from dcs_tasks.sync.receiver.guard import secure_receiver_app
+    from dcs_tasks.sync.receiver.server import create_receiver_app
     from dcs_tasks.sync.receiving import WeightReceiver
 
     config = DCSConfig()

@@ -29,6 +29,7 @@ from typing import Any, Self, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import (
@@ -428,8 +429,7 @@ class _BackgroundLoop:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
 
 
 class HeartbeatLoop(_BackgroundLoop):

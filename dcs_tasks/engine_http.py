@@ -1,6 +1,6 @@
 """The one HTTP client of every call DCS makes to a rollout engine: the trainer's update calls
-(`sync/engine_protocol.EngineAPI`), the worker's join and destroy calls (`workers/bootstrap.py`) and
-`dcs engine attach`'s `/health` probes and server-info read (`engine/client.py`).
+(`sync/engine_protocol.EngineAPI`), the worker's join and destroy calls (`dcs_tasks/sync/group_bootstrap.py`) and
+`dcs engine attach`'s `/health` probes and server-info read (`sync/engine_probe.py`).
 
 It is aiohttp (its C parser; https and proxies from the environment built in), kept alive per engine by
 aiohttp's connector. `bench/http_roundtrip.py` measured it against the hand-written HTTP/1.1 client it

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
 from dcs_tasks.errors import (
@@ -157,7 +158,8 @@ class _Link:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, str(path)), CONNECT_TIMEOUT_S)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):  # not wait_for: it can swallow a cancel (aiotask.py)
+                await asyncio.get_running_loop().sock_connect(sock, str(path))
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_MESSAGE_BYTES)
         except (OSError, TimeoutError) as exc:
             sock.close()
@@ -181,7 +183,8 @@ class _Link:
     async def ask(self, line: bytes, timeout: float | None = None) -> AgentAnswer:
         try:
             await self._send(line, timeout or self.timeout)
-            raw = await asyncio.wait_for(self.reader.readline(), timeout or self.timeout)
+            async with asyncio.timeout(timeout or self.timeout):
+                raw = await self.reader.readline()
         except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a line over the limit
             raise AgentUnusable(f"the host agent did not answer: {exc!r}") from exc
         if not raw:
@@ -293,8 +296,7 @@ class NodeLiveness:
         """Stop renewing and beating (the node is not unregistered: its owner does that, fenced)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         self._drop_link()
         if self._direct is not None:
             await self._direct.stop()

@@ -2,7 +2,7 @@
 the whole source each time).
 
 Every script is a module-level `LuaScript` next to the code it serves (`dcs_tasks.checkpoint.ledger_scripts`,
-`coordinator.scripts`, `workers.bootstrap`) and is called with whichever client the caller holds - sync or
+`coordinator.scripts`, `dcs_tasks.sync.group_scripts`) and is called with whichever client the caller holds - sync or
 asyncio, a plain client or a pipeline - so nothing is registered per client. On NOSCRIPT (a restarted or
 failed-over Redis, `SCRIPT FLUSH`) the source is loaded again and the call repeated; a pipeline loads the
 scripts it queued before it executes (redis-py's `Pipeline.load_scripts`).

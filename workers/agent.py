@@ -213,7 +213,8 @@ class HostAgent:
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Lease | None:
         """Read and answer the first line; the node's lease, or None (refused: the answer says why)."""
         try:
-            raw = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                raw = await reader.readline()
         except TimeoutError:
             writer.write(_answer_error(408, f"no hello within {HELLO_TIMEOUT_S:g}s"))
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
 from dcs_tasks.checkpoint.ledger import Verdict
-from dcs_tasks.checkpoint.models import CommitRequest
+from dcs_tasks.checkpoint.payloads import CommitRequest
 from workers.runtime import runtime
 
 

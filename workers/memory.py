@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from dcs_tasks.checkpoint import peerwire, tiers
-from dcs_tasks.checkpoint.models import MemoryStepRequest
+from dcs_tasks.checkpoint.payloads import MemoryStepRequest
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, ReplicaFailed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
 from dcs_tasks.checkpoint.ledger import StepLedger, Verdict
-from dcs_tasks.checkpoint.models import PersistRequest
+from dcs_tasks.checkpoint.payloads import PersistRequest
 from workers.runtime import runtime
 
 

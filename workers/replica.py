@@ -45,7 +45,7 @@ from dcs_tasks.checkpoint.fsio import (
 )
 from dcs_tasks.checkpoint.landing import anonymous
 from dcs_tasks.checkpoint.latest import move_latest
-from dcs_tasks.checkpoint.models import ReplicateRequest, RetentionPolicy
+from dcs_tasks.checkpoint.payloads import ReplicateRequest, RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica

@@ -1,9 +1,9 @@
-"""Weight-sync tasks (group bootstrap, engine join, group destroy): thin wrappers over `workers.bootstrap`.
+"""Weight-sync tasks (group bootstrap, engine join, group destroy): thin wrappers over `dcs_tasks.sync.group_bootstrap`.
 
 `BOOTSTRAP_GROUP` runs on the trainer host's node queue (the port must bind there); it enqueues one
 `JOIN_ENGINE` per engine on the same queue and returns their ids at once. Join tasks block until their
 engine has joined the rendezvous, so a host's worker needs concurrency >= engines per group (the thread
-pool suits these I/O-bound tasks). Payloads are JSON dicts validated by `dcs_tasks.sync.models`; a malformed
+pool suits these I/O-bound tasks). Payloads are JSON dicts validated by `dcs_tasks.sync.wire`; a malformed
 one fails with `InvalidTaskPayload`, at once and never retried.
 
 All three run on `DCSTask` (workers/base.py): late acks with a redelivery cap, and retries with backoff for
@@ -21,10 +21,10 @@ from typing import Any
 from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
-from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, JoinRequest
+from dcs_tasks.sync.group_bootstrap import abandon_bootstrap, bootstrap, bootstrap_ttl, join_once
+from dcs_tasks.sync.group_bootstrap import destroy_group as destroy_group_impl
+from dcs_tasks.sync.wire import BootstrapRequest, DestroyRequest, JoinRequest
 from workers.base import DCSTask, parse_payload
-from workers.bootstrap import abandon_bootstrap, bootstrap, bootstrap_ttl, join_once
-from workers.bootstrap import destroy_group as destroy_group_impl
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)

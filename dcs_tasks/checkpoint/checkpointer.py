@@ -45,7 +45,7 @@ from dcs_tasks.checkpoint.format import (
     step_dir_name,
 )
 from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
-from dcs_tasks.checkpoint.models import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
+from dcs_tasks.checkpoint.payloads import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
 from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state

@@ -25,7 +25,7 @@ import redis
 from dcs_tasks.celery_app import TaskName
 from dcs_tasks.checkpoint import persisting
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
-from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.retention import apply_retention, in_flight_refs
 from dcs_tasks.checkpoint.trust import trusted_run_dir
 from dcs_tasks.config import DCSConfig

@@ -39,7 +39,7 @@ from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
 from dcs_tasks.checkpoint.format import FileEntry, Manifest
 from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
-from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
 from dcs_tasks.config import DCSConfig

@@ -25,7 +25,7 @@ from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR, step_
 from dcs_tasks.checkpoint.fsio import fsync_dir, write_bytes_durably
 from dcs_tasks.checkpoint.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
 from dcs_tasks.checkpoint.ledger import StepLedger
-from dcs_tasks.checkpoint.models import RetentionPolicy
+from dcs_tasks.checkpoint.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.steps import complete_steps, step_dirs
 from dcs_tasks.checkpoint.validate import read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath

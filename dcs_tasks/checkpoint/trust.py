@@ -1,7 +1,7 @@
 """The paths a worker may act on: only those under its own configured roots.
 
 A task payload comes off the broker, so anyone who can write to Redis could name any path. The payload
-models (`dcs_tasks.checkpoint.models`) already refuse relative paths, `.`/`..` components and bad names;
+models (`dcs_tasks.checkpoint.payloads`) already refuse relative paths, `.`/`..` components and bad names;
 here each path is checked against this worker's configuration before anything is read or written (workers
 and the in-process committer, `dcs_tasks.checkpoint.inline`):
 - a step directory must be exactly where a `Checkpointer` with the same `checkpoint_dir` puts that
@@ -26,7 +26,7 @@ from typing import overload
 
 from dcs_tasks import storage
 from dcs_tasks.checkpoint.format import staging_name_pattern, staging_prefix, step_dir_name
-from dcs_tasks.checkpoint.models import clean_absolute_path
+from dcs_tasks.checkpoint.payloads import clean_absolute_path
 from dcs_tasks.checkpoint.sharded import RANK_DIR
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath

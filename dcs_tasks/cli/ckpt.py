@@ -97,7 +97,7 @@ def _register_interop(actions: Any) -> None:
 
 def _run_name(value: str) -> str:
     """argparse type of `--run`: the run-name rule every entry point uses (no `..`, `/etc`, hidden names)."""
-    from dcs_tasks.checkpoint.models import run_name_problem
+    from dcs_tasks.checkpoint.payloads import run_name_problem
 
     problem = run_name_problem(value)
     if problem is not None:
@@ -317,7 +317,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from dcs_tasks.checkpoint.models import RetentionPolicy
+    from dcs_tasks.checkpoint.payloads import RetentionPolicy
     from dcs_tasks.checkpoint.retention import apply_retention
 
     config = DCSConfig()

@@ -22,12 +22,12 @@ from pydantic import ValidationError
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.coordinator_api import CoordinatorAPI
-from dcs_tasks.engine.attach import AttachSettings, EngineAttachment
-from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import ConfigError, DCSError
-from dcs_tasks.sync.models import ENGINE_KINDS, EngineKind
+from dcs_tasks.sync.attach import AttachSettings, EngineAttachment
+from dcs_tasks.sync.engine_probe import EngineProbe
+from dcs_tasks.sync.wire import ENGINE_KINDS, EngineKind
 
-log = logging.getLogger("dcs_tasks.engine")
+log = logging.getLogger("dcs_tasks.sync.attach")
 ENGINE_API_KEY_ENV = "DCS_ENGINE_API_KEY"
 
 
@@ -141,7 +141,7 @@ async def _attach(
     loop = asyncio.get_running_loop()
     async with (
         CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
-        EngineClient(engine_url, settings.rank, api_key, config.request_timeout_seconds, kind) as engine,
+        EngineProbe(engine_url, settings.rank, api_key, config.request_timeout_seconds, kind) as engine,
     ):
         task = asyncio.create_task(EngineAttachment(api, engine, settings, config).run())
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "coordinator": "coordinator.cli",
     "worker": "workers.cli",
     "ckpt": "dcs_tasks.cli.ckpt",
-    "receiver": "dcs_tasks.receiver.cli",
+    "receiver": "dcs_tasks.sync.receiver.cli",
     "engine": "dcs_tasks.cli.engine",
     "config": "dcs_tasks.cli.config",
     "up": "dcs_tasks.cli.up",

@@ -34,10 +34,10 @@ from dcs_tasks.sync.actor_fwd import (
 )
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, check_backend, send_teardown
 from dcs_tasks.sync.gcpause import paused_gc
-from dcs_tasks.sync.models import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.rollout import RolloutUpdater
 from dcs_tasks.sync.sender import ALONE_BYTES, BucketSender, UpdateReport
+from dcs_tasks.sync.wire import BootstrapRequest, BootstrapResult, GroupPlan, QuantizationConfig
 
 log = logging.getLogger(__name__)
 RECEIVING_ROLES = ("actor_fwd", "reference")
@@ -249,7 +249,7 @@ class CheckpointEngineClient:
     async def _release_pp_port(self) -> None:
         name = self.role_info.metadata.get("pp_group_name")
         if name and self._bootstrapper is not None:
-            from dcs_tasks.sync.models import DestroyRequest
+            from dcs_tasks.sync.wire import DestroyRequest
 
             request = DestroyRequest(
                 group_name=name, host=self.config.host_name, master_port=int(self.role_info.metadata["master_port"])
@@ -373,7 +373,8 @@ async def _held(lock: Any, timeout: float) -> AsyncIterator[None]:
         return
     if isinstance(lock, asyncio.Lock):
         try:
-            await asyncio.wait_for(lock.acquire(), timeout)
+            async with asyncio.timeout(timeout):
+                await lock.acquire()
         except TimeoutError:
             raise DCSTimeoutError(f"the update lock was not free within {timeout:g}s") from None
     else:

@@ -39,7 +39,7 @@ from dcs_tasks.checkpoint.fsio import (
     write_all,
 )
 from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
-from dcs_tasks.checkpoint.models import validate_run_name, validate_step
+from dcs_tasks.checkpoint.payloads import validate_run_name, validate_step
 from dcs_tasks.checkpoint.sharded import rank_dirs
 from dcs_tasks.checkpoint.structure import flatten_state
 from dcs_tasks.config import DCSConfig

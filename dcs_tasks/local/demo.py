@@ -38,8 +38,8 @@ from dcs_tasks.errors import ConfigError, DCSError
 from dcs_tasks.local.charlm import Corpus, make_model, sample
 from dcs_tasks.local.stack import LocalStack
 from dcs_tasks.local.trainer_proc import Event, TrainerProcess
-from dcs_tasks.sync.models import WeightsDigest
 from dcs_tasks.sync.receiving import tensor_sha256
+from dcs_tasks.sync.wire import WeightsDigest
 
 RUN = "demo"
 TRAINER_TIMEOUT_SECONDS = 600.0

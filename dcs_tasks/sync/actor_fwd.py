@@ -30,9 +30,9 @@ from dcs_tasks.config import BackendType
 from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import ActorWaitTimeout, DCSTimeoutError, SyncPreconditionError, WeightSyncError
 from dcs_tasks.models import GroupRanksResponse, WeightMeta
-from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.sender import ActorFwdDetails, BucketSender, UpdateReport
+from dcs_tasks.sync.wire import QuantizationConfig
 
 log = logging.getLogger(__name__)
 

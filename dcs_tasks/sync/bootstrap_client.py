@@ -2,7 +2,7 @@
 
 Call order: `form_group(plan)` -> (updates) -> `release(group)`. Each attempt sends its bootstrap with a
 fresh request id (also its task id), so a redelivered bootstrap task returns that attempt's group again
-instead of forming another (workers/bootstrap.py); `release` turns the group record DESTROYED.
+instead of forming another (dcs_tasks/sync/group_bootstrap.py); `release` turns the group record DESTROYED.
 
 A group counts as formed only from what SGLang's protocol gives: every engine's `POST
 /init_weights_update_group` answered success (SGLang answers only after each of its TP ranks built the group)
@@ -41,7 +41,7 @@ from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.errors import BackendUnavailable, GroupInitError, PortAllocationError, WeightSyncError
 from dcs_tasks.netaddr import check_master_reachable
-from dcs_tasks.sync.models import (
+from dcs_tasks.sync.wire import (
     BootstrapRequest,
     BootstrapResult,
     DestroyRequest,

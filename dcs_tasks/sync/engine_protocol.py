@@ -35,7 +35,7 @@ from packaging.version import InvalidVersion, Version
 from dcs_tasks.engine_http import Answer, EngineHTTP, EngineHTTPError
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, UnsupportedEngineVersion, WeightSyncError
 from dcs_tasks.sync import vllm_protocol
-from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
+from dcs_tasks.sync.wire import EngineEndpoint, EngineInfo
 
 SUPPORTED_VERSIONS = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 SESSIONS_SINCE = Version("0.5.21")

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 from dcs_tasks.config import RoleInfo
-from dcs_tasks.sync.models import (
+from dcs_tasks.sync.wire import (
     INSTANCE_MAX_LENGTH,
     INSTANCE_PATTERN,
     EngineEndpoint,

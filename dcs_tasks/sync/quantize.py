@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.wire import QuantizationConfig
 from dcs_tasks.tensors import TensorSpec, dtype_name, info_named, parse_dtype
 
 

@@ -5,7 +5,7 @@ naming what was wrong (answered 400 by `dcs receiver`).
 Update bodies: every dtype from `fusion`'s table, every shape non-negative with at most `MAX_DIMS` dims, names
 unique, 1..`MAX_NAME_LENGTH` characters and at most `MAX_TENSORS` of them, the total bytes within the update
 limit. Init bodies: a plausible host name or IP literal, a bounded world size with the rank inside it, a
-group name of safe characters. (`dcs_tasks.receiver.guard` wraps the HTTP app: token, JSON errors.)
+group name of safe characters. (`dcs_tasks.sync.receiver.guard` wraps the HTTP app: token, JSON errors.)
 """
 
 from __future__ import annotations

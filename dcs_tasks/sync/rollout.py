@@ -37,7 +37,9 @@ from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, Gr
 from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
 from dcs_tasks.sync.engine_protocol import EngineAPI, all_or_first_error
-from dcs_tasks.sync.models import (
+from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
+from dcs_tasks.sync.sender import Announce, BucketSender, RolloutDetails, UpdateReport
+from dcs_tasks.sync.wire import (
     SGLANG_FLAT_FORMAT,
     EngineEndpoint,
     EngineInfo,
@@ -45,8 +47,6 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
     signature_of,
 )
-from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
-from dcs_tasks.sync.sender import Announce, BucketSender, RolloutDetails, UpdateReport
 
 log = logging.getLogger(__name__)
 BLAME_TIMEOUT_SECONDS = 3.0

@@ -35,8 +35,8 @@ from dcs_tasks.backends.fusion import (
     plan_buckets,
     sglang_layout,
 )
-from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import to_wire, wire_spec
+from dcs_tasks.sync.wire import QuantizationConfig
 from dcs_tasks.tensors import TensorSpec
 
 # Tensors this big are sent from their own memory in a bucket of their own: copying them into a flat

@@ -37,7 +37,7 @@ from packaging.version import InvalidVersion, Version
 
 from dcs_tasks.config import BackendType
 from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMDevModeOff
-from dcs_tasks.sync.models import EngineEndpoint, EngineInfo
+from dcs_tasks.sync.wire import EngineEndpoint, EngineInfo
 
 SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
 VLLM_PAUSE_MODE = "abort"

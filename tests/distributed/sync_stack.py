@@ -13,7 +13,7 @@ import torch
 
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.sync.models import WeightsDigest
+from dcs_tasks.sync.wire import WeightsDigest
 from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import CoordinatorProcess, DcsProcess, WorkerProcess
 

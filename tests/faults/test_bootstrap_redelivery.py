@@ -1,11 +1,11 @@
 """kill -9 of the `dcs worker` running `bootstrap_group`, with real processes (coordinator, worker, `dcs receiver`).
 
-The first worker is slowed with `DCS_BOOTSTRAP_PAUSE_SECONDS` (workers/bootstrap.py): it pauses after the
-group's epoch and master port are reserved, before any join is sent, and is killed there. A second worker
-takes the task back at start (workers/recovery.py). The redelivered bootstrap must form the same group: the
-same epoch and the one port reserved for it (none leaked), one join sent to the receiver (a second
-`/init_weights_update_group` would re-initialise an engine's group), the update bit-exact, the record READY;
-after the trainer's teardown the record says DESTROYED and the port is free.
+The first worker is slowed from outside (tests/faults/paused_bootstrap_worker.py wraps its port reservation):
+it pauses after the group's epoch and master port are reserved, before any join is sent, and is killed there.
+A second worker takes the task back at start (workers/recovery.py). The redelivered bootstrap must form the
+same group: the same epoch and the one port reserved for it (none leaked), one join sent to the receiver (a
+second `/init_weights_update_group` would re-initialise an engine's group), the update bit-exact, the record
+READY; after the trainer's teardown the record says DESTROYED and the port is free.
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import GroupInitError
 from dcs_tasks.keys import Keys
-from dcs_tasks.sync.models import BootstrapRequest, DestroyRequest, EngineEndpoint, GroupPlan, JoinRequest
-from dcs_tasks.sync.receiving import tensor_sha256
-from tests.distributed.sync_stack import ReceiverProcess
-from tests.helpers.procs import CoordinatorProcess, WorkerProcess
-from workers.bootstrap import (
-    PAUSE_ENV,
+from dcs_tasks.sync.group_bootstrap import (
     GroupAlreadyDestroyed,
     abandon_bootstrap,
     bootstrap,
@@ -37,6 +32,11 @@ from workers.bootstrap import (
     destroy_group,
     port_binds,
 )
+from dcs_tasks.sync.receiving import tensor_sha256
+from dcs_tasks.sync.wire import BootstrapRequest, DestroyRequest, EngineEndpoint, GroupPlan, JoinRequest
+from tests.distributed.sync_stack import ReceiverProcess
+from tests.faults.paused_bootstrap_worker import PAUSE_SECONDS_ENV
+from tests.helpers.procs import CoordinatorProcess, WorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -98,7 +98,14 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
     host = config.host_name
     coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
     config = config.model_copy(update={"coordinator_url": coordinator.url})
-    slow = WorkerProcess(config, tmp_path / "worker1.log", concurrency=4, pool="threads", env={PAUSE_ENV: "120"})
+    slow = WorkerProcess(
+        config,
+        tmp_path / "worker1.log",
+        concurrency=4,
+        pool="threads",
+        env={PAUSE_SECONDS_ENV: "120"},
+        module="tests.faults.paused_bootstrap_worker",
+    )
     fresh = WorkerProcess(config, tmp_path / "worker2.log", concurrency=4, pool="threads")
     receiver = ReceiverProcess(config, coordinator.url, 0, tmp_path / "receiver.log")
     trainer: CheckpointEngineClient | None = None
@@ -114,7 +121,7 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
 
         # the bootstrap has reserved the group's port and pauses before its joins: kill the worker there
         await asyncio.to_thread(wait_until, "a port reservation", lambda: reservations(client, keys, host), 30.0)
-        assert "pausing the bootstrap" in slow.log_tail(10**6)
+        assert "reserved: pausing" in slow.log_tail(10**6)
         assert not update.done()
         slow.kill()
         presence = keys.worker_presence(node_queue(host))  # the dead worker's expires: then the new one's is real
@@ -202,7 +209,7 @@ def test_a_delivery_killed_before_checking_its_port_leaves_it_to_the_next(
     def killed(address: str, port: int) -> bool:
         raise Killed
 
-    monkeypatch.setattr("workers.bootstrap.port_binds", killed)
+    monkeypatch.setattr("dcs_tasks.sync.group_bootstrap.port_binds", killed)
     with pytest.raises(Killed):  # reserved and recorded, not yet checked, no join sent
         bootstrap(client, keys, config, _request("req-1"), "req-1", lambda _id, join: sent.append(join))
     monkeypatch.undo()

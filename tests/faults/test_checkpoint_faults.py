@@ -12,7 +12,7 @@ import redis
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint.ledger import StepLedger
-from dcs_tasks.checkpoint.models import CommitRequest, PersistRequest, StepRef
+from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest, StepRef
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, NoWorkerError

@@ -32,6 +32,8 @@ def child_env(config: DCSConfig, **extra: str) -> dict[str, str]:
 class DcsProcess:
     """`python -m dcs_tasks.cli.main ARGS` in its own session, logging to `log_path`."""
 
+    module = "dcs_tasks.cli.main"  # what `python -m` runs: a test may run the CLI from a wrapper of its own
+
     def __init__(self, config: DCSConfig, log_path: Path) -> None:
         self.config = config
         self.log_path = log_path
@@ -42,9 +44,9 @@ class DcsProcess:
         for a command that imports torch (`dcs receiver`) and never re-execs itself (`dcs worker` does)."""
         env = child_env(self.config, **(extra_env or {}))
         if preloaded:
-            self.proc = python_module("dcs_tasks.cli.main", *args, log=self.log_path, env=env)
+            self.proc = python_module(self.module, *args, log=self.log_path, env=env)
             return
-        cmd = [sys.executable, "-m", "dcs_tasks.cli.main", *args]
+        cmd = [sys.executable, "-m", self.module, *args]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
@@ -90,8 +92,11 @@ class WorkerProcess(DcsProcess):
         concurrency: int = 2,
         pool: str = "prefork",
         env: dict[str, str] | None = None,
+        module: str | None = None,
     ) -> None:
         super().__init__(config, log_path)
+        if module is not None:
+            self.module = module
         self.concurrency = concurrency
         self.pool = pool
         self.extra_env = env or {}

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint import fastread, zread
 from dcs_tasks.checkpoint.format import new_hasher
-from dcs_tasks.checkpoint.models import RetentionPolicy
+from dcs_tasks.checkpoint.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import EngineIncompatible
 from dcs_tasks.sync.engine_protocol import engine_info
-from dcs_tasks.sync.models import EngineEndpoint
+from dcs_tasks.sync.wire import EngineEndpoint
 from tests.helpers.procs import CoordinatorProcess
 from tests.integration.engine_attach_support import AttachProcess, HealthSwitchEngine, rollout_nodes, wait_for
 from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed

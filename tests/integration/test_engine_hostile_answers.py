@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.engine_http import MAX_BODY_BYTES
 from dcs_tasks.errors import EngineIncompatible, WeightSyncError
+from dcs_tasks.sync.engine_probe import EngineProbe
 from dcs_tasks.sync.engine_protocol import EngineAPI
-from dcs_tasks.sync.models import EngineEndpoint, InitWeightsUpdateGroupRequest, JoinOutcome, JoinRequest
-from workers.bootstrap import join_engine
+from dcs_tasks.sync.group_bootstrap import join_engine
+from dcs_tasks.sync.wire import EngineEndpoint, InitWeightsUpdateGroupRequest, JoinOutcome, JoinRequest
 
 pytestmark = pytest.mark.integration
 
@@ -171,7 +171,7 @@ async def test_a_weight_version_past_the_bound_reads_as_zero(hostile: Hostile) -
 async def test_attach_health_probe_ends_within_its_timeout(hostile: Hostile, mode: str) -> None:
     """`dcs engine attach`'s `/health` probe: a trickle held it forever; now an unanswered probe in time."""
     hostile.mode = mode
-    async with EngineClient(f"http://127.0.0.1:{hostile.port}", 0, None, TIMEOUT) as engine:
+    async with EngineProbe(f"http://127.0.0.1:{hostile.port}", 0, None, TIMEOUT) as engine:
         started = time.monotonic()
         probe = await engine.health(TIMEOUT)
         assert time.monotonic() - started < TIMEOUT + 1.0

@@ -29,8 +29,8 @@ from dcs_tasks.engine_http import (
 )
 from dcs_tasks.errors import EngineAuthRefused, WeightSyncError
 from dcs_tasks.sync.engine_protocol import EngineAPI
-from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.rollout import _unreachable
+from dcs_tasks.sync.wire import EngineEndpoint
 from tests.helpers.ports import free_port
 from tests.helpers.uvicorn_thread import uvicorn_in_thread
 

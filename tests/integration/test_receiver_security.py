@@ -24,7 +24,7 @@ from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.receiver.cli import INIT_WAIT_SECONDS
+from dcs_tasks.sync.receiver.cli import INIT_WAIT_SECONDS
 from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import ReceiverProcess, auth_headers, sync_stack
 from tests.helpers.ports import free_port

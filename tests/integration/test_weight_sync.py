@@ -17,11 +17,11 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PortAllocationError
 from dcs_tasks.keys import Keys
 from dcs_tasks.metrics import get_metrics
-from dcs_tasks.sync.models import QuantizationConfig
+from dcs_tasks.sync.group_bootstrap import port_binds, release_port, reserve_port
 from dcs_tasks.sync.quantize import to_wire
 from dcs_tasks.sync.receiving import tensor_sha256
+from dcs_tasks.sync.wire import QuantizationConfig
 from tests.distributed.sync_stack import SyncStack, actor_client, sync_stack
-from workers.bootstrap import port_binds, release_port, reserve_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.sync.models import EngineEndpoint, InitWeightsUpdateGroupRequest, JoinRequest
+from dcs_tasks.sync.wire import EngineEndpoint, InitWeightsUpdateGroupRequest, JoinRequest
 from tests.checkpoint_support import start_worker
 
 pytestmark = pytest.mark.integration

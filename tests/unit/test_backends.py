@@ -24,10 +24,10 @@ from dcs_tasks.backends.fusion import (
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import EngineIncompatible, WeightSyncError
 from dcs_tasks.sync.engine_protocol import engine_info
-from dcs_tasks.sync.models import EngineEndpoint, QuantizationConfig
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
 from dcs_tasks.sync.quantize import relative_error_bound, to_wire, wire_spec
 from dcs_tasks.sync.receiving import WeightReceiver, tensor_sha256
+from dcs_tasks.sync.wire import EngineEndpoint, QuantizationConfig
 from tests.helpers.ports import free_port
 
 

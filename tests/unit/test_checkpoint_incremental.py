@@ -14,7 +14,7 @@ import torch
 from dcs_tasks.checkpoint import validate
 from dcs_tasks.checkpoint.format import FileEntry, Manifest, TensorEntry, manifest_bytes, plan_layout, specs_of
 from dcs_tasks.checkpoint.incremental import RETIRED_NAME
-from dcs_tasks.checkpoint.models import RetentionPolicy
+from dcs_tasks.checkpoint.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.retention import apply_retention
 from dcs_tasks.errors import CorruptCheckpoint
 

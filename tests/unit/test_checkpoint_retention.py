@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcs_tasks.checkpoint.models import RetentionPolicy
+from dcs_tasks.checkpoint.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.retention import steps_to_delete
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from dcs_tasks.cli.engine import advertised_address
 from dcs_tasks.cli.main import main
-from dcs_tasks.engine.attach import engine_metadata
 from dcs_tasks.errors import ConfigError
-from dcs_tasks.sync.models import EngineInfo
+from dcs_tasks.sync.attach import engine_metadata
+from dcs_tasks.sync.wire import EngineInfo
 
 
 def test_advertised_address_is_the_engine_url_unless_overridden() -> None:

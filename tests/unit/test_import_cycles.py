@@ -36,7 +36,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "incremental",
         "retention",
         "objlocks",
-        "models",
+        "payloads",
         "peerwire",
         "tiers",
     ),

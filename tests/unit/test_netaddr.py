@@ -14,7 +14,7 @@ from dcs_tasks.netaddr import (
     is_loopback,
     route_address,
 )
-from dcs_tasks.receiver.cli import advertised_host, bind_host
+from dcs_tasks.sync.receiver.cli import advertised_host, bind_host
 
 
 def test_loopback_addresses_and_names() -> None:

@@ -20,10 +20,10 @@ from dcs_tasks.backends.loopback import LoopbackBackend, LoopbackHub
 from dcs_tasks.client.engine import record_send
 from dcs_tasks.errors import RequestRejected, WeightSyncError
 from dcs_tasks.metrics import get_metrics
-from dcs_tasks.sync.models import QuantizationConfig
 from dcs_tasks.sync.quantize import relative_error_bound
 from dcs_tasks.sync.receiving import WeightReceiver, tensor_sha256
 from dcs_tasks.sync.sender import ActorFwdDetails, BucketSender, RolloutDetails, SendReport, UpdateReport
+from dcs_tasks.sync.wire import QuantizationConfig
 from dcs_tasks.tensors import DTYPES, TensorSpec
 
 GROUP = "g"

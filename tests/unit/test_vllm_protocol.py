@@ -7,8 +7,8 @@ import pytest
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMDevModeOff
 from dcs_tasks.sync import vllm_protocol
-from dcs_tasks.sync.models import EngineEndpoint
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
+from dcs_tasks.sync.wire import EngineEndpoint
 
 ENGINE = EngineEndpoint(rank=3, ip="10.0.0.7", port=8100, kind="vllm")
 

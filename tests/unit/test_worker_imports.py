@@ -25,7 +25,7 @@ PROBE = textwrap.dedent(
 
     app = make_worker_app(DCSConfig())
     app.loader.import_default_modules()
-    import workers.bootstrap, workers.commit, workers.persist, workers.recovery, workers.replica
+    import dcs_tasks.sync.group_bootstrap, workers.commit, workers.persist, workers.recovery, workers.replica
     import workers.retention, workers.trust
     import dcs_tasks.checkpoint.retention, dcs_tasks.checkpoint.latest
     print(sorted(name for name in app.tasks if name.startswith("dcs.")))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -34,10 +33,10 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.engine_http import EngineHTTPError, EngineTimeout, request_blocking
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
 from dcs_tasks.keys import Keys
-from dcs_tasks.lua import LuaScript
+from dcs_tasks.sync import group_scripts as scripts
 from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.engine_protocol import auth_headers
-from dcs_tasks.sync.models import (
+from dcs_tasks.sync.wire import (
     BootstrapRequest,
     BootstrapResult,
     DestroyRequest,
@@ -54,96 +53,7 @@ log = logging.getLogger(__name__)
 PORT_RESERVATION_TTL_SECONDS = 6 * 3600
 GROUP_RECORD_TTL_SECONDS = 7 * 24 * 3600
 DESTROYED_RECORD_TTL_SECONDS = 24 * 3600
-PAUSE_ENV = "DCS_BOOTSTRAP_PAUSE_SECONDS"
-"""Fault tests only: seconds `bootstrap_group` sleeps after reserving the port, before sending joins."""
 JOIN_SENDING = "sending"
-
-# KEYS[1] = reservation key; ARGV[1] = group name that must own it. Returns 1 if deleted.
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# KEYS[1] = bootstrap request key, KEYS[2] = epoch counter; ARGV[1] = TTL. The request's epoch, drawn once.
-_EPOCH_LUA = """
-local epoch = redis.call('GET', KEYS[1])
-if epoch then return tonumber(epoch) end
-epoch = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], epoch, 'EX', ARGV[1])
-return epoch
-"""
-
-# KEYS[1] = group record; ARGV[1] = TTL, then field/value pairs. Creates the record unless it exists; returns
-# its status.
-_OPEN_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status then return status end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return redis.call('HGET', KEYS[1], 'status')
-"""
-
-# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = port, ARGV[3] = TTL.
-# The port already recorded (> 0), 0 if this port is taken, -1 if reserved and recorded now.
-_RESERVE_LUA = """
-local have = redis.call('HGET', KEYS[2], 'master_port')
-if have then return tonumber(have) end
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then return 0 end
-redis.call('HSET', KEYS[2], 'master_port', ARGV[2], 'port_checked', '0')
-return -1
-"""
-
-# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = port. Undo _RESERVE_LUA.
-_UNRESERVE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-if redis.call('HGET', KEYS[2], 'master_port') == ARGV[2] then
-  redis.call('HDEL', KEYS[2], 'master_port', 'port_checked')
-end
-return 0
-"""
-
-# KEYS[1] = group record; ARGV[1] = node id ('' for none), ARGV[2] = now, ARGV[3] = record TTL once READY.
-# Counts a joined engine once; turns a BOOTSTRAPPING record READY when every engine joined. 1 when it did.
-_JOINED_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if ARGV[1] ~= '' and redis.call('HSETNX', KEYS[1], 'joined:' .. ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[1], 'joined_count', 1)
-end
-if redis.call('HGET', KEYS[1], 'status') ~= 'bootstrapping' then return 0 end
-local joined = tonumber(redis.call('HGET', KEYS[1], 'joined_count') or '0')
-if joined < tonumber(redis.call('HGET', KEYS[1], 'engines') or '0') then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'ready', 'ready_at', ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-
-# KEYS[1] = reservation key, KEYS[2] = group record; ARGV[1] = group, ARGV[2] = TTL. Extends our reservation.
-_EXTEND_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-
-# KEYS[1] = group record; ARGV[1] = now, ARGV[2] = reason, ARGV[3] = TTL. Marks an existing record DESTROYED
-# (once: the first reason stays).
-_DESTROYED_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('HGET', KEYS[1], 'status') == 'destroyed' then return 1 end
-redis.call('HSET', KEYS[1], 'status', 'destroyed', 'destroyed_at', ARGV[1], 'destroy_reason', ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-
-# each loaded once per Redis, then run by SHA (dcs_tasks/lua.py)
-_RELEASE = LuaScript(_RELEASE_LUA)
-_EPOCH = LuaScript(_EPOCH_LUA)
-_OPEN = LuaScript(_OPEN_LUA)
-_RESERVE = LuaScript(_RESERVE_LUA)
-_UNRESERVE = LuaScript(_UNRESERVE_LUA)
-_JOINED = LuaScript(_JOINED_LUA)
-_EXTEND = LuaScript(_EXTEND_LUA)
-_DESTROYED = LuaScript(_DESTROYED_LUA)
 
 
 class GroupAlreadyDestroyed(WeightSyncError):
@@ -166,7 +76,6 @@ def bootstrap(
         reason = _text(client.hget(keys.group(group), "destroy_reason"))
         raise GroupAlreadyDestroyed(f"group {group} of bootstrap {request_id} was already destroyed ({reason})")
     port = group_port(client, keys, config, request.master_address, group, ttl)
-    fault_pause()
     join_ids = []
     for engine in request.plan.engines:
         task_id = join_id(request_id, engine.node_id)
@@ -231,14 +140,14 @@ def reserve_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: st
 
 
 def release_port(client: redis.Redis, keys: Keys, host: str, port: int, group_name: str) -> bool:
-    return bool(_RELEASE(client, [keys.port_reservation(host, port)], [group_name]))
+    return bool(scripts.RELEASE_PORT(client, [keys.port_reservation(host, port)], [group_name]))
 
 
 def claim_epoch(client: redis.Redis, keys: Keys, request_id: str, group_prefix: str, ttl: int) -> int:
     """The epoch of bootstrap request `request_id`: drawn from the prefix's counter at its first delivery and
     the same at every later one (Lua, so two deliveries at once get one epoch too)."""
     key = keys.bootstrap_request(request_id)
-    return int(_EPOCH(client, [key, keys.group_epoch(group_prefix)], [ttl]))
+    return int(scripts.CLAIM_EPOCH(client, [key, keys.group_epoch(group_prefix)], [ttl]))
 
 
 def group_name_of(group_prefix: str, epoch: int) -> str:
@@ -271,7 +180,7 @@ def open_group(
         "created_at": time.time(),
     }
     args = [str(item) for pair in fields.items() for item in pair]
-    status = _OPEN(client, [key], [ttl, *args])
+    status = scripts.OPEN_RECORD(client, [key], [ttl, *args])
     return GroupStatus(_text(status))
 
 
@@ -291,7 +200,7 @@ def group_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str,
         if port_binds(address, port):
             client.hset(record, "port_checked", "1")
             return port
-        _UNRESERVE(client, [keys.port_reservation(config.host_name, port), record], [group_name, port])
+        scripts.UNRESERVE_PORT(client, [keys.port_reservation(config.host_name, port), record], [group_name, port])
     raise PortAllocationError(f"group {group_name}: no recorded master port binds on {address}")
 
 
@@ -300,7 +209,7 @@ def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: s
     host, record = config.host_name, keys.group(group_name)
     for port in range(config.comm_base_port, config.comm_max_port + 1):
         key = keys.port_reservation(host, port)
-        got = int(_RESERVE(client, [key, record], [group_name, port, ttl]))
+        got = int(scripts.RESERVE_PORT(client, [key, record], [group_name, port, ttl]))
         if got > 0:  # another delivery of this request recorded one meanwhile
             return group_port(client, keys, config, address, group_name, ttl)
         if got == 0:
@@ -308,7 +217,7 @@ def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: s
         if port_binds(address, port):
             client.hset(record, "port_checked", "1")
             return port
-        _UNRESERVE(client, [key, record], [group_name, port])
+        scripts.UNRESERVE_PORT(client, [key, record], [group_name, port])
     raise _exhausted(config, address)
 
 
@@ -340,13 +249,13 @@ def mark_joined(
     gets its long TTL. `node_id` None only checks (a group without engines is READY at once)."""
     record = keys.group(group_name)
     args = (node_id or "", time.time(), GROUP_RECORD_TTL_SECONDS)
-    ready = bool(_JOINED(client, [record], args))
+    ready = bool(scripts.MARK_JOINED(client, [record], args))
     if ready:
         if port is None:
             port = int(_text(client.hget(record, "master_port")) or 0)
         if port:
             key = keys.port_reservation(host, port)
-            _EXTEND(client, [key, record], [group_name, PORT_RESERVATION_TTL_SECONDS])
+            scripts.EXTEND_RESERVATION(client, [key, record], [group_name, PORT_RESERVATION_TTL_SECONDS])
         log.info("group %s is ready", group_name)
     return ready
 
@@ -354,18 +263,6 @@ def mark_joined(
 def group_status(client: redis.Redis, keys: Keys, group_name: str) -> GroupStatus | None:
     value = _text(client.hget(keys.group(group_name), "status"))
     return GroupStatus(value) if value else None
-
-
-def fault_pause() -> None:
-    """Sleep `DCS_BOOTSTRAP_PAUSE_SECONDS` (fault tests: a worker killed here has reserved a port and sent no
-    join). Unset, empty or malformed: no pause."""
-    try:
-        seconds = float(os.environ.get(PAUSE_ENV) or 0)
-    except ValueError:
-        return
-    if seconds > 0:
-        log.warning("%s=%g: pausing the bootstrap before its joins", PAUSE_ENV, seconds)
-        time.sleep(min(seconds, 3600.0))
 
 
 def _text(value: object) -> str:
@@ -488,7 +385,7 @@ def mark_destroyed(client: redis.Redis, keys: Keys, group_name: str, reason: str
     """DESTROYED with `reason` (an absent record stays absent); True if the record existed."""
     record = keys.group(group_name)
     args = (time.time(), reason[:500], DESTROYED_RECORD_TTL_SECONDS)
-    return bool(_DESTROYED(client, [record], args))
+    return bool(scripts.MARK_DESTROYED(client, [record], args))
 
 
 def abandon_bootstrap(

@@ -21,7 +21,6 @@ from typing import Any
 
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
-from dcs_tasks.engine.client import EngineClient
 from dcs_tasks.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -33,8 +32,9 @@ from dcs_tasks.errors import (
 )
 from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.models import RegisterResponse
-from dcs_tasks.sync.models import EngineInfo
+from dcs_tasks.sync.engine_probe import EngineProbe
 from dcs_tasks.sync.planning import new_instance
+from dcs_tasks.sync.wire import EngineInfo
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EngineAttachment:
     """Keeps the engine behind `engine` registered in the coordinator behind `api` while it is healthy."""
 
     def __init__(
-        self, api: CoordinatorAPI, engine: EngineClient, settings: AttachSettings, config: DCSConfig | None = None
+        self, api: CoordinatorAPI, engine: EngineProbe, settings: AttachSettings, config: DCSConfig | None = None
     ) -> None:
         """`config`: register and beat through the host's agent (`dcs worker`) when one answers
         (dcs_tasks/hostagent.py); without it, or without an agent, the attachment beats per node itself."""

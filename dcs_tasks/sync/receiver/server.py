@@ -34,7 +34,8 @@ from dcs_tasks.errors import DCSError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.sync.engine_protocol import SUPPORTED_VERSIONS
 from dcs_tasks.sync.gcpause import paused_gc
-from dcs_tasks.sync.models import (
+from dcs_tasks.sync.receiving import WeightReceiver
+from dcs_tasks.sync.wire import (
     SGLANG_FLAT_FORMAT,
     DestroyWeightsUpdateGroupRequest,
     EngineResponse,
@@ -43,7 +44,6 @@ from dcs_tasks.sync.models import (
     UpdateWeightsFromDistributedRequest,
     WeightsDigest,
 )
-from dcs_tasks.sync.receiving import WeightReceiver
 
 log = logging.getLogger(__name__)
 

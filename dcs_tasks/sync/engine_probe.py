@@ -1,4 +1,4 @@
-"""HTTP client of one SGLang server as the attach sidecar sees it: `/health` probes and one server-info read.
+"""The attach sidecar's probe of one engine (SGLang or vLLM server): `/health` probes and one server-info read.
 
 SGLang lets `/health` through without a key (sglang/srt/utils/auth.py), so a wrong key only shows on the
 server-info read, which goes through the trainer's `EngineAPI.probe` (`Authorization: Bearer <key>`,
@@ -13,10 +13,14 @@ import urllib.parse
 from types import TracebackType
 from typing import NamedTuple
 
-from dcs_tasks.engine.errors import EngineUnavailable
 from dcs_tasks.engine_http import EngineHTTP, EngineHTTPError
+from dcs_tasks.errors import DCSTimeoutError
 from dcs_tasks.sync.engine_protocol import EngineAPI
-from dcs_tasks.sync.models import EngineEndpoint, EngineInfo, EngineKind
+from dcs_tasks.sync.wire import EngineEndpoint, EngineInfo, EngineKind
+
+
+class EngineUnavailable(DCSTimeoutError):
+    """The engine's `GET /health` did not answer 200 within the bounded wait."""
 
 
 class Health(NamedTuple):
@@ -34,7 +38,7 @@ class Health(NamedTuple):
         return self.status is not None
 
 
-class EngineClient:
+class EngineProbe:
     """The engine at `url` (http://host:port as this host reaches it), registered as rollout `rank`.
 
     `api_key` is sent on the server-info read and never logged."""
@@ -51,7 +55,7 @@ class EngineClient:
         # (an unanswered probe makes the sidecar register the engine anew, and every trainer rebuild its group)
         self._http = EngineHTTP()
 
-    async def __aenter__(self) -> EngineClient:
+    async def __aenter__(self) -> EngineProbe:
         return self
 
     async def __aexit__(

@@ -32,9 +32,9 @@ from dcs_tasks.errors import ConfigError
 from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.httpguard import guarded_server_options
 from dcs_tasks.netaddr import configure_comm_interface, interface_of, is_loopback, route_address
-from dcs_tasks.receiver.guard import secure_receiver_app
-from dcs_tasks.receiver.server import create_receiver_app
 from dcs_tasks.sync.planning import new_instance
+from dcs_tasks.sync.receiver.guard import secure_receiver_app
+from dcs_tasks.sync.receiver.server import create_receiver_app
 from dcs_tasks.sync.receiving import WeightReceiver
 
 log = logging.getLogger(__name__)
