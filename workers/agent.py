@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import CoordinatorError, DCSError, RankConflict
@@ -166,9 +167,7 @@ class HostAgent:
             await self._stop.wait()
         finally:
             server.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
             with contextlib.suppress(OSError):
                 self.path.unlink()
             await self._api.aclose()

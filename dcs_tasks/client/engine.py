@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
@@ -230,8 +231,7 @@ class CheckpointEngineClient:
     async def stop(self) -> None:
         """Cancel heartbeats and background receives, release groups, close the backend and HTTP client."""
         if self._background is not None:
-            self._background.cancel()
-            await asyncio.gather(self._background, return_exceptions=True)
+            await cancel_and_wait(self._background)
         if self._beats is not None:
             await self._beats.stop()
             self._beats = None
