@@ -202,29 +202,30 @@ def dcp_fsspec(bucket: str, state: dict[str, torch.Tensor], tag: str) -> dict[st
     return {"save_s": save, "load_into_s": load}
 
 
+def _best_plain(summary: dict[str, Any], way: str) -> tuple[float, str]:
+    """The faster plain transfer `way` ("upload" / "download") and how the table names it."""
+    s3transfer, obstore = summary[f"plain_{way}_s"], summary.get(f"obstore_{way}_s")
+    best = s3transfer if obstore is None else min(s3transfer, obstore)
+    others = f"s3transfer {s3transfer:.2f}" + ("" if obstore is None else f", obstore {obstore:.2f}")
+    return best, f"best plain {way} {best:.2f} s ({others})"
+
+
 def rows(summary: dict[str, Any]) -> list[Row]:
     """docs/benchmarks.md's rows: durable save, restore and restore `into=` through S3 against the best plain
     transfer of the same bytes (s3transfer or obstore, whichever was faster) and DCP's S3 writer/reader."""
     dcs = summary["dcs"]
-    up = min(summary["plain_upload_s"], summary.get("obstore_upload_s", float("inf")))
-    down = min(summary["plain_download_s"], summary.get("obstore_download_s", float("inf")))
-    gib = f"{summary['bytes'] / 2**30:.3g} GiB in {summary['files']} files"
+    up, plain_up = _best_plain(summary, "upload")
+    down, plain_down = _best_plain(summary, "download")
     dcp = summary.get("dcp_s3torchconnector")
-    has_dcp = isinstance(dcp, dict)
+    dcp = dcp if isinstance(dcp, dict) else None  # else the reason it did not run
     save_vs_dcp = summary.get("dcs_durable_vs_dcp_s3torchconnector_save")
     load_vs_dcp = summary.get("dcs_restore_into_vs_dcp_s3torchconnector_load")
-    plain = f"best plain upload {up:.2f} s (s3transfer {summary['plain_upload_s']:.2f}"
-    plain += f", obstore {summary['obstore_upload_s']:.2f})" if "obstore_upload_s" in summary else ")"
-    plain_down = f"best plain download {down:.2f} s (s3transfer {summary['plain_download_s']:.2f}"
-    plain_down += f", obstore {summary['obstore_download_s']:.2f})" if "obstore_download_s" in summary else ")"
-    durable = up / dcs["durable_s"]
-    restore = down / dcs["restore_s"]
-    restore_into = down / dcs["restore_into_s"]
+    durable, restore, restore_into = up / dcs["durable_s"], down / dcs["restore_s"], down / dcs["restore_into_s"]
     return [
         Row(
-            what=f"S3 durable save, {gib}",
+            what=f"S3 durable save, {summary['bytes'] / 2**30:.3g} GiB in {summary['files']} files",
             ours=f"{dcs['durable_s']:.2f} s (stall {dcs['stall_s'] * 1e3:.0f} ms)",
-            compared=plain + (f"; DCP + s3torchconnector save {dcp['save_s']:.2f} s" if has_dcp else ""),
+            compared=plain_up + (f"; DCP + s3torchconnector save {dcp['save_s']:.2f} s" if dcp else ""),
             ratio=durable,
             ratio_text=f"{durable:.2f}x the best upload"
             + (f"; {save_vs_dcp:.2f}x DCP + s3torchconnector" if save_vs_dcp else ""),
@@ -243,7 +244,7 @@ def rows(summary: dict[str, Any]) -> list[Row]:
         Row(
             what="S3 restore into= existing tensors, verified",
             ours=f"{dcs['restore_into_s']:.2f} s",
-            compared=plain_down + (f"; DCP + s3torchconnector load {dcp['load_into_s']:.2f} s" if has_dcp else ""),
+            compared=plain_down + (f"; DCP + s3torchconnector load {dcp['load_into_s']:.2f} s" if dcp else ""),
             ratio=restore_into,
             ratio_text=f"{restore_into:.2f}x the best download"
             + (f"; {load_vs_dcp:.2f}x faster than DCP + s3torchconnector" if load_vs_dcp else ""),
