@@ -9,18 +9,18 @@ to that return (the copy dominates).
 Multi-rank runs: every trainer rank makes its own `Checkpointer(run, rank=r, world_size=W)` and saves its
 own part; a step counts once every rank committed it, and restore reshards to this checkpointer's world
 size (see `dcs_tasks.checkpoint.sharded`).
+
+restore() and list() are a facade over `dcs_tasks.checkpoint.restoring` (which step, which copy, one plan for
+every kind of read); this class adds the memory tier's peer pulls, the replicas fallback and the load metric.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import time
-import uuid
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,34 +29,25 @@ import redis
 import torch
 from celery import Celery
 
-from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint import cuda, dtensor, reader, replicas, sharded, tiers
-from dcs_tasks.checkpoint.committer import committed
-from dcs_tasks.checkpoint.compression import CompressionSpec
+from dcs_tasks.celery_app import make_celery
+from dcs_tasks.checkpoint import cuda, dispatch, dtensor, replicas, restoring, sharded, tiers
 from dcs_tasks.checkpoint.copier import HostCopier
 from dcs_tasks.checkpoint.format import (
-    MANIFEST_NAME,
     ChunkSums,
     Layout,
     draft_of,
-    plan_layout,
-    specs_of,
     staging_prefix,
     step_dir_name,
 )
-from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus, Verdict
-from dcs_tasks.checkpoint.payloads import PersistRequest, RetentionPolicy, StepRef, validate_run_name, validate_step
+from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.payloads import StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
 from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into
-from dcs_tasks.checkpoint.structure import FlatState, flatten_state, unflatten_state
+from dcs_tasks.checkpoint.structure import FlatState, flatten_state
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
-from dcs_tasks.config import CheckpointCompression, DCSConfig, StagingPolicy
+from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
-    CheckpointFailed,
-    CheckpointNotFound,
-    CorruptCheckpoint,
-    NoWorkerError,
     StagingError,
 )
 from dcs_tasks.keys import Keys
@@ -121,9 +112,7 @@ class Checkpointer:
         self._copier = HostCopier(copy_threads)
         self._device = cuda.DeviceStager()  # one side stream per device, reused by every save
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
-        self._layouts: dict[tuple[Any, ...], Layout] = {}
-        self._seen: dict[str, tuple[int, int]] = {}  # tensor -> (version, data_ptr) at the last save
-        self._moving: set[str] = set()
+        self._layouts = dispatch.Layouts(self.config)  # one layout per state shape (incremental saves)
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
         self._closed: tuple[int, ...] | None = None  # close()'s answer, once closed
@@ -161,7 +150,7 @@ class Checkpointer:
         sent there; a step that does not fit in the memory budget goes to storage only."""
         started = time.perf_counter()
         step = validate_step(step)
-        self._require_worker()
+        dispatch.require_worker(self._app, self._redis, self._keys, self.config)
         flat = self._flatten(state)
         if flat.dtensors and sharding:
             raise CheckpointError("a state holding DTensors records its own placements; save it without sharding=")
@@ -182,7 +171,8 @@ class Checkpointer:
             self._stage(lease.buffer, layout, flat)
             chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
             ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
-            dispatch = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
+            send = functools.partial(dispatch.send_persist_tasks, self._app, self._ledger, self.config)
+            sending = self._dispatcher.submit(send, ref, lease, layout, durable, in_memory)
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -191,7 +181,7 @@ class Checkpointer:
             step_dir=self._step_dir(step),
             stall_seconds=stall,
             lease=lease,
-            dispatch=dispatch,
+            dispatch=sending,
         )
         self._pending.append(pending)
         self._gauges.memory(self._pool.mapped_bytes())
@@ -247,37 +237,8 @@ class Checkpointer:
             dtensors=flat.dtensors,
         )
 
-    def _require_worker(self) -> None:
-        if getattr(self._app, "inline", False):  # an InlineCommitter persists in this process
-            return
-        queue = node_queue(self.config.host_name)
-        try:
-            present = bool(self._redis.exists(self._keys.worker_presence(queue)))
-        except redis.RedisError as exc:
-            raise NoWorkerError(f"cannot check for a worker on {queue}: Redis unreachable ({exc})") from exc
-        if not present:
-            raise NoWorkerError(
-                f"no live `dcs worker` serves queue {queue!r}; start one on host {self.config.host_name!r} "
-                "(`dcs worker`) before saving"
-            )
-
     def _layout(self, flat: FlatState) -> Layout:
-        moving = self._moving_tensors(flat.tensors) if self.config.incremental_saves else frozenset()
-        key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in flat.tensors.items()), moving)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = plan_layout(specs_of(flat.tensors), self.config.file_shard_bytes, moving)
-            self._layouts = {key: layout}
-        return layout
-
-    def _moving_tensors(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
-        """Tensors seen changing between two saves (autograd's in-place version counter or the storage moved),
-        sticky: the layout puts them in files of their own, so files of frozen tensors stay byte-equal and
-        incremental saves reuse them. A hint only: the worker compares checksums, never trusts this."""
-        seen = {name: (_version(t), t.data_ptr()) for name, t in tensors.items()}
-        self._moving |= {name for name, mark in seen.items() if self._seen.get(name, mark) != mark}
-        self._seen = seen
-        return frozenset(self._moving & seen.keys())
+        return self._layouts.of(flat)
 
     def _acquire(self, nbytes: int, timeout: float | None) -> BufferLease | None:
         limit = self.config.task_time_limit_seconds if timeout is None else timeout
@@ -345,56 +306,10 @@ class Checkpointer:
             chunks=chunks,
         )
         step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
-        for existing in {step_dir, self._step_dir(step)}:
-            if committed(existing):  # committed though the ledger forgot it (expired, lost)
-                raise CheckpointError(
-                    f"step {step} of run {self.run!r} is already committed ({existing / MANIFEST_NAME} exists); DCS "
-                    "never overwrites a committed step: save under a new step"
-                )
-        ref = StepRef(run=self._shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(step_dir))
-        abandoned_after = self.config.abandoned_save_seconds()
-        verdict = self._ledger.begin(self._shard_run, step, ref.token, len(layout.files), draft, abandoned_after)
-        if verdict is Verdict.COMMITTED:
-            raise CheckpointError(f"step {step} of run {self.run!r} is already committed; save under a new step")
-        if verdict is Verdict.BUSY:
-            raise CheckpointError(
-                f"step {step} of run {self.run!r} is still being persisted (an attempt that never finishes is "
-                f"taken over {abandoned_after:g}s after it began)"
-            )
-        return ref
-
-    def _send(
-        self, ref: StepRef, lease: BufferLease, layout: Layout, durable: bool = True, in_memory: bool = False
-    ) -> None:
-        """Enqueue one persist task per file (dispatcher thread). On failure the pending save fails with the
-        reason; the lease ends here only when no task went out (a sent task may still read the buffer; the
-        pending save ends it once the step is FAILED)."""
-        queue = node_queue(self.config.host_name)
-        retention = RetentionPolicy(keep_last=self.config.keep_last, keep_every=self.config.keep_every)
-        sent = 0
-        try:
-            compression = None if in_memory else compression_spec(self.config)
-            for f in layout.files:
-                request = PersistRequest(
-                    ref=ref,
-                    file_name=f.name,
-                    staging_path=str(lease.buffer.path),
-                    offset=f.offset,
-                    length=f.size,
-                    retention=retention,
-                    incremental=self.config.incremental_saves and not in_memory,  # memory steps stand alone
-                    compression=compression,
-                    durable=durable,
-                )
-                self._app.send_task(TaskName.PERSIST.value, args=[request.model_dump(mode="json")], queue=queue)
-                sent += 1
-        except Exception as exc:
-            reason = f"could not enqueue persist tasks of step {ref.step} ({sent}/{len(layout.files)} sent): {exc}"
-            with contextlib.suppress(redis.RedisError):  # else a later save of this step waits for the takeover
-                self._ledger.abandon(ref.run, ref.step, ref.token, reason)
-            if sent == 0:
-                lease.release()
-            raise CheckpointFailed(reason) from exc
+        files = len(layout.files)
+        return dispatch.open_step(
+            self._ledger, self.config, self.run, self._shard_run, draft, files, step_dir, self._step_dir(step)
+        )
 
     def _step_dir(self, step: int) -> Location:
         return self.run_dir / step_dir_name(step)
@@ -403,20 +318,13 @@ class Checkpointer:
         assert self.memory_run_dir is not None
         return self.memory_run_dir / step_dir_name(step)
 
-    # --- read -----------------------------------------------------------------------------------
+    # --- read (dcs_tasks.checkpoint.restoring) ---------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints of this run, oldest first (newest last); with the memory tier on, the steps in this
         host's memory too (a step in both: its memory copy, the one restore reads first)."""
-        found: dict[int, CheckpointInfo] = {}
-        for run_dir in (d for d in (self.memory_run_dir, self.run_dir) if d is not None):
-            for step, step_dir in reader.step_dirs(run_dir):
-                if step in found:
-                    continue
-                try:
-                    found[step] = CheckpointInfo.of(reader.load_manifest(step_dir), step_dir)
-                except CorruptCheckpoint as exc:
-                    log.warning("skipping unreadable checkpoint: %s", exc)
-        return [found[step] for step in sorted(found)]
+        dirs = (d for d in (self.memory_run_dir, self.run_dir) if d is not None)
+        found = restoring.committed_manifests(dirs, lambda exc: log.warning("skipping unreadable checkpoint: %s", exc))
+        return [CheckpointInfo.of(*found[step]) for step in sorted(found)]
 
     def restore(
         self, step: int | None = None, into: Any = None, verify: bool = True, strict: bool = True
@@ -442,31 +350,25 @@ class Checkpointer:
         steps that only peer hosts' memory holds are fetched into this host's memory first (verified on arrival;
         `location` "peer:<host>" when the step read came from there), then storage."""
         pulled = self._pull_from_peers(step)
-        restored = self._restore(step, into, verify, strict)
+        found = restoring.find_steps(self.run, self._roots, self.run_root, self.world_size)
+
+        def load(s: int) -> RestoredCheckpoint:
+            copies = [
+                (location, path, functools.partial(self._read, opener, into, verify, strict))
+                for location, path, opener in found.copies(s)
+            ]
+            return replicas.load_first_good(s, copies, heal=verify and found.plain)
+
+        restored = found.choose(step, load)
         if restored.location == tiers.MEMORY and restored.step in pulled:
             restored = dataclasses.replace(restored, location=f"peer:{pulled[restored.step]}")
         return restored
 
-    def _restore(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        roots = self._roots
-        if self.world_size > 1 or any(sharded.rank_dirs(root) for _, root in roots):
-            return self._restore_sharded(step, into, verify, strict)
-        found = {location: dict(reader.step_dirs(root)) for location, root in roots}
-
-        def load(s: int) -> RestoredCheckpoint:
-            copies = [
-                (location, dirs[s], functools.partial(self._restore_dir, dirs[s], into, verify, strict))
-                for location, dirs in found.items()
-                if s in dirs
-            ]
-            return replicas.load_first_good(s, copies, heal=verify)
-
-        steps = sorted(set().union(*found.values()))
-        if step is not None:
-            if step not in steps:
-                raise CheckpointNotFound(f"run {self.run!r} has no committed step {step} in {self.run_dir}")
-            return load(step)
-        return self._newest_that_verifies(steps, load, f"committed checkpoint in {self.run_dir}")
+    def _read(self, opener: restoring.Opener, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
+        """One copy of a step, opened, planned and read for this rank."""
+        loaded = restoring.read(restoring.plan(opener(), self.rank, self.world_size, into, strict), verify)
+        record_load(loaded.seconds, loaded.nbytes)
+        return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
 
     def _pull_from_peers(self, step: int | None) -> dict[int, str]:
         if self.memory_run_root is None:
@@ -476,84 +378,6 @@ class Checkpointer:
         except redis.RedisError as exc:
             log.warning("memory tier: places unreadable (%s): not looking at peers", exc)
             return {}
-
-    def _newest_that_verifies(
-        self, steps: Sequence[int], load: Callable[[int], RestoredCheckpoint], what: str
-    ) -> RestoredCheckpoint:
-        """`load` the newest of `steps`, falling back to older ones (with a warning to restore's caller)."""
-        for candidate in sorted(steps, reverse=True):
-            try:
-                return load(candidate)
-            except CorruptCheckpoint as exc:
-                warnings.warn(
-                    f"checkpoint step {candidate} is corrupt ({exc}); falling back to an older one",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-        raise CheckpointNotFound(f"run {self.run!r} has no {what} that verifies")
-
-    def _restore_sharded(self, step: int | None, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        scans = [(location, root, *sharded.scan_steps(root)) for location, root in self._roots]
-
-        def load(s: int) -> RestoredCheckpoint:
-            copies: list[replicas.Copy] = []
-            for location, root, complete, broken in scans:
-                if s in broken:  # a rank's manifest of this step is corrupt in this location
-                    copies.append((location, root, functools.partial(_raise, broken[s])))
-                elif s in complete:
-                    copies.append(
-                        (location, root, functools.partial(self._load_sharded, complete[s], into, verify, strict))
-                    )
-            return replicas.load_first_good(s, copies)
-
-        steps = sorted({s for _, _, complete, broken in scans for s in (*complete, *broken)})
-        if step is not None:
-            if step not in steps:
-                partial = sharded.incomplete_steps(self.run_root).get(step)
-                detail = f"only ranks {partial} committed it" if partial else "no rank committed it"
-                raise CheckpointNotFound(f"run {self.run!r} has no complete step {step} ({detail}) in {self.run_root}")
-            return load(step)
-        return self._newest_that_verifies(steps, load, f"step every rank committed in {self.run_root}")
-
-    def _load_sharded(
-        self, shards: sharded.StepShards, into: Any, verify: bool, strict: bool = True
-    ) -> RestoredCheckpoint:
-        if not strict or _has_dtensors(shards, into):
-            return self._load_parts(shards, into, verify, strict)
-        started = time.perf_counter()
-        plan = sharded.plan_reshard(shards, self.rank, self.world_size)
-        loaded = {
-            src: reader.load_tensors(shards.dirs[src], shards.manifests[src], verify=verify) for src in plan.sources
-        }
-        tensors = sharded.assemble(plan, shards, loaded)
-        if into is not None:
-            tensors = sharded.fill(flatten_state(into).tensors, tensors)
-        manifest = shards.manifests[plan.local_source]
-        state = unflatten_state(manifest.structure, tensors)
-        record_load(time.perf_counter() - started, sum(shards.manifests[src].total_bytes for src in plan.sources))
-        return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
-
-    def _load_parts(self, shards: sharded.StepShards, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        """DTensor checkpoints or targets, and partial targets: read only the byte ranges needed."""
-        started = time.perf_counter()
-        state, nbytes = dtensor.restore_step(shards, self.rank, self.world_size, into, verify, strict)
-        manifest = shards.manifests[self.rank if self.rank < shards.world_size else 0]
-        record_load(time.perf_counter() - started, nbytes)
-        return RestoredCheckpoint(step=shards.step, state=state, metadata=dict(manifest.metadata))
-
-    def _restore_dir(self, step_dir: Location, into: Any, verify: bool, strict: bool = True) -> RestoredCheckpoint:
-        started = time.perf_counter()
-        manifest = reader.load_manifest(step_dir)
-        shards = sharded.StepShards(manifest.step, 1, {0: step_dir}, {0: manifest})
-        if not strict or _has_dtensors(shards, into):
-            return self._load_parts(shards, into, verify, strict)
-        targets = flatten_state(into).tensors if into is not None else None
-        if targets is not None:
-            reader.check_targets(manifest, targets)
-        tensors = reader.load_tensors(step_dir, manifest, verify=verify, into=targets)
-        state = unflatten_state(manifest.structure, tensors)
-        record_load(time.perf_counter() - started, manifest.total_bytes)
-        return RestoredCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> tuple[int, ...]:
@@ -594,34 +418,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _version(t: torch.Tensor) -> int:
-    """Autograd's in-place version counter; -1 for inference tensors, which have none."""
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return -1
-
-
-def _raise(exc: CorruptCheckpoint) -> RestoredCheckpoint:
-    raise exc
-
-
-def compression_spec(config: DCSConfig) -> CompressionSpec | None:
-    """What the workers are asked to do with each file of a save (they compress; the trainer never does)."""
-    codec = CheckpointCompression(config.checkpoint_compression)  # model_copy(update=...) does not validate
-    if codec is CheckpointCompression.NONE:
-        return None
-    return CompressionSpec(
-        codec=codec.value,
-        level=config.checkpoint_compression_level,
-        min_saving=config.checkpoint_compression_min_saving,
-    )
-
-
-def _has_dtensors(shards: sharded.StepShards, into: Any) -> bool:
-    """Whether the step holds DTensor shards or the target holds DTensors (the byte-range restore path)."""
-    if any(m.dtensors for m in shards.manifests.values()):
-        return True
-    return into is not None and bool(flatten_state(into).dtensors)

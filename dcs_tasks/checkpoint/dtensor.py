@@ -57,6 +57,7 @@ from dcs_tasks.checkpoint.format import (
     TensorEntry,
     chunk_sum,
 )
+from dcs_tasks.checkpoint.sharded import SplitTensor, local_source, split_tensors
 from dcs_tasks.checkpoint.steps import StepShards
 from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
@@ -92,7 +93,7 @@ class Catalog:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
-    split_dims: dict[str, int] = field(default_factory=dict)
+    splits: dict[str, SplitTensor] = field(default_factory=dict)  # the "split" tensors
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
 
     def add(self, name: str, kind: str, shape: tuple[int, ...], piece: Piece, step: int) -> None:
@@ -114,8 +115,14 @@ def catalog(shards: StepShards, local: int) -> Catalog:
             piece = Piece(src, shards.dirs[src], manifest, manifest.tensors[name], tuple(shard.offset))
             cat.add(name, "dtensor", tuple(shard.global_shape), piece, shards.step)
     reference = shards.manifests[local]
-    for name, dim in reference.sharded_dims.items():
-        _add_split(cat, shards, name, dim)
+    cat.splits = split_tensors(shards, local)
+    for name, split in cat.splits.items():
+        for src, start in enumerate(split.starts):
+            manifest = shards.manifests[src]
+            offset = [0] * len(split.shape)
+            offset[split.dim] = start
+            piece = Piece(src, shards.dirs[src], manifest, manifest.tensors[name], tuple(offset))
+            cat.add(name, "split", split.shape, piece, shards.step)
     for name, entry in reference.tensors.items():
         if name not in cat.kinds:
             piece = Piece(local, shards.dirs[local], reference, entry, (0,) * len(entry.shape))
@@ -126,36 +133,15 @@ def catalog(shards: StepShards, local: int) -> Catalog:
     return cat
 
 
-def _add_split(cat: Catalog, shards: StepShards, name: str, dim: int) -> None:
-    """A `sharding=` tensor: the ranks' parts concatenated along `dim`, in rank order."""
-    position = 0
-    pieces = []
-    for src in range(shards.world_size):
-        manifest = shards.manifests[src]
-        entry = manifest.tensors.get(name)
-        if entry is None or manifest.sharded_dims.get(name) != dim:
-            raise CorruptCheckpoint(f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim}")
-        offset = [0] * len(entry.shape)
-        offset[dim] = position
-        position += entry.shape[dim]
-        pieces.append(Piece(src, shards.dirs[src], manifest, entry, tuple(offset)))
-    shape = list(pieces[0].shape)
-    shape[dim] = position
-    cat.split_dims[name] = dim
-    for piece in pieces:
-        cat.add(name, "split", tuple(shape), piece, shards.step)
-
-
 def default_box(cat: Catalog, name: str, rank: int, world_size: int) -> Box:
     """What a plain (non-DTensor) target of `name` receives: the whole tensor, or for a `sharding=` tensor
-    this rank's `tensor_split` part (as `sharded.plan_reshard`)."""
+    this rank's `tensor_split` part (`SplitTensor.part`, as `sharded.plan_reshard` reads it)."""
     shape = cat.shapes[name]
     lo, hi = [0] * len(shape), list(shape)
-    if name in cat.split_dims:
-        dim = cat.split_dims[name]
-        base, extra = divmod(shape[dim], world_size)
-        lo[dim] = rank * base + min(rank, extra)
-        hi[dim] = lo[dim] + base + (1 if rank < extra else 0)
+    split = cat.splits.get(name)
+    if split is not None:
+        start, length = split.part(rank, world_size)
+        lo[split.dim], hi[split.dim] = start, start + length
     return tuple(lo), tuple(hi)
 
 
@@ -359,7 +345,7 @@ def restore_step(
     back as whole plain tensors, `sharding=` tensors as this rank's part, the rest from the local source rank.
     With `into`, its tensors are filled in place (DTensors: their local shard); the state returned is the
     checkpoint's structure over them, or `into` itself when not `strict`."""
-    local = rank if rank < shards.world_size else 0
+    local = local_source(shards, rank)
     cat = catalog(shards, local)
     source = RangeReader(verify)
     structure = shards.manifests[local].structure
@@ -390,8 +376,7 @@ def read_flat(
     whole, `sharding=` tensors this rank's `tensor_split` part, the rest from the local source rank. With
     the defaults: every tensor of any complete step (plain, `sharding=` or DTensor) as one trainer sees it
     (e.g. for exporting). Reads like `restore_step` (chunk-verified where chunk checksums exist)."""
-    local = rank if rank < shards.world_size else 0
-    return _read_all(catalog(shards, local), rank, world_size, RangeReader(verify))
+    return _read_all(catalog(shards, local_source(shards, rank)), rank, world_size, RangeReader(verify))
 
 
 def bytes_read_total() -> int:

@@ -68,6 +68,72 @@ def check_sharding(sharding: Mapping[str, int], tensors: Mapping[str, torch.Tens
 
 
 @dataclass(frozen=True)
+class SplitTensor:
+    """A `sharding=` tensor of a step: the source ranks' parts concatenated along `dim`, in rank order. The
+    one place that knows how such a tensor is cut: `part` and `pieces` for a restoring rank serve both
+    `plan_reshard` (whole-file reads) and `dtensor.catalog` (byte-range reads)."""
+
+    name: str
+    dim: int
+    sizes: tuple[int, ...]  # each source rank's length along `dim`
+    shape: tuple[int, ...]  # the global shape
+    dtype: str
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Where each source rank's part begins along `dim` in the global tensor."""
+        out, position = [], 0
+        for size in self.sizes:
+            out.append(position)
+            position += size
+        return tuple(out)
+
+    def part(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(start, length) along `dim` of what rank `rank` of `world_size` receives:
+        `torch.tensor_split(global, world_size, dim)[rank]`."""
+        return _tensor_split_range(self.shape[self.dim], world_size, rank)
+
+    def pieces(self, rank: int, world_size: int) -> list[tuple[int, int, int]]:
+        """(source rank, start within its part, length) along `dim` covering `part(rank, world_size)`."""
+        return _overlaps(list(self.sizes), *self.part(rank, world_size))
+
+
+def split_tensor(shards: StepShards, name: str, dim: int, local: int) -> SplitTensor:
+    """The `sharding=` tensor `name` (split along `dim`, as source rank `local` records it) across every rank of
+    the step. Raises CorruptCheckpoint when a rank does not hold it split along `dim`, or holds it with another
+    dtype or other dimensions besides `dim`."""
+    reference = shards.manifests[local].tensors[name]
+    ref_shape = list(reference.shape)
+    sizes = []
+    for src in range(shards.world_size):
+        manifest = shards.manifests[src]
+        entry = manifest.tensors.get(name)
+        if entry is None or manifest.sharded_dims.get(name) != dim:
+            raise CorruptCheckpoint(
+                f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim} like rank {local}"
+            )
+        if entry.dtype != reference.dtype:
+            raise CorruptCheckpoint(
+                f"step {shards.step}: shard of {name!r} on rank {src} is {entry.dtype}, on rank {local} "
+                f"{reference.dtype}"
+            )
+        if entry.shape[:dim] + entry.shape[dim + 1 :] != ref_shape[:dim] + ref_shape[dim + 1 :]:
+            raise CorruptCheckpoint(
+                f"step {shards.step}: shard of {name!r} on rank {src} has shape {entry.shape}, which does not "
+                f"line up with {ref_shape} along dim {dim}"
+            )
+        sizes.append(entry.shape[dim])
+    shape = list(ref_shape)
+    shape[dim] = sum(sizes)
+    return SplitTensor(name, dim, tuple(sizes), tuple(shape), reference.dtype)
+
+
+def split_tensors(shards: StepShards, local: int) -> dict[str, SplitTensor]:
+    """Every `sharding=` tensor of the step, as source rank `local` lists them (`split_tensor`)."""
+    return {name: split_tensor(shards, name, dim, local) for name, dim in shards.manifests[local].sharded_dims.items()}
+
+
+@dataclass(frozen=True)
 class ReshardPlan:
     """What rank `rank` of `world_size` reads from a complete step."""
 
@@ -77,40 +143,21 @@ class ReshardPlan:
     dims: dict[str, int]
 
 
+def local_source(shards: StepShards, rank: int) -> int:
+    """The source rank whose structure, metadata and rank-local tensors rank `rank` takes: its own, or rank 0
+    when the step was saved by fewer ranks."""
+    return rank if rank < shards.world_size else 0
+
+
 def plan_reshard(shards: StepShards, rank: int, world_size: int) -> ReshardPlan:
-    """Which source ranks and which slices make up rank `rank` of `world_size`. Raises CorruptCheckpoint
-    when the ranks' manifests disagree on what is sharded or on the other dimensions of a sharded tensor."""
-    local = rank if rank < shards.world_size else 0
-    reference = shards.manifests[local]
-    dims = dict(reference.sharded_dims)
-    pieces: dict[str, list[tuple[int, int, int]]] = {}
-    needed = {local}
-    for name, dim in dims.items():
-        sizes = []
-        for src in range(shards.world_size):
-            manifest = shards.manifests[src]
-            entry = manifest.tensors.get(name)
-            if entry is None or manifest.sharded_dims.get(name) != dim:
-                raise CorruptCheckpoint(
-                    f"step {shards.step}: rank {src} does not hold {name!r} sharded along dim {dim} like rank {local}"
-                )
-            ref_entry = reference.tensors[name]
-            ref_shape = list(ref_entry.shape)
-            if entry.dtype != ref_entry.dtype:
-                raise CorruptCheckpoint(
-                    f"step {shards.step}: shard of {name!r} on rank {src} is {entry.dtype}, on rank {local} "
-                    f"{ref_entry.dtype}"
-                )
-            if entry.shape[:dim] + entry.shape[dim + 1 :] != ref_shape[:dim] + ref_shape[dim + 1 :]:
-                raise CorruptCheckpoint(
-                    f"step {shards.step}: shard of {name!r} on rank {src} has shape {entry.shape}, which does not "
-                    f"line up with {ref_shape} along dim {dim}"
-                )
-            sizes.append(entry.shape[dim])
-        begin, length = _tensor_split_range(sum(sizes), world_size, rank)
-        pieces[name] = _overlaps(sizes, begin, length)
-        needed.update(src for src, _, _ in pieces[name])
-    return ReshardPlan(local, tuple(sorted(needed)), pieces, dims)
+    """Which source ranks and which slices make up rank `rank` of `world_size` (`SplitTensor.pieces`). Raises
+    CorruptCheckpoint when the ranks' manifests disagree on what is sharded or on the other dimensions of a
+    sharded tensor."""
+    local = local_source(shards, rank)
+    splits = split_tensors(shards, local)
+    pieces = {name: split.pieces(rank, world_size) for name, split in splits.items()}
+    needed = {local} | {src for parts in pieces.values() for src, _, _ in parts}
+    return ReshardPlan(local, tuple(sorted(needed)), pieces, {name: split.dim for name, split in splits.items()})
 
 
 def _tensor_split_range(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -41,10 +41,11 @@ STAGES: dict[str, tuple[str, ...]] = {
         "tiers",
     ),
     "save": ("pinning", "copier", "staging", "cuda"),
-    "restore": ("fastread", "reader", "sharded", "dtensor"),
+    "restore": ("fastread", "reader", "sharded", "dtensor", "restoring"),
     "api": (
         "__init__",
         "checkpointer",
+        "dispatch",
         "pending",
         "telemetry",
         "replicas",
