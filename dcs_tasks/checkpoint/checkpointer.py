@@ -171,8 +171,7 @@ class Checkpointer:
             self._stage(lease.buffer, layout, flat)
             chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
             ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
-            send = functools.partial(dispatch.send_persist_tasks, self._app, self._ledger, self.config)
-            sending = self._dispatcher.submit(send, ref, lease, layout, durable, in_memory)
+            sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -310,6 +309,12 @@ class Checkpointer:
         return dispatch.open_step(
             self._ledger, self.config, self.run, self._shard_run, draft, files, step_dir, self._step_dir(step)
         )
+
+    def _send(
+        self, ref: StepRef, lease: BufferLease, layout: Layout, durable: bool = True, in_memory: bool = False
+    ) -> None:
+        """The dispatcher thread's work: `dispatch.send_persist_tasks` on this host's node queue."""
+        dispatch.send_persist_tasks(self._app, self._ledger, self.config, ref, lease, layout, durable, in_memory)
 
     def _step_dir(self, step: int) -> Location:
         return self.run_dir / step_dir_name(step)
