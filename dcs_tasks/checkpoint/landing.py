@@ -17,11 +17,14 @@ HUGE_PAGE = 2 * 1024 * 1024
 HUGE_FROM = 8 * 1024 * 1024  # smaller files get plain pages (a 2 MiB page for a few KiB is waste)
 
 
-def anonymous(nbytes: int) -> mmap.mmap:
-    """Fresh private memory of at least `nbytes` (page-rounded). From `HUGE_FROM` bytes on it is backed by
-    transparent huge pages where the kernel allows it (the length is rounded to 2 MiB so the kernel aligns
-    the mapping for them): a fault then zeroes 2 MiB at once, ~2x cheaper per byte than 4 KiB pages."""
-    huge = nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
+def anonymous(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
+    """Fresh private memory of at least `nbytes` (page-rounded). From `HUGE_FROM` bytes on, unless
+    `huge_pages` is False, it is backed by transparent huge pages where the kernel allows it (the length is
+    rounded to 2 MiB so the kernel aligns the mapping for them): a fault then zeroes 2 MiB at once, ~2x
+    cheaper per byte than 4 KiB pages when the kernel has free huge pages at hand, but several times dearer
+    when it must first assemble them (seen on the development VM right after an object store's server wrote
+    a GiB through the page cache: docs/benchmarks.md, storage)."""
+    huge = huge_pages and nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
     unit = HUGE_PAGE if huge else mmap.PAGESIZE
     mapping = mmap.mmap(-1, max(unit, -(-nbytes // unit) * unit), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge:

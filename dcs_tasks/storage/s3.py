@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import http.client
 import io
 import os
 import threading
@@ -101,13 +102,19 @@ def translate(exc: BaseException, op: str, bucket: str, key: str) -> BaseExcepti
 
 
 class ViewReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview: a part's body without copying the staging mapping
-    (botocore reads it as it sends, and seeks back to retry)."""
+    """A seekable, read-only file over a memoryview: a part's body without copying the staging mapping.
+
+    `read` hands out slices of the view itself, not copies: botocore hashes them for the request's signature
+    and urllib3 passes them to `sendall`, so a part travels from the staging mapping to the socket with no
+    copy in Python. Every slice handed out is released by `close()` (the owner of the mapping must be able to
+    close it, even after an error whose traceback still references a slice); `seek` lets botocore rewind the
+    body to resend a part."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
         self._view = view
         self._pos = 0
+        self._lent: list[memoryview] = []
 
     def readable(self) -> bool:
         return True
@@ -121,11 +128,12 @@ class ViewReader(io.RawIOBase):
         self._pos += n
         return n
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int | None = -1) -> memoryview:
         end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        data = bytes(self._view[self._pos : end])
+        piece = self._view[self._pos : end]
+        self._lent.append(piece)
         self._pos = end
-        return data
+        return piece
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
@@ -134,6 +142,12 @@ class ViewReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def close(self) -> None:
+        lent, self._lent = self._lent, []
+        for piece in lent:
+            piece.release()
+        super().close()
 
     def __len__(self) -> int:
         return len(self._view)
@@ -405,7 +419,7 @@ class S3Store:
         def send(number: int, begin: int) -> dict[str, Any]:
             # released on the way out, also when the part fails: the error's traceback keeps this frame, and a
             # live slice would make the caller's `mmap.close()` raise BufferError in place of this error
-            with view[begin : begin + part] as piece:
+            with view[begin : begin + part] as piece, ViewReader(piece) as body:
                 size = len(piece)
                 answer = self._call(
                     "UPLOAD-PART",
@@ -415,7 +429,7 @@ class S3Store:
                         Key=key,
                         UploadId=upload_id,
                         PartNumber=number,
-                        Body=ViewReader(piece),
+                        Body=body,
                         ContentLength=size,
                     ),
                 )
@@ -449,22 +463,57 @@ class S3Store:
             lambda: self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={begin}-{begin + want - 1}"),
         )
         body = answer["Body"]
+        direct = _direct_stream(body)
+        done_all = False
         try:
             pos = begin
             for piece in pieces:
                 done = 0
                 while done < len(piece):
                     with piece[done:] as rest:
-                        n = self._call("GET", key, functools.partial(body.readinto, rest))
+                        if direct is not None:
+                            n = _read_direct(direct, rest, where)
+                        else:
+                            n = self._call("GET", key, functools.partial(body.readinto, rest))
                     if not n:
                         raise CorruptCheckpoint(f"{where} ended early at byte {pos + done}", where)
                     done += n
                 pos += len(piece)
+            done_all = direct is not None and direct.isclosed()
         finally:
-            body.close()
+            if done_all:
+                body._raw_stream.release_conn()  # read to its end: the connection serves the next GET
+            else:
+                body.close()
 
     def pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max(1, self.settings.read_concurrency), thread_name_prefix="dcs-s3-get")
+
+
+def _direct_stream(body: Any) -> http.client.HTTPResponse | None:
+    """The `http.client` response under botocore's streaming body, when its bytes can be read straight into a
+    destination: urllib3's `readinto` reads into a buffer of its own and copies (and http.client's `read(n)`
+    copies once more), so a GET read through it costs two copies of every byte; read from here, the socket
+    fills the destination. None (read through botocore) when the layers are not what this expects, urllib3
+    already buffered some bytes, or the body is content-encoded."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or not callable(getattr(raw, "release_conn", None)):
+        return None
+    buffered = getattr(raw, "_decoded_buffer", None)
+    if buffered is None or len(buffered) or getattr(raw, "_fp_bytes_read", 1) != 0:
+        return None
+    if fp.getheader("content-encoding") or fp.isclosed():
+        return None
+    return fp
+
+
+def _read_direct(fp: http.client.HTTPResponse, rest: memoryview, where: str) -> int:
+    """Bytes of the response read into `rest` (0 at its end); the socket's errors as StorageUnavailable."""
+    try:
+        return fp.readinto(rest)
+    except (OSError, http.client.HTTPException) as exc:
+        raise StorageUnavailable(f"GET {where}: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 class NotPublishedObject(StorageError):
