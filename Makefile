@@ -80,9 +80,11 @@ bench: install redis-bin
 	$(MAKE) bench-storage
 
 # Checkpoints through S3 against a local OpenStack Swift s3api server (started for the run), beside s3transfer,
-# obstore and DCP's S3 writers (the bench extras).
+# obstore and DCP's S3 writers (the bench extras; s3fs, which pins an older botocore than boto3's, goes into
+# .bench-s3fs/ and runs in a child process of the bench with that folder first on its path).
 bench-storage: install redis-bin
 	$(BIN)/pip install --quiet -e ".[test,bench]"
+	test -d .bench-s3fs/s3fs || $(BIN)/pip install --quiet --target .bench-s3fs "s3fs>=2025.1"
 	$(BIN)/python -m tests.helpers.s3server -- $(BIN)/python bench/storage.py --bucket bench $(BENCH_ARGS)
 
 clean:
