@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dcs_tasks.checkpoint import incremental
@@ -36,6 +37,8 @@ from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath
 
 log = logging.getLogger(__name__)
+
+HEADS_AT_ONCE = 16  # HEAD requests in flight when a commit checks a step's objects
 
 ObjectLock = Callable[[ObjectPath, str], contextlib.AbstractContextManager[None]]
 """(run location, purpose) -> a held lock: `objlocks.run_lock` bound to a Redis client."""
@@ -150,32 +153,48 @@ def committed(step_dir: Location) -> bool:
 
 
 def check_stored(step_dir: Location, manifest: Manifest) -> None:
-    """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not)."""
-    for entry in manifest.files:
-        path = entry.stored_path(step_dir)
-        if isinstance(path, ObjectPath):
-            size = path.size()
-        else:
-            size = path.stat().st_size if path.is_file() else -1
+    """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not).
+    In an object store the HEADs go out together (a step of many files costs one round trip, not one each)."""
+    paths = [entry.stored_path(step_dir) for entry in manifest.files]
+    if isinstance(step_dir, ObjectPath) and len(paths) > 1:
+        with ThreadPoolExecutor(min(len(paths), HEADS_AT_ONCE), thread_name_prefix="dcs-head") as pool:
+            sizes = list(pool.map(_stored_size, paths))
+    else:
+        sizes = [_stored_size(path) for path in paths]
+    for entry, path, size in zip(manifest.files, paths, sizes, strict=True):
         if size != entry.disk_size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")
 
 
+def _stored_size(path: Location) -> int:
+    if isinstance(path, ObjectPath):
+        size = path.size()
+        return -1 if size is None else size
+    return path.stat().st_size if path.is_file() else -1
+
+
 def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: ObjectLock | None = None) -> None:
     """Make the step visible: checks, leftovers removed, manifest, then `latest` (module doc). A manifest already
-    stored is kept (a redelivered commit: it is a pure function of the ledger, so its bytes would not change)."""
+    stored is kept (a redelivered commit: it is a pure function of the ledger, so its bytes would not change).
+    In an object store the size checks, the sweep of open uploads and the look for a stored manifest run side by
+    side (a failed check fails the step, whose open uploads are swept anyway)."""
     final = step_dir / MANIFEST_NAME
     check_manifest(manifest, final)  # what restore will check, before the step is visible
-    check_stored(step_dir, manifest)
     if isinstance(step_dir, ObjectPath):
         if object_lock is None:
             raise ValueError("publishing a step in an object store needs its latest lock")
-        step_dir.store.abort_uploads(step_dir.key + "/")
-        if not committed(step_dir):
+        with ThreadPoolExecutor(2, thread_name_prefix="dcs-publish") as pool:
+            swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
+            stored = pool.submit(committed, step_dir)
+            check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the other two
+            swept.result()
+            already = stored.result()
+        if not already:
             assert isinstance(final, ObjectPath)
             final.store.put_small(final.key, manifest_bytes(manifest))
         move_object_latest(step_dir.parent, manifest.step, object_lock)
         return
+    check_stored(step_dir, manifest)
     assert isinstance(final, Path)
     remove_stray_temps(step_dir)
     if not final.exists():

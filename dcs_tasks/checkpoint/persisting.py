@@ -27,7 +27,8 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +50,9 @@ from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.storage.s3 import NotPublishedObject
 
 log = logging.getLogger(__name__)
+
+# how long a write waits for its step's checks (two HEADs, each bounded by the S3 client's timeouts and retries)
+GUARD_TIMEOUT_SECONDS = 600.0
 
 
 class Context(Protocol):
@@ -112,16 +116,9 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
         return verdict
     started = time.monotonic()
     step_dir = paths.step_dir
-    if committed(step_dir):  # the ledger forgot a committed step: never write into it
-        raise CheckpointFailed(
-            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
-            "it (expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
-        )
-    if incremental.is_retired(step_dir):
-        raise CheckpointFailed(
-            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
-        )
+    guard = step_guard(step_dir)
     if req.incremental:
+        guard()
         with _refs_lock(ctx, step_dir.parent):  # retention waits until the reference is recorded
             reused = reusable(ctx, req, paths.staging, step_dir)
             if reused is not None:
@@ -137,7 +134,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
                 )
                 return finish(ctx, req, FileOutcome.OK, file_entry_json(reused)).verdict
     try:
-        entry = write_file(ctx, req, task_id, paths)
+        entry = write_file(ctx, req, task_id, paths, guard)
     except (NotPublished, NotPublishedObject):
         # the file is no longer open: another delivery recorded it (finishing again changes nothing), or the step
         # failed meanwhile (then this file must still be counted, or the step's files never all finish and the
@@ -196,7 +193,42 @@ def reusable(ctx: Context, req: PersistRequest, staging: Path, step_dir: Locatio
     return entry if checksum == entry.checksum else None
 
 
-def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPaths) -> FileEntry:
+def step_guard(step_dir: Location) -> Callable[[], None]:
+    """The checks that a step may still be written into: not committed (the ledger forgot a committed step:
+    never write into it) and not retired (a deleted step whose files later steps use). On files they run now;
+    in an object store the two HEADs start now, side by side, and the returned call (made before the object
+    appears, and before an incremental reuse) waits for them: the upload's first parts travel meanwhile, and a
+    refusal aborts it, so nothing becomes visible. The returned call raises CheckpointFailed."""
+    if isinstance(step_dir, ObjectPath):
+        pool = ThreadPoolExecutor(2, thread_name_prefix="dcs-step-guard")
+        try:
+            found = [pool.submit(committed, step_dir), pool.submit(incremental.is_retired, step_dir)]
+        finally:
+            pool.shutdown(wait=False)
+
+        def wait() -> None:
+            _refuse(step_dir, *(f.result(timeout=GUARD_TIMEOUT_SECONDS) for f in found))
+
+        return wait
+    _refuse(step_dir, committed(step_dir), incremental.is_retired(step_dir))
+    return lambda: None
+
+
+def _refuse(step_dir: Location, is_committed: bool, is_retired: bool) -> None:
+    if is_committed:
+        raise CheckpointFailed(
+            f"{step_dir} is already committed (its manifest.json exists) though the ledger has no record of "
+            "it (expired or lost with Redis's data): DCS never overwrites a committed step; save under a new step"
+        )
+    if is_retired:
+        raise CheckpointFailed(
+            f"{step_dir} still holds files that later steps use (a deleted step's); save under a new step"
+        )
+
+
+def write_file(
+    ctx: Context, req: PersistRequest, task_id: str, paths: PersistPaths, guard: Callable[[], None] = lambda: None
+) -> FileEntry:
     """Store the staged region as the step's file and checksum it (`committer.write_file`: temp, fsync, rename,
     dir fsync on files, zstd-compressed when the request asks and the bytes shrink; a multipart upload on object
     stores). The staging file is opened once without following symlinks and read through that descriptor. Just
@@ -215,6 +247,7 @@ def write_file(ctx: Context, req: PersistRequest, task_id: str, paths: PersistPa
         book = ledger(ctx)
 
         def still_open() -> bool:  # a redelivery may overlap the first delivery (same task id): see NotPublished
+            guard()
             return book.file_open(ref.run, ref.step, ref.token, req.file_name)
 
         recycled = None
