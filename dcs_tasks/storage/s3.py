@@ -3,11 +3,12 @@
 Why this client: boto3/botocore reads credentials from the standard AWS chain (environment, shared
 `~/.aws/credentials` and `config` files, `AWS_PROFILE`, container and instance roles), takes an endpoint URL and
 path-style addressing for S3-compatible servers (`AWS_ENDPOINT_URL` too), retries throttling and 5xx with
-backoff (`standard` mode), and its low-level client is thread-safe. The bytes do not go through s3transfer:
-uploads read parts straight from the staging mapping (a file-like view, no staging copy) and hash them in order
-while they travel, ranged GETs `readinto` the destination tensors; s3transfer can do neither (it hashes nothing
-and lands downloads in a file or a buffer of its own). `bench/storage.py` measures this against s3transfer,
-s3fs (DCP's `FsspecWriter`/`FsspecReader`) and s3torchconnector on the same server.
+backoff (`standard` mode), and its low-level client is thread-safe. The bytes do not go through s3transfer,
+nor through a Python copy: uploads lend botocore slices of the staging mapping (`ViewReader`) and hash them in
+order while they travel; ranged GETs are read from the HTTP response straight into the destination tensors
+(`_direct_stream`); s3transfer can do neither (it hashes nothing and lands downloads in a file or a buffer of
+its own). `bench/storage.py` measures this against s3transfer, obstore, s3fs (DCP's `FsspecWriter`/
+`FsspecReader`) and s3torchconnector on the same server; docs/checkpoints.md says why this client.
 
 Every call maps botocore's errors to DCS's: `StorageAccessDenied` (never retried), `StorageFull`,
 `StorageNotFound`, `StorageUnavailable` (a ConnectionError: retried by the worker). Messages name the bucket,
