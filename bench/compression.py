@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import fastread
-from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.restore import fastread
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 
 MiB = 1 << 20

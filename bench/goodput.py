@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import harness
 from bench.harness import Row, Run, free_port, start_worker, stop, wait_for_port
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, step_dir_name
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, step_dir_name
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
@@ -325,7 +325,7 @@ logging.getLogger("dcs_tasks.checkpoint.checkpointer").addHandler(FULL)
 
 
 def memory_used(config: DCSConfig) -> int:
-    from dcs_tasks.checkpoint import tiers
+    from dcs_tasks.checkpoint.store import tiers
 
     return tiers.used_bytes(tiers.memory_root(config))
 
@@ -665,7 +665,7 @@ def peer_recovery(
     peer's memory; A's worker stops (A is lost); a fresh trainer on host C restores the step, pulling it from a
     peer into C's memory (verified on arrival) and reading it from there. Loopback first (peer B); then, with a
     veth, B stops too and the pull comes from peer V in the network namespace."""
-    from dcs_tasks.checkpoint import tiers
+    from dcs_tasks.checkpoint.store import tiers
 
     shm = stack.shm
     state_bytes = trainer.saved_bytes()

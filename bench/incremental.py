@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/in
 
 from bench.harness import Row, Run, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.reader import load_manifest
+from dcs_tasks.checkpoint.restore.reader import load_manifest
 from dcs_tasks.config import DCSConfig
 
 MiB = 1 << 20

@@ -40,8 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Row, Run
-from dcs_tasks.checkpoint import peerwire as pw
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint.format.layout import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -50,6 +49,7 @@ from dcs_tasks.checkpoint.format import (
     manifest_bytes,
     new_hasher,
 )
+from dcs_tasks.checkpoint.store import peerwire as pw
 
 MiB = 1 << 20
 TOKEN = "bench-peer-token"

@@ -33,9 +33,9 @@ from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache, make_state, nbytes
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint.fsio import fsync_dir
-from dcs_tasks.checkpoint.ledger import StepLedger
-from dcs_tasks.checkpoint.reader import load_manifest
+from dcs_tasks.checkpoint.format.fsio import fsync_dir
+from dcs_tasks.checkpoint.restore.reader import load_manifest
+from dcs_tasks.checkpoint.store.ledger import StepLedger
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

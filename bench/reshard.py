@@ -118,7 +118,7 @@ def _restore(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from dcs_tasks import Checkpointer
-    from dcs_tasks.checkpoint import dtensor
+    from dcs_tasks.checkpoint.restore import dtensor
 
     out: dict[str, Any] = {}
     target = _state(job, mesh, zero=True)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Row, Run, free_port, start_redis, start_worker, stop
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.copier import HostCopier
+from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.config import DCSConfig
 
 GiB = 1 << 30

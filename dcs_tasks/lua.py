@@ -1,7 +1,7 @@
 """The one way DCS runs Lua: scripts run by SHA, loaded into Redis once, then `EVALSHA` on every call (never
 the whole source each time).
 
-Every script is a module-level `LuaScript` next to the code it serves (`dcs_tasks.checkpoint.ledger_scripts`,
+Every script is a module-level `LuaScript` next to the code it serves (`dcs_tasks.checkpoint.store.ledger_scripts`,
 `coordinator.scripts`, `dcs_tasks.sync.group_scripts`) and is called with whichever client the caller holds - sync or
 asyncio, a plain client or a pipeline - so nothing is registered per client. On NOSCRIPT (a restarted or
 failed-over Redis, `SCRIPT FLUSH`) the source is loaded again and the call repeated; a pipeline loads the

@@ -1,6 +1,6 @@
 """Checkpoint tasks (persist, commit, retention, replicate): thin Celery wrappers over `workers.persist`,
 `workers.commit`, `workers.retention` and `workers.replica`. Payloads are the JSON models of
-`dcs_tasks.checkpoint.payloads`.
+`dcs_tasks.checkpoint.store.payloads`.
 
 Flow: the trainer sends one persist per file to its host's node queue; the persist that records the last
 file sends the commit to the same queue; the commit sends retention when the run has a policy, and, when
@@ -21,9 +21,9 @@ from typing import Any
 from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
-from dcs_tasks.checkpoint import tiers
-from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
-from dcs_tasks.checkpoint.payloads import (
+from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepStatus, Verdict
+from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
     FailedTask,
     MemoryStepRequest,

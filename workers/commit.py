@@ -4,8 +4,8 @@ context (publish the manifest, move `latest`, mark the step COMMITTED)."""
 from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.ledger import Verdict
-from dcs_tasks.checkpoint.payloads import CommitRequest
+from dcs_tasks.checkpoint.store.ledger import Verdict
+from dcs_tasks.checkpoint.store.payloads import CommitRequest
 from workers.runtime import runtime
 
 

@@ -1,11 +1,11 @@
-"""The memory tier on the worker (`dcs_tasks.checkpoint.tiers`): what follows the commit of a memory step, the
+"""The memory tier on the worker (`dcs_tasks.checkpoint.store.tiers`): what follows the commit of a memory step, the
 flush of a step to storage, the copies to peer hosts, eviction, and this host's peer server.
 
 After a memory step commits (`after_commit`): its place `mem@<host>` is recorded; a durable step is sent to the
 flush task (copy to `checkpoint_dir` with `replica.copy_step`: every file hashed while written and compared
 with the manifest, fsynced, headers checked, manifest last; then `latest`, retention and the replica as after a
 storage commit); with `memory_replicas` > 0 the peer-copy task pushes the step to peers chosen by `tiers.choose_peers`
-(`dcs_tasks.checkpoint.peerwire`: authenticated with the shared token, every file verified on arrival); each
+(`dcs_tasks.checkpoint.store.peerwire`: authenticated with the shared token, every file verified on arrival); each
 copy's place is recorded once it verified, and `replicated` once every copy asked for did. Every one of these
 ends with eviction (`tiers.evict`).
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import redis
 
-from dcs_tasks.checkpoint import peerwire, tiers
-from dcs_tasks.checkpoint.payloads import MemoryStepRequest
+from dcs_tasks.checkpoint.store import peerwire, tiers
+from dcs_tasks.checkpoint.store.payloads import MemoryStepRequest
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, ReplicaFailed

@@ -1,11 +1,11 @@
-"""The worker's locks of runs kept in an object store (`dcs_tasks.checkpoint.objlocks`, on its Redis)."""
+"""The worker's locks of runs kept in an object store (`dcs_tasks.checkpoint.store.objlocks`, on its Redis)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
-from dcs_tasks.checkpoint import objlocks
+from dcs_tasks.checkpoint.store import objlocks
 from dcs_tasks.storage import ObjectPath
 from workers.runtime import runtime
 

@@ -4,8 +4,8 @@ Redis and keys) as context."""
 from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.ledger import StepLedger, Verdict
-from dcs_tasks.checkpoint.payloads import PersistRequest
+from dcs_tasks.checkpoint.store.ledger import StepLedger, Verdict
+from dcs_tasks.checkpoint.store.payloads import PersistRequest
 from workers.runtime import runtime
 
 

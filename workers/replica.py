@@ -32,10 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint import objread
 from dcs_tasks.checkpoint.committer import move_object_latest
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.fsio import (
+from dcs_tasks.checkpoint.format.fsio import (
     durable_file,
     make_dirs_durable,
     remove_stray_temps,
@@ -43,13 +41,15 @@ from dcs_tasks.checkpoint.fsio import (
     write_all,
     write_bytes_durably,
 )
-from dcs_tasks.checkpoint.landing import anonymous
-from dcs_tasks.checkpoint.latest import move_latest
-from dcs_tasks.checkpoint.payloads import ReplicateRequest, RetentionPolicy
-from dcs_tasks.checkpoint.reader import load_manifest, verify_step
-from dcs_tasks.checkpoint.retention import apply_retention, regular_of_size
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, check_files, read_small
+from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.store import objread
+from dcs_tasks.checkpoint.store.landing import anonymous
+from dcs_tasks.checkpoint.store.latest import move_latest
+from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
+from dcs_tasks.checkpoint.store.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
-from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, check_files, read_small
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
 from workers.objlocks import run_lock

@@ -5,8 +5,8 @@ directory itself, after each copy.)"""
 
 from __future__ import annotations
 
-from dcs_tasks.checkpoint.payloads import RetentionRequest
-from dcs_tasks.checkpoint.retention import apply_retention, in_flight_refs
+from dcs_tasks.checkpoint.store.payloads import RetentionRequest
+from dcs_tasks.checkpoint.store.retention import apply_retention, in_flight_refs
 from workers.objlocks import run_lock
 from workers.persist import ledger
 from workers.runtime import runtime

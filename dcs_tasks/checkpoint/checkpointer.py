@@ -8,9 +8,9 @@ to that return (the copy dominates).
 
 Multi-rank runs: every trainer rank makes its own `Checkpointer(run, rank=r, world_size=W)` and saves its
 own part; a step counts once every rank committed it, and restore reshards to this checkpointer's world
-size (see `dcs_tasks.checkpoint.sharded`).
+size (see `dcs_tasks.checkpoint.restore.sharded`).
 
-restore() and list() are a facade over `dcs_tasks.checkpoint.restoring` (which step, which copy, one plan for
+restore() and list() are a facade over `dcs_tasks.checkpoint.restore.restoring` (which step, which copy, one plan for
 every kind of read); this class adds the memory tier's peer pulls, the replicas fallback and the load metric.
 """
 
@@ -30,20 +30,23 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint import cuda, dispatch, dtensor, replicas, restoring, sharded, tiers
-from dcs_tasks.checkpoint.copier import HostCopier
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint import dispatch, replicas
+from dcs_tasks.checkpoint.format.layout import (
     ChunkSums,
     Layout,
     draft_of,
     staging_prefix,
     step_dir_name,
 )
-from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
-from dcs_tasks.checkpoint.payloads import StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.staging import BufferLease, StagingBuffer, StagingPool, copy_into
-from dcs_tasks.checkpoint.structure import FlatState, flatten_state
+from dcs_tasks.checkpoint.restore import dtensor, restoring, sharded
+from dcs_tasks.checkpoint.save import cuda
+from dcs_tasks.checkpoint.save.copier import HostCopier
+from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
+from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
+from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.payloads import StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
@@ -85,7 +88,7 @@ class Checkpointer:
         # both roots resolved once, here: a restore then touches nothing outside the run directories
         self._roots = replicas.run_roots(self.config, run)
         self.run_root = self._roots[0][1]
-        # the memory tier (dcs_tasks.checkpoint.tiers): steps committed in memory_dir first, storage every Nth
+        # the memory tier (dcs_tasks.checkpoint.store.tiers): steps committed in memory_dir first, storage every Nth
         self._memory = tiers.enabled(self.config)
         self.memory_run_root = (tiers.memory_root(self.config, create=True) / run) if self._memory else None
         if self.memory_run_root is not None:
@@ -141,7 +144,7 @@ class Checkpointer:
 
         DTensors (Shard/Replicate on a 1-D or 2-D mesh) need no `sharding=`: each rank stages its local
         shard with its place in the global tensor, and a shard several ranks hold is written by one of them
-        (`dcs_tasks.checkpoint.dtensor`). Other placements raise `UnsupportedPlacement` naming the placement
+        (`dcs_tasks.checkpoint.restore.dtensor`). Other placements raise `UnsupportedPlacement` naming the placement
         and the path; a DTensor mesh that does not place this process at `rank` raises CheckpointError.
 
         With the memory tier on (`memory_tier_bytes`), the step is committed in this host's memory first (the
@@ -323,7 +326,7 @@ class Checkpointer:
         assert self.memory_run_dir is not None
         return self.memory_run_dir / step_dir_name(step)
 
-    # --- read (dcs_tasks.checkpoint.restoring) ---------------------------------------------------
+    # --- read (dcs_tasks.checkpoint.restore.restoring) ---------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints of this run, oldest first (newest last); with the memory tier on, the steps in this
         host's memory too (a step in both: its memory copy, the one restore reads first)."""
@@ -343,7 +346,7 @@ class Checkpointer:
         Raises CheckpointNotFound, CorruptCheckpoint (explicit step), StateMismatch (naming the tensor).
 
         When the run was saved by several ranks, or this checkpointer has several, only steps every saving
-        rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.sharded`).
+        rank committed count, and the state is resharded for this rank (`dcs_tasks.checkpoint.restore.sharded`).
         Without `into`, a checkpoint's DTensors come back as whole plain tensors.
 
         With `replica_dir` set, steps are looked for under both roots: the newest step that verifies in

@@ -10,7 +10,7 @@ Two committers use it: the worker's persist and commit tasks (`workers/persist.p
    file has its recorded size, leftovers of dead writers are removed (temp files; open multipart uploads), the
    manifest is written (one atomic rename or PUT: a reader lists a step by its manifest, so it appears whole),
    and last `latest` moves forward, never back (files: flock on `<run>/.latest.lock`; object stores: the run's
-   `latest` lock in Redis, `dcs_tasks.checkpoint.objlocks`).
+   `latest` lock in Redis, `dcs_tasks.checkpoint.store.objlocks`).
 3. `remove_partial_step`: a step that failed before its manifest is removed (never a committed one, nor a
    retired one whose files later steps use).
 """
@@ -26,13 +26,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dcs_tasks.checkpoint import incremental
-from dcs_tasks.checkpoint.compression import CompressionSpec, compress_into, probe_saving, write_region
-from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, FileEntry, Manifest, manifest_bytes, new_hasher
-from dcs_tasks.checkpoint.fsio import remove_stray_temps, write_bytes_durably
-from dcs_tasks.checkpoint.latest import move_latest
-from dcs_tasks.checkpoint.reader import read_latest
-from dcs_tasks.checkpoint.validate import check_manifest
+from dcs_tasks.checkpoint.format.compression import CompressionSpec, compress_into, probe_saving, write_region
+from dcs_tasks.checkpoint.format.fsio import remove_stray_temps, write_bytes_durably
+from dcs_tasks.checkpoint.format.layout import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    manifest_bytes,
+    new_hasher,
+)
+from dcs_tasks.checkpoint.format.validate import check_manifest
+from dcs_tasks.checkpoint.restore.reader import read_latest
+from dcs_tasks.checkpoint.store import incremental
+from dcs_tasks.checkpoint.store.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath
 
@@ -204,7 +211,7 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
 
 def move_object_latest(run_dir: ObjectPath, step: int, object_lock: ObjectLock) -> None:
     """Point the run's `latest` object at `step` unless it names a newer (or the same) step."""
-    from dcs_tasks.checkpoint.format import step_dir_name
+    from dcs_tasks.checkpoint.format.layout import step_dir_name
 
     with object_lock(run_dir, "latest"):
         current = read_latest(run_dir)

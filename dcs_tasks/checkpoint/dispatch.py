@@ -15,12 +15,12 @@ from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.checkpoint.committer import committed
-from dcs_tasks.checkpoint.compression import CompressionSpec
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, Layout, ManifestDraft, plan_layout, specs_of
-from dcs_tasks.checkpoint.ledger import StepLedger, Verdict
-from dcs_tasks.checkpoint.payloads import PersistRequest, RetentionPolicy, StepRef
-from dcs_tasks.checkpoint.staging import BufferLease
-from dcs_tasks.checkpoint.structure import FlatState
+from dcs_tasks.checkpoint.format.compression import CompressionSpec
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Layout, ManifestDraft, plan_layout, specs_of
+from dcs_tasks.checkpoint.save.staging import BufferLease
+from dcs_tasks.checkpoint.state.structure import FlatState
+from dcs_tasks.checkpoint.store.ledger import StepLedger, Verdict
+from dcs_tasks.checkpoint.store.payloads import PersistRequest, RetentionPolicy, StepRef
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed, NoWorkerError
 from dcs_tasks.keys import Keys

@@ -24,9 +24,9 @@ import redis
 
 from dcs_tasks.celery_app import TaskName
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.ledger import FileOutcome, StepStatus, Verdict
-from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest
-from dcs_tasks.checkpoint.retention import apply_retention, in_flight_refs
+from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepStatus, Verdict
+from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.store.retention import apply_retention, in_flight_refs
 from dcs_tasks.checkpoint.trust import trusted_run_dir
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import ConfigError

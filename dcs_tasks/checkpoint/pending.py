@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest
-from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
-from dcs_tasks.checkpoint.reader import load_manifest
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest
+from dcs_tasks.checkpoint.restore.reader import load_manifest
+from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, CorruptLedger, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.storage import Location, ObjectPath
 
 if TYPE_CHECKING:  # a reader of checkpoints (`dcs ckpt`) needs no staging, so no torch
-    from dcs_tasks.checkpoint.staging import BufferLease
+    from dcs_tasks.checkpoint.save.staging import BufferLease
 
 log = logging.getLogger(__name__)
 POLL_MIN_SECONDS = 0.005

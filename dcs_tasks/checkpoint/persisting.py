@@ -8,7 +8,7 @@ fails with `UntrustedPath` before anything is read, written or claimed. Idempote
 file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
 duplicate delivery changes no bytes). The call that records the last file returns COMMIT.
 
-Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.incremental`): before writing, the staged region is
+Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.store.incremental`): before writing, the staged region is
 compared with the newest earlier committed step's file of the same name and size; when equal nothing is written
 and the earlier entry is recorded with `source_step`.
 
@@ -35,12 +35,13 @@ from typing import Protocol
 
 import redis
 
-from dcs_tasks.checkpoint import committer, incremental, objlocks, tiers
+from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
-from dcs_tasks.checkpoint.format import FileEntry, Manifest
-from dcs_tasks.checkpoint.fsio import NotPublished, make_dirs_durable
-from dcs_tasks.checkpoint.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
-from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.format.fsio import NotPublished, make_dirs_durable
+from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
+from dcs_tasks.checkpoint.store import incremental, objlocks, tiers
+from dcs_tasks.checkpoint.store.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
 from dcs_tasks.config import DCSConfig

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 PRIMARY = "primary"
 REPLICA = "replica"
 BOTH = "both"
-MEMORY = "memory"  # the memory tier (dcs_tasks.checkpoint.tiers.MEMORY)
+MEMORY = "memory"  # the memory tier (dcs_tasks.checkpoint.store.tiers.MEMORY)
 
 
 def run_roots(config: DCSConfig, run: str) -> list[tuple[str, Location]]:
@@ -76,7 +76,7 @@ def heal_from(error: CorruptCheckpoint, primary_step: Location, good_step: Locat
     """Rewrite the primary file `error` names (under the primary run) with the same file of the copy that just
     verified (`good_step`'s run): complete bytes under a temp name then a rename on files, one upload on an
     object store. Returns whether it healed; a failure is logged and changes nothing."""
-    from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES, read_small
+    from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, read_small
 
     primary_run, good_run = primary_step.parent, good_step.parent
     named = error.path or ""
@@ -92,7 +92,7 @@ def heal_from(error: CorruptCheckpoint, primary_step: Location, good_step: Locat
         if isinstance(target, ObjectPath):
             target.store.put_small(target.key, data)
         else:
-            from dcs_tasks.checkpoint.fsio import write_bytes_durably
+            from dcs_tasks.checkpoint.format.fsio import write_bytes_durably
 
             write_bytes_durably(target, data, "heal")
     except Exception as exc:  # healing is a bonus: the restore itself succeeded

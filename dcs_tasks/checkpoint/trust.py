@@ -1,7 +1,7 @@
 """The paths a worker may act on: only those under its own configured roots.
 
 A task payload comes off the broker, so anyone who can write to Redis could name any path. The payload
-models (`dcs_tasks.checkpoint.payloads`) already refuse relative paths, `.`/`..` components and bad names;
+models (`dcs_tasks.checkpoint.store.payloads`) already refuse relative paths, `.`/`..` components and bad names;
 here each path is checked against this worker's configuration before anything is read or written (workers
 and the in-process committer, `dcs_tasks.checkpoint.inline`):
 - a step directory must be exactly where a `Checkpointer` with the same `checkpoint_dir` puts that
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import overload
 
 from dcs_tasks import storage
-from dcs_tasks.checkpoint.format import staging_name_pattern, staging_prefix, step_dir_name
-from dcs_tasks.checkpoint.payloads import clean_absolute_path
-from dcs_tasks.checkpoint.sharded import RANK_DIR
+from dcs_tasks.checkpoint.format.layout import staging_name_pattern, staging_prefix, step_dir_name
+from dcs_tasks.checkpoint.restore.sharded import RANK_DIR
+from dcs_tasks.checkpoint.store.payloads import clean_absolute_path
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
@@ -142,7 +142,7 @@ def trusted_step_dir(
 
 def trusted_save_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> Location:
     """`trusted_step_dir` for a save's step (persist, commit): under the checkpoint root, or, with the memory tier
-    on, under `memory_dir` (`dcs_tasks.checkpoint.tiers`)."""
+    on, under `memory_dir` (`dcs_tasks.checkpoint.store.tiers`)."""
     if config.memory_tier_bytes > 0 and not step_dir.startswith("s3://"):
         memory = _resolve(Path(config.memory_dir))
         if _resolve(_clean(step_dir, "step directory")).is_relative_to(memory):

@@ -5,7 +5,7 @@ checksum, prints progress on large files, one line per step, and exits 1 if any 
 file and the reason). With a replica root (`--replica-dir` or DCS_REPLICA_DIR) `list` says where each step
 is (primary, replica, both), `verify` checks both copies and `gc` prunes both.
 `list` and `inspect` report a step whose manifest does not check as BAD, never with a
-traceback (manifests are untrusted input: `dcs_tasks.checkpoint.validate`).
+traceback (manifests are untrusted input: `dcs_tasks.checkpoint.format.validate`).
 `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
 DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
 `export --format hf` writes a step's tensors under `--prefix` as a Hugging Face directory; `import --format
@@ -97,7 +97,7 @@ def _register_interop(actions: Any) -> None:
 
 def _run_name(value: str) -> str:
     """argparse type of `--run`: the run-name rule every entry point uses (no `..`, `/etc`, hidden names)."""
-    from dcs_tasks.checkpoint.payloads import run_name_problem
+    from dcs_tasks.checkpoint.store.payloads import run_name_problem
 
     problem = run_name_problem(value)
     if problem is not None:
@@ -125,7 +125,7 @@ def _run_root(args: argparse.Namespace) -> Location:
 
 
 def _run_dir(args: argparse.Namespace) -> Location:
-    from dcs_tasks.checkpoint.sharded import rank_dir_name
+    from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
 
     root = _run_root(args)
     return root / rank_dir_name(args.rank) if args.rank is not None else root
@@ -135,12 +135,12 @@ def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
     """(location, run directory or rank directory) of the primary and, when a replica root is set, the replica."""
     from dcs_tasks import storage
     from dcs_tasks.checkpoint.replicas import PRIMARY, REPLICA
-    from dcs_tasks.checkpoint.sharded import rank_dir_name
+    from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
 
     found = [(PRIMARY, _run_dir(args))]
     config = DCSConfig()
     if config.memory_tier_bytes > 0:  # this host's memory tier, read first by restore
-        from dcs_tasks.checkpoint.tiers import MEMORY, memory_root
+        from dcs_tasks.checkpoint.store.tiers import MEMORY, memory_root
 
         run = memory_root(config) / args.run
         found.insert(0, (MEMORY, run / rank_dir_name(args.rank) if args.rank is not None else run))
@@ -160,13 +160,13 @@ def _where(locations: list[str]) -> str:
 
 
 def _recorded(args: argparse.Namespace) -> dict[int, str]:
-    """Memory tier on: step -> the places Redis records for it (`dcs_tasks.checkpoint.tiers`), rank by rank."""
+    """Memory tier on: step -> the places Redis records for it (`dcs_tasks.checkpoint.store.tiers`), rank by rank."""
     config = DCSConfig()
     if config.memory_tier_bytes <= 0:
         return {}
     import redis
 
-    from dcs_tasks.checkpoint.tiers import Places
+    from dcs_tasks.checkpoint.store.tiers import Places
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 
@@ -189,9 +189,9 @@ def _list(args: argparse.Namespace) -> int:
     """One line per step: when, size, files, where it is (primary, replica, both; with the memory tier: memory
     too, and the places Redis records: `mem@<host>`, `peer@<host>`, `storage`, `replicated`), `<- latest`; a
     copy whose manifest does not check is listed as BAD next to it."""
-    from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs
     from dcs_tasks.checkpoint.replicas import PRIMARY
-    from dcs_tasks.checkpoint.sharded import rank_dirs
+    from dcs_tasks.checkpoint.restore.reader import load_manifest, read_latest, step_dirs
+    from dcs_tasks.checkpoint.restore.sharded import rank_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
     places = [(location, d) for location, d in _locations(args) if d.is_dir()]
@@ -240,7 +240,7 @@ def _list_ranks(places: list[tuple[str, Location]], shown: bool, recorded: dict[
     """A multi-rank run: steps every rank committed (restorable) and where, then corrupt steps, then steps some
     rank is missing."""
     from dcs_tasks.checkpoint.replicas import PRIMARY
-    from dcs_tasks.checkpoint.sharded import StepShards, incomplete_steps, scan_steps
+    from dcs_tasks.checkpoint.restore.sharded import StepShards, incomplete_steps, scan_steps
 
     complete: dict[int, dict[str, StepShards]] = {}
     broken: dict[int, dict[str, Exception]] = {}
@@ -271,7 +271,7 @@ def _list_ranks(places: list[tuple[str, Location]], shown: bool, recorded: dict[
 def _verify(args: argparse.Namespace) -> int:
     """Every step (or `--step`) in every location: manifest, files, headers and checksums; one line per step
     and copy, 1 if any is bad."""
-    from dcs_tasks.checkpoint.reader import load_manifest, step_dirs, verify_step
+    from dcs_tasks.checkpoint.restore.reader import load_manifest, step_dirs, verify_step
     from dcs_tasks.errors import CorruptCheckpoint
 
     places = _locations(args)
@@ -299,7 +299,7 @@ def _progress(name: str, done: int, size: int) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from dcs_tasks.checkpoint.reader import describe, load_manifest, step_dirs
+    from dcs_tasks.checkpoint.restore.reader import describe, load_manifest, step_dirs
     from dcs_tasks.errors import CorruptCheckpoint
 
     dirs = dict(step_dirs(_run_dir(args)))
@@ -317,8 +317,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from dcs_tasks.checkpoint.payloads import RetentionPolicy
-    from dcs_tasks.checkpoint.retention import apply_retention
+    from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+    from dcs_tasks.checkpoint.store.retention import apply_retention
 
     config = DCSConfig()
     policy = RetentionPolicy(
@@ -349,7 +349,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _object_lock(config: DCSConfig) -> Any:
     """The `refs` lock of a run in an object store, on the configured Redis (the worker's retention takes it)."""
-    from dcs_tasks.checkpoint import objlocks
+    from dcs_tasks.checkpoint.store import objlocks
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 
@@ -361,8 +361,8 @@ def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:
     """The steps in flight and a reader of the files they refer to (empty when Redis does not answer)."""
     import redis
 
-    from dcs_tasks.checkpoint.ledger import StepLedger
-    from dcs_tasks.checkpoint.retention import in_flight_refs
+    from dcs_tasks.checkpoint.store.ledger import StepLedger
+    from dcs_tasks.checkpoint.store.retention import in_flight_refs
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 

@@ -37,8 +37,8 @@ from typing import Any
 import numpy
 import torch
 
-from dcs_tasks.checkpoint.format import CODE_DTYPES, DTYPE_CODES
-from dcs_tasks.checkpoint.validate import MAX_NDIM, open_regular, read_header, read_small
+from dcs_tasks.checkpoint.format.layout import CODE_DTYPES, DTYPE_CODES
+from dcs_tasks.checkpoint.format.validate import MAX_NDIM, open_regular, read_header, read_small
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
 
 HF_SINGLE = "model.safetensors"

@@ -16,7 +16,7 @@ straight into the output files' mappings and checked against its xxh3_128 checks
 the export fail with `CorruptCheckpoint` naming it, and no output file is left behind (each is written to a
 temp name and renamed only after every read verified). Source files holding no exported tensor (optimizer
 state) are not read. A multi-rank run is gathered first as a single trainer would restore it (sharded
-tensors joined, `dcs_tasks.checkpoint.sharded`): every file of the ranks it needs is read and verified, and
+tensors joined, `dcs_tasks.checkpoint.restore.sharded`): every file of the ranks it needs is read and verified, and
 the whole state is held in memory.
 """
 
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint import objread
-from dcs_tasks.checkpoint.fastread import Target, read_scatter
-from dcs_tasks.checkpoint.format import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
-from dcs_tasks.checkpoint.fsio import durable_file, make_dirs_durable, write_all, write_bytes_durably
-from dcs_tasks.checkpoint.reader import load_manifest, load_tensors, step_dirs
-from dcs_tasks.checkpoint.sharded import (
+from dcs_tasks.checkpoint.format.fsio import durable_file, make_dirs_durable, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.format.layout import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
+from dcs_tasks.checkpoint.format.validate import check_files, read_small
+from dcs_tasks.checkpoint.restore.fastread import Target, read_scatter
+from dcs_tasks.checkpoint.restore.reader import load_manifest, load_tensors, step_dirs
+from dcs_tasks.checkpoint.restore.sharded import (
     StepShards,
     assemble,
     incomplete_steps,
@@ -47,7 +47,7 @@ from dcs_tasks.checkpoint.sharded import (
     rank_dirs,
     scan_steps,
 )
-from dcs_tasks.checkpoint.validate import check_files, read_small
+from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
 from dcs_tasks.storage import Location, ObjectPath

@@ -23,9 +23,13 @@ import redis
 import torch
 
 from dcs_tasks import storage
-from dcs_tasks.checkpoint import committer, objlocks
+from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step, remove_partial_step
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint.format.fsio import (
+    make_dirs_durable,
+    write_all,
+)
+from dcs_tasks.checkpoint.format.layout import (
     FileEntry,
     FileLayout,
     Manifest,
@@ -34,14 +38,11 @@ from dcs_tasks.checkpoint.format import (
     specs_of,
     step_dir_name,
 )
-from dcs_tasks.checkpoint.fsio import (
-    make_dirs_durable,
-    write_all,
-)
-from dcs_tasks.checkpoint.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
-from dcs_tasks.checkpoint.payloads import validate_run_name, validate_step
-from dcs_tasks.checkpoint.sharded import rank_dirs
-from dcs_tasks.checkpoint.structure import flatten_state
+from dcs_tasks.checkpoint.restore.sharded import rank_dirs
+from dcs_tasks.checkpoint.state.structure import flatten_state
+from dcs_tasks.checkpoint.store import objlocks
+from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.store.payloads import validate_run_name, validate_step
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed
 from dcs_tasks.keys import Keys

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dcs_tasks.checkpoint import Checkpointer
-from dcs_tasks.checkpoint.format import step_dir_name
+from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import ConfigError, DCSError
 from dcs_tasks.local.charlm import Corpus, make_model, sample

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES
+from dcs_tasks.checkpoint.format.layout import SUM_CHUNK_BYTES
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
 from tests.checkpoint_support import ckpt_config, start_worker
@@ -116,7 +116,7 @@ def _child_restore(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
     from dcs_tasks import Checkpointer
-    from dcs_tasks.checkpoint import dtensor
+    from dcs_tasks.checkpoint.restore import dtensor
 
     step, layout, out = job["step"], job["layout"], {}
     with Checkpointer(job["run"], rank=rank, world_size=job["world"]) as ckpt:

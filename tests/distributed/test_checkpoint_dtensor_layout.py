@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from dcs_tasks.checkpoint import dtensor, validate
-from dcs_tasks.checkpoint.format import ChunkSums, FileEntry, Manifest, ShardEntry, TensorEntry
-from dcs_tasks.checkpoint.structure import check_structure, unflatten_state
+from dcs_tasks.checkpoint.format import validate
+from dcs_tasks.checkpoint.format.layout import ChunkSums, FileEntry, Manifest, ShardEntry, TensorEntry
+from dcs_tasks.checkpoint.restore import dtensor
+from dcs_tasks.checkpoint.state.structure import check_structure, unflatten_state
 from dcs_tasks.errors import CorruptCheckpoint
 
 FILE = "model-00001-of-00001.safetensors"

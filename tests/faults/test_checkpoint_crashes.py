@@ -19,7 +19,7 @@ import redis
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import node_queue
-from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs, verify_step
+from dcs_tasks.checkpoint.restore.reader import load_manifest, read_latest, step_dirs, verify_step
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.keys import Keys

@@ -11,9 +11,9 @@ import redis
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint.ledger import StepLedger
-from dcs_tasks.checkpoint.payloads import CommitRequest, PersistRequest, StepRef
-from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.store.ledger import StepLedger
+from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest, StepRef
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, NoWorkerError
 from dcs_tasks.keys import Keys
@@ -93,7 +93,7 @@ def make_redis(config: DCSConfig) -> redis.Redis:
 
 
 def _draft(run: str, step: int, created_at: float) -> Any:
-    from dcs_tasks.checkpoint.format import ManifestDraft
+    from dcs_tasks.checkpoint.format.layout import ManifestDraft
 
     return ManifestDraft(run=run, step=step, tensors={}, structure={"k": "v", "v": None}, created_at=created_at)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.format import step_dir_name
-from dcs_tasks.checkpoint.reader import load_manifest, read_latest, step_dirs, verify_step
+from dcs_tasks.checkpoint.format.layout import step_dir_name
+from dcs_tasks.checkpoint.restore.reader import load_manifest, read_latest, step_dirs, verify_step
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
 

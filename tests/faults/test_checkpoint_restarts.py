@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
 

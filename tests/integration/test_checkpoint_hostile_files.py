@@ -27,11 +27,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import fastread, zread
-from dcs_tasks.checkpoint.format import new_hasher
-from dcs_tasks.checkpoint.payloads import RetentionPolicy
-from dcs_tasks.checkpoint.reader import load_manifest, verify_step
-from dcs_tasks.checkpoint.retention import apply_retention, newest_intact
+from dcs_tasks.checkpoint.format.layout import new_hasher
+from dcs_tasks.checkpoint.restore import fastread
+from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
+from dcs_tasks.checkpoint.store import zread
+from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+from dcs_tasks.checkpoint.store.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state

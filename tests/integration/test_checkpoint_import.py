@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
@@ -278,7 +278,7 @@ def test_import_obeys_the_ledger_and_needs_redis(dcs_config: DCSConfig, tmp_path
     """A step another save has in flight is not written over; without Redis nothing is written at all."""
     import time
 
-    from dcs_tasks.checkpoint.format import ManifestDraft
+    from dcs_tasks.checkpoint.format.layout import ManifestDraft
 
     config = ckpt_config(dcs_config, tmp_path)
     source = tmp_path / "dcp"

@@ -1,4 +1,4 @@
-"""The step ledger (`dcs_tasks.checkpoint.ledger.StepLedger`) driven directly against a real redis-server: the
+"""The step ledger (`dcs_tasks.checkpoint.store.ledger.StepLedger`) driven directly against a real redis-server: the
 fenced state machine of one checkpoint step (PERSISTING -> COMMITTING -> COMMITTED, or FAILED), as the
 trainer (begin, abandon, progress, read) and the persist/commit workers (claims and finishes) use it."""
 
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from dcs_tasks.checkpoint.format import FileEntry, ManifestDraft
-from dcs_tasks.checkpoint.ledger import (
+from dcs_tasks.checkpoint.format.layout import FileEntry, ManifestDraft
+from dcs_tasks.checkpoint.store.ledger import (
     STATE_TTL_SECONDS,
     FileOutcome,
     StepLedger,

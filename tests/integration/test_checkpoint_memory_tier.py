@@ -19,9 +19,9 @@ import torch
 from pydantic import SecretStr
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import tiers
-from dcs_tasks.checkpoint.reader import step_dirs
-from dcs_tasks.checkpoint.sharded import rank_dir_name
+from dcs_tasks.checkpoint.restore.reader import step_dirs
+from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
+from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

@@ -12,7 +12,13 @@ import redis
 from pydantic import ValidationError
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.payloads import PersistRequest, RetentionRequest, StepRef, validate_run_name, validate_step
+from dcs_tasks.checkpoint.store.payloads import (
+    PersistRequest,
+    RetentionRequest,
+    StepRef,
+    validate_run_name,
+    validate_step,
+)
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.keys import Keys

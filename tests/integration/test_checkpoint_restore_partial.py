@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint import dtensor, sharded
+from dcs_tasks.checkpoint.restore import dtensor, sharded
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StateMismatch
 from tests.checkpoint_support import as_bytes, ckpt_config, start_worker, training_state

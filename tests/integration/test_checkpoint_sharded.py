@@ -159,8 +159,8 @@ def test_a_single_trainer_checkpoint_reshards_too(config: DCSConfig) -> None:
 
 
 def test_retention_never_deletes_the_newest_step_every_rank_committed(config: DCSConfig) -> None:
-    from dcs_tasks.checkpoint.payloads import RetentionPolicy
-    from dcs_tasks.checkpoint.retention import apply_retention
+    from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+    from dcs_tasks.checkpoint.store.retention import apply_retention
 
     save_all(config, "keep", 10, range(SAVED_WORLD))
     save_all(config, "keep", 20, range(SAVED_WORLD - 1))  # rank 3 is behind

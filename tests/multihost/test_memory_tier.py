@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.checkpoint import tiers
+from dcs_tasks.checkpoint.store import tiers
 from tests.multihost.cluster import Cluster
 from tests.multihost.hosts import SimulatedHost
 from tests.multihost.test_checkpoints import wait_for

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES
+from dcs_tasks.checkpoint.format.layout import SUM_CHUNK_BYTES
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import (
     CheckpointFailed,
@@ -279,7 +279,7 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
     (incremental references included), verified there, then published manifest last; with the primary copy of
     the newest step damaged, restore reads the replica and says so."""
     from dcs_tasks import storage
-    from dcs_tasks.checkpoint.reader import step_dirs
+    from dcs_tasks.checkpoint.restore.reader import step_dirs
 
     s3_root = DCSConfig.model_validate({"checkpoint_dir": aws_env.url("fleet/replica")}).checkpoint_dir
     roots = {"checkpoint_dir": s3_root, "replica_dir": tmp_path / "replica"}

@@ -1,4 +1,4 @@
-"""Per-file zstd compression (`dcs_tasks.checkpoint.compression`, `zread`): the worker's writer stores the bytes
+"""Per-file zstd compression (`dcs_tasks.checkpoint.format.compression`, `zread`): the worker's writer stores the bytes
 durably, compressed only when they shrink, with the checksum of the uncompressed bytes; the readers give back
 exactly those bytes (whole files, scattered ranges, mixed with plain files), and a damaged or hostile file or
 entry is a CorruptCheckpoint naming it, without ever decompressing more than the entry's `size`."""
@@ -13,9 +13,11 @@ import pytest
 import torch
 import zstandard
 
-from dcs_tasks.checkpoint import compression, fastread, validate, zread
-from dcs_tasks.checkpoint.compression import CompressionSpec, write_region
-from dcs_tasks.checkpoint.format import FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.format import compression, validate
+from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.restore import fastread
+from dcs_tasks.checkpoint.store import zread
 from dcs_tasks.errors import CorruptCheckpoint
 
 ZSTD = CompressionSpec(codec="zstd", level=3, min_saving=0.05)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcs_tasks.checkpoint import fastread
-from dcs_tasks.checkpoint.format import FileEntry, new_hasher
+from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+from dcs_tasks.checkpoint.restore import fastread
 from dcs_tasks.errors import CorruptCheckpoint
 
 SIZES = (3 * 65536 + 777, 65536, 4096 * 5, 1)  # ragged, exactly one chunk, page multiple, one byte

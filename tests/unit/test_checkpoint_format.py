@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dcs_tasks.checkpoint.format import DTYPE_CODES, plan_layout, specs_of
-from dcs_tasks.checkpoint.staging import StagingPool, copy_into
-from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.format.layout import DTYPE_CODES, plan_layout, specs_of
+from dcs_tasks.checkpoint.save.staging import StagingPool, copy_into
+from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
 from dcs_tasks.errors import StagingError
 from tests.checkpoint_support import as_bytes
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcs_tasks.checkpoint.cuda import DeviceStager
-from dcs_tasks.checkpoint.staging import StagingPool
+from dcs_tasks.checkpoint.save.cuda import DeviceStager
+from dcs_tasks.checkpoint.save.staging import StagingPool
 from dcs_tasks.errors import StagingError
 
 
@@ -136,7 +136,7 @@ def test_a_refused_pin_is_logged_with_the_reason_and_not_retried(
     pool = StagingPool(tmp_path, 1, "t")
     lease = pool.lease(4096)
     assert lease is not None
-    with caplog.at_level(logging.WARNING, logger="dcs_tasks.checkpoint.pinning"):
+    with caplog.at_level(logging.WARNING, logger="dcs_tasks.checkpoint.save.pinning"):
         assert not lease.buffer.pin(pinner)
         assert not lease.buffer.pin(pinner)  # the next save does not ask (and log) again
     assert not lease.buffer.pinned and len(pinner.calls) == 1

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dcs_tasks.checkpoint.format import LATEST_NAME
-from dcs_tasks.checkpoint.incremental import REFS_LOCK_NAME, refs_lock
-from dcs_tasks.checkpoint.latest import LATEST_LOCK_NAME, move_latest
-from dcs_tasks.checkpoint.reader import read_latest
+from dcs_tasks.checkpoint.format.layout import LATEST_NAME
+from dcs_tasks.checkpoint.restore.reader import read_latest
+from dcs_tasks.checkpoint.store.incremental import REFS_LOCK_NAME, refs_lock
+from dcs_tasks.checkpoint.store.latest import LATEST_LOCK_NAME, move_latest
 from dcs_tasks.errors import UntrustedPath
 
 

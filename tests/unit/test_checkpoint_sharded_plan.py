@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcs_tasks.checkpoint import dtensor
-from dcs_tasks.checkpoint.format import Manifest, TensorEntry
-from dcs_tasks.checkpoint.sharded import StepShards, _overlaps, _tensor_split_range, plan_reshard
+from dcs_tasks.checkpoint.format.layout import Manifest, TensorEntry
+from dcs_tasks.checkpoint.restore import dtensor
+from dcs_tasks.checkpoint.restore.sharded import StepShards, _overlaps, _tensor_split_range, plan_reshard
 from dcs_tasks.errors import CorruptCheckpoint
 
 

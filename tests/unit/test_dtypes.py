@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from dcs_tasks.backends.fusion import FusionLayout, TensorFusion
-from dcs_tasks.checkpoint.format import plan_layout, specs_of
-from dcs_tasks.checkpoint.staging import StagingPool, copy_into
+from dcs_tasks.checkpoint.format.layout import plan_layout, specs_of
+from dcs_tasks.checkpoint.save.staging import StagingPool, copy_into
 from dcs_tasks.errors import InvalidTensorSpec, UnsupportedDtype
 from dcs_tasks.sync.receive_checks import tensor_bytes
 from dcs_tasks.tensors import (

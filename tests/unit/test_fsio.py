@@ -1,4 +1,4 @@
-"""Durable writes (`dcs_tasks.checkpoint.fsio`): a final name only ever shows complete bytes, even when two
+"""Durable writes (`dcs_tasks.checkpoint.format.fsio`): a final name only ever shows complete bytes, even when two
 writers with the same tag overlap (a redelivered Celery task keeps its task id, which is the tag)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.checkpoint.fsio import TEMP_GLOB, durable_file, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.format.fsio import TEMP_GLOB, durable_file, write_all, write_bytes_durably
 
 DATA = bytes(range(256)) * 1024  # 256 KiB
 CHUNK = 64 * 1024
@@ -53,7 +53,7 @@ def test_a_file_system_that_refuses_o_direct_after_creating_the_file_gets_buffer
 ) -> None:
     """Linux creates the file, then answers EINVAL, when a file system has no direct I/O (FUSE, older tmpfs):
     the temp name (opened O_EXCL) already exists when the writer falls back to buffered mode."""
-    from dcs_tasks.checkpoint import fsio
+    from dcs_tasks.checkpoint.format import fsio
 
     real_open = os.open
 

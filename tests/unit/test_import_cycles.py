@@ -1,4 +1,5 @@
-"""No import cycles in product code, and the format and store stages of checkpoints import no torch.
+"""No import cycles in product code, and the format and store stages of checkpoints
+(the folders dcs_tasks/checkpoint/format/ and store/) import no torch.
 
 The graph has one node per module of `dcs_tasks`, `coordinator`, `workers` and `bench`, and an edge for every
 import statement (module level, inside a function, under `TYPE_CHECKING`, `importlib.import_module` with a
@@ -13,53 +14,39 @@ A failure names each cycle as `a -> b -> c -> a`, with the file and line of ever
 from __future__ import annotations
 
 import itertools
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from tests.unit.importgraph import files_of, imports_of, is_module, module_name, path_of, where
+from tests.unit.importgraph import ROOT, files_of, imports_of, is_module, module_name, path_of, where
 
 TOPS = ("dcs_tasks", "coordinator", "workers", "bench")
 
-# The stages of dcs_tasks/checkpoint/ (docs/architecture.md, "Checkpoint stages"), in order: a module imports
-# only modules of its own stage and of earlier ones (cycles inside a stage are caught above).
-STAGES: dict[str, tuple[str, ...]] = {
-    "format": ("format", "iosizes", "fsio", "compression", "validate"),
-    "state": ("stageable", "dtensor_meta", "structure"),
-    "store": (
-        "landing",
-        "objread",
-        "zread",
-        "steps",
-        "latest",
-        "ledger_scripts",
-        "ledger",
-        "incremental",
-        "retention",
-        "objlocks",
-        "payloads",
-        "peerwire",
-        "tiers",
-    ),
-    "save": ("pinning", "copier", "staging", "cuda"),
-    "restore": ("fastread", "reader", "sharded", "dtensor", "restoring"),
-    "api": (
-        "__init__",
-        "checkpointer",
-        "dispatch",
-        "pending",
-        "telemetry",
-        "replicas",
-        "committer",
-        "trust",
-        "persisting",
-        "inline",
-    ),
-}
+# The stages of dcs_tasks/checkpoint/ (docs/architecture.md, "Checkpoint stages"), in order. A module's stage is
+# its folder, dcs_tasks/checkpoint/<stage>/; the modules directly in dcs_tasks/checkpoint/ (the package
+# `__init__`, `Checkpointer` and the rest of the API) are the last stage, "api". A module imports only modules
+# of its own stage and of earlier ones (cycles inside a stage are caught above).
 CHECKPOINT = "dcs_tasks.checkpoint"
+CHECKPOINT_DIR = ROOT / "dcs_tasks" / "checkpoint"
+API = "api"
+STAGE_ORDER = ("format", "state", "store", "save", "restore", API)
 
-# The format and store stages, with everything under dcs_tasks/storage/ and everything they import inside
+
+def checkpoint_stages() -> dict[str, tuple[str, ...]]:
+    """stage -> its modules (dotted, a stage's own `__init__` included), read from the folders. A folder that
+    is not a stage keeps its own name (test_the_checkpoint_folders_are_the_stages fails on it)."""
+    stages: dict[str, list[str]] = {}
+    for path in files_of("dcs_tasks/checkpoint"):
+        parts = path.relative_to(CHECKPOINT_DIR).parts
+        stages.setdefault(API if len(parts) == 1 else parts[0], []).append(module_name(path))
+    return {stage: tuple(sorted(names)) for stage, names in stages.items()}
+
+
+STAGES = checkpoint_stages()
+
+# The format/ and store/ folders, with everything under dcs_tasks/storage/ and everything they import inside
 # dcs_tasks, import no torch in any form (module level, lazily, under TYPE_CHECKING): a worker moves bytes.
-TORCH_FREE = tuple(f"{CHECKPOINT}.{name}" for stage in ("format", "store") for name in STAGES[stage])
+TORCH_FREE = tuple(name for stage in ("format", "store") for name in STAGES.get(stage, ()))
 TORCH_FREE_PACKAGES = ("dcs_tasks/storage",)
 
 # Modules the torch-free stages reach that do import torch, each with the reason it is tolerated. Their own
@@ -185,25 +172,58 @@ def test_product_code_has_no_import_cycles() -> None:
     assert found == [], "import cycles (move the shared piece to a module both can import):\n" + "\n".join(found)
 
 
-def _stage_module(name: str) -> str:
-    return CHECKPOINT if name == "__init__" else f"{CHECKPOINT}.{name}"
+def test_the_checkpoint_folders_are_the_stages() -> None:
+    folders = sorted(stage for stage in STAGES if stage != API)
+    strays = [folder for folder in folders if folder not in STAGE_ORDER]
+    assert strays == [], f"folders of dcs_tasks/checkpoint/ that are not stages {STAGE_ORDER}: {strays}"
+    missing = [s for s in STAGE_ORDER if s != API and not (CHECKPOINT_DIR / s / "__init__.py").is_file()]
+    assert missing == [], f"stage folders without an __init__.py: {missing}"
+    # A stage package's __init__ holds a docstring only: a re-export is an import edge (and runs the stage's
+    # modules whenever any one of them is imported, torch included).
+    wrong = [
+        where(path, line)
+        for stage in STAGE_ORDER
+        if stage != API and (path := CHECKPOINT_DIR / stage / "__init__.py").is_file()
+        for line, name in imports_of(path)
+        if name != "__future__"
+    ]
+    assert wrong == [], f"imports in a stage package's __init__.py (keep it a docstring): {wrong}"
 
 
 def test_checkpoint_modules_import_only_their_own_and_earlier_stages() -> None:
-    order = {_stage_module(name): rank for rank, names in enumerate(STAGES.values()) for name in names}
-    stage_names = list(STAGES)
-    present = {module_name(path) for path in files_of("dcs_tasks/checkpoint")}
-    unplaced = sorted(present - order.keys())
-    assert unplaced == [], f"give each checkpoint module a stage in STAGES and docs/architecture.md: {unplaced}"
+    order = {
+        module: STAGE_ORDER.index(stage) for stage, names in STAGES.items() if stage in STAGE_ORDER for module in names
+    }
     graph = import_graph(("dcs_tasks",))
     wrong = [
-        f"{', '.join(places)}: {module} ({stage_names[order[module]]}) imports {target} "
-        f"({stage_names[order[target]]}, a later stage)"
-        for module in sorted(present)
+        f"{', '.join(places)}: {module} ({STAGE_ORDER[order[module]]}) imports {target} "
+        f"({STAGE_ORDER[order[target]]}, a later stage)"
+        for module in sorted(order)
         for target, places in sorted(graph[module].items())
         if target in order and order[target] > order[module]
     ]
     assert wrong == [], "checkpoint imports against the stage order:\n" + "\n".join(wrong)
+
+
+def test_the_stage_table_of_the_docs_lists_the_folders() -> None:
+    """docs/architecture.md's table ("Checkpoint stages") names each stage's modules as its folder holds them."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows: dict[str, set[str]] = {}
+    for line in text.split("### Checkpoint stages", 1)[1].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and cells[0].split()[0].strip("`/") in STAGE_ORDER:
+            rows[cells[0].split()[0].strip("`/")] = set(re.findall(r"`([a-z_]+)`", cells[1]))
+    folders = {
+        stage: {name.rpartition(".")[2] if name != f"{CHECKPOINT}.{stage}" else "" for name in names} - {""}
+        for stage, names in STAGES.items()
+    }
+    folders[API] = {name.rpartition(".")[2] if name != CHECKPOINT else "__init__" for name in STAGES.get(API, ())}
+    wrong = {
+        stage: (sorted(rows.get(stage, ())), sorted(names))
+        for stage, names in folders.items()
+        if rows.get(stage) != names
+    }
+    assert wrong == {}, f"docs/architecture.md (table, folder) disagree: {wrong}"
 
 
 def _torch_imports(module: str) -> list[str]:

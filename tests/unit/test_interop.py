@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from dcs_tasks.checkpoint.structure import flatten_state
+from dcs_tasks.checkpoint.state.structure import flatten_state
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.interop.foreign import ForeignCheckpointError, _check_tiling, read_dcp_dir, read_dcp_metadata
 from dcs_tasks.interop.hf_export import parse_size

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcs_tasks.checkpoint import validate
-from dcs_tasks.checkpoint.format import FileEntry, Manifest, TensorEntry
-from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.format import validate
+from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, TensorEntry
+from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
 from dcs_tasks.errors import CorruptCheckpoint
 
 CHECKSUM = "0" * 32
@@ -134,7 +134,7 @@ def test_structure_decoder_accepts_only_what_dcs_writes(node: Any, reason: str) 
 def test_the_format_stage_checks_the_structure_form_and_restore_its_torch_names(tmp_path: Path) -> None:
     """`validate` (no torch) refuses every node of the wrong form; whether a dtype or device name is one torch
     knows is checked by `reader.load_manifest` (restore), still before any data file is read."""
-    from dcs_tasks.checkpoint.reader import load_manifest
+    from dcs_tasks.checkpoint.restore.reader import load_manifest
 
     with pytest.raises(CorruptCheckpoint, match="unknown node kind"):
         validate.check_manifest(_manifest(structure={"k": "module", "v": "os"}), Path("m.json"))
@@ -262,7 +262,7 @@ def test_random_json_headers_raise_only_corrupt_checkpoint(tmp_path: Path, entri
 
 
 def test_latest_pointer_is_read_only_from_a_short_regular_file(tmp_path: Path) -> None:
-    from dcs_tasks.checkpoint.reader import read_latest
+    from dcs_tasks.checkpoint.restore.reader import read_latest
 
     run = tmp_path / "run"
     run.mkdir()

@@ -1,4 +1,4 @@
-"""The memory tier's peer transport (dcs_tasks.checkpoint.peerwire) over real sockets: real server threads, a
+"""The memory tier's peer transport (dcs_tasks.checkpoint.store.peerwire) over real sockets: real server threads, a
 server and hostile peers in other processes. Steps are built the way the writer lays them out (safetensors
 headers, xxh3_128 checksums, a checked manifest) without torch, as a worker holds them."""
 
@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.checkpoint import peerwire as pw
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint.format.layout import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -30,7 +29,8 @@ from dcs_tasks.checkpoint.format import (
     manifest_bytes,
     new_hasher,
 )
-from dcs_tasks.checkpoint.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.store import peerwire as pw
 from dcs_tasks.errors import (
     CorruptCheckpoint,
     PeerAuthFailed,
@@ -63,7 +63,7 @@ def make_step(
     root: Path, run: str, step: int, sizes: tuple[int, ...] = SIZES, rank: int | None = None
 ) -> tuple[Path, str]:
     """A committed step directory under `root` (a file of one U8 tensor of random bytes per size), and its rel;
-    built without torch (format.plan_layout would import it to spell dtypes)."""
+    built without torch (layout.plan_layout would import it to spell dtypes)."""
     rel = pw.StepRel(run, step, rank)
     step_dir = root.joinpath(*rel.parts)
     step_dir.mkdir(parents=True)
@@ -541,7 +541,7 @@ def test_a_stale_incoming_directory_is_removed_at_start(tmp_path: Path) -> None:
 SERVER = """
 import sys
 from pathlib import Path
-from dcs_tasks.checkpoint.peerwire import PeerServer
+from dcs_tasks.checkpoint.store.peerwire import PeerServer
 srv = PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30, timeout=5.0)
 print(srv.start()[1], flush=True)
 sys.stdin.read()
@@ -552,7 +552,7 @@ srv.stop()
 DYING_SERVER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint import peerwire as pw
+from dcs_tasks.checkpoint.store import peerwire as pw
 me = pw.PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30)  # not started: its handshake only
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
@@ -570,7 +570,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_SENDER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint import peerwire as pw
+from dcs_tasks.checkpoint.store import peerwire as pw
 step_dir = Path(sys.argv[3])
 me = pw.PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30)  # not started: its handshake only
 listener = socket.create_server(("127.0.0.1", 0))
@@ -589,7 +589,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_CLIENT = """
 import os, signal, sys
 from pathlib import Path
-from dcs_tasks.checkpoint import peerwire as pw
+from dcs_tasks.checkpoint.store import peerwire as pw
 port, token, step_dir, rel = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 ch = pw._client_session(("127.0.0.1", port), token, 5.0)
 ch.send({"op": "put", "rel": rel})

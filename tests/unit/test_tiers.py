@@ -1,12 +1,12 @@
-"""The memory tier's rules (`dcs_tasks.checkpoint.tiers`): which steps may leave memory, where peer copies go, and
+"""The memory tier's rules (`dcs_tasks.checkpoint.store.tiers`): which steps may leave memory, where peer copies go, and
 how a hostile places record is read."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dcs_tasks.checkpoint import tiers
-from dcs_tasks.checkpoint.tiers import MemoryStep, Peer, choose_peers, evictable
+from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.tiers import MemoryStep, Peer, choose_peers, evictable
 
 ME = "hosta"
 
@@ -94,8 +94,8 @@ def test_rel_names_a_rank_and_a_step_or_nothing() -> None:
 
 
 def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_overwrites_one(tmp_path: Path) -> None:
-    from dcs_tasks.checkpoint.format import new_hasher
-    from dcs_tasks.checkpoint.fsio import stream_region
+    from dcs_tasks.checkpoint.format.fsio import stream_region
+    from dcs_tasks.checkpoint.format.layout import new_hasher
 
     root = tmp_path / "memory"
     step_dir = root / "run" / "step-000000001"

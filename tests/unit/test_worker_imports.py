@@ -27,7 +27,7 @@ PROBE = textwrap.dedent(
     app.loader.import_default_modules()
     import dcs_tasks.sync.group_bootstrap, workers.commit, workers.persist, workers.recovery, workers.replica
     import workers.retention, workers.trust
-    import dcs_tasks.checkpoint.retention, dcs_tasks.checkpoint.latest
+    import dcs_tasks.checkpoint.store.retention, dcs_tasks.checkpoint.store.latest
     print(sorted(name for name in app.tasks if name.startswith("dcs.")))
     """
 )

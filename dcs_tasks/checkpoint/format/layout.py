@@ -175,7 +175,7 @@ COMPRESSED_SUFFIX = {"zstd": ".zst"}  # codec -> suffix of a compressed file's o
 
 class FileEntry(BaseModel):
     """One file of a step. `size` and `checksum` are those of the safetensors bytes; a compressed file
-    (`compression`, see `dcs_tasks.checkpoint.compression`) holds `stored_size` bytes on disk under
+    (`compression`, see `dcs_tasks.checkpoint.format.compression`) holds `stored_size` bytes on disk under
     `name` + its codec's suffix."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -231,7 +231,7 @@ class TensorEntry(BaseModel):
 
 
 class ShardEntry(BaseModel):
-    """Where one rank's shard of a DTensor sits in the global tensor (`dcs_tasks.checkpoint.dtensor`): the
+    """Where one rank's shard of a DTensor sits in the global tensor (`dcs_tasks.checkpoint.restore.dtensor`): the
     tensor's `TensorEntry.shape` is the shard's shape, `offset` its first index along every dimension."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -44,8 +44,8 @@ from typing import IO, Annotated, Any, Literal, cast
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from dcs_tasks.checkpoint.format import COMPRESSED_SUFFIX, FileEntry, new_hasher
-from dcs_tasks.checkpoint.fsio import chunk_size, durable_file, pace, stream_region, write_all
+from dcs_tasks.checkpoint.format.fsio import chunk_size, durable_file, pace, stream_region, write_all
+from dcs_tasks.checkpoint.format.layout import COMPRESSED_SUFFIX, FileEntry, new_hasher
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 

@@ -25,11 +25,11 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.fsio import locked
-from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
-from dcs_tasks.checkpoint.steps import step_dirs
-from dcs_tasks.checkpoint.validate import read_manifest
+from dcs_tasks.checkpoint.format.fsio import locked
+from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, new_hasher
+from dcs_tasks.checkpoint.format.validate import read_manifest
+from dcs_tasks.checkpoint.store.steps import step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, ObjectPath
 

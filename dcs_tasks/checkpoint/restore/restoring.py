@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from dcs_tasks.checkpoint import dtensor, reader, sharded
-from dcs_tasks.checkpoint.format import Manifest
-from dcs_tasks.checkpoint.steps import StepShards
-from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.format.layout import Manifest
+from dcs_tasks.checkpoint.restore import dtensor, reader, sharded
+from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.store.steps import StepShards
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.storage import Location
 

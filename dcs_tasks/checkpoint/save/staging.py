@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from dcs_tasks.checkpoint.copier import HostCopier
-from dcs_tasks.checkpoint.format import Layout, staging_name_pattern
-from dcs_tasks.checkpoint.pinning import HostPinner, Pin
+from dcs_tasks.checkpoint.format.layout import Layout, staging_name_pattern
+from dcs_tasks.checkpoint.save.copier import HostCopier
+from dcs_tasks.checkpoint.save.pinning import HostPinner, Pin
 from dcs_tasks.errors import StagingError
 from dcs_tasks.process import pid_alive
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint.format import Layout
-from dcs_tasks.checkpoint.pinning import CudaHostPinner, HostPinner
-from dcs_tasks.checkpoint.staging import StagingBuffer, copy_into
+from dcs_tasks.checkpoint.format.layout import Layout
+from dcs_tasks.checkpoint.save.pinning import CudaHostPinner, HostPinner
+from dcs_tasks.checkpoint.save.staging import StagingBuffer, copy_into
 
 
 def has_cuda_tensors(tensors: dict[str, torch.Tensor]) -> bool:

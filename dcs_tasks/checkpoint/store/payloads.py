@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from dcs_tasks.checkpoint.compression import CompressionSpec
-from dcs_tasks.checkpoint.format import step_dir_name
+from dcs_tasks.checkpoint.format.compression import CompressionSpec
+from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.storage_url import ObjectURL
 
@@ -124,7 +124,7 @@ class RetentionPolicy(BaseModel):
 
 class PersistRequest(BaseModel):
     """Stream `length` staged bytes at `offset` of `staging_path` into `step_dir/file_name` (compressed as
-    `compression` asks, `dcs_tasks.checkpoint.compression`)."""
+    `compression` asks, `dcs_tasks.checkpoint.format.compression`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

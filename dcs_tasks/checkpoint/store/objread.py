@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcs_tasks.checkpoint import zread
-from dcs_tasks.checkpoint.format import FileEntry, new_hasher
-from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
+from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+from dcs_tasks.checkpoint.store import zread
+from dcs_tasks.checkpoint.store.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 from dcs_tasks.storage.objpath import listed_sizes

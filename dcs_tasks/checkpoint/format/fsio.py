@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dcs_tasks.checkpoint import iosizes
-from dcs_tasks.checkpoint.format import new_hasher
-from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
-from dcs_tasks.checkpoint.iosizes import WRITE_CHUNK_BYTES
+from dcs_tasks.checkpoint.format import iosizes
+from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
+from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
+from dcs_tasks.checkpoint.format.layout import new_hasher
 from dcs_tasks.errors import UntrustedPath
 
 log = logging.getLogger(__name__)

@@ -32,16 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dcs_tasks.checkpoint import iosizes, zread
-from dcs_tasks.checkpoint.format import FileEntry, TensorEntry, new_hasher
-from dcs_tasks.checkpoint.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
-from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES, READ_THREADS
-from dcs_tasks.checkpoint.landing import HUGE_FROM as HUGE_FROM
-from dcs_tasks.checkpoint.landing import HUGE_PAGE as HUGE_PAGE
-from dcs_tasks.checkpoint.landing import Progress as Progress
-from dcs_tasks.checkpoint.landing import Target as Target
-from dcs_tasks.checkpoint.landing import TargetIndex as TargetIndex
-from dcs_tasks.checkpoint.landing import anonymous as anonymous
+from dcs_tasks.checkpoint.format import iosizes
+from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
+from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
+from dcs_tasks.checkpoint.format.layout import FileEntry, TensorEntry, new_hasher
+from dcs_tasks.checkpoint.store import zread
+from dcs_tasks.checkpoint.store.landing import HUGE_FROM as HUGE_FROM
+from dcs_tasks.checkpoint.store.landing import HUGE_PAGE as HUGE_PAGE
+from dcs_tasks.checkpoint.store.landing import Progress as Progress
+from dcs_tasks.checkpoint.store.landing import Target as Target
+from dcs_tasks.checkpoint.store.landing import TargetIndex as TargetIndex
+from dcs_tasks.checkpoint.store.landing import anonymous as anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.tensors import code_dtype
 

@@ -47,8 +47,9 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dcs_tasks.checkpoint.compression import Decoder, check_frame, stored_size_problem
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint.format.compression import Decoder, check_frame, stored_size_problem
+from dcs_tasks.checkpoint.format.fsio import read_exactly
+from dcs_tasks.checkpoint.format.layout import (
     CHECKSUM_ALGORITHM,
     CHUNK_ALGORITHM,
     FORMAT_VERSION,
@@ -58,7 +59,6 @@ from dcs_tasks.checkpoint.format import (
     Manifest,
     TensorEntry,
 )
-from dcs_tasks.checkpoint.fsio import read_exactly
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.storage.objpath import listed_sizes

@@ -1,4 +1,4 @@
-"""Lua scripts of the checkpoint step ledger (`dcs_tasks.checkpoint.ledger`): each fenced transition of a
+"""Lua scripts of the checkpoint step ledger (`dcs_tasks.checkpoint.store.ledger`): each fenced transition of a
 step is one script, run by SHA through `dcs_tasks.lua`. KEYS[1] is the step's state hash, KEYS[2] the run's
 in-flight set (`StepLedger._k`).
 

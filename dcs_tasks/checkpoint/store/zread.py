@@ -21,11 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from dcs_tasks.checkpoint.compression import Decoder, check_frame
-from dcs_tasks.checkpoint.format import FileEntry, new_hasher
-from dcs_tasks.checkpoint.iosizes import READ_CHUNK_BYTES, READ_THREADS
-from dcs_tasks.checkpoint.landing import Progress, Target, TargetIndex, anonymous
-from dcs_tasks.checkpoint.validate import open_stored
+from dcs_tasks.checkpoint.format.compression import Decoder, check_frame
+from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
+from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+from dcs_tasks.checkpoint.format.validate import open_stored
+from dcs_tasks.checkpoint.store.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dcs_tasks.checkpoint import objread
-from dcs_tasks.checkpoint.fastread import Progress, Target, read_many, read_scatter, tensors_over
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
-from dcs_tasks.checkpoint.format import STEP_DIR as STEP_DIR
-from dcs_tasks.checkpoint.steps import read_latest as read_latest
-from dcs_tasks.checkpoint.steps import step_dirs as step_dirs
-from dcs_tasks.checkpoint.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
+from dcs_tasks.checkpoint.format.layout import STEP_DIR as STEP_DIR
+from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.restore.fastread import Progress, Target, read_many, read_scatter, tensors_over
+from dcs_tasks.checkpoint.store import objread
+from dcs_tasks.checkpoint.store.steps import read_latest as read_latest
+from dcs_tasks.checkpoint.store.steps import step_dirs as step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, ObjectPath
 from dcs_tasks.tensors import code_dtype
@@ -31,7 +31,7 @@ def load_manifest(step_dir: Location) -> Manifest:
     dtypes, the structure's form) and its structure decoded against torch (`structure.check_structure`: dtype
     and device names torch knows); CorruptCheckpoint names the manifest and the reason. Imports torch on first
     use: a worker that only lists steps or reads `latest` through this module does not."""
-    from dcs_tasks.checkpoint.structure import check_structure
+    from dcs_tasks.checkpoint.state.structure import check_structure
 
     manifest = read_manifest(step_dir)
     try:

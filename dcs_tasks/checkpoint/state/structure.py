@@ -12,7 +12,7 @@ attribute `nn.Module.state_dict()` attaches (per-module versions that `load_stat
 `_load_from_state_dict`) is kept when it is plain JSON.
 
 A torch `DTensor` becomes a `dtensor` node: its local shard is the named tensor, and its placement in the
-global tensor goes to `FlatState.dtensors` (`dcs_tasks.checkpoint.dtensor_meta`; unsupported placements are
+global tensor goes to `FlatState.dtensors` (`dcs_tasks.checkpoint.state.dtensor_meta`; unsupported placements are
 refused there). Since a replicated shard is written by one rank only, a rank's structure may name a
 DTensor its own files do not hold; restore fetches it from the rank that does.
 """
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint import dtensor_meta
-from dcs_tasks.checkpoint.stageable import check_stageable
-from dcs_tasks.checkpoint.validate import StructureDecoder, structure_error
+from dcs_tasks.checkpoint.format.validate import StructureDecoder, structure_error
+from dcs_tasks.checkpoint.state import dtensor_meta
+from dcs_tasks.checkpoint.state.stageable import check_stageable
 from dcs_tasks.errors import StagingError
 
 Node = dict[str, Any]

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcs_tasks.checkpoint.format import SUM_CHUNK_BYTES, ChunkSums, Layout, ShardEntry, chunk_sum
+from dcs_tasks.checkpoint.format.layout import SUM_CHUNK_BYTES, ChunkSums, Layout, ShardEntry, chunk_sum
 from dcs_tasks.errors import CheckpointError, StagingError
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ every rank has, so every rank computes the same owners without talking to the ot
 placement and the state path.
 
 Checksums of parts. A state with DTensors also records per-chunk checksums of every tensor it writes
-(`format.ChunkSums`: xxh3_64 of each `SUM_CHUNK_BYTES` piece of the tensor's bytes, hashed from the staging
+(`layout.ChunkSums`: xxh3_64 of each `SUM_CHUNK_BYTES` piece of the tensor's bytes, hashed from the staging
 buffer, i.e. the bytes the workers persist). The whole-file xxh3_128 checksums stay as before.
 
 Restore (`restore_step`). Each target tensor asks for a box of the global tensor: a DTensor target its own
@@ -26,7 +26,7 @@ chunk mean most chunks of the span). Every chunk read is checked against its che
 used, so a partial read verifies exactly the bytes it reads; bytes not read are not verified. Checkpoints
 without chunk checksums (written before DTensor support, or without DTensors) are read a whole part at a time
 and verified with the file checksums, as `reader.load_tensors` does; so are pieces in compressed files
-(`dcs_tasks.checkpoint.compression`), whose byte ranges cannot be read in place.
+(`dcs_tasks.checkpoint.format.compression`), whose byte ranges cannot be read in place.
 """
 
 from __future__ import annotations
@@ -39,27 +39,29 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint import objread, reader, validate
-from dcs_tasks.checkpoint.dtensor_meta import MAX_MESH_DIMS as MAX_MESH_DIMS
-from dcs_tasks.checkpoint.dtensor_meta import ShardMeta as ShardMeta
-from dcs_tasks.checkpoint.dtensor_meta import UnsupportedPlacement as UnsupportedPlacement
-from dcs_tasks.checkpoint.dtensor_meta import assign_owners as assign_owners
-from dcs_tasks.checkpoint.dtensor_meta import box_of as box_of
-from dcs_tasks.checkpoint.dtensor_meta import check_ranks as check_ranks
-from dcs_tasks.checkpoint.dtensor_meta import chunk_range as chunk_range
-from dcs_tasks.checkpoint.dtensor_meta import chunk_sums as chunk_sums
-from dcs_tasks.checkpoint.dtensor_meta import is_dtensor as is_dtensor
-from dcs_tasks.checkpoint.dtensor_meta import local_part as local_part
-from dcs_tasks.checkpoint.dtensor_meta import owned as owned
-from dcs_tasks.checkpoint.format import (
+from dcs_tasks.checkpoint.format import validate
+from dcs_tasks.checkpoint.format.layout import (
     CODE_DTYPES,
     Manifest,
     TensorEntry,
     chunk_sum,
 )
-from dcs_tasks.checkpoint.sharded import SplitTensor, local_source, split_tensors
-from dcs_tasks.checkpoint.steps import StepShards
-from dcs_tasks.checkpoint.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.restore import reader
+from dcs_tasks.checkpoint.restore.sharded import SplitTensor, local_source, split_tensors
+from dcs_tasks.checkpoint.state.dtensor_meta import MAX_MESH_DIMS as MAX_MESH_DIMS
+from dcs_tasks.checkpoint.state.dtensor_meta import ShardMeta as ShardMeta
+from dcs_tasks.checkpoint.state.dtensor_meta import UnsupportedPlacement as UnsupportedPlacement
+from dcs_tasks.checkpoint.state.dtensor_meta import assign_owners as assign_owners
+from dcs_tasks.checkpoint.state.dtensor_meta import box_of as box_of
+from dcs_tasks.checkpoint.state.dtensor_meta import check_ranks as check_ranks
+from dcs_tasks.checkpoint.state.dtensor_meta import chunk_range as chunk_range
+from dcs_tasks.checkpoint.state.dtensor_meta import chunk_sums as chunk_sums
+from dcs_tasks.checkpoint.state.dtensor_meta import is_dtensor as is_dtensor
+from dcs_tasks.checkpoint.state.dtensor_meta import local_part as local_part
+from dcs_tasks.checkpoint.state.dtensor_meta import owned as owned
+from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.store import objread
+from dcs_tasks.checkpoint.store.steps import StepShards
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, ObjectPath
 

@@ -43,8 +43,8 @@ from pathlib import Path
 import redis
 
 from dcs_tasks.celery_app import node_queue
-from dcs_tasks.checkpoint import peerwire
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
+from dcs_tasks.checkpoint.store import peerwire
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.keys import Keys

@@ -66,12 +66,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcs_tasks.checkpoint.format import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
-from dcs_tasks.checkpoint.format import step_dir_name as step_dir_name
-from dcs_tasks.checkpoint.fsio import read_exactly, write_all
-from dcs_tasks.checkpoint.payloads import run_name_problem
-from dcs_tasks.checkpoint.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
-from dcs_tasks.checkpoint.validate import check_files, check_manifest
+from dcs_tasks.checkpoint.format.fsio import read_exactly, write_all
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
+from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
+from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
+from dcs_tasks.checkpoint.format.validate import check_files, check_manifest
+from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.errors import (
     ConfigError,
     CorruptCheckpoint,

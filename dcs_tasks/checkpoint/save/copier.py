@@ -12,7 +12,7 @@ import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from dcs_tasks.checkpoint.iosizes import COPY_CHUNK_BYTES
+from dcs_tasks.checkpoint.format.iosizes import COPY_CHUNK_BYTES
 
 CHUNK_BYTES = COPY_CHUNK_BYTES
 

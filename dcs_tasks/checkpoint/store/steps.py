@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
 
-from dcs_tasks.checkpoint.format import LATEST_NAME, MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, step_dir_name
-from dcs_tasks.checkpoint.validate import read_manifest, read_small
+from dcs_tasks.checkpoint.format.layout import LATEST_NAME, MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, step_dir_name
+from dcs_tasks.checkpoint.format.validate import read_manifest, read_small
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, ObjectPath
 
