@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +312,7 @@ def main() -> None:
     parser.add_argument("--part-mb", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--file-mb", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2, help="`dcs worker` processes (files persisted at once)")
     args = parser.parse_args()
     if not os.environ.get("AWS_ENDPOINT_URL"):
@@ -348,34 +349,19 @@ def main() -> None:
     ckpt = Checkpointer("bench", config)
     try:
         ckpt.save(state, step=0).wait(timeout=1800)  # warm-up: the staging buffer is made once per trainer
-        for i in range(args.repeats):  # alternating order inside each round, same server, same bytes
-            rounds["plain"].append(
-                plain_transfer(
-                    args.bucket,
-                    files,
-                    args.part_mb * MiB,
-                    args.concurrency,
-                    f"{i}-{uuid.uuid4().hex[:6]}",
-                    args.processes,
-                )
-            )
-            rounds["plain_obstore"].append(
-                plain_obstore(
-                    args.bucket,
-                    files,
-                    args.part_mb * MiB,
-                    args.concurrency,
-                    f"{i}-{uuid.uuid4().hex[:6]}",
-                    args.processes,
-                )
-            )
-            rounds["dcs"].append(dcs_round(ckpt, config, state, step=i + 1))
-            rounds["dcp_s3torchconnector"].append(
-                dcp_s3torchconnector(
-                    args.bucket, state, f"{i}-{uuid.uuid4().hex[:6]}", region, args.part_mb * MiB, args.concurrency
-                )
-            )
-            rounds["dcp_fsspec"].append(dcp_fsspec(args.bucket, state, f"{i}-{uuid.uuid4().hex[:6]}", args.concurrency))
+        for i in range(args.repeats):  # each round starts with the next contender: same server, same bytes
+            tag = f"{i}-{uuid.uuid4().hex[:6]}"
+            part, conc = args.part_mb * MiB, args.concurrency
+            contenders: list[tuple[str, Callable[[], Any]]] = [
+                ("plain", partial(plain_transfer, args.bucket, files, part, conc, tag, args.processes)),
+                ("plain_obstore", partial(plain_obstore, args.bucket, files, part, conc, tag, args.processes)),
+                ("dcs", partial(dcs_round, ckpt, config, state, step=i + 1)),
+                ("dcp_s3torchconnector", partial(dcp_s3torchconnector, args.bucket, state, tag, region, part, conc)),
+                ("dcp_fsspec", partial(dcp_fsspec, args.bucket, state, tag, conc)),
+            ]
+            shift = i % len(contenders)
+            for name, run in contenders[shift:] + contenders[:shift]:
+                rounds[name].append(run())
     finally:
         ckpt.close(timeout=60)
         stop(worker)

@@ -42,10 +42,9 @@ from dcs_tasks.checkpoint.store import incremental
 from dcs_tasks.checkpoint.store.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage.objpath import listed_sizes
 
 log = logging.getLogger(__name__)
-
-HEADS_AT_ONCE = 16  # HEAD requests in flight when a commit checks a step's objects
 
 ObjectLock = Callable[[ObjectPath, str], contextlib.AbstractContextManager[None]]
 """(run location, purpose) -> a held lock: `objlocks.run_lock` bound to a Redis client."""
@@ -161,16 +160,29 @@ def committed(step_dir: Location) -> bool:
 
 def check_stored(step_dir: Location, manifest: Manifest) -> None:
     """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not).
-    In an object store the HEADs go out together (a step of many files costs one round trip, not one each)."""
+    In an object store: one listing of each folder the files lie in (`listed_sizes`: the step's own, and the
+    earlier steps' that incremental references point into), then a HEAD only for an object the listing does not
+    show with its size (a listing may lag a write on some servers; a HEAD does not)."""
+    _check_stored(step_dir, manifest)
+
+
+def _check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
+    """`check_stored`, returning what an object store's listing showed (key -> size; empty on files)."""
     paths = [entry.stored_path(step_dir) for entry in manifest.files]
-    if isinstance(step_dir, ObjectPath) and len(paths) > 1:
-        with ThreadPoolExecutor(min(len(paths), HEADS_AT_ONCE), thread_name_prefix="dcs-head") as pool:
-            sizes = list(pool.map(_stored_size, paths))
-    else:
-        sizes = [_stored_size(path) for path in paths]
-    for entry, path, size in zip(manifest.files, paths, sizes, strict=True):
+    listed: dict[str, int] = {}
+    objects = [p for p in paths if isinstance(p, ObjectPath)]
+    if objects:
+        listed = listed_sizes(objects)
+    for entry, path in zip(manifest.files, paths, strict=True):
+        if isinstance(path, ObjectPath):
+            size = listed.get(path.key)
+            if size != entry.disk_size:
+                size = _stored_size(path)
+        else:
+            size = _stored_size(path)
         if size != entry.disk_size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")
+    return listed
 
 
 def _stored_size(path: Location) -> int:
@@ -183,21 +195,20 @@ def _stored_size(path: Location) -> int:
 def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: ObjectLock | None = None) -> None:
     """Make the step visible: checks, leftovers removed, manifest, then `latest` (module doc). A manifest already
     stored is kept (a redelivered commit: it is a pure function of the ledger, so its bytes would not change).
-    In an object store the size checks, the sweep of open uploads and the look for a stored manifest run side by
-    side (a failed check fails the step, whose open uploads are swept anyway)."""
+    In an object store the sweep of open uploads runs beside the size checks, whose listing of the step also says
+    whether its manifest is stored (a manifest a lagging listing missed is written again with the same bytes:
+    the rule above makes that harmless); a failed check fails the step, whose open uploads are swept anyway."""
     final = step_dir / MANIFEST_NAME
     check_manifest(manifest, final)  # what restore will check, before the step is visible
     if isinstance(step_dir, ObjectPath):
         if object_lock is None:
             raise ValueError("publishing a step in an object store needs its latest lock")
-        with ThreadPoolExecutor(2, thread_name_prefix="dcs-publish") as pool:
+        assert isinstance(final, ObjectPath)
+        with ThreadPoolExecutor(1, thread_name_prefix="dcs-publish") as pool:
             swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
-            stored = pool.submit(committed, step_dir)
-            check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the other two
+            listed = _check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
             swept.result()
-            already = stored.result()
-        if not already:
-            assert isinstance(final, ObjectPath)
+        if final.key not in listed:
             final.store.put_small(final.key, manifest_bytes(manifest))
         move_object_latest(step_dir.parent, manifest.step, object_lock)
         return

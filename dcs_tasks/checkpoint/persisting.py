@@ -26,6 +26,7 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -117,7 +118,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
         return verdict
     started = time.monotonic()
     step_dir = paths.step_dir
-    guard = step_guard(step_dir)
+    guard = step_guard(step_dir, ref.token)
     if req.incremental:
         guard()
         with _refs_lock(ctx, step_dir.parent):  # retention waits until the reference is recorded
@@ -194,13 +195,20 @@ def reusable(ctx: Context, req: PersistRequest, staging: Path, step_dir: Locatio
     return entry if checksum == entry.checksum else None
 
 
-def step_guard(step_dir: Location) -> Callable[[], None]:
+def step_guard(step_dir: Location, token: str = "") -> Callable[[], None]:
     """The checks that a step may still be written into: not committed (the ledger forgot a committed step:
     never write into it) and not retired (a deleted step whose files later steps use). On files they run now;
     in an object store the two HEADs start now, side by side, and the returned call (made before the object
     appears, and before an incremental reuse) waits for them: the upload's first parts travel meanwhile, and a
-    refusal aborts it, so nothing becomes visible. The returned call raises CheckpointFailed."""
+    refusal aborts it, so nothing becomes visible. The returned call raises CheckpointFailed.
+
+    In an object store a step that passed for one file of a save (`token`: the save's ledger token) passes for
+    the save's other files in this process without asking again: while the save persists, only its own commit
+    writes the step's manifest, and retention never marks a step that is not committed."""
     if isinstance(step_dir, ObjectPath):
+        seen = (str(step_dir), token)
+        if token and seen in _clean_steps:
+            return lambda: None
         pool = ThreadPoolExecutor(2, thread_name_prefix="dcs-step-guard")
         try:
             found = [pool.submit(committed, step_dir), pool.submit(incremental.is_retired, step_dir)]
@@ -209,10 +217,21 @@ def step_guard(step_dir: Location) -> Callable[[], None]:
 
         def wait() -> None:
             _refuse(step_dir, *(f.result(timeout=GUARD_TIMEOUT_SECONDS) for f in found))
+            if token:
+                with _clean_lock:
+                    _clean_steps[seen] = None
+                    while len(_clean_steps) > CLEAN_STEPS_KEPT:
+                        del _clean_steps[next(iter(_clean_steps))]
 
         return wait
     _refuse(step_dir, committed(step_dir), incremental.is_retired(step_dir))
     return lambda: None
+
+
+# (step, save token) pairs whose checks passed in this process, oldest first (step_guard)
+_clean_steps: dict[tuple[str, str], None] = {}
+_clean_lock = threading.Lock()
+CLEAN_STEPS_KEPT = 256
 
 
 def _refuse(step_dir: Location, is_committed: bool, is_retired: bool) -> None:
