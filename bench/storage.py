@@ -361,6 +361,7 @@ def main() -> None:
             ]
             shift = i % len(contenders)
             for name, run in contenders[shift:] + contenders[:shift]:
+                os.sync()  # the server's dirty pages from the contender before are flushed outside the next's time
                 rounds[name].append(run())
     finally:
         ckpt.close(timeout=60)
