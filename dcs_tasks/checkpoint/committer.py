@@ -158,27 +158,18 @@ def committed(step_dir: Location) -> bool:
     return manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest)
 
 
-def check_stored(step_dir: Location, manifest: Manifest) -> None:
+def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
     """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not).
     In an object store: one listing of each folder the files lie in (`listed_sizes`: the step's own, and the
     earlier steps' that incremental references point into), then a HEAD only for an object the listing does not
-    show with its size (a listing may lag a write on some servers; a HEAD does not)."""
-    _check_stored(step_dir, manifest)
-
-
-def _check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
-    """`check_stored`, returning what an object store's listing showed (key -> size; empty on files)."""
+    show with its size (a listing may lag a write on some servers; a HEAD does not). Returns what the listing
+    showed (key -> size; empty on files)."""
     paths = [entry.stored_path(step_dir) for entry in manifest.files]
-    listed: dict[str, int] = {}
     objects = [p for p in paths if isinstance(p, ObjectPath)]
-    if objects:
-        listed = listed_sizes(objects)
+    listed = listed_sizes(objects) if objects else {}
     for entry, path in zip(manifest.files, paths, strict=True):
-        if isinstance(path, ObjectPath):
-            size = listed.get(path.key)
-            if size != entry.disk_size:
-                size = _stored_size(path)
-        else:
+        size = listed.get(path.key) if isinstance(path, ObjectPath) else None
+        if size != entry.disk_size:
             size = _stored_size(path)
         if size != entry.disk_size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")
@@ -206,7 +197,7 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
         assert isinstance(final, ObjectPath)
         with ThreadPoolExecutor(1, thread_name_prefix="dcs-publish") as pool:
             swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
-            listed = _check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
+            listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
             swept.result()
         if final.key not in listed:
             final.store.put_small(final.key, manifest_bytes(manifest))

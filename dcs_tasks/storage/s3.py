@@ -483,7 +483,7 @@ class S3Store:
             done_all = direct is not None and direct.isclosed()
         finally:
             if done_all:
-                body._raw_stream.release_conn()  # read to its end: the connection serves the next GET
+                body._raw_stream.release_conn()  # read to its end (`_direct_stream` checked the attribute)
             else:
                 body.close()
 

@@ -21,9 +21,9 @@ def anonymous(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
     """Fresh private memory of at least `nbytes` (page-rounded). From `HUGE_FROM` bytes on, unless
     `huge_pages` is False, it is backed by transparent huge pages where the kernel allows it (the length is
     rounded to 2 MiB so the kernel aligns the mapping for them): a fault then zeroes 2 MiB at once, ~2x
-    cheaper per byte than 4 KiB pages when the kernel has free huge pages at hand, but several times dearer
-    when it must first assemble them (seen on the development VM right after an object store's server wrote
-    a GiB through the page cache: docs/benchmarks.md, storage)."""
+    cheaper per byte than 4 KiB pages when the kernel has free huge pages at hand, but up to ~4x dearer when
+    it must first find them (on the development VM 1 GiB faulted in anywhere from 0.19 to 1.9 s with huge
+    pages, against a steady 0.47-0.51 s with plain ones)."""
     huge = huge_pages and nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
     unit = HUGE_PAGE if huge else mmap.PAGESIZE
     mapping = mmap.mmap(-1, max(unit, -(-nbytes // unit) * unit), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
