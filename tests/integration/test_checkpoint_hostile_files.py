@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from dcs_tasks import Checkpointer
@@ -528,6 +528,9 @@ def test_random_mutations_only_ever_fall_back(golden: Golden, tmp_path: Path, ru
         @settings(
             max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None, phases=phases
         )
+        # rank 1 of step 2 naming another rank or world size: a contradiction, reported (it was skipped quietly)
+        @example(edits=[("manifest", ("rank",), 0, False), ("resign", False)])
+        @example(edits=[("manifest", ("world_size",), 3, False), ("resign", False)])
         @given(edits=mutations(manifest, header))
         def check(edits: list[tuple[Any, ...]]) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -109,7 +109,10 @@ def scan_steps(
 ) -> tuple[dict[int, StepShards], dict[int, CorruptCheckpoint]]:
     """(complete steps, steps some rank's manifest of which is corrupt: the first such error). `load` reads
     and checks one step's manifest (restore passes `reader.load_manifest`, which also decodes the structure
-    against torch)."""
+    against torch). A step some rank below rank 0's world size never committed is skipped quietly (a crash
+    between the ranks' commits); a manifest naming another rank than its directory's, or a rank below that
+    world size naming another world size, makes the step corrupt (reported, so restore warns as it falls
+    back). Ranks at or past rank 0's world size are leftovers of a run saved at another size and ignored."""
     ranks = rank_dirs(run_root)
     if not ranks:
         ranks = {0: run_root}
@@ -122,14 +125,22 @@ def scan_steps(
             except CorruptCheckpoint as exc:
                 broken.setdefault(step, exc)
                 continue
+            if manifest.rank != rank:
+                broken.setdefault(step, CorruptCheckpoint(f"{step_dir}: the manifest names rank {manifest.rank}"))
+                continue
             found.setdefault(step, {})[rank] = (step_dir, manifest)
     out = {}
     for step, shards in sorted(found.items()):
-        sizes = {m.world_size for _, m in shards.values()}
-        if step in broken or len(sizes) != 1:
+        if step in broken or 0 not in shards:
             continue
-        world = sizes.pop()
-        if set(shards) != set(range(world)) or any(m.rank != r for r, (_, m) in shards.items()):
+        world = shards[0][1].world_size  # rank 0's; a rank at or past it is a leftover of another world size
+        shards = {r: got for r, got in shards.items() if r < world}
+        other = {r: m.world_size for r, (_, m) in shards.items() if m.world_size != world}
+        if other:
+            said = ", ".join(f"rank {r} says {w}" for r, w in sorted(other.items()))
+            broken[step] = CorruptCheckpoint(f"step {step}: rank 0's manifest says world size {world}, {said}")
+            continue
+        if set(shards) != set(range(world)):
             continue
         out[step] = StepShards(
             step, world, {r: d for r, (d, _) in shards.items()}, {r: m for r, (_, m) in shards.items()}
