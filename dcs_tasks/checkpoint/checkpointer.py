@@ -362,7 +362,7 @@ class Checkpointer:
 
         def load(s: int) -> RestoredCheckpoint:
             copies = [
-                (location, path, functools.partial(self._read, opener, into, verify, strict))
+                (location, path, functools.partial(self._read, opener, into, verify, strict, location == tiers.MEMORY))
                 for location, path, opener in found.copies(s)
             ]
             return replicas.load_first_good(s, copies, heal=verify and found.plain)
@@ -372,9 +372,11 @@ class Checkpointer:
             restored = dataclasses.replace(restored, location=f"peer:{pulled[restored.step]}")
         return restored
 
-    def _read(self, opener: restoring.Opener, into: Any, verify: bool, strict: bool) -> RestoredCheckpoint:
-        """One copy of a step, opened, planned and read for this rank."""
-        loaded = restoring.read(restoring.plan(opener(), self.rank, self.world_size, into, strict), verify)
+    def _read(
+        self, opener: restoring.Opener, into: Any, verify: bool, strict: bool, mapped: bool = False
+    ) -> RestoredCheckpoint:
+        """One copy of a step, opened, planned and read for this rank (`mapped`: a copy in this host's memory)."""
+        loaded = restoring.read(restoring.plan(opener(), self.rank, self.world_size, into, strict), verify, mapped)
         record_load(loaded.seconds, loaded.nbytes)
         return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
 

@@ -288,3 +288,44 @@ def test_steps_are_copied_to_a_peer_and_a_lost_hosts_rank_restores_from_it(
     finally:
         for worker in workers.values():
             worker.discard()
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as maps:
+        return maps.read()
+
+
+def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_the_step_leaves(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """Without `into=`, a memory-tier restore's tensors are copy-on-write views of the step's tmpfs files (no
+    copy: that is what makes recovery from memory fast). Writing to them leaves the step as committed; when the
+    step leaves memory and newer saves of the same size reuse the tier's pages, the lent files are not among
+    them: the restored tensors keep their bytes."""
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1, memory_keep_last=1)
+    worker = start_worker(config, tmp_path)
+    states = {s: training_state(seed=20 + s, width=256) for s in (1, 2, 3, 4)}
+    try:
+        with Checkpointer("lent", config) as ckpt:
+            ckpt.save(states[1], step=1).wait(timeout=120)
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (1, "memory")
+            assert str(Path(config.memory_dir) / "lent" / "step-000000001") in _mapped_files()
+            assert_same_state(restored.state, states[1])
+            weight = restored.state["model"]["0.weight"]
+            before = weight.clone()
+            weight.add_(1.0)  # the caller's copy of the page; the step keeps its bytes
+            assert_same_state(ckpt.restore(step=1).state, states[1])
+            weight.copy_(before)
+            for step in (2, 3, 4):
+                ckpt.save(states[step], step=step).wait(timeout=120)
+            wait_until(lambda: memory_steps(config, "lent") == [4], 120, "steps 1-3 to leave memory")
+            wait_until(lambda: storage_steps(config, "lent") == [1, 2, 3, 4], 120, "every step in storage")
+            lent_lines = [line for line in _mapped_files().splitlines() if "/lent/step-000000001/" in line]
+            assert lent_lines and all(line.endswith("(deleted)") for line in lent_lines)  # deleted, not recycled
+            assert tiers.RECYCLE_DIR not in _mapped_files()
+            assert tiers.recycled_bytes(tiers.memory_root(config)) > 0  # steps 2 and 3 were recycled meanwhile
+            assert_same_state(restored.state, states[1])  # what was lent never changed
+            assert_same_state(ckpt.restore(step=4).state, states[4])
+    finally:
+        worker.discard()

@@ -135,3 +135,33 @@ def test_read_scatter_many_small_targets_in_one_chunk(where: Path) -> None:
     fastread.read_scatter([(path, entry, targets)], verify=True)
     raw = path.read_bytes()
     assert dest.numpy().tobytes() == b"".join(raw[5 + 4 * i : 8 + 4 * i] for i in range(2000))
+
+
+def test_map_many_lends_the_files_pages_verified_and_copy_on_write(where: Path) -> None:
+    files = [_write(where, f"f{i}", size, seed=i) for i, size in enumerate(SIZES)]
+    mappings = fastread.map_many(files, verify=True)
+    for (path, _), mapping in zip(files, mappings, strict=True):
+        original = path.read_bytes()
+        assert bytes(mapping[: len(original)]) == original
+        mapping[0] = (original[0] + 1) % 256  # a write to a lent page copies it: the file keeps its bytes
+        assert path.read_bytes() == original
+        mapping.close()
+
+
+def test_map_many_names_a_bad_file_and_refuses_one_a_writer_holds(where: Path) -> None:
+    import fcntl
+
+    path, entry = _write(where, "bad", 65536 + 5, seed=3)
+    raw = bytearray(path.read_bytes())
+    raw[70000 % len(raw)] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpoint, match="fails its"):
+        fastread.map_many([(path, entry)], verify=True)
+    good, good_entry = _write(where, "good", 4096, seed=4)
+    fd = os.open(good, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a recycled file being overwritten
+        with pytest.raises(fastread.Unmappable):
+            fastread.map_many([(good, good_entry)], verify=True)
+    finally:
+        os.close(fd)

@@ -122,3 +122,43 @@ def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_ove
     assert digest == hasher.hexdigest() and not first.exists()
     tiers.remove_step(MemoryStep("run", 0, 2, final.parent, True, 6144), root, room=0)  # no room: deleted
     assert not final.parent.exists() and tiers.recycled_bytes(root) == 5000
+
+
+def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path) -> None:
+    """A restore from memory lends the tmpfs pages (`fastread.map_many`): while it maps a file, a leaving step
+    deletes that file instead of recycling it, and a writer handed a recycled file a reader maps writes a new
+    one; the reader's bytes never change."""
+    from dcs_tasks.checkpoint.format.fsio import stream_region
+    from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+    from dcs_tasks.checkpoint.restore import fastread
+
+    def entry_of(path: Path) -> FileEntry:
+        hasher = new_hasher()
+        hasher.update(path.read_bytes())
+        return FileEntry(name=path.name, size=path.stat().st_size, checksum=hasher.hexdigest())
+
+    root = tmp_path / "memory"
+    step_dir = root / "run" / "step-000000001"
+    step_dir.mkdir(parents=True)
+    lent, free = step_dir / "a.safetensors", step_dir / "b.safetensors"
+    lent.write_bytes(b"a" * 8192)
+    free.write_bytes(b"b" * 8192)
+    (mapping,) = fastread.map_many([(lent, entry_of(lent))], verify=True)
+    tiers.remove_step(MemoryStep("run", 0, 1, step_dir, True, 16384), root, room=1 << 20)
+    assert [size for size, _ in tiers._recycled(root)] == [8192]  # only the file nobody maps
+    assert bytes(mapping[:8192]) == b"a" * 8192
+
+    # a file mapped after it reached the pool (a reader that opened it just before): the writer leaves it alone
+    pool_file = tiers._recycled(root)[0][1]
+    (late,) = fastread.map_many([(pool_file, entry_of(pool_file))], verify=True)
+    claimed = tiers.take_recycled(root, 8192)
+    assert claimed is not None
+    source = tmp_path / "staged"
+    source.write_bytes(b"c" * 8192)
+    final = tmp_path / "out" / "c.safetensors"
+    final.parent.mkdir()
+    stream_region(source, 0, 8192, final, "t", recycled=claimed)
+    assert final.read_bytes() == b"c" * 8192 and not claimed.exists()
+    assert bytes(late[:8192]) == b"b" * 8192 and bytes(mapping[:8192]) == b"a" * 8192
+    late.close()
+    mapping.close()

@@ -112,13 +112,41 @@ def write_all(fd: int, data: memoryview) -> None:
             pos += os.write(fd, rest)
 
 
+def try_lock(fd: int, exclusive: bool) -> bool:
+    """`flock` without waiting: True when taken. Memory-tier files: a restore that maps a file (its tensors are
+    views of the pages, `fastread.map_many`) holds a shared lock for as long as the mapping lives; a file is
+    overwritten in place (recycled) only under an exclusive one, so mapped bytes never change under a reader."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _open_recycled(recycled: Path, tmp: Path) -> int | None:
+    """`recycled` renamed to `tmp` and opened for overwriting under an exclusive lock (held until the fd
+    closes); None when it is gone, on another file system, or mapped by a restore (then deleted: its pages stay
+    with the reader, untouched)."""
+    try:
+        os.rename(recycled, tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # gone, or on another file system: a new file
+        log.debug("recycled file %s not used: %s", recycled, exc)
+        return None
+    if try_lock(fd, exclusive=True):
+        return fd
+    os.close(fd)
+    tmp.unlink(missing_ok=True)
+    return None
+
+
 def _open_temp(tmp: Path, direct: bool, recycled: Path | None = None) -> int:
     if recycled is not None:  # a file of this writer's own (claimed by a rename), overwritten in place
-        try:
-            os.rename(recycled, tmp)
-            return os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:  # gone, or on another file system: a new file
-            log.debug("recycled file %s not used: %s", recycled, exc)
+        fd = _open_recycled(recycled, tmp)
+        if fd is not None:
+            return fd
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a temp name is never reused
     if direct and O_DIRECT:
         try:

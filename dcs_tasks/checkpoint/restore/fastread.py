@@ -20,6 +20,7 @@ read function returns or raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint.format import iosizes
+from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, TensorEntry, new_hasher
@@ -270,6 +272,76 @@ def read_many(files: list[tuple[Path, FileEntry]], verify: bool, progress: Progr
     finally:
         for view in views.values():
             view.release()
+    return mappings
+
+
+class Unmappable(Exception):
+    """`map_many` cannot lend this file's pages (compressed, locked by a writer, replaced while opened): read
+    it with `read_many` instead."""
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _map_file(path: Path, entry: FileEntry) -> mmap.mmap:
+    """A private (copy-on-write) mapping of a memory-tier file, its pages faulted in, under a shared lock that
+    lives as long as the mapping (the mapping's own duplicate of the descriptor holds it)."""
+    size = checked_size(path, entry)
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} cannot be opened: {exc.strerror}", str(path)) from exc
+    try:
+        if not try_lock(fd, exclusive=False):
+            raise Unmappable(f"{path} is being overwritten")
+        info = os.fstat(fd)
+        try:
+            same = os.lstat(path).st_ino == info.st_ino  # not moved to the recycle pool before the lock
+        except FileNotFoundError:
+            same = False
+        if not same or not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise Unmappable(f"{path} changed while being opened")
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else anonymous(1)  # mmap refuses 0 bytes
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(_MADV_POPULATE_READ)  # page tables filled now, not on the trainer's first touch
+    return mapping
+
+
+def _hash_mapping(path: Path, entry: FileEntry, mapping: mmap.mmap) -> None:
+    hasher = new_hasher()
+    with memoryview(mapping) as whole, whole[: entry.size] as view:
+        for pos in range(0, entry.size, CHUNK_BYTES):
+            with view[pos : pos + CHUNK_BYTES] as piece:
+                hasher.update(piece)
+    if hasher.hexdigest() != entry.checksum:
+        raise CorruptCheckpoint(f"checkpoint file {path} fails its {entry.algorithm} checksum", str(path))
+
+
+def map_many(files: list[tuple[Path, FileEntry]], verify: bool) -> list[mmap.mmap]:
+    """Each memory-tier file (tmpfs) lent to the caller without a copy: a private mapping of its pages, checked
+    against its size and (`verify`) checksum after mapping, so what was verified is what the tensors hold.
+    Writes to the tensors copy the touched pages (the file stays as committed); the file's pages live as long
+    as the mapping, and the memory tier neither recycles nor overwrites a mapped file (`fsio.try_lock`): once
+    the step leaves memory its file is only deleted. Raises Unmappable (read the step with `read_many`) or
+    CorruptCheckpoint."""
+    if any(entry.compression for _, entry in files):
+        raise Unmappable("compressed files are decoded, not mapped")
+    mappings: list[mmap.mmap] = []
+    try:
+        for path, entry in files:
+            mappings.append(_map_file(path, entry))
+        if verify:
+            with ThreadPoolExecutor(min(IO_THREADS, max(1, len(files))), thread_name_prefix="dcs-verify") as pool:
+                for future in [
+                    pool.submit(_hash_mapping, path, entry, m) for (path, entry), m in zip(files, mappings, strict=True)
+                ]:
+                    future.result()
+    except BaseException:
+        for mapping in mappings:
+            mapping.close()
+        raise
     return mappings
 
 

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from dcs_tasks.checkpoint.format.layout import STEP_DIR as STEP_DIR
 from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
-from dcs_tasks.checkpoint.restore.fastread import Progress, Target, read_many, read_scatter, tensors_over
+from dcs_tasks.checkpoint.restore.fastread import (
+    Progress,
+    Target,
+    Unmappable,
+    map_many,
+    read_many,
+    read_scatter,
+    tensors_over,
+)
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.steps import step_dirs as step_dirs
@@ -67,7 +75,12 @@ def scatter(
 
 
 def load_tensors(
-    step_dir: Location, manifest: Manifest, *, verify: bool = True, into: dict[str, torch.Tensor] | None = None
+    step_dir: Location,
+    manifest: Manifest,
+    *,
+    verify: bool = True,
+    into: dict[str, torch.Tensor] | None = None,
+    mapped: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
@@ -77,12 +90,15 @@ def load_tensors(
     directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
     checksum the caller's tensors hold partial data and CorruptCheckpoint is raised. `manifest` comes from
     `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
-    allocated or read."""
+    allocated or read.
+
+    `mapped` (a memory-tier step, no `into`): the tensors are copy-on-write views of the tmpfs files' own pages
+    (`fastread.map_many`: no copy; the bytes verified after mapping); a file that cannot be lent is read."""
     import torch
 
     check_files(step_dir, manifest)
     if into is None:
-        return _load_whole_files(step_dir, manifest, verify)
+        return _load_whole_files(step_dir, manifest, verify, mapped)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}
     targets: dict[str, list[Target]] = {f.name: [] for f in manifest.files}
     for name, entry in manifest.tensors.items():
@@ -98,14 +114,22 @@ def load_tensors(
     return dict(into)
 
 
-def _load_whole_files(step_dir: Location, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
+def _load_whole_files(
+    step_dir: Location, manifest: Manifest, verify: bool, mapped: bool = False
+) -> dict[str, torch.Tensor]:
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
     if isinstance(step_dir, ObjectPath):
         mappings = objread.read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
     else:
-        mappings = read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
+        files = [(f.stored_path(step_dir), f) for f in manifest.files]
+        try:
+            if not mapped:
+                raise Unmappable("not a memory-tier step")
+            mappings = map_many(files, verify)
+        except Unmappable:
+            mappings = read_many(files, verify)
     loaded: dict[str, torch.Tensor] = {}
     for f, mapping in zip(manifest.files, mappings, strict=True):
         loaded.update(tensors_over(mapping, by_file[f.name]))

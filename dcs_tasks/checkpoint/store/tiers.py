@@ -43,6 +43,7 @@ from pathlib import Path
 import redis
 
 from dcs_tasks.celery_app import node_queue
+from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.checkpoint.store import peerwire
 from dcs_tasks.config import DCSConfig
@@ -359,10 +360,24 @@ def remove_step(step: MemoryStep, root: Path | None = None, room: int = 0) -> No
                 info = entry.stat(follow_symlinks=False)
                 if kept >= RECYCLE_MAX_FILES or info.st_size > room or not stat.S_ISREG(info.st_mode):
                     continue
-                os.rename(entry.path, pool / f"{info.st_size:020d}-{secrets.token_hex(8)}")
+                if not _recycle(Path(entry.path), pool / f"{info.st_size:020d}-{secrets.token_hex(8)}"):
+                    continue
                 room -= info.st_size
                 kept += 1
     shutil.rmtree(step.path, ignore_errors=True)
+
+
+def _recycle(path: Path, to: Path) -> bool:
+    """Move a leaving step's file into the recycle pool, unless a restore maps it (`fsio.try_lock`): such a
+    file is only deleted, so the reader's pages keep their bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not try_lock(fd, exclusive=True):
+            return False
+        os.rename(path, to)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _recycled(root: Path) -> list[tuple[int, Path]]:
