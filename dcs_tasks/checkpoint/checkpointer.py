@@ -16,9 +16,11 @@ every kind of read); this class adds the memory tier's peer pulls, the replicas 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +53,7 @@ from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_st
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
+    CheckpointFailed,
     StagingError,
 )
 from dcs_tasks.keys import Keys
@@ -132,6 +135,7 @@ class Checkpointer:
         timeout: float | None = None,
         sharding: Mapping[str, int] | None = None,
         durable: bool | None = None,
+        overlap: bool = False,
     ) -> PendingCheckpoint:
         """Stage `state` and enqueue its persistence; returns once staged (with `async_io=False`, once
         committed, raising CheckpointFailed like `wait()`). `sharding`: flat tensor name ("model/w") ->
@@ -150,7 +154,15 @@ class Checkpointer:
         With the memory tier on (`memory_tier_bytes`), the step is committed in this host's memory first (the
         pending save completes then) and reaches storage too when `durable` is True, or, when None, when the
         step is a multiple of `storage_every_steps` or `storage_every_seconds` have passed since the last step
-        sent there; a step that does not fit in the memory budget goes to storage only."""
+        sent there; a step that does not fit in the memory budget goes to storage only.
+
+        `overlap=True`: return before the tensors are copied; the copy into staging runs in the background, beside
+        the next forward and backward passes (which read the weights but do not change them), and the caller must
+        not change the saved tensors until it is done: `pending.wait_staged()`, `wait_staged()` for every save,
+        or `guard(optimizer)`, which makes each `optimizer.step()` wait for it first. The step is opened in the
+        ledger before `save` returns (so a step already committed or in flight still raises here); a failed
+        copy fails the save (`wait()` raises CheckpointFailed). DTensor states and `async_io=False` stage at
+        once, as without `overlap`."""
         started = time.perf_counter()
         step = validate_step(step)
         dispatch.require_worker(self._app, self._redis, self._keys, self.config)
@@ -170,11 +182,20 @@ class Checkpointer:
                 skipped=True,
             )
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
+        staged = threading.Event()
+        overlap = overlap and not flat.dtensors and self.config.async_io
         with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
-            self._stage(lease.buffer, layout, flat)
-            chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
-            ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
-            sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
+            if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
+                ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
+                sending = self._dispatcher.submit(
+                    self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged
+                )
+            else:
+                self._stage(lease.buffer, layout, flat)
+                staged.set()
+                chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
+                ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
+                sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -184,6 +205,7 @@ class Checkpointer:
             stall_seconds=stall,
             lease=lease,
             dispatch=sending,
+            staged=staged,
         )
         self._pending.append(pending)
         self._gauges.memory(self._pool.mapped_bytes())
@@ -192,6 +214,48 @@ class Checkpointer:
         if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
             pending.wait(timeout=self.config.visibility_timeout_seconds)
         return pending
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until every save of this checkpointer has copied its tensors (see `save(overlap=True)`); after
+        this the saved tensors may change. Raises DCSTimeoutError after `timeout` seconds (None: default
+        `task_time_limit_seconds`)."""
+        limit = self.config.task_time_limit_seconds if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        for pending in list(self._pending):
+            pending.wait_staged(max(0.0, deadline - time.monotonic()))
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make every `optimizer.step()` first wait for the copies of overlapped saves (`save(overlap=True)`), so
+        the weights and optimizer state it changes were copied first. Returns the hook's handle (`.remove()`)."""
+
+        def wait(*_: object) -> None:
+            self.wait_staged()
+
+        return optimizer.register_step_pre_hook(wait)
+
+    def _stage_and_send(
+        self,
+        ref: StepRef,
+        lease: BufferLease,
+        layout: Layout,
+        flat: FlatState,
+        durable: bool,
+        in_memory: bool,
+        staged: threading.Event,
+    ) -> None:
+        """An overlapped save's work on the dispatcher thread: the copy into staging, then `_send`. A failed copy
+        abandons the step in the ledger and ends the lease (no task went out)."""
+        try:
+            self._stage(lease.buffer, layout, flat)
+        except Exception as exc:
+            reason = f"copying step {ref.step} into staging failed: {type(exc).__name__}: {exc}"
+            with contextlib.suppress(redis.RedisError):
+                self._ledger.abandon(ref.run, ref.step, ref.token, reason)
+            lease.release()
+            raise CheckpointFailed(reason) from exc
+        finally:
+            staged.set()
+        self._send(ref, lease, layout, durable, in_memory)
 
     def _tier_of(self, step: int, nbytes: int, durable: bool | None) -> tuple[bool, bool]:
         """(the step reaches storage, the step is committed in memory first)."""

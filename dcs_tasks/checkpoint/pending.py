@@ -88,6 +88,7 @@ class PendingCheckpoint:
         skipped: bool = False,
         lease: BufferLease | None = None,
         dispatch: Future[None] | None = None,
+        staged: threading.Event | None = None,
     ) -> None:
         self.run = run
         self.step = step
@@ -97,6 +98,7 @@ class PendingCheckpoint:
         self._ledger = ledger
         self._lease = lease
         self._dispatch = dispatch
+        self._staged = staged
         self._status: StepStatus | None = None
         self._reason = ""
         if ledger is not None and not skipped:
@@ -127,6 +129,17 @@ class PendingCheckpoint:
         if status in FINAL:
             IN_FLIGHT.discard(self)
         return status
+
+    @property
+    def staged(self) -> bool:
+        """True once the saved tensors were copied into staging (at once unless `save(overlap=True)`): from then
+        on they may change."""
+        return self._staged is None or self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = 60.0) -> None:
+        """Block until `staged` (a failed copy counts: `wait()` then raises). DCSTimeoutError after `timeout`."""
+        if self._staged is not None and not self._staged.wait(timeout):
+            raise DCSTimeoutError(f"step {self.step} of run {self.run!r} not copied into staging after {timeout}s")
 
     def done(self) -> bool:
         """True once the step is committed or failed (or the save was skipped)."""
