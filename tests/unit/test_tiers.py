@@ -162,3 +162,18 @@ def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path
     assert bytes(late[:8192]) == b"b" * 8192 and bytes(mapping[:8192]) == b"a" * 8192
     late.close()
     mapping.close()
+
+
+def test_the_pool_is_trimmed_largest_first_to_what_the_budget_leaves_free(tmp_path: Path) -> None:
+    root = tmp_path / "memory"
+    for step, sizes in ((1, (3000, 5000)), (2, (4000,))):
+        step_dir = root / "run" / f"step-{step:09d}"
+        step_dir.mkdir(parents=True)
+        for i, size in enumerate(sizes):
+            (step_dir / f"f{i}.safetensors").write_bytes(b"x" * size)
+        tiers.remove_step(MemoryStep("run", 0, step, step_dir, True, sum(sizes)), root, room=1 << 20)
+    assert sorted(size for size, _ in tiers._recycled(root)) == [3000, 4000, 5000]  # several steps' files kept
+    tiers.trim_pool(root, allowed=7500)
+    assert sorted(size for size, _ in tiers._recycled(root)) == [3000, 4000]
+    tiers.trim_pool(root, allowed=0)
+    assert tiers._recycled(root) == []

@@ -58,9 +58,9 @@ MARKS = {REPLICATED, FLUSHING, COPYING}  # fields that are not places
 MEM_PREFIX, PEER_PREFIX = "mem@", "peer@"
 MAX_PLACE_FIELDS = 100_000  # a hash bigger than this is not read (a hostile or runaway record)
 KEPT_STEPS_IN_PLACES = 256  # the places of a run's older steps are dropped from the hash
-PEER_FRESH_SECONDS = 15.0
+PEER_FRESH_SECONDS = 15.0  # a peer server not re-registered for this long is not offered
 RECYCLE_DIR = ".recycle"  # files of steps that left memory, overwritten by the next steps (`take_recycled`)
-RECYCLE_MAX_FILES = 16  # a peer server not re-registered for this long is not offered
+RECYCLE_MAX_FILES = 256  # files the recycle pool holds at most (its bytes: what the budget leaves free)
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
 
 
@@ -429,13 +429,27 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
         for s in evictable([s for s in held if s.run == name], places, host, config.memory_keep_last, over):
             with contextlib.suppress(redis.RedisError):
                 book.forget(name, s.step, s.rank, mem_place(host), peer_place(host))
-            # the pool holds at most what a next step needs (files of the biggest step held) within the budget
-            room = min(max((h.nbytes for h in held), default=0), config.memory_tier_bytes - used_bytes(root))
-            remove_step(s, root, room - recycled_bytes(root))
+            # the pool keeps what the budget leaves free: with storage every N steps, about N steps leave at once
+            # after each flush and the next N saves overwrite their pages (new tmpfs pages cost their zeroing)
+            remove_step(s, root, config.memory_tier_bytes - used_bytes(root) - recycled_bytes(root))
             over -= s.nbytes
             removed.append(s)
             log.info("memory tier: step %d of %s rank %d left memory (%d bytes)", s.step, name, s.rank, s.nbytes)
+    trim_pool(root, config.memory_tier_bytes - used_bytes(root))
     return removed
+
+
+def trim_pool(root: Path, allowed: int) -> None:
+    """Delete recycle-pool files, largest first, until the pool holds at most `allowed` bytes (steps written into
+    new pages while the pool held other sizes may have left the steps and the pool above the budget together)."""
+    pool = _recycled(root)
+    held = sum(size for size, _ in pool)
+    for size, path in sorted(pool, reverse=True):
+        if held <= max(allowed, 0):
+            break
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        held -= size
 
 
 # --- restore: fetching from peers --------------------------------------------------------------------------
