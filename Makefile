@@ -14,6 +14,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 
 .PHONY: install redis-bin sglang-engines vllm-engines lint typecheck test test-unit test-fast demo bench bench-storage clean format
+.PHONY: compose-wheels compose-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,28 @@ test-unit: install
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# compose/ brought up for real under podman (docs/operations.md, Compose under podman); root, a few minutes; CI runs
+# it as its own step after `make test` (.ci/run). compose/podman/setup.sh installs podman, runc and debootstrap with
+# apt and makes the Debian base image; compose-wheels hands the image build the wheels .venv's pip finds (torch's
+# CPU build on the CI machines; async-timeout: redis needs it below Python 3.11.3, and Debian 12's is 3.11.2);
+# tests/compose builds the image, brings the stack up with podman-compose, saves, restores and pushes weights from
+# this machine, scrapes Prometheus and brings it down. Phase times: .dcs-run/compose-timings.json.
+PODMAN_COMPOSE_PIN ?= podman-compose==1.6.0
+
+compose-wheels: install
+	rm -f compose/wheels/*.whl
+	$(BIN)/pip wheel --quiet -w compose/wheels $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") \
+		"$(TORCH_PIN)" ".[ops]" "setuptools>=68" wheel "async-timeout>=4.0.3"
+	rm -f compose/wheels/dcs-*.whl
+
+compose-test: install compose-wheels
+	compose/podman/setup.sh
+	$(BIN)/pip install --quiet "$(PODMAN_COMPOSE_PIN)"
+	mkdir -p .dcs-run
+	DCS_COMPOSE_TEST=1 DCS_COMPOSE_TIMINGS=.dcs-run/compose-timings.json \
+		CONTAINERS_CONF="$(CURDIR)/compose/podman/containers.conf" \
+		$(BIN)/python -m pytest -s tests/compose $(PYTEST_ARGS)
 
 demo: install redis-bin
 	$(BIN)/dcs demo
