@@ -161,8 +161,9 @@ class Checkpointer:
         not change the saved tensors until it is done: `pending.wait_staged()`, `wait_staged()` for every save,
         or `guard(optimizer)`, which makes each `optimizer.step()` wait for it first. The step is opened in the
         ledger before `save` returns (so a step already committed or in flight still raises here); a failed
-        copy fails the save (`wait()` raises CheckpointFailed). DTensor states and `async_io=False` stage at
-        once, as without `overlap`."""
+        copy fails the save (`wait()` raises CheckpointFailed). DTensor states, states holding CUDA tensors (the
+        overlapped device copy has not been run on a GPU yet) and `async_io=False` stage at once, as without
+        `overlap`."""
         started = time.perf_counter()
         step = validate_step(step)
         dispatch.require_worker(self._app, self._redis, self._keys, self.config)
@@ -183,7 +184,7 @@ class Checkpointer:
             )
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
         staged = threading.Event()
-        overlap = overlap and not flat.dtensors and self.config.async_io
+        overlap = overlap and not flat.dtensors and self.config.async_io and not cuda.has_cuda_tensors(flat.tensors)
         with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
             if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
                 ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
