@@ -72,15 +72,6 @@ def podman_compose() -> str | None:
     return str(beside) if beside.exists() else shutil.which("podman-compose")
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(2)
@@ -207,9 +198,11 @@ def stack() -> Iterator[Stack]:
     if missing:
         pytest.fail(f"DCS_COMPOSE_TEST=1 but {' and '.join(missing)} missing: `make compose-test` installs them")
     assert tool is not None
-    busy = [p for p in (COORDINATOR_PORT, FLOWER_PORT, PROMETHEUS_PORT, WORKER_METRICS_PORT) if not port_is_free(p)]
+    # something answering, not just bindable: a run just before leaves TIME_WAIT sockets, which the services'
+    # servers bind over (SO_REUSEADDR)
+    busy = [p for p in (COORDINATOR_PORT, FLOWER_PORT, PROMETHEUS_PORT, WORKER_METRICS_PORT) if listening(p)]
     if busy:
-        pytest.fail(f"127.0.0.1 ports {busy} are taken: the stack publishes or binds them (compose/prometheus.yml)")
+        pytest.fail(f"127.0.0.1 ports {busy} are in use: the stack publishes or binds them (compose/prometheus.yml)")
     token = secrets.token_hex(16)
     flower_auth = f"dcs:{secrets.token_hex(12)}"
     checkpoint_dir = Path(tempfile.mkdtemp(prefix="dcs-compose-ckpt-", dir="/var/tmp"))
@@ -280,6 +273,12 @@ def wait_ready(s: Stack) -> None:
         return answer.status_code == 200
 
     wait_for("the coordinator (GET /topology with the token)", coordinator, READY_TIMEOUT)
+    # the token reached the container from this environment (compose passes DCS_AUTH_TOKEN by name only)
+    assert httpx.get(f"{s.coordinator_url}/topology", timeout=5).status_code == 401
+    flower_api = f"http://127.0.0.1:{FLOWER_PORT}/api/workers"
+    wait_for("Flower's API", lambda: httpx.get(flower_api, timeout=5).status_code == 401, READY_TIMEOUT)
+    user, password = s.env["DCS_FLOWER_BASIC_AUTH"].split(":", 1)
+    assert httpx.get(flower_api, auth=(user, password), timeout=30).status_code == 200
     presence = Keys().worker_presence(node_queue(s.env["DCS_NODE_NAME"]))
     client = redis.Redis.from_url(s.redis_url, socket_timeout=5)
     try:
