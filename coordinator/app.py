@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coordinator.deps import Services
+from coordinator.hotpaths import HotPaths
 from coordinator.middleware import (
     UNAUTHORIZED,
     BrowserGuardMiddleware,
@@ -142,7 +143,9 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     app.add_exception_handler(RedisError, _redis_unavailable)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
-    # added last = outermost: metrics see every answer, auth runs before the body is read
+    # added last = outermost: metrics see every answer, auth runs before the body is read; the hot paths are
+    # served innermost, behind every check (coordinator.hotpaths)
+    app.add_middleware(HotPaths)
     app.add_middleware(BodyLimitASGI, max_bytes=config.max_body_bytes, setting="DCS_MAX_BODY_BYTES")
     app.add_middleware(BrowserGuardMiddleware)
     token = config.token()

@@ -12,8 +12,11 @@ behind it, stay small however long the log is; the reader continues from `next_i
 Reads are shared within a process (`SharedReads`): every request of this process wanting the same (index,
 limit) joins one pending read, issued after all of them arrived, so an append that wakes 300 long-polls at one
 index costs one script call, one parse and one JSON encoding (`Answer.body`), not 300; the answers are handed
-back 4 per event-loop turn so heartbeats are served in between. Nothing outlives the read: the next request
+back one per event-loop turn so heartbeats are served in between. Nothing outlives the read: the next request
 starts a new one, so no answer predates its request (an append or a clear before it is seen).
+
+Only an append wakes a long-poll: heartbeats, registrations and clears publish nothing (a clear moves no index a
+reader waits at), and one append wakes each waiting poll of this process once.
 """
 
 from __future__ import annotations
@@ -151,10 +154,11 @@ class SharedReads:
     request in it arrived: no one gets an answer older than its request. At most one read per key is in
     flight; requests arriving meanwhile form the next one. Answers are released `release_batch` per
     event-loop turn: each released request then sends its answer (h11, middleware) in that turn, and smaller
-    turns let the beats waiting for the loop in (bench/fleet_heartbeats.py: 8 -> p99 16-27 ms, 4 -> 11-13 ms).
+    turns let the beats waiting for the loop in (bench/fleet_heartbeats.py: 8 -> p99 16-27 ms, 4 -> 11-13 ms;
+    with the polls served by `coordinator.hotpaths`, 4 -> 8-10 ms, 1 -> 5-7 ms on a busy 2-core VM).
     """
 
-    def __init__(self, fetch: Callable[[int, int], Awaitable[Answer]], release_batch: int = 4) -> None:
+    def __init__(self, fetch: Callable[[int, int], Awaitable[Answer]], release_batch: int = 1) -> None:
         self.fetch = fetch
         self.release_batch = release_batch
         self._pending: dict[ReadKey, _Pending] = {}
