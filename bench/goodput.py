@@ -869,7 +869,7 @@ def main() -> None:
     figures["load_start"] = [round(x, 2) for x in load_start]
     figures["load_end"] = [round(x, 2) for x in os.getloadavg()]
     report(figures, notes)
-    run_.record(figures, summary(figures), notes="; ".join(notes), out=args.out)
+    run_.record(figures, summary(figures), notes="; ".join(notes), out=args.out, headline=headline(figures))
 
 
 def warm_up(trainer: Trainer, savers: dict[str, Saver]) -> None:
@@ -959,6 +959,28 @@ def summary(figures: dict[str, Any]) -> list[Row]:
                 )
             )
     return rows
+
+
+def headline(figures: dict[str, Any]) -> str:
+    """The README's line: goodput per mode with a save every step (and every 4), recovery ratios."""
+    gp = figures.get("goodput", {})
+    names = (("memory", "memory tier"), ("storage", "storage only"), ("dcp", "DCP async_save"))
+
+    def row(every: int) -> list[str]:
+        return [f"{gp[f'{m}/{every}']['goodput']:.2f} {label}" for m, label in names if f"{m}/{every}" in gp]
+
+    parts = []
+    if row(1):
+        parts.append("save every step: goodput " + ", ".join(row(1)))
+    if row(4):
+        parts.append("every 4: " + " / ".join(x.split(" ", 1)[0] for x in row(4)))
+    rec = figures.get("recovery", {})
+    if "storage_cold_vs_memory_new" in rec:
+        parts.append(
+            f"recovery from memory {rec['storage_cold_vs_memory_new']:.1f}x (new tensors) / "
+            f"{rec.get('storage_cold_vs_memory', 0):.1f}x (into=) faster than cold storage"
+        )
+    return "; ".join(parts)
 
 
 def report(figures: dict[str, Any], notes: list[str]) -> None:
