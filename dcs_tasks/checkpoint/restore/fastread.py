@@ -20,7 +20,6 @@ read function returns or raises.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import mmap
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dcs_tasks.checkpoint.format import iosizes
+from dcs_tasks.checkpoint.format import iosizes, nogil
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
@@ -301,21 +300,39 @@ def _map_file(path: Path, entry: FileEntry) -> mmap.mmap:
             same = False
         if not same or not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise Unmappable(f"{path} changed while being opened")
-        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else anonymous(1)  # mmap refuses 0 bytes
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else anonymous(1)  # mmap refuses 0 bytes
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError, ValueError):
-        mapping.madvise(_MADV_POPULATE_READ)  # page tables filled now, not on the trainer's first touch
-    return mapping
 
 
-def _hash_mapping(path: Path, entry: FileEntry, mapping: mmap.mmap) -> None:
-    hasher = new_hasher()
-    with memoryview(mapping) as whole, whole[: entry.size] as view:
-        for pos in range(0, entry.size, CHUNK_BYTES):
-            with view[pos : pos + CHUNK_BYTES] as piece:
-                hasher.update(piece)
-    if hasher.hexdigest() != entry.checksum:
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _populate_and_hash(path: Path, entry: FileEntry, mapping: mmap.mmap, verify: bool) -> None:
+    """Fill the mapping's page tables now (not on the trainer's first touch) and check its checksum; both without
+    the GIL where possible (`nogil`), so files map and verify on every core at once."""
+    if entry.size == 0:
+        if verify and new_hasher().hexdigest() != entry.checksum:
+            raise CorruptCheckpoint(f"checkpoint file {path} fails its {entry.algorithm} checksum", str(path))
+        return
+    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (released below: the mapping stays closable)
+    try:
+        address = ctypes.addressof(anchor)
+        _libc.madvise(address, entry.size, _MADV_POPULATE_READ)  # an old kernel refuses: pages fault on touch
+        if not verify:
+            return
+        if nogil.available():
+            found = nogil.digest(address, entry.size)
+        else:
+            hasher = new_hasher()
+            with memoryview(mapping) as whole, whole[: entry.size] as view:
+                for pos in range(0, entry.size, CHUNK_BYTES):
+                    with view[pos : pos + CHUNK_BYTES] as piece:
+                        hasher.update(piece)
+            found = hasher.hexdigest()
+    finally:
+        del anchor
+    if found != entry.checksum:
         raise CorruptCheckpoint(f"checkpoint file {path} fails its {entry.algorithm} checksum", str(path))
 
 
@@ -332,11 +349,12 @@ def map_many(files: list[tuple[Path, FileEntry]], verify: bool) -> list[mmap.mma
     try:
         for path, entry in files:
             mappings.append(_map_file(path, entry))
-        if verify:
-            with ThreadPoolExecutor(min(IO_THREADS, max(1, len(files))), thread_name_prefix="dcs-verify") as pool:
-                for future in [
-                    pool.submit(_hash_mapping, path, entry, m) for (path, entry), m in zip(files, mappings, strict=True)
-                ]:
+        jobs = [(path, entry, m, verify) for (path, entry), m in zip(files, mappings, strict=True)]
+        if len(jobs) == 1:
+            _populate_and_hash(*jobs[0])
+        else:
+            with ThreadPoolExecutor(min(IO_THREADS, len(jobs)), thread_name_prefix="dcs-verify") as pool:
+                for future in [pool.submit(_populate_and_hash, *job) for job in jobs]:
                     future.result()
     except BaseException:
         for mapping in mappings:
