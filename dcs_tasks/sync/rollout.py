@@ -32,7 +32,7 @@ import torch
 from dcs_tasks.backends.fusion import FusionLayout
 from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.coordinator_api import CoordinatorAPI
-from dcs_tasks.engine_http import EngineHTTPError
+from dcs_tasks.engine_http import ConnectError, EngineHTTPError, EngineTimeout
 from dcs_tasks.errors import DCSError, EngineAuthRefused, EngineIncompatible, GroupInitError, WeightSyncError
 from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.bootstrap_client import ActiveGroup, GroupBootstrapper
@@ -269,7 +269,10 @@ class RolloutUpdater:
             await _cancel(ready)
             await self._drop_group()
             blamed = None if exc.member else await self._blame(group.plan.engines)  # first: abandon skips it
-            note = await sessions.abandon(unreachable=blamed)
+            # a member that timed out or refused connections is not called again either: each call would
+            # wait out CLEANUP_TIMEOUT_SECONDS
+            silent = exc.member if exc.member and _got_no_connection_or_answer(exc) else None
+            note = await sessions.abandon(unreachable=blamed or silent)
             member = exc.member or blamed
             raise type(exc)(f"update v{version} failed (member: {member or 'unknown'}): {exc}{note}", member) from exc
         except BaseException:
@@ -398,6 +401,18 @@ def _end_path(engine: EngineEndpoint) -> str:
 
 def _resume_path(engine: EngineEndpoint) -> str:
     return "/resume" if engine.kind == "vllm" else "/continue_generation"
+
+
+def _got_no_connection_or_answer(exc: BaseException) -> bool:
+    """Whether `exc` came from an engine call that timed out or could not connect (its cause chain)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, EngineTimeout | ConnectError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _unreachable(result: object) -> bool:
