@@ -920,26 +920,19 @@ def summary(figures: dict[str, Any]) -> list[Row]:
             )
         )
     rec = figures.get("recovery", {})
-    if "storage_cold_vs_memory" in rec:
-        ratio = rec["storage_cold_vs_memory"]
+    recoveries = (
+        ("", "restore(into=) the live model + AdamW state", ""),
+        ("_new", "restore() into new tensors (a restarted trainer's state)", " (the tmpfs pages lent, not copied)"),
+    )
+    for suffix, how, lent in recoveries:
+        if f"storage_cold_vs_memory{suffix}" not in rec:
+            continue
+        ratio = rec[f"storage_cold_vs_memory{suffix}"]
         rows.append(
             Row(
-                what="recovery: restore(into=) the live model + AdamW state, verified",
-                ours=f"from memory {rec['memory']['median_s']:.3f} s",
-                compared=f"from storage, page cache dropped, {rec['storage_cold']['median_s']:.3f} s",
-                ratio=ratio,
-                ratio_text=f"{ratio:.1f}x faster",
-                target=f">= {RECOVERY_TARGET:g}x",
-                met=ratio >= RECOVERY_TARGET,
-            )
-        )
-    if "storage_cold_vs_memory_new" in rec:
-        ratio = rec["storage_cold_vs_memory_new"]
-        rows.append(
-            Row(
-                what="recovery: restore() into new tensors (a restarted trainer's state), verified",
-                ours=f"from memory {rec['memory_new']['median_s']:.3f} s (the tmpfs pages lent, not copied)",
-                compared=f"from storage, page cache dropped, {rec['storage_cold_new']['median_s']:.3f} s",
+                what=f"recovery: {how}, verified",
+                ours=f"from memory {rec[f'memory{suffix}']['median_s']:.3f} s{lent}",
+                compared=f"from storage, page cache dropped, {rec[f'storage_cold{suffix}']['median_s']:.3f} s",
                 ratio=ratio,
                 ratio_text=f"{ratio:.1f}x faster",
                 target=f">= {RECOVERY_TARGET:g}x",

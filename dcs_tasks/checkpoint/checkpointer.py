@@ -183,17 +183,17 @@ class Checkpointer:
                 skipped=True,
             )
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
-        staged = threading.Event()
         overlap = overlap and not flat.dtensors and self.config.async_io and not cuda.has_cuda_tensors(flat.tensors)
+        staged: threading.Event | None = None  # None: staged before save returns
         with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
             if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
+                staged = threading.Event()
                 ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
                 sending = self._dispatcher.submit(
                     self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged
                 )
             else:
                 self._stage(lease.buffer, layout, flat)
-                staged.set()
                 chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
                 ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
                 sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)

@@ -64,6 +64,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -303,9 +304,6 @@ def _map_file(path: Path, entry: FileEntry) -> mmap.mmap:
         return mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else anonymous(1)  # mmap refuses 0 bytes
     finally:
         os.close(fd)
-
-
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _populate_and_hash(path: Path, entry: FileEntry, mapping: mmap.mmap, verify: bool) -> None:
