@@ -14,7 +14,7 @@ import re
 import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -309,6 +309,11 @@ class DCSConfig(BaseSettings):
     memory_dir: Path = Path("/dev/shm/dcs-memory")
     """The memory tier's directory (tmpfs: it outlives the worker and the trainer processes, not the host). The same
     tree as `checkpoint_dir`; also holds the copies of peer hosts' steps."""
+    memory_restore_verify: Literal["seal", "hash"] = "seal"
+    """Memory tier: how a restore from this host's memory verifies a file. "seal": a file hashed on arrival, then
+    made read-only and stamped (`seal.json`: inode, size, mtime, ctime), is trusted while its stamp holds (any
+    later write, chmod or replacement moves the stamp); any other file is hashed. "hash": every byte is hashed on
+    every restore (about 3x slower). Storage is always hashed. docs/checkpoints.md, "Memory tier"."""
     memory_keep_last: int = Field(default=2, ge=1)
     """Memory tier: the newest steps kept in memory per run and rank (older ones leave once held elsewhere)."""
     storage_every_steps: int = Field(default=1, ge=1)

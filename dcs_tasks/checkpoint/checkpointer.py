@@ -440,8 +440,11 @@ class Checkpointer:
     def _read(
         self, opener: restoring.Opener, into: Any, verify: bool, strict: bool, mapped: bool = False
     ) -> RestoredCheckpoint:
-        """One copy of a step, opened, planned and read for this rank (`mapped`: a copy in this host's memory)."""
-        loaded = restoring.read(restoring.plan(opener(), self.rank, self.world_size, into, strict), verify, mapped)
+        """One copy of a step, opened, planned and read for this rank (`mapped`: a copy in this host's memory, whose
+        sealed files are not hashed again unless `memory_restore_verify` is "hash")."""
+        plan = restoring.plan(opener(), self.rank, self.world_size, into, strict)
+        trust = mapped and self.config.memory_restore_verify == "seal"
+        loaded = restoring.read(plan, verify, mapped, trust_seals=trust)
         record_load(loaded.seconds, loaded.nbytes)
         return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
 

@@ -40,7 +40,7 @@ from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
 from dcs_tasks.checkpoint.format.fsio import NotPublished, make_dirs_durable
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
-from dcs_tasks.checkpoint.store import incremental, objlocks, tiers
+from dcs_tasks.checkpoint.store import incremental, objlocks, seal, tiers
 from dcs_tasks.checkpoint.store.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
@@ -271,10 +271,9 @@ def write_file(
             return book.file_open(ref.run, ref.step, ref.token, req.file_name)
 
         recycled = None
-        if tiers.enabled(config) and isinstance(paths.step_dir, Path) and req.compression is None:
-            root = tiers.memory_root(config)
-            if paths.step_dir.is_relative_to(root):  # a memory-tier step: reuse the pages of one that left
-                recycled = tiers.take_recycled(root, req.length)
+        if req.compression is None and _in_memory_tier(config, paths.step_dir):
+            # a memory-tier step: reuse the pages of one that left
+            recycled = tiers.take_recycled(tiers.memory_root(config), req.length)
         return committer.write_file(
             fd,
             req.offset,
@@ -289,6 +288,10 @@ def write_file(
         )
     finally:
         os.close(fd)
+
+
+def _in_memory_tier(config: DCSConfig, step_dir: Location) -> bool:
+    return tiers.enabled(config) and isinstance(step_dir, Path) and step_dir.is_relative_to(tiers.memory_root(config))
 
 
 def _open_staging(ctx: Context, staging: Path) -> int:
@@ -346,6 +349,9 @@ def commit(ctx: Context, req: CommitRequest, task_id: str) -> Verdict:
     started = time.monotonic()
     state = book.read(ref.run, ref.step)
     manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
+    if _in_memory_tier(ctx.config, step_dir):  # hashed on the way in: sealed, so restores need not hash again
+        assert isinstance(step_dir, Path)
+        seal.seal_step(step_dir, [f.stored_path(step_dir).name for f in manifest.files])
     publish_step(step_dir, manifest, task_id, object_lock=object_lock(ctx))
     if book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED, task_id=task_id) is Verdict.OK:
         record_commit(time.monotonic() - started)

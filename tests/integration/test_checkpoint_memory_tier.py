@@ -22,6 +22,7 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
 from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
@@ -267,7 +268,10 @@ def test_steps_are_copied_to_a_peer_and_a_lost_hosts_rank_restores_from_it(
             assert places(a, "peer")[(2, 0)] == {"mem@hosta", "peer@hostb", "replicated"}
             copy, own = Path(b.memory_dir) / "peer" / "step-000000002", Path(a.memory_dir) / "peer" / "step-000000002"
             assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in own.iterdir())
-            assert all((copy / p.name).read_bytes() == p.read_bytes() for p in own.iterdir())
+            assert all((copy / p.name).read_bytes() == p.read_bytes() for p in own.iterdir() if p.name != SEAL_NAME)
+            for step_dir in (own, copy):  # each host sealed its own copy once its bytes verified
+                stamps = read_seals(step_dir)
+                assert stamps and all(s.holds((step_dir / n).stat()) for n, s in stamps.items())
 
             ckpt.save(big, step=3).wait(timeout=120)  # committed in a's memory, refused by b: not replicated
             wait_until(lambda: "copying" not in places(a, "peer").get((3, 0), {"copying"}), 120, "step 3's copy")
@@ -327,5 +331,111 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
             assert tiers.recycled_bytes(tiers.memory_root(config)) > 0  # steps 2 and 3 were recycled meanwhile
             assert_same_state(restored.state, states[1])  # what was lent never changed
             assert_same_state(ckpt.restore(step=4).state, states[4])
+    finally:
+        worker.discard()
+
+
+def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the memory-tier files a restore hashes (`fastread._check` of a lent file, or `read_scatter`, the
+    hashed read into `into=`), recorded as it runs."""
+    from dcs_tasks.checkpoint.restore import fastread, reader
+
+    hashed: list[str] = []
+    check, scatter = fastread._check, reader.read_scatter
+
+    def counting(path: Path, entry: Any, mapping: Any) -> None:
+        hashed.append(path.name)
+        check(path, entry, mapping)
+
+    def reading(files: list[Any], verify: bool, progress: Any = None) -> None:
+        hashed.extend(path.name for path, _, _ in files)
+        scatter(files, verify, progress)
+
+    monkeypatch.setattr(fastread, "_check", counting)
+    monkeypatch.setattr(reader, "read_scatter", reading)
+    return hashed
+
+
+def _flip_a_byte(path: Path, at: int) -> None:
+    os.chmod(path, 0o644)  # sealed 0444; root could write anyway, the chmod alone already breaks the seal
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["new-tensors", "into"])
+def test_a_sealed_memory_step_is_not_hashed_again_and_any_later_change_is_still_caught(
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool
+) -> None:
+    """A memory-tier file was hashed on its way in; the commit seals it (read-only, its stamp in `seal.json`), and
+    a restore that finds the stamp unchanged does not hash it again. A write to the file after that (here: chmod
+    and one flipped byte, as a stray writer would) moves the stamp, so that restore hashes it, finds the
+    mismatch and falls back to the previous step, warning."""
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
+    worker = start_worker(config, tmp_path)
+    states = {s: training_state(seed=40 + s, width=512) for s in (1, 2)}  # 3 MiB: 3 files of 1 MiB
+    try:
+        with Checkpointer("sealed", config) as ckpt:
+            for step, state in states.items():
+                ckpt.save(state, step=step).wait(timeout=120)
+            step_dir = Path(config.memory_dir) / "sealed" / "step-000000002"
+            files = sorted(p.name for p in step_dir.glob("*.safetensors"))
+            assert len(files) > 1 and sorted(read_seals(step_dir)) == files
+            assert all((step_dir / name).stat().st_mode & 0o777 == 0o444 for name in files)
+
+            hashed = _count_hashes(monkeypatch)
+            target = training_state(seed=0, width=512) if into else None
+            restored = ckpt.restore(into=target)
+            assert (restored.step, restored.location, hashed) == (2, "memory", [])
+            assert_same_state(restored.state, states[2])
+
+            biggest = max(files, key=lambda name: (step_dir / name).stat().st_size)
+            _flip_a_byte(step_dir / biggest, 4096)
+            with pytest.warns(RuntimeWarning, match="step 2"):
+                restored = ckpt.restore(into=training_state(seed=0, width=512) if into else None)
+            assert restored.step == 1 and sorted(hashed) == (files if into else [biggest])
+            assert_same_state(restored.state, states[1])
+    finally:
+        worker.discard()
+
+
+def test_memory_restore_verify_hash_hashes_every_file_and_a_bad_seal_record_only_costs_the_hash(
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
+    worker = start_worker(config, tmp_path)
+    state = training_state(seed=50, width=256)
+    try:
+        with Checkpointer("hashed", config) as ckpt:
+            ckpt.save(state, step=1).wait(timeout=120)
+        step_dir = Path(config.memory_dir) / "hashed" / "step-000000001"
+        files = sorted(p.name for p in step_dir.glob("*.safetensors"))
+        hashed = _count_hashes(monkeypatch)
+        with Checkpointer("hashed", config.model_copy(update={"memory_restore_verify": "hash"})) as ckpt:
+            assert_same_state(ckpt.restore().state, state)
+        assert sorted(hashed) == files
+
+        seal = step_dir / SEAL_NAME
+        good = seal.read_bytes()
+        for bad in (
+            b"\xff not json",
+            b"[]",
+            b'{"format":1,"files":{"x":[true,1,2,3]}}',
+            b"{" * 100_000,
+            b" " * (2 << 20),
+        ):
+            seal.write_bytes(bad)
+            hashed.clear()
+            with Checkpointer("hashed", config) as ckpt:
+                restored = ckpt.restore()
+            assert (restored.step, sorted(hashed)) == (1, files), bad[:40]
+            assert_same_state(restored.state, state)
+        seal.write_bytes(good)
+        hashed.clear()
+        with Checkpointer("hashed", config) as ckpt:
+            assert_same_state(ckpt.restore().state, state)
+        assert hashed == []
     finally:
         worker.discard()

@@ -165,3 +165,39 @@ def test_map_many_names_a_bad_file_and_refuses_one_a_writer_holds(where: Path) -
             fastread.map_many([(good, good_entry)], verify=True)
     finally:
         os.close(fd)
+
+
+def test_a_sealed_file_is_lent_or_copied_without_a_hash_and_a_changed_one_is_not_trusted(
+    where: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcs_tasks.checkpoint.store.seal import read_seals, seal_step
+
+    files = _files(where)
+    names = [path.name for path, _ in files]
+    stamps = seal_step(where, names)
+    assert read_seals(where) == stamps and all(os.stat(path).st_mode & 0o777 == 0o444 for path, _ in files)
+    hashed: list[str] = []
+    check = fastread._check
+    monkeypatch.setattr(fastread, "_check", lambda path, entry, m: (hashed.append(path.name), check(path, entry, m)))
+
+    mappings = fastread.map_many(files, verify=True, seals=stamps)  # the pages, not hashed again
+    assert hashed == [] and [bytes(m[: e.size]) for m, (_, e) in zip(mappings, files, strict=True)] == [
+        p.read_bytes() for p, _ in files
+    ]
+    for mapping in mappings:
+        mapping.close()
+
+    raw = files[0][0].read_bytes()
+    dest = bytearray(len(raw))
+    targets = [(0, 100, memoryview(dest)[:100]), (4096, len(raw), memoryview(dest)[4096:])]
+    fastread.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)
+    assert dest[:100] == raw[:100] and dest[4096:] == raw[4096:] and not any(dest[100:4096])
+
+    os.chmod(files[0][0], 0o644)  # any change of the file moves its stamp: it is hashed, and fails here
+    with open(files[0][0], "r+b") as f:
+        f.write(b"\0" if raw[0] else b"\1")
+    with pytest.raises(CorruptCheckpoint, match="fails its"):
+        fastread.map_many(files, verify=True, seals=stamps)
+    assert hashed == [names[0]]
+    with pytest.raises(fastread.Unmappable, match="does not match its seal"):
+        fastread.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)

@@ -31,6 +31,7 @@ from dcs_tasks.checkpoint.format.layout import (
 )
 from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
 from dcs_tasks.checkpoint.store import peerwire as pw
+from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
 from dcs_tasks.errors import (
     CorruptCheckpoint,
     PeerAuthFailed,
@@ -96,7 +97,15 @@ def make_step(
 
 
 def contents(step_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir())}
+    """The step's files; its seal apart (a receiver's own record of its own inodes: `sealed`)."""
+    return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir()) if p.name != SEAL_NAME}
+
+
+def sealed(step_dir: Path) -> bool:
+    """Every file the manifest lists is sealed by the receiver: read-only, its stamp in `seal.json` holding."""
+    stamps = read_seals(step_dir)
+    names = [entry.name for entry in read_manifest(step_dir).files]
+    return sorted(stamps) == sorted(names) and all(stamps[n].holds((step_dir / n).stat()) for n in names)
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -149,6 +158,7 @@ def test_put_list_get_round_trip_is_bit_exact(server: pw.PeerServer, tmp_path: P
     assert pw.push_step(server.address, TOKEN, ranked, ranked_rel, timeout=TIMEOUT) > 0
     assert contents(server.root / plain_rel) == contents(plain)
     assert contents(server.root / ranked_rel) == contents(ranked)
+    assert sealed(server.root / plain_rel) and sealed(server.root / ranked_rel)
     assert pw.list_steps(server.address, TOKEN, "exp", timeout=TIMEOUT) == [plain_rel, ranked_rel]
     assert pw.list_steps(server.address, TOKEN, "other", timeout=TIMEOUT) == []
     # the step is there: a second push sends nothing and replaces nothing
@@ -158,7 +168,7 @@ def test_put_list_get_round_trip_is_bit_exact(server: pw.PeerServer, tmp_path: P
     dest = tmp_path / "dest"
     for rel, source in ((plain_rel, plain), (ranked_rel, ranked)):
         got = pw.pull_step(server.address, TOKEN, rel, dest, timeout=TIMEOUT, max_bytes=1 << 30)
-        assert got == dest / rel and contents(got) == contents(source) and verifies(got)
+        assert got == dest / rel and contents(got) == contents(source) and verifies(got) and sealed(got)
     assert leftovers(server.root) == [] and leftovers(dest) == []
     with pytest.raises(PeerNotFound, match="no step exp/step-000000006"):
         pw.pull_step(server.address, TOKEN, "exp/step-000000006", dest, timeout=TIMEOUT, max_bytes=1 << 30)

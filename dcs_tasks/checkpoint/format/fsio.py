@@ -131,6 +131,7 @@ def _open_recycled(recycled: Path, tmp: Path) -> int | None:
     with the reader, untouched)."""
     try:
         os.rename(recycled, tmp)
+        os.chmod(tmp, 0o644)  # sealed read-only while it was a step's file (`seal`); this writer's own now
         fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:  # gone, or on another file system: a new file
         log.debug("recycled file %s not used: %s", recycled, exc)

@@ -9,6 +9,7 @@ bytes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
@@ -18,12 +19,14 @@ from dcs_tasks.checkpoint.restore.fastread import (
     Progress,
     Target,
     Unmappable,
+    copy_sealed,
     map_many,
     read_many,
     read_scatter,
     tensors_over,
 )
 from dcs_tasks.checkpoint.store import objread
+from dcs_tasks.checkpoint.store.seal import Stamp, read_seals
 from dcs_tasks.checkpoint.store.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.steps import step_dirs as step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
@@ -81,6 +84,7 @@ def load_tensors(
     verify: bool = True,
     into: dict[str, torch.Tensor] | None = None,
     mapped: bool = False,
+    trust_seals: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
@@ -92,13 +96,16 @@ def load_tensors(
     `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
     allocated or read.
 
-    `mapped` (a memory-tier step, no `into`): the tensors are copy-on-write views of the tmpfs files' own pages
-    (`fastread.map_many`: no copy; the bytes verified after mapping); a file that cannot be lent is read."""
+    `mapped` (a memory-tier step): without `into` the tensors are copy-on-write views of the tmpfs files' own
+    pages (`fastread.map_many`: no copy; the bytes verified after mapping; a file that cannot be lent is read);
+    with `into` the files are mapped and copied on several cores (`fastread.copy_sealed`) when none needs a hash.
+    `trust_seals`: a file that matches its seal (`seal.read_seals`) was hashed on arrival and is not hashed again."""
     import torch
 
     check_files(step_dir, manifest)
+    seals = read_seals(step_dir) if mapped and trust_seals and isinstance(step_dir, Path) else {}
     if into is None:
-        return _load_whole_files(step_dir, manifest, verify, mapped)
+        return _load_whole_files(step_dir, manifest, verify, mapped, seals)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}
     targets: dict[str, list[Target]] = {f.name: [] for f in manifest.files}
     for name, entry in manifest.tensors.items():
@@ -106,7 +113,8 @@ def load_tensors(
         if end > begin:
             dest = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
             targets[entry.file].append((begin, end, dest))
-    scatter(step_dir, manifest, targets, verify)
+    if not (mapped and isinstance(step_dir, Path) and _copy_mapped(step_dir, manifest, targets, verify, seals)):
+        scatter(step_dir, manifest, targets, verify)
     with torch.no_grad():
         for name, target in into.items():
             if tensors[name] is not target:
@@ -114,8 +122,19 @@ def load_tensors(
     return dict(into)
 
 
+def _copy_mapped(
+    step_dir: Path, manifest: Manifest, targets: Mapping[str, list[Target]], verify: bool, seals: dict[str, Stamp]
+) -> bool:
+    """`fastread.copy_sealed` of the step's files into `targets`; False (nothing written) when it cannot."""
+    try:
+        copy_sealed([(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, seals)
+    except Unmappable:
+        return False
+    return True
+
+
 def _load_whole_files(
-    step_dir: Location, manifest: Manifest, verify: bool, mapped: bool = False
+    step_dir: Location, manifest: Manifest, verify: bool, mapped: bool = False, seals: dict[str, Stamp] | None = None
 ) -> dict[str, torch.Tensor]:
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
@@ -127,7 +146,7 @@ def _load_whole_files(
         try:
             if not mapped:
                 raise Unmappable("not a memory-tier step")
-            mappings = map_many(files, verify)
+            mappings = map_many(files, verify, seals)
         except Unmappable:
             mappings = read_many(files, verify)
     loaded: dict[str, torch.Tensor] = {}

@@ -92,9 +92,10 @@ def plan(shards: StepShards, rank: int, world_size: int, into: Any = None, stric
     return RestorePlan(shards, Kind.RESHARD, rank, world_size, local, into, strict, reshard)
 
 
-def read(p: RestorePlan, verify: bool = True, mapped: bool = False) -> Loaded:
+def read(p: RestorePlan, verify: bool = True, mapped: bool = False, trust_seals: bool = False) -> Loaded:
     """Carry out `p`. `mapped`: the step is in this host's memory tier, so whole files read without `into` are
-    lent, not copied (`reader.load_tensors`). Raises CorruptCheckpoint (a file or chunk fails its checks),
+    lent, not copied, and with `into` copied from a mapping (`reader.load_tensors`); `trust_seals`: files that
+    match their seals are not hashed again (`seal`). Raises CorruptCheckpoint (a file or chunk fails its checks),
     StateMismatch (`into` does not fit; checked before anything is read into it)."""
     started = time.perf_counter()
     shards, manifest = p.shards, p.shards.manifests[p.local]
@@ -106,13 +107,15 @@ def read(p: RestorePlan, verify: bool = True, mapped: bool = False) -> Loaded:
             if targets is not None:
                 reader.check_targets(manifest, targets)
             tensors = reader.load_tensors(
-                shards.dirs[p.local], manifest, verify=verify, into=targets, mapped=mapped and targets is None
+                shards.dirs[p.local], manifest, verify=verify, into=targets, mapped=mapped, trust_seals=trust_seals
             )
             nbytes = manifest.total_bytes
         else:
             assert p.reshard is not None
             loaded = {
-                src: reader.load_tensors(shards.dirs[src], shards.manifests[src], verify=verify, mapped=mapped)
+                src: reader.load_tensors(
+                    shards.dirs[src], shards.manifests[src], verify=verify, mapped=mapped, trust_seals=trust_seals
+                )
                 for src in p.reshard.sources
             }
             tensors = sharded.assemble(p.reshard, shards, loaded)

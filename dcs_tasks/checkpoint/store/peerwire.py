@@ -72,6 +72,7 @@ from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
 from dcs_tasks.checkpoint.format.validate import check_files, check_manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
+from dcs_tasks.checkpoint.store.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import (
     ConfigError,
     CorruptCheckpoint,
@@ -566,10 +567,12 @@ def _receive_step(ch: _Channel, parent: Path, parent_fd: int, rel: StepRel, mani
         bad: list[str] = []
         try:
             buf = bytearray(min(RECV_CHUNK_BYTES, max((f.size for f in manifest.files), default=1)) or 1)
+            stamps: dict[str, Stamp] = {}
             for entry in manifest.files:
                 fd = _create(entry.name, temp_fd)
                 try:
                     got = _recv_file(ch, fd, entry.size, buf, f"receiving {rel}/{entry.name}")
+                    stamps[entry.name] = seal_fd(fd)  # trusted only once the checks below pass (seal.json then)
                 finally:
                     os.close(fd)
                 if got != entry.checksum and not bad:
@@ -585,6 +588,11 @@ def _receive_step(ch: _Channel, parent: Path, parent_fd: int, rel: StepRel, mani
                 check_files(parent / temp, manifest)
             except CorruptCheckpoint as exc:
                 raise PeerCorrupt(f"peer {ch.peer}: {rel}: {exc}") from exc
+            fd = _create(SEAL_NAME, temp_fd)  # every byte was hashed on arrival: a restore need not hash again
+            try:
+                write_all(fd, memoryview(seal_bytes(stamps)))
+            finally:
+                os.close(fd)
             fd = _create(MANIFEST_NAME, temp_fd)
             try:
                 write_all(fd, memoryview(raw))

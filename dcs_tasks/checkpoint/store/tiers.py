@@ -46,6 +46,7 @@ from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.checkpoint.store import peerwire
+from dcs_tasks.checkpoint.store.seal import SEAL_NAME
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.keys import Keys
@@ -358,7 +359,9 @@ def remove_step(step: MemoryStep, root: Path | None = None, room: int = 0) -> No
             kept = len(os.listdir(pool))
             for entry in _children(step.path):
                 info = entry.stat(follow_symlinks=False)
-                if kept >= RECYCLE_MAX_FILES or info.st_size > room or not stat.S_ISREG(info.st_mode):
+                if entry.name == SEAL_NAME or kept >= RECYCLE_MAX_FILES or info.st_size > room:
+                    continue
+                if not stat.S_ISREG(info.st_mode):
                     continue
                 if not _recycle(Path(entry.path), pool / f"{info.st_size:020d}-{secrets.token_hex(8)}"):
                     continue
