@@ -33,6 +33,9 @@ peer workers (own DCS_NODE_NAME, `memory_dir`, peer server), A's worker is stopp
 (empty memory) restores, pulling the step from a peer: on loopback, and (`--netns`, default when root) from a
 worker in a network namespace behind a veth pair. `dcp.load` of DCP's newest checkpoint, cache dropped, for comparison.
 
+`--memory-tmpfs DIR` puts the memory tiers on another tmpfs (e.g. one mounted huge=within_size; its mount options
+are recorded) and records the run as benchmark `goodput_memory_tmpfs`.
+
 A private redis-server and real `dcs worker` processes (bench/harness.py). Prints a table; writes a result file
 under bench/results/goodput/. `--quick`: a small model, a few steps, one repetition (a smoke run).
 """
@@ -508,8 +511,14 @@ class Stack:
     memory directories)."""
 
     root: Path
-    shm: Path  # tmpfs: staging buffers and memory tiers
+    shm: Path  # tmpfs: staging buffers (and memory tiers unless `memory`)
     redis_url: str = ""
+    memory: Path | None = None  # where the memory tiers live (`--memory-tmpfs`; None: `shm`)
+
+    @property
+    def memory_root(self) -> Path:
+        return self.memory or self.shm
+
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def config(self, host: str, **settings: Any) -> DCSConfig:
@@ -599,6 +608,19 @@ def memory_settings(args: argparse.Namespace, state_bytes: int, memory_dir: Path
         "incremental_saves": False,
         **extra,
     }
+
+
+def mount_options(path: Path) -> str:
+    """The file system type and options of the mount holding `path` (/proc/mounts, longest matching mount point)."""
+    best, found = "", "unknown"
+    target = str(path.resolve())
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1]
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, found = point, f"{fields[2]} {fields[3]}"
+    return found
 
 
 # --- recovery --------------------------------------------------------------------------------------
@@ -702,7 +724,7 @@ def peer_recovery(
     veth, B stops too and the pull comes from peer V in the network namespace."""
     from dcs_tasks.checkpoint.store import tiers
 
-    shm = stack.shm
+    shm = stack.memory_root
     state_bytes = trainer.saved_bytes()
     run = "goodput-peer"
     peers: list[tuple[str, str, str | None]] = [("peer-loopback", "bench-peer-b", None)]
@@ -763,6 +785,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--memory-tier-mib", type=int, default=0, help="memory tier budget (default: storage-every + 4 steps)"
     )
+    parser.add_argument(
+        "--memory-tmpfs",
+        type=Path,
+        default=None,
+        help="put the memory tiers on this tmpfs instead of /dev/shm (e.g. one mounted huge=within_size); "
+        "the run is recorded as benchmark goodput_memory_tmpfs",
+    )
     parser.add_argument("--worker-concurrency", type=int, default=2)
     parser.add_argument("--recovery-repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="skip the recovery from a peer's memory")
@@ -790,7 +819,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    run_ = Run("goodput")
+    run_ = Run("goodput_memory_tmpfs" if args.memory_tmpfs else "goodput")
     load_start = os.getloadavg()
     torch.set_num_threads(args.threads)
     trainer = Trainer(args.width, args.layers, args.batch)
@@ -830,7 +859,12 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="dcs-bench-goodput-", dir="/dev/shm"))
     (root / "redis").mkdir()
     redis, url = start_redis(root / "redis", ["127.0.0.1", veth.outer] if veth else ["127.0.0.1"])
-    stack = Stack(root, shm, url)
+    memory_dir = None
+    if args.memory_tmpfs:
+        memory_dir = Path(tempfile.mkdtemp(prefix="dcs-bench-goodput-", dir=args.memory_tmpfs))
+    stack = Stack(root, shm, url, memory=memory_dir)
+    if args.memory_tmpfs:
+        figures["memory_tmpfs"] = {"dir": str(args.memory_tmpfs), "mount": mount_options(args.memory_tmpfs)}
     savers: dict[str, Saver] = {"none": Saver()}
     overlap = None if args.no_overlap else trainer.opt
     figures["overlap"] = not args.no_overlap
@@ -841,7 +875,7 @@ def main() -> None:
                 Checkpointer("goodput-storage", config, size_hint_bytes=state_bytes + 16 * MiB), opt=overlap
             )
         if "memory" in modes:
-            settings = memory_settings(args, state_bytes, shm / "memory-bench-memory")
+            settings = memory_settings(args, state_bytes, stack.memory_root / "memory-bench-memory")
             config = stack.worker("bench-memory", args.worker_concurrency, **settings)
             ckpt = Checkpointer("goodput-memory", config, size_hint_bytes=state_bytes + 16 * MiB)
             savers["memory"] = DCSSaver(ckpt, storage_every=args.storage_every, opt=overlap)
@@ -874,6 +908,8 @@ def main() -> None:
         else:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
+            if memory_dir is not None:
+                shutil.rmtree(memory_dir, ignore_errors=True)
     if args.netns and veth is None and "memory" in modes and not args.no_peer:
         notes.append("peer over veth not measured")
     figures["load_start"] = [round(x, 2) for x in load_start]
