@@ -38,8 +38,9 @@ are recorded) and records the run as benchmark `goodput_memory_tmpfs`.
 
 A private redis-server and real `dcs worker` processes (bench/harness.py). The parts: bench/goodput_loop.py (the
 training loop, the savers, the timed segments), bench/goodput_stack.py (Redis and the workers as hosts),
-bench/goodput_recovery.py (the recovery figures); this file parses the arguments, runs them and reports. Prints a table; writes a result file
-under bench/results/goodput/. `--quick`: a small model, a few steps, one repetition (a smoke run).
+bench/goodput_recovery.py (the recovery figures); this file parses the arguments, runs them and reports. Prints
+a table; writes a result file under bench/results/goodput/. `--quick`: a small model, a few steps, one
+repetition (a smoke run).
 """
 
 from __future__ import annotations
@@ -285,7 +286,8 @@ def summary(figures: dict[str, Any]) -> list[Row]:
             rows.append(
                 Row(
                     what=f"recovery: {how}, {checked}",
-                    ours=f"from memory {rec[f'memory{suffix}{check}']['median_s']:.3f} s{lent}",
+                    ours=f"from memory {rec[f'memory{suffix}{check}']['median_s']:.3f} s{lent}"
+                    + first_write(rec[f"memory{suffix}{check}"]),
                     compared=f"from storage, page cache dropped, {rec[f'storage_cold{suffix}']['median_s']:.3f} s",
                     ratio=ratio,
                     ratio_text=f"{ratio:.1f}x faster",
@@ -306,6 +308,13 @@ def summary(figures: dict[str, Any]) -> list[Row]:
                 )
             )
     return rows
+
+
+def first_write(figures: dict[str, Any]) -> str:
+    """What a first write to every page of restored new tensors cost (copy-on-write of lent pages)."""
+    if "first_write_s" not in figures:
+        return ""
+    return f"; then a first write to every page {figures['first_write_s']:.3f} s"
 
 
 def headline(figures: dict[str, Any]) -> str:
@@ -359,7 +368,7 @@ def report(figures: dict[str, Any], notes: list[str]) -> None:
         if isinstance(r, dict):
             print(
                 f"recovery {key:14s} {r['median_s']:7.3f} s  runs {' '.join(f'{x:.3f}' for x in r['runs_s'])}; "
-                f"read from {'/'.join(r['locations'])}"
+                f"read from {'/'.join(r['locations'])}{first_write(r)}"
             )
     for key, g in gp.items():
         if any(g["to_storage_only"]):

@@ -53,18 +53,18 @@ class Trainer:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
 
     def saved_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _tensors(self.state()))
+        return sum(t.numel() * t.element_size() for t in tensors_of(self.state()))
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors(value)
+            yield from tensors_of(value)
     elif isinstance(obj, list | tuple):
         for value in obj:
-            yield from _tensors(value)
+            yield from tensors_of(value)
 
 
 # --- savers: one per mode --------------------------------------------------------------------------

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.goodput_loop import AppState, DCPSaver, DCSSaver, Saver, Trainer, wait_until
+import torch
+
+from bench.goodput_loop import AppState, DCPSaver, DCSSaver, Saver, Trainer, tensors_of, wait_until
 from bench.goodput_stack import Stack, Veth, memory_settings
 from dcs_tasks import Checkpointer
 from dcs_tasks.keys import Keys
@@ -36,8 +38,10 @@ def timed_restores(
     ckpt: Checkpointer, into: dict[str, Any] | None, step: int, repeats: int, before: Callable[[], object]
 ) -> dict[str, Any]:
     """`repeats` restores of `step` into `into` (None: into new tensors, the restored state dropped after each),
-    `before()` untimed ahead of each; median and where they read."""
-    runs, locations = [], set()
+    `before()` untimed ahead of each; median and where they read. Into new tensors, also the time of a first write
+    to every page of them afterwards (`first_write_s`): lent memory-tier pages are copied then (copy-on-write),
+    as when training adopts them (`load_state_dict(..., assign=True)`) and its first optimizer step writes them."""
+    runs, writes, locations = [], [], set()
     for _ in range(repeats):
         before()
         start = time.perf_counter()
@@ -46,8 +50,24 @@ def timed_restores(
         locations.add(str(restored.location))
         if restored.step != step:
             raise RuntimeError(f"restored step {restored.step}, not {step}")
+        if into is None:
+            start = time.perf_counter()
+            touch_every_page(restored.state)
+            writes.append(time.perf_counter() - start)
         del restored  # new tensors: freed (unmapped) before the next restore
-    return {"median_s": statistics.median(runs), "runs_s": runs, "locations": sorted(locations), "step": step}
+    out = {"median_s": statistics.median(runs), "runs_s": runs, "locations": sorted(locations), "step": step}
+    if writes:
+        out["first_write_s"] = statistics.median(writes)
+    return out
+
+
+def touch_every_page(state: Any) -> None:
+    """Rewrite one byte in every 4 KiB of every tensor of `state` (its own value: nothing changes but the pages)."""
+    with torch.no_grad():
+        for tensor in tensors_of(state):
+            if tensor.numel() and tensor.is_contiguous() and tensor.device.type == "cpu":
+                flat = tensor.view(-1).view(torch.uint8)
+                flat[::4096] = flat[::4096].clone()
 
 
 def recovery(
