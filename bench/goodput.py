@@ -140,6 +140,7 @@ def main() -> None:
             "saved_bytes": state_bytes,
             "optimizer": "AdamW(fused=True)",
         },
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "steps": args.steps,
         "repeats": args.repeats,
         "every": args.every,
