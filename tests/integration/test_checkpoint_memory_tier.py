@@ -336,12 +336,12 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
 
 
 def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the memory-tier files a restore hashes (`fastread._check` of a lent file, or `read_scatter`, the
+    """Names of the memory-tier files a restore hashes (`lend._check` of a lent file, or `read_scatter`, the
     hashed read into `into=`), recorded as it runs."""
-    from dcs_tasks.checkpoint.restore import fastread, reader
+    from dcs_tasks.checkpoint.restore import lend, reader
 
     hashed: list[str] = []
-    check, scatter = fastread._check, reader.read_scatter
+    check, scatter = lend._check, reader.read_scatter
 
     def counting(path: Path, entry: Any, mapping: Any) -> None:
         hashed.append(path.name)
@@ -351,7 +351,7 @@ def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         hashed.extend(path.name for path, _, _ in files)
         scatter(files, verify, progress)
 
-    monkeypatch.setattr(fastread, "_check", counting)
+    monkeypatch.setattr(lend, "_check", counting)
     monkeypatch.setattr(reader, "read_scatter", reading)
     return hashed
 

@@ -1,6 +1,6 @@
 """fastread: chunked verified reads land every byte where it belongs, on disk with O_DIRECT, on disk buffered
 (as where a file system refuses O_DIRECT) and on tmpfs, across chunk and file boundaries; a bad or short
-file is named."""
+file is named. Also `lend`, the memory tier's mapped reads, on the same files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-from dcs_tasks.checkpoint.restore import fastread
+from dcs_tasks.checkpoint.restore import fastread, lend
 from dcs_tasks.errors import CorruptCheckpoint
 
 SIZES = (3 * 65536 + 777, 65536, 4096 * 5, 1)  # ragged, exactly one chunk, page multiple, one byte
@@ -139,7 +139,7 @@ def test_read_scatter_many_small_targets_in_one_chunk(where: Path) -> None:
 
 def test_map_many_lends_the_files_pages_verified_and_copy_on_write(where: Path) -> None:
     files = [_write(where, f"f{i}", size, seed=i) for i, size in enumerate(SIZES)]
-    mappings = fastread.map_many(files, verify=True)
+    mappings = lend.map_many(files, verify=True)
     for (path, _), mapping in zip(files, mappings, strict=True):
         original = path.read_bytes()
         assert bytes(mapping[: len(original)]) == original
@@ -156,13 +156,13 @@ def test_map_many_names_a_bad_file_and_refuses_one_a_writer_holds(where: Path) -
     raw[70000 % len(raw)] ^= 1
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpoint, match="fails its"):
-        fastread.map_many([(path, entry)], verify=True)
+        lend.map_many([(path, entry)], verify=True)
     good, good_entry = _write(where, "good", 4096, seed=4)
     fd = os.open(good, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a recycled file being overwritten
-        with pytest.raises(fastread.Unmappable):
-            fastread.map_many([(good, good_entry)], verify=True)
+        with pytest.raises(lend.Unmappable):
+            lend.map_many([(good, good_entry)], verify=True)
     finally:
         os.close(fd)
 
@@ -177,10 +177,10 @@ def test_a_sealed_file_is_lent_or_copied_without_a_hash_and_a_changed_one_is_not
     stamps = seal_step(where, names)
     assert read_seals(where) == stamps and all(os.stat(path).st_mode & 0o777 == 0o444 for path, _ in files)
     hashed: list[str] = []
-    check = fastread._check
-    monkeypatch.setattr(fastread, "_check", lambda path, entry, m: (hashed.append(path.name), check(path, entry, m)))
+    check = lend._check
+    monkeypatch.setattr(lend, "_check", lambda path, entry, m: (hashed.append(path.name), check(path, entry, m)))
 
-    mappings = fastread.map_many(files, verify=True, seals=stamps)  # the pages, not hashed again
+    mappings = lend.map_many(files, verify=True, seals=stamps)  # the pages, not hashed again
     assert hashed == [] and [bytes(m[: e.size]) for m, (_, e) in zip(mappings, files, strict=True)] == [
         p.read_bytes() for p, _ in files
     ]
@@ -190,14 +190,14 @@ def test_a_sealed_file_is_lent_or_copied_without_a_hash_and_a_changed_one_is_not
     raw = files[0][0].read_bytes()
     dest = bytearray(len(raw))
     targets = [(0, 100, memoryview(dest)[:100]), (4096, len(raw), memoryview(dest)[4096:])]
-    fastread.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)
+    lend.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)
     assert dest[:100] == raw[:100] and dest[4096:] == raw[4096:] and not any(dest[100:4096])
 
     os.chmod(files[0][0], 0o644)  # any change of the file moves its stamp: it is hashed, and fails here
     with open(files[0][0], "r+b") as f:
         f.write(b"\0" if raw[0] else b"\1")
     with pytest.raises(CorruptCheckpoint, match="fails its"):
-        fastread.map_many(files, verify=True, seals=stamps)
+        lend.map_many(files, verify=True, seals=stamps)
     assert hashed == [names[0]]
-    with pytest.raises(fastread.Unmappable, match="does not match its seal"):
-        fastread.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)
+    with pytest.raises(lend.Unmappable, match="does not match its seal"):
+        lend.copy_sealed([(files[0][0], files[0][1], targets)], True, stamps)

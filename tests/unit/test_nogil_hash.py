@@ -25,7 +25,7 @@ def test_map_many_verifies_the_same_without_it(tmp_path: object, monkeypatch: py
     from pathlib import Path
 
     from dcs_tasks.checkpoint.format.layout import FileEntry
-    from dcs_tasks.checkpoint.restore import fastread
+    from dcs_tasks.checkpoint.restore import lend
     from dcs_tasks.errors import CorruptCheckpoint
 
     root = Path(str(tmp_path))
@@ -39,13 +39,13 @@ def test_map_many_verifies_the_same_without_it(tmp_path: object, monkeypatch: py
         files.append((path, FileEntry(name=path.name, size=size, checksum=hasher.hexdigest())))
     for available in (True, False):
         monkeypatch.setattr(nogil, "available", lambda available=available: available)
-        for (path, _), mapping in zip(files, fastread.map_many(files, verify=True), strict=True):
+        for (path, _), mapping in zip(files, lend.map_many(files, verify=True), strict=True):
             assert bytes(mapping[: path.stat().st_size]) == path.read_bytes()
         bad = files[1][0]
         raw = bytearray(bad.read_bytes())
         raw[100] ^= 1
         bad.write_bytes(bytes(raw))
         with pytest.raises(CorruptCheckpoint, match="f1 fails"):
-            fastread.map_many(files, verify=True)
+            lend.map_many(files, verify=True)
         raw[100] ^= 1
         bad.write_bytes(bytes(raw))

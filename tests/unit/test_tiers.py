@@ -125,12 +125,12 @@ def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_ove
 
 
 def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path) -> None:
-    """A restore from memory lends the tmpfs pages (`fastread.map_many`): while it maps a file, a leaving step
+    """A restore from memory lends the tmpfs pages (`lend.map_many`): while it maps a file, a leaving step
     deletes that file instead of recycling it, and a writer handed a recycled file a reader maps writes a new
     one; the reader's bytes never change."""
     from dcs_tasks.checkpoint.format.fsio import stream_region
     from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-    from dcs_tasks.checkpoint.restore import fastread
+    from dcs_tasks.checkpoint.restore import lend
 
     def entry_of(path: Path) -> FileEntry:
         hasher = new_hasher()
@@ -143,14 +143,14 @@ def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path
     lent, free = step_dir / "a.safetensors", step_dir / "b.safetensors"
     lent.write_bytes(b"a" * 8192)
     free.write_bytes(b"b" * 8192)
-    (mapping,) = fastread.map_many([(lent, entry_of(lent))], verify=True)
+    (mapping,) = lend.map_many([(lent, entry_of(lent))], verify=True)
     tiers.remove_step(MemoryStep("run", 0, 1, step_dir, True, 16384), root, room=1 << 20)
     assert [size for size, _ in tiers._recycled(root)] == [8192]  # only the file nobody maps
     assert bytes(mapping[:8192]) == b"a" * 8192
 
     # a file mapped after it reached the pool (a reader that opened it just before): the writer leaves it alone
     pool_file = tiers._recycled(root)[0][1]
-    (late,) = fastread.map_many([(pool_file, entry_of(pool_file))], verify=True)
+    (late,) = lend.map_many([(pool_file, entry_of(pool_file))], verify=True)
     claimed = tiers.take_recycled(root, 8192)
     assert claimed is not None
     source = tmp_path / "staged"

@@ -114,7 +114,7 @@ def write_all(fd: int, data: memoryview) -> None:
 
 def try_lock(fd: int, exclusive: bool) -> bool:
     """`flock` without waiting: True when taken. Memory-tier files: a restore that maps a file (its tensors are
-    views of the pages, `fastread.map_many`) holds a shared lock for as long as the mapping lives; a file is
+    views of the pages, `lend.map_many`) holds a shared lock for as long as the mapping lives; a file is
     overwritten in place (recycled) only under an exclusive one, so mapped bytes never change under a reader."""
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)

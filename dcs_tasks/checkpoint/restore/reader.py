@@ -15,16 +15,8 @@ from typing import TYPE_CHECKING, Any
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from dcs_tasks.checkpoint.format.layout import STEP_DIR as STEP_DIR
 from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
-from dcs_tasks.checkpoint.restore.fastread import (
-    Progress,
-    Target,
-    Unmappable,
-    copy_sealed,
-    map_many,
-    read_many,
-    read_scatter,
-    tensors_over,
-)
+from dcs_tasks.checkpoint.restore.fastread import Progress, Target, read_many, read_scatter, tensors_over
+from dcs_tasks.checkpoint.restore.lend import Unmappable, copy_sealed, map_many
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.seal import Stamp, read_seals
 from dcs_tasks.checkpoint.store.steps import read_latest as read_latest
@@ -97,8 +89,8 @@ def load_tensors(
     allocated or read.
 
     `mapped` (a memory-tier step): without `into` the tensors are copy-on-write views of the tmpfs files' own
-    pages (`fastread.map_many`: no copy; the bytes verified after mapping; a file that cannot be lent is read);
-    with `into` the files are mapped and copied on several cores (`fastread.copy_sealed`) when none needs a hash.
+    pages (`lend.map_many`: no copy; the bytes verified after mapping; a file that cannot be lent is read);
+    with `into` the files are mapped and copied on several cores (`lend.copy_sealed`) when none needs a hash.
     `trust_seals`: a file that matches its seal (`seal.read_seals`) was hashed on arrival and is not hashed again."""
     import torch
 
@@ -125,7 +117,7 @@ def load_tensors(
 def _copy_mapped(
     step_dir: Path, manifest: Manifest, targets: Mapping[str, list[Target]], verify: bool, seals: dict[str, Stamp]
 ) -> bool:
-    """`fastread.copy_sealed` of the step's files into `targets`; False (nothing written) when it cannot."""
+    """`lend.copy_sealed` of the step's files into `targets`; False (nothing written) when it cannot."""
     try:
         copy_sealed([(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, seals)
     except Unmappable:
