@@ -359,9 +359,8 @@ def remove_step(step: MemoryStep, root: Path | None = None, room: int = 0) -> No
             kept = len(os.listdir(pool))
             for entry in _children(step.path):
                 info = entry.stat(follow_symlinks=False)
-                if entry.name == SEAL_NAME or kept >= RECYCLE_MAX_FILES or info.st_size > room:
-                    continue
-                if not stat.S_ISREG(info.st_mode):
+                skip = entry.name == SEAL_NAME or kept >= RECYCLE_MAX_FILES or info.st_size > room
+                if skip or not stat.S_ISREG(info.st_mode):
                     continue
                 if not _recycle(Path(entry.path), pool / f"{info.st_size:020d}-{secrets.token_hex(8)}"):
                     continue
