@@ -231,6 +231,14 @@ class NodeLiveness:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def predecessor_wait_s(self) -> float:
+        """How long a restarted process waits for its rank while a predecessor that did not unregister still
+        holds it: the coordinator frees the rank one heartbeat timeout after the last beat, and an agent keeps
+        beating a frozen predecessor (alive, its event loop not turning, its agent link open) for up to its
+        lease after its last renewal."""
+        return self.config.heartbeat_timeout_seconds + self.interval + self.lease_s
+
     # --- registration --------------------------------------------------------------------------------
     async def register(self, wait_for_rank_s: float = 0.0) -> RegisterResponse:
         """Register through the agent when one answers (else directly); RankConflict after `wait_for_rank_s`

@@ -177,12 +177,11 @@ class CheckpointEngineClient:
             and "master_port" not in self.role_info.metadata
         ):
             await self._reserve_pp_port(prefix)
-        # a predecessor of this trainer that died without unregistering holds the rank until its heartbeat TTL
-        # runs out: wait that long for it (the coordinator refuses to hand a live node's rank over)
-        wait = cfg.heartbeat_timeout_seconds + cfg.heartbeat_interval_seconds
         # through the host's agent (`dcs worker`) when one answers, else beating per node (dcs_tasks/hostagent.py)
         self._beats = NodeLiveness(self._api, cfg, self.role_info)
-        answer = await self._beats.register(wait_for_rank_s=wait)
+        # a predecessor of this trainer that died or froze without unregistering holds the rank until its
+        # heartbeat TTL runs out: wait that long for it (the coordinator refuses to hand a live node's rank over)
+        answer = await self._beats.register(wait_for_rank_s=self._beats.predecessor_wait_s)
         self.role_info = self.role_info.model_copy(update={"rank": answer.rank})
         self._beats.start()
         from dcs_tasks.checkpoint.telemetry import serve_trainer_metrics

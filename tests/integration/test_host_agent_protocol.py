@@ -5,6 +5,7 @@ is `workers/agent.py`'s HostAgent in this process (its own thread and loop, a re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -18,6 +19,7 @@ from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
+from dcs_tasks.errors import RankConflict
 from dcs_tasks.hostagent import MAX_MESSAGE_BYTES, NodeLiveness
 from tests.helpers.procs import CoordinatorProcess
 from workers.agent import HostAgent
@@ -153,3 +155,58 @@ async def test_a_process_whose_agent_breaks_the_protocol_registers_and_beats_its
         stop.set()
         thread.join(5)
         server.close()
+
+
+async def test_a_restarted_process_gets_the_rank_its_frozen_predecessor_held_within_its_wait(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """A trainer (no port: a new identity each registration) whose predecessor froze with its agent link open
+    (the event loop stopped turning; a process that left its loop without closing the link looks the same)
+    registers within `predecessor_wait_s`: the agent beats the frozen node until its lease is over, and only
+    then does the coordinator's TTL start. The wait once left the lease out and lost this race on a loaded CI
+    machine (a 409 from the seed client example run twice)."""
+    coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
+    config = dcs_config.model_copy(
+        update={"host_agent_socket": tmp_path / "agent.sock", "coordinator_url": coordinator.url}
+    )
+    host_agent = HostAgent(config)
+    assert host_agent.start()
+    frozen_loop = asyncio.new_event_loop()
+    thaw = threading.Event()
+    first_api = CoordinatorAPI(coordinator.url, timeout=10)
+    first = NodeLiveness(first_api, config, RoleInfo(role_name="actor", rank=0))
+    api = CoordinatorAPI(coordinator.url, timeout=10)
+    second = NodeLiveness(api, config, RoleInfo(role_name="actor", rank=0))
+    runner = threading.Thread(target=frozen_loop.run_forever, daemon=True)
+    runner.start()
+
+    def in_first_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, frozen_loop).result(30)
+
+    try:
+        held = in_first_loop(first.register())
+        frozen_loop.call_soon_threadsafe(first.start)
+        wait_until(lambda: first.renewals >= 2, 10, "the first process renewing its lease")
+        frozen_loop.call_soon_threadsafe(thaw.wait, 60)  # its event loop stops turning; the link stays open
+        assert held.rank == 0 and first.via_agent
+        with pytest.raises(RankConflict):
+            await second.register()  # still beaten by the agent
+        started = time.monotonic()
+        answer = await second.register(wait_for_rank_s=second.predecessor_wait_s)
+        waited = time.monotonic() - started
+        assert answer.rank == 0 and answer.identity != held.identity and second.via_agent
+        assert waited > config.heartbeat_timeout_seconds / 2, waited  # it did wait out the predecessor's TTL
+        second.start()
+        assert 0 in (await api.topology()).nodes["actor"]
+    finally:
+        thaw.set()
+        with contextlib.suppress(Exception):
+            in_first_loop(first.stop())
+            in_first_loop(first_api.aclose())
+        frozen_loop.call_soon_threadsafe(frozen_loop.stop)
+        runner.join(10)
+        frozen_loop.close()
+        await second.stop()
+        await api.aclose()
+        host_agent.stop()
+        coordinator.stop()
