@@ -6,8 +6,8 @@ One committed step of `--files` files (`--size-mib` MiB in all; 4 x 256 MiB by d
 `PeerServer` on a memory root in /dev/shm and a plain receiver; a client process, on the other end of the link,
 runs `--reps` rounds of, in turns:
   plain  connect, a small JSON list of (name, size), `sendfile` of every file; the receiver `recv_into`s a
-         reusable buffer (MSG_WAITALL, the same size and socket options as peerwire) and writes each file into
-         /dev/shm, then answers one byte: no authentication, no hashing, no checks
+         reusable buffer (MSG_WAITALL, the same size and socket options as the memory tier's transport) and
+         writes each file into /dev/shm, then answers one byte: no authentication, no hashing, no checks
   push   `push_step`: handshake (HMAC both ways), manifest checked, `sendfile` of every file, each hashed on
          arrival, headers checked, manifest written, directory renamed into place, answer
   pull   `pull_step` of the same step back from the server (the server sends, the client hashes and installs)
@@ -49,6 +49,8 @@ from dcs_tasks.checkpoint.format.layout import (
     manifest_bytes,
     new_hasher,
 )
+from dcs_tasks.checkpoint.store import peerchannel as pc
+from dcs_tasks.checkpoint.store import peersteps as ps
 from dcs_tasks.checkpoint.store import peerwire as pw
 
 MiB = 1 << 20
@@ -109,7 +111,7 @@ def plain_receive(conn: socket.socket, dest: Path) -> None:
     (length,) = struct.unpack(">I", _recv_exact(conn, 4))
     listing = json.loads(_recv_exact(conn, length))
     dest.mkdir(parents=True, exist_ok=True)
-    buf = bytearray(pw.RECV_CHUNK_BYTES)
+    buf = bytearray(ps.RECV_CHUNK_BYTES)
     view = memoryview(buf)
     for name, size in listing:
         fd = os.open(dest / Path(name).name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -137,7 +139,7 @@ def plain_send(address: tuple[str, int], step_dir: Path) -> None:
     files = sorted(step_dir.glob("*.safetensors"))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        pw._tune(sock)
+        pc.tune(sock)
         sock.settimeout(60)
         sock.connect(address)
         listing = json.dumps([[f.name, f.stat().st_size] for f in files]).encode()
@@ -165,8 +167,8 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 def tune(args: argparse.Namespace) -> None:
-    pw.RECV_CHUNK_BYTES = int(args.chunk_kib * 1024)
-    pw.SOCKET_BUFFER_BYTES = int(args.sockbuf_mib * MiB)
+    ps.RECV_CHUNK_BYTES = int(args.chunk_kib * 1024)
+    pc.SOCKET_BUFFER_BYTES = int(args.sockbuf_mib * MiB)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -178,7 +180,7 @@ def serve(args: argparse.Namespace) -> None:
     _, peer_port = server.start()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    pw._tune(listener)
+    pc.tune(listener)
     listener.bind((args.bind, 0))
     listener.listen(8)
     print(json.dumps({"peer": peer_port, "plain": listener.getsockname()[1], "pid": os.getpid()}), flush=True)
@@ -407,8 +409,8 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--links", default="loopback,veth")
-    parser.add_argument("--chunk-kib", type=int, default=pw.RECV_CHUNK_BYTES // 1024)
-    parser.add_argument("--sockbuf-mib", type=float, default=pw.SOCKET_BUFFER_BYTES / MiB)
+    parser.add_argument("--chunk-kib", type=int, default=ps.RECV_CHUNK_BYTES // 1024)
+    parser.add_argument("--sockbuf-mib", type=float, default=pc.SOCKET_BUFFER_BYTES / MiB)
     parser.add_argument(
         "--out", type=Path, default=None, help="result file (default: bench/results/peer_copy/<UTC>.json)"
     )
@@ -441,7 +443,7 @@ def run(args: argparse.Namespace) -> None:
         "reps": args.reps,
         "recv_chunk_bytes": args.chunk_kib * 1024,
         "socket_buffer_bytes": int(args.sockbuf_mib * MiB),
-        "socket_buffers": "set" if pw._buffer_limit() >= args.sockbuf_mib * MiB > 0 else "autotuned",
+        "socket_buffers": "set" if pc.buffer_limit() >= args.sockbuf_mib * MiB > 0 else "autotuned",
         "links": {},
     }
     try:

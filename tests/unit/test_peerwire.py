@@ -30,6 +30,8 @@ from dcs_tasks.checkpoint.format.layout import (
     new_hasher,
 )
 from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
+from dcs_tasks.checkpoint.store import peerchannel as pc
+from dcs_tasks.checkpoint.store import peersteps as ps
 from dcs_tasks.checkpoint.store import peerwire as pw
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
 from dcs_tasks.errors import (
@@ -65,7 +67,7 @@ def make_step(
 ) -> tuple[Path, str]:
     """A committed step directory under `root` (a file of one U8 tensor of random bytes per size), and its rel;
     built without torch (layout.plan_layout would import it to spell dtypes)."""
-    rel = pw.StepRel(run, step, rank)
+    rel = ps.StepRel(run, step, rank)
     step_dir = root.joinpath(*rel.parts)
     step_dir.mkdir(parents=True)
     files, tensors = [], {}
@@ -109,7 +111,7 @@ def sealed(step_dir: Path) -> bool:
 
 
 def leftovers(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob(pw.INCOMING_PREFIX + "*")) if root.exists() else []
+    return sorted(p for p in root.rglob(ps.INCOMING_PREFIX + "*")) if root.exists() else []
 
 
 def verifies(step_dir: Path) -> bool:
@@ -132,9 +134,9 @@ def server(tmp_path: Path) -> Iterator[pw.PeerServer]:
     srv.stop()
 
 
-def hostile_put(server: pw.PeerServer, rel: str, raw: bytes) -> pw._Channel:
+def hostile_put(server: pw.PeerServer, rel: str, raw: bytes) -> pc.Channel:
     """An authenticated client that offered a step (its manifest `raw`) and was told to send its files."""
-    ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+    ch = pc.client_session(server.address, TOKEN, TIMEOUT)
     ch.send({"op": "put", "rel": rel})
     ch.send_blob(raw)
     assert ch.reply("offering", "send", "have")["status"] == "send"
@@ -213,15 +215,15 @@ def test_a_step_committed_at_the_destination_is_kept_without_asking(server: pw.P
 )
 def test_a_bad_rel_is_refused(rel: object) -> None:
     with pytest.raises(PeerRefused):
-        pw.parse_rel(rel)
+        ps.parse_rel(rel)
 
 
 def test_good_rels_parse_and_spell_back() -> None:
-    assert pw.parse_rel("exp.1/step-000000005") == pw.StepRel("exp.1", 5)
-    assert pw.parse_rel("exp/rank-00003/step-1234567890") == pw.StepRel("exp", 1234567890, 3)
-    assert pw.rel_of("exp", 5, 2) == "exp/rank-00002/step-000000005"
+    assert ps.parse_rel("exp.1/step-000000005") == ps.StepRel("exp.1", 5)
+    assert ps.parse_rel("exp/rank-00003/step-1234567890") == ps.StepRel("exp", 1234567890, 3)
+    assert ps.rel_of("exp", 5, 2) == "exp/rank-00002/step-000000005"
     with pytest.raises(PeerRefused):
-        pw.rel_of("exp", -1)
+        ps.rel_of("exp", -1)
 
 
 def test_the_server_checks_the_rel_itself(server: pw.PeerServer, tmp_path: Path) -> None:
@@ -229,7 +231,7 @@ def test_the_server_checks_the_rel_itself(server: pw.PeerServer, tmp_path: Path)
     step_dir, _ = make_step(tmp_path / "src", "exp", 1)
     raw = (step_dir / MANIFEST_NAME).read_bytes()
     for op in ("put", "get"):
-        ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+        ch = pc.client_session(server.address, TOKEN, TIMEOUT)
         ch.send({"op": op, "rel": "../outside/step-000000001", "max_bytes": 1 << 20})
         if op == "put":
             ch.send_blob(raw)
@@ -283,10 +285,10 @@ def test_a_server_that_does_not_know_the_token_is_sent_nothing(tmp_path: Path) -
     def impostor() -> None:
         sock, _ = listener.accept()
         sock.settimeout(10)
-        ch = pw._Channel(sock, "client", 10, server=True)
-        ch.send({"proto": pw.PROTOCOL, "nonce": os.urandom(pw.NONCE_BYTES).hex()})
+        ch = pc.Channel(sock, "client", 10, server=True)
+        ch.send({"proto": pc.PROTOCOL, "nonce": os.urandom(pc.NONCE_BYTES).hex()})
         seen["auth"] = ch.recv()
-        ch.send({"mac": os.urandom(pw.TAG_BYTES).hex()})  # it cannot compute the right one
+        ch.send({"mac": os.urandom(pc.TAG_BYTES).hex()})  # it cannot compute the right one
         rest = b""
         while chunk := sock.recv(65536):
             rest += chunk
@@ -303,7 +305,7 @@ def test_a_server_that_does_not_know_the_token_is_sent_nothing(tmp_path: Path) -
 
 
 def test_frames_failing_their_mac_are_refused(server: pw.PeerServer) -> None:
-    ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+    ch = pc.client_session(server.address, TOKEN, TIMEOUT)
     ch.key = bytes(32)  # not the session key
     ch.send({"op": "list", "run": "exp"})
     assert "fails its MAC" in str(failure_of(server, PeerCorrupt))
@@ -385,7 +387,7 @@ def test_a_bad_manifest_is_refused_before_any_byte(
     server: pw.PeerServer, tmp_path: Path, changes: dict[str, Any], error: type[PeerError], reason: str
 ) -> None:
     step_dir, rel = make_step(tmp_path / "src", "exp", 1)
-    ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+    ch = pc.client_session(server.address, TOKEN, TIMEOUT)
     ch.send({"op": "put", "rel": rel})
     ch.send_blob(_edited(step_dir, **changes))
     with pytest.raises(error, match=reason):
@@ -409,11 +411,11 @@ def test_a_step_over_the_size_limit_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("authenticated", [False, True])
 def test_an_oversized_header_is_refused_unread(server: pw.PeerServer, authenticated: bool) -> None:
     if authenticated:
-        ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+        ch = pc.client_session(server.address, TOKEN, TIMEOUT)
         sock = ch.sock
     else:
         sock = socket.create_connection(server.address, timeout=TIMEOUT)
-        pw._Channel(sock, "server", TIMEOUT, server=False).recv()  # the greeting
+        pc.Channel(sock, "server", TIMEOUT, server=False).recv()  # the greeting
     sock.sendall(struct.pack(">I", 1 << 30))  # a 1 GiB header: never allocated, never read
     assert "more than 65536" in str(failure_of(server, PeerCorrupt))
     sock.close()
@@ -426,7 +428,7 @@ def test_a_committed_step_is_never_replaced(server: pw.PeerServer, tmp_path: Pat
     other_dir, _ = make_step(tmp_path / "other", "exp", 1)  # same name, other bytes
     assert pw.push_step(server.address, TOKEN, other_dir, rel, timeout=TIMEOUT) == 0
     # a hostile client is told "have" before it may send a byte
-    ch = pw._client_session(server.address, TOKEN, TIMEOUT)
+    ch = pc.client_session(server.address, TOKEN, TIMEOUT)
     ch.send({"op": "put", "rel": rel})
     ch.send_blob((other_dir / MANIFEST_NAME).read_bytes())
     assert ch.reply("offering", "send", "have")["status"] == "have"
@@ -501,7 +503,7 @@ def test_concurrent_puts_of_one_step_install_it_once(server: pw.PeerServer, tmp_
 
 def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
     with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 20, timeout=TIMEOUT, max_connections=1) as srv:
-        held = pw._client_session(srv.address, TOKEN, TIMEOUT)  # authenticated, idle: holds the only slot
+        held = pc.client_session(srv.address, TOKEN, TIMEOUT)  # authenticated, idle: holds the only slot
         with pytest.raises(PeerUnavailable, match="busy"):
             pw.list_steps(srv.address, TOKEN, "exp", timeout=TIMEOUT)
         held.sock.close()
@@ -539,7 +541,7 @@ def test_on_installed_names_each_step_a_put_installed(tmp_path: Path) -> None:
 
 
 def test_a_stale_incoming_directory_is_removed_at_start(tmp_path: Path) -> None:
-    stale = tmp_path / "peer" / "exp" / "rank-00001" / (pw.INCOMING_PREFIX + "dead")
+    stale = tmp_path / "peer" / "exp" / "rank-00001" / (ps.INCOMING_PREFIX + "dead")
     stale.mkdir(parents=True)
     (stale / "model-00001-of-00001.safetensors").write_bytes(b"x")
     with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 20):
@@ -562,15 +564,15 @@ srv.stop()
 DYING_SERVER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerwire as pw
-me = pw.PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30)  # not started: its handshake only
+from dcs_tasks.checkpoint.store import peerchannel as pc
+from dcs_tasks.checkpoint.store import peersteps as ps
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
 sock, _ = listener.accept()
-ch = pw._Channel(sock, "client", 5.0, server=True)
-me._authenticate(ch)
+ch = pc.Channel(sock, "client", 5.0, server=True)
+pc.accept_session(ch, sys.argv[2].encode())  # the server side of the handshake only
 ch.recv()
-ch.recv_blob(pw.MAX_MANIFEST_BYTES)
+ch.recv_blob(ps.MAX_MANIFEST_BYTES)
 ch.send({"status": "send"})
 ch.recv_exact(1 << 20, "the first MiB")
 os.kill(os.getpid(), signal.SIGKILL)
@@ -580,14 +582,13 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_SENDER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerwire as pw
+from dcs_tasks.checkpoint.store import peerchannel as pc
 step_dir = Path(sys.argv[3])
-me = pw.PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30)  # not started: its handshake only
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
 sock, _ = listener.accept()
-ch = pw._Channel(sock, "client", 5.0, server=True)
-me._authenticate(ch)
+ch = pc.Channel(sock, "client", 5.0, server=True)
+pc.accept_session(ch, sys.argv[2].encode())  # the server side of the handshake only
 ch.recv()
 ch.send({"status": "send"})
 ch.send_blob((step_dir / "manifest.json").read_bytes())
@@ -599,9 +600,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_CLIENT = """
 import os, signal, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerwire as pw
+from dcs_tasks.checkpoint.store import peerchannel as pc
 port, token, step_dir, rel = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-ch = pw._client_session(("127.0.0.1", port), token, 5.0)
+ch = pc.client_session(("127.0.0.1", port), token, 5.0)
 ch.send({"op": "put", "rel": rel})
 ch.send_blob((step_dir / "manifest.json").read_bytes())
 ch.reply("offering", "send")
