@@ -11,6 +11,7 @@ import torch
 from dcs_tasks.config import DCSConfig
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
+from tests.helpers.shm import shm_dir
 from tests.helpers.waiting import wait_until as wait_until  # re-exported for the checkpoint tests
 
 
@@ -64,7 +65,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def ckpt_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConfig:
     """The test config with fast retries and a private staging directory."""
     values: dict[str, Any] = {
-        "staging_dir": Path("/dev/shm") / f"dcs-test-{tmp_path.name}",
+        "staging_dir": shm_dir(tmp_path),
         "retry_delay_seconds": 0.05,
         "retry_backoff_max_seconds": 0.2,
         "max_retries": 2,

@@ -21,6 +21,7 @@ import pytest
 from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.shm import shm_dir
 
 # Database indexes of the shared server: one per test, never reused within a pytest process.
 SHARED_DATABASES = 16384
@@ -172,4 +173,4 @@ def _keep_sigpipe_handling() -> Iterator[None]:
 def _remove_test_staging(tmp_path: Path) -> Iterator[None]:
     """Staging buffers of a test live in /dev/shm (tests.checkpoint_support.ckpt_config): free them after it."""
     yield
-    shutil.rmtree(Path("/dev/shm") / f"dcs-test-{tmp_path.name}", ignore_errors=True)
+    shutil.rmtree(shm_dir(tmp_path), ignore_errors=True)

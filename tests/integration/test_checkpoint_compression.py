@@ -27,6 +27,7 @@ from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +62,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         worker.discard()
         server.stop()
-        shutil.rmtree(Path("/dev/shm") / f"dcs-test-{root.name}", ignore_errors=True)
+        shutil.rmtree(shm_dir(root), ignore_errors=True)
     yield root / "ckpt"
 
 

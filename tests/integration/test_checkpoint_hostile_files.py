@@ -37,6 +37,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +85,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Golden]:
     finally:
         worker.discard()
         server.stop()
-        shutil.rmtree(Path("/dev/shm") / f"dcs-test-{root.name}", ignore_errors=True)
+        shutil.rmtree(shm_dir(root), ignore_errors=True)
     yield Golden(root / "ckpt")
 
 

@@ -28,6 +28,7 @@ from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state, wait_until
 from tests.helpers.procs import REPO, child_env
+from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,7 @@ MiB = 1 << 20
 def memory_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConfig:
     values: dict[str, Any] = {
         "memory_tier_bytes": 64 * MiB,
-        "memory_dir": Path("/dev/shm") / f"dcs-test-{tmp_path.name}" / "memory",
+        "memory_dir": shm_dir(tmp_path) / "memory",
         "memory_keep_last": 2,
         "storage_every_steps": 4,
         "file_shard_bytes": MiB,
@@ -233,7 +234,7 @@ def host_config(base: DCSConfig, tmp_path: Path, host: str, **overrides: Any) ->
     """Host `host` of a fleet on this machine: its own node queue and memory directory, the shared storage."""
     values: dict[str, Any] = {
         "node_name": host,
-        "memory_dir": Path("/dev/shm") / f"dcs-test-{tmp_path.name}" / f"memory-{host}",
+        "memory_dir": shm_dir(tmp_path) / f"memory-{host}",
         "auth_token": SecretStr(TOKEN),
         "memory_replicas": 1,
         "storage_every_steps": 1000,
