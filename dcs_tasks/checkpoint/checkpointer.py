@@ -202,11 +202,12 @@ class Checkpointer:
             self._shard_run,
             step,
             ledger=self._ledger,
-            step_dir=self._step_dir(step),
+            step_dir=self._memory_step_dir(step) if in_memory else self._step_dir(step),
             stall_seconds=stall,
             lease=lease,
             dispatch=sending,
             staged=staged,
+            storage_dir=self._step_dir(step) if in_memory else None,
         )
         self._pending.append(pending)
         self._gauges.memory(self._pool.mapped_bytes())

@@ -89,10 +89,14 @@ class PendingCheckpoint:
         lease: BufferLease | None = None,
         dispatch: Future[None] | None = None,
         staged: threading.Event | None = None,
+        storage_dir: Location | None = None,
     ) -> None:
         self.run = run
         self.step = step
         self.step_dir = step_dir
+        # a memory-tier step commits in `step_dir` (this host's memory) and may reach storage later: where its
+        # manifest is read from once it left memory
+        self.storage_dir = storage_dir
         self.stall_seconds = stall_seconds
         self.skipped = skipped
         self._ledger = ledger
@@ -199,20 +203,26 @@ class PendingCheckpoint:
             return self._status
 
     def _info(self) -> CheckpointInfo:
-        """The committed step's info from its manifest; when the manifest is gone (retention deleted the
-        step after its commit: it removes the manifest first), what the ledger recorded, with `removed`.
-        A manifest that is there but does not read is damage: CorruptCheckpoint."""
-        try:
-            return CheckpointInfo.of(load_manifest(self.step_dir), self.step_dir)
-        except CorruptCheckpoint:
-            manifest = self.step_dir / MANIFEST_NAME
-            if manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest):
-                raise
-            info = self._committed_info()
-            if info is None:
-                raise
-            log.info("step %d of run %r committed and was removed since (retention)", self.step, self.run)
-            return info
+        """The committed step's info from its manifest (a memory-tier step's: in memory, else in storage once it
+        left memory); when the manifest is gone (retention deleted the step after its commit: it removes the
+        manifest first), what the ledger recorded, with `removed`. A manifest that is there but does not read
+        is damage: CorruptCheckpoint."""
+        places = [self.step_dir] if self.storage_dir is None else [self.step_dir, self.storage_dir]
+        missing: CorruptCheckpoint | None = None
+        for place in places:
+            try:
+                return CheckpointInfo.of(load_manifest(place), place)
+            except CorruptCheckpoint as exc:
+                manifest = place / MANIFEST_NAME
+                if manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest):
+                    raise
+                missing = missing or exc
+        info = self._committed_info()
+        if info is None:
+            assert missing is not None
+            raise missing
+        log.info("step %d of run %r committed and was removed since (retention)", self.step, self.run)
+        return info
 
     def _committed_info(self) -> CheckpointInfo | None:
         """What this step's ledger says was committed (None when it does not say COMMITTED or has expired)."""

@@ -19,6 +19,7 @@ import torch
 from pydantic import SecretStr
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
 from dcs_tasks.checkpoint.store import tiers
@@ -71,12 +72,18 @@ def test_steps_commit_in_memory_and_every_nth_reaches_storage(dcs_config: DCSCon
     states = {s: training_state(seed=s, width=256) for s in range(1, 9)}
     try:
         with Checkpointer("mem", config) as ckpt:
+            pendings = {}
             for step, state in states.items():
-                ckpt.save(state, step=step).wait(timeout=120)
+                pendings[step] = ckpt.save(state, step=step)
+                info = pendings[step].wait(timeout=120)
                 assert step in memory_steps(config, "mem")  # restorable from memory once the save completes
+                # what completed is the memory copy (a durable step's storage copy may not be there yet)
+                assert info.path == Path(config.memory_dir) / "mem" / step_dir_name(step) and not info.removed
             wait_until(lambda: storage_steps(config, "mem") == [4, 8], 120, "steps 4 and 8 in storage")
             # the newest two stay; older ones leave once step 8, newer and in storage, covers them
             wait_until(lambda: memory_steps(config, "mem") == [7, 8], 60, "memory to hold steps 7 and 8")
+            info = pendings[4].wait(timeout=10)  # gone from memory: its storage copy answers
+            assert info.path == Path(config.checkpoint_dir) / "mem" / step_dir_name(4) and not info.removed
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (8, "memory")
             assert_same_state(restored.state, states[8])
