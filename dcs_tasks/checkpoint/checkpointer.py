@@ -41,7 +41,7 @@ from dcs_tasks.checkpoint.format.layout import (
     step_dir_name,
 )
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.restore import dtensor, restoring, sharded
+from dcs_tasks.checkpoint.restore import dtensor, reader, restoring, sharded
 from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
@@ -444,8 +444,11 @@ class Checkpointer:
         """One copy of a step, opened, planned and read for this rank (`mapped`: a copy in this host's memory, whose
         sealed files are not hashed again unless `memory_restore_verify` is "hash")."""
         plan = restoring.plan(opener(), self.rank, self.world_size, into, strict)
-        trust = mapped and self.config.memory_restore_verify == "seal"
-        loaded = restoring.read(plan, verify, mapped, trust_seals=trust)
+        if not mapped:
+            source = reader.Source.STORAGE
+        else:
+            source = reader.Source.SEALED if self.config.memory_restore_verify == "seal" else reader.Source.MEMORY
+        loaded = restoring.read(plan, verify, source)
         record_load(loaded.seconds, loaded.nbytes)
         return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
 

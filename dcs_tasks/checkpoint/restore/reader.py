@@ -8,6 +8,7 @@ bytes.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,14 +70,26 @@ def scatter(
         read_scatter([(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress)
 
 
+class Source(enum.Enum):
+    """Which copy of a step a restore reads, and so how it reads it."""
+
+    STORAGE = "storage"
+    """Storage (or a copy fetched from it): every file read, and hashed unless `verify` is off."""
+    MEMORY = "memory"
+    """This host's memory tier, every byte hashed again (`memory_restore_verify="hash"`): the files are mapped,
+    lent without `into`, and with `into` read like storage's."""
+    SEALED = "sealed"
+    """This host's memory tier, trusting seals: a file that matches its seal (`seal.read_seals`) was hashed on
+    arrival and is not hashed again; with `into` the files are mapped and copied on several cores."""
+
+
 def load_tensors(
     step_dir: Location,
     manifest: Manifest,
     *,
     verify: bool = True,
     into: dict[str, torch.Tensor] | None = None,
-    mapped: bool = False,
-    trust_seals: bool = False,
+    source: Source = Source.STORAGE,
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
@@ -88,14 +101,15 @@ def load_tensors(
     `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
     allocated or read.
 
-    `mapped` (a memory-tier step): without `into` the tensors are copy-on-write views of the tmpfs files' own
-    pages (`lend.map_many`: no copy; the bytes verified after mapping; a file that cannot be lent is read);
-    with `into` the files are mapped and copied on several cores (`lend.copy_sealed`) when none needs a hash.
-    `trust_seals`: a file that matches its seal (`seal.read_seals`) was hashed on arrival and is not hashed again."""
+    `source` MEMORY or SEALED (a step in this host's memory tier): without `into` the tensors are copy-on-write
+    views of the tmpfs files' own pages (`lend.map_many`: no copy; the bytes verified after mapping unless
+    sealed; a file that cannot be lent is read); with `into` the files are mapped and copied on several cores
+    (`lend.copy_sealed`) when none needs a hash."""
     import torch
 
     check_files(step_dir, manifest)
-    seals = read_seals(step_dir) if mapped and trust_seals and isinstance(step_dir, Path) else {}
+    mapped = source is not Source.STORAGE
+    seals = read_seals(step_dir) if source is Source.SEALED and isinstance(step_dir, Path) else {}
     if into is None:
         return _load_whole_files(step_dir, manifest, verify, mapped, seals)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}

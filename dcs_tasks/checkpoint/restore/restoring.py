@@ -92,11 +92,10 @@ def plan(shards: StepShards, rank: int, world_size: int, into: Any = None, stric
     return RestorePlan(shards, Kind.RESHARD, rank, world_size, local, into, strict, reshard)
 
 
-def read(p: RestorePlan, verify: bool = True, mapped: bool = False, trust_seals: bool = False) -> Loaded:
-    """Carry out `p`. `mapped`: the step is in this host's memory tier, so whole files read without `into` are
-    lent, not copied, and with `into` copied from a mapping (`reader.load_tensors`); `trust_seals`: files that
-    match their seals are not hashed again (`seal`). Raises CorruptCheckpoint (a file or chunk fails its checks),
-    StateMismatch (`into` does not fit; checked before anything is read into it)."""
+def read(p: RestorePlan, verify: bool = True, source: reader.Source = reader.Source.STORAGE) -> Loaded:
+    """Carry out `p`. `source`: which copy is read, and so how (`reader.Source`: a step in this host's memory
+    tier is lent or copied from a mapping, its sealed files not hashed again). Raises CorruptCheckpoint (a file
+    or chunk fails its checks), StateMismatch (`into` does not fit; checked before anything is read into it)."""
     started = time.perf_counter()
     shards, manifest = p.shards, p.shards.manifests[p.local]
     if p.kind is Kind.RANGES:
@@ -106,16 +105,12 @@ def read(p: RestorePlan, verify: bool = True, mapped: bool = False, trust_seals:
         if p.kind is Kind.WHOLE:
             if targets is not None:
                 reader.check_targets(manifest, targets)
-            tensors = reader.load_tensors(
-                shards.dirs[p.local], manifest, verify=verify, into=targets, mapped=mapped, trust_seals=trust_seals
-            )
+            tensors = reader.load_tensors(shards.dirs[p.local], manifest, verify=verify, into=targets, source=source)
             nbytes = manifest.total_bytes
         else:
             assert p.reshard is not None
             loaded = {
-                src: reader.load_tensors(
-                    shards.dirs[src], shards.manifests[src], verify=verify, mapped=mapped, trust_seals=trust_seals
-                )
+                src: reader.load_tensors(shards.dirs[src], shards.manifests[src], verify=verify, source=source)
                 for src in p.reshard.sources
             }
             tensors = sharded.assemble(p.reshard, shards, loaded)
