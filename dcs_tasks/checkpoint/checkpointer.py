@@ -428,7 +428,7 @@ class Checkpointer:
 
         def load(s: int) -> RestoredCheckpoint:
             copies = [
-                (location, path, functools.partial(self._read, opener, into, verify, strict, location == tiers.MEMORY))
+                (location, path, functools.partial(self._read, opener, into, verify, strict, self._source(location)))
                 for location, path, opener in found.copies(s)
             ]
             return replicas.load_first_good(s, copies, heal=verify and found.plain)
@@ -438,16 +438,18 @@ class Checkpointer:
             restored = dataclasses.replace(restored, location=f"peer:{pulled[restored.step]}")
         return restored
 
+    def _source(self, location: str) -> reader.Source:
+        """How a copy at `location` is read: this host's memory is mapped, its sealed files not hashed again unless
+        `memory_restore_verify` is "hash"; anything else as storage."""
+        if location != tiers.MEMORY:
+            return reader.Source.STORAGE
+        return reader.Source.SEALED if self.config.memory_restore_verify == "seal" else reader.Source.MEMORY
+
     def _read(
-        self, opener: restoring.Opener, into: Any, verify: bool, strict: bool, mapped: bool = False
+        self, opener: restoring.Opener, into: Any, verify: bool, strict: bool, source: reader.Source
     ) -> RestoredCheckpoint:
-        """One copy of a step, opened, planned and read for this rank (`mapped`: a copy in this host's memory, whose
-        sealed files are not hashed again unless `memory_restore_verify` is "hash")."""
+        """One copy of a step, opened, planned and read for this rank (`source`: which copy, and so how)."""
         plan = restoring.plan(opener(), self.rank, self.world_size, into, strict)
-        if not mapped:
-            source = reader.Source.STORAGE
-        else:
-            source = reader.Source.SEALED if self.config.memory_restore_verify == "seal" else reader.Source.MEMORY
         loaded = restoring.read(plan, verify, source)
         record_load(loaded.seconds, loaded.nbytes)
         return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
