@@ -1,40 +1,86 @@
 """Prometheus in prefork workers (multiprocess mode), per docs/reliability.md.
 
 `prepare_multiprocess_dir` runs in `dcs worker` BEFORE prometheus_client is imported (it picks its value
-store at import): it sets `PROMETHEUS_MULTIPROC_DIR` (kept if the operator set it, else a per-host
-directory under the system temp dir) and wipes it, so samples of a previous run never leak in. Every
-prefork child then writes its samples there; `mark_dead` (on child exit) drops the gauges of a dead
-child; `start_exporter` serves the aggregate of all processes on `config.metrics_port`, after creating every
-family a worker records (`dcs_errors_total` with each worker error type at 0 included), so a scrape lists
-them before the first save or failure (docs/operations.md, "Metrics").
+store at import): it sets `PROMETHEUS_MULTIPROC_DIR`. One the operator set is kept and wiped, so samples of a
+previous run never leak in. Otherwise each worker process tree gets a directory of its own, created 0700 under
+the system temp dir and named after the worker's pid plus a random part (`dcs-prometheus-<namespace>-<host>-
+<pid>-<random>`), so two workers of one host (two stacks, two namespaces alike) never read each other's
+samples; it is removed when the worker exits (`remove_own_dir`), and those of workers that died without
+exiting (kill -9) are removed by the next worker's start (`remove_stale_dirs`) or `dcs clean`. A re-exec'd
+worker (workers/restart.py) replaces its own directory by a fresh one. Every prefork child then writes its
+samples there; `mark_dead` (on child exit) drops the gauges of a dead child; `start_exporter` serves the
+aggregate of all processes on `config.metrics_port`, after creating every family a worker records
+(`dcs_errors_total` with each worker error type at 0 included), so a scrape lists them before the first save
+or failure (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.process import pid_alive
 
 log = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
+OWNED_ENV = "_DCS_OWN_PROMETHEUS_DIR"  # set beside ENV when the directory is the worker's own (made here)
+DIR_PREFIX = "dcs-prometheus-"
+STALE_NAME = re.compile(r"dcs-prometheus-.+-(\d+)-[A-Za-z0-9_]{8}")  # ...-<pid>-<mkdtemp's 8 characters>
 # error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.base.DCSTask
 WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "checkpoint_replica", "task_retry", "task_failed")
 
 
 def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
-    """Set and wipe the multiprocess directory (None when metrics are disabled)."""
+    """Set the multiprocess directory (None when metrics are disabled): the operator's, wiped, or a fresh private
+    one of this worker process tree's, removed at its exit (module docstring)."""
     if not config.enable_metrics:
         return None
-    default = Path(tempfile.gettempdir()) / f"dcs-prometheus-{config.namespace}-{config.host_name}"
-    directory = Path(os.environ.get(ENV) or default)
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    os.environ[ENV] = str(directory)
+    given = os.environ.get(ENV)
+    if given and given != os.environ.get(OWNED_ENV):  # the operator's: used as it is, emptied
+        directory = Path(given)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+    if given:  # this process's own, from before a re-exec (same pid): a fresh one replaces it
+        shutil.rmtree(given, ignore_errors=True)
+    base = Path(tempfile.gettempdir())
+    remove_stale_dirs(base)
+    prefix = f"{DIR_PREFIX}{config.namespace}-{config.host_name}-{os.getpid()}-"
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # 0700, a name nobody else holds
+    os.environ[ENV] = os.environ[OWNED_ENV] = str(directory)
+    atexit.register(remove_own_dir, directory, os.getpid())
     return directory
+
+
+def remove_own_dir(directory: Path, owner_pid: int) -> None:
+    """Remove this worker's own directory: only from the process that made it (a forked pool child inherits the
+    atexit hook and must not remove its parent's samples) and only while the environment still names it."""
+    if os.getpid() == owner_pid and os.environ.get(OWNED_ENV) == str(directory):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_stale_dirs(base: Path) -> list[Path]:
+    """Remove the per-worker directories under `base` whose worker is gone: this user's own (never a symlink),
+    named like `prepare_multiprocess_dir` names them, of a pid that no longer exists. Returns those removed."""
+    removed = []
+    for path in base.glob(f"{DIR_PREFIX}*"):
+        found = STALE_NAME.fullmatch(path.name)
+        if found is None or pid_alive(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+                shutil.rmtree(path)
+                removed.append(path)
+    return removed
 
 
 def mark_dead(pid: int) -> None:
