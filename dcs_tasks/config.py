@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -34,6 +35,7 @@ from dcs_tasks.storage_url import StorageRoot, parse_root
 
 MiB = 1024 * 1024
 COMM_PORT_SPAN = 1000  # ports in the weight-sync master range when only comm_base_port is given
+_HOST_DIRS = ("runtime_dir", "staging_dir", "memory_dir")  # derived from runtime_dir unless given
 MASK = "***"
 # scheme://user:password@  or  scheme://user@  (a lone user may be a secret too); ?password=... query values
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^@/\s?#]*)@")
@@ -264,16 +266,37 @@ class DCSConfig(BaseSettings):
     `dcs engine attach` on the host register and beat through it (one POST /heartbeats per interval for the
     host) while it answers, and beat per node themselves while it does not. False: none served, none used."""
     host_agent_socket: Path | None = None
-    """The host agent's Unix socket (default: `<staging_dir>/dcs-agent-<hash>.sock`, hashed over the coordinator
-    URL, Redis URL, namespace and host name, so only processes configured alike share an agent)."""
+    """The host agent's Unix socket (default: `<runtime_dir>/agent-<hash>.sock`, hashed over the coordinator
+    URL, Redis URL, namespace and host name, so only processes configured alike share an agent). Its directory
+    must be private (owned by this uid or `host_trusted_uid`, mode 0700, no link); a process talks only to an
+    agent running as one of those uids (checked with SO_PEERCRED before anything is sent)."""
+
+    # host-local directories (docs/operations.md, Security)
+    # the three directories are Path once validated (None: derived, `_derive_host_dirs`): typed so for readers
+    if TYPE_CHECKING:
+        runtime_dir: Path
+    else:
+        runtime_dir: Path | None = None
+        """This user's private directory for everything DCS makes on a host (default: `/dev/shm/dcs-<uid>`, the
+        effective uid): the host agent's socket, and by default staging (`<runtime_dir>/staging`), the memory
+        tier (`<runtime_dir>/memory`) and the worker's metrics files. Made with mode 0700; one that exists must be
+        a directory (no link) owned by this uid (or `host_trusted_uid`) with no group or other permissions, or
+        DCS refuses it (UnsafeHostDirectory)."""
+    host_trusted_uid: int | None = Field(default=None, ge=0)
+    """One more uid whose directories and host agent this process trusts besides its own (None: only its own);
+    e.g. 0 in a trainer whose host's `dcs worker` runs as root, and the trainer's uid in that worker."""
 
     # storage
     checkpoint_dir: StorageRoot = Path("checkpoints")
     """Where runs and their steps are written: a directory (a bare path or `file:///...`; shared storage across
     hosts) or an object store, `s3://bucket/prefix` (S3 or S3-compatible: see the `s3_*` settings and
     docs/checkpoints.md, "Object storage (S3)"). Any other scheme is refused."""
-    staging_dir: Path = Path("/dev/shm")
-    """tmpfs directory of the shared-memory staging buffers."""
+    if TYPE_CHECKING:
+        staging_dir: Path
+    else:
+        staging_dir: Path | None = None
+        """tmpfs directory of the shared-memory staging buffers (default: `<runtime_dir>/staging`). Checked like
+        `runtime_dir` (private to this uid, mode 0700, no link) before use, also when set."""
     staging_buffers: int = Field(default=2, ge=1)
     """Staging buffers per Checkpointer: saves that may be in flight at once."""
     staging_policy: StagingPolicy = StagingPolicy.BLOCK
@@ -306,9 +329,13 @@ class DCSConfig(BaseSettings):
     in `memory_dir` first (restorable from there once verified), storage gets only the steps `storage_every_steps`,
     `storage_every_seconds` or `save(durable=True)` pick, and steps leave memory by `memory_keep_last` and this
     budget (never the newest complete one, never one held nowhere else). A save that does not fit goes to storage."""
-    memory_dir: Path = Path("/dev/shm/dcs-memory")
-    """The memory tier's directory (tmpfs: it outlives the worker and the trainer processes, not the host). The same
-    tree as `checkpoint_dir`; also holds the copies of peer hosts' steps."""
+    if TYPE_CHECKING:
+        memory_dir: Path
+    else:
+        memory_dir: Path | None = None
+        """The memory tier's directory (default: `<runtime_dir>/memory`; tmpfs: it outlives the worker and the
+        trainer processes, not the host). The same tree as `checkpoint_dir`; also holds the copies of peer hosts'
+        steps. Checked like `runtime_dir` (private to this uid, mode 0700, no link) before use, also when set."""
     memory_restore_verify: Literal["seal", "hash"] = "seal"
     """Memory tier: how a restore from this host's memory verifies a file. "seal": a file hashed on arrival, then
     made read-only and stamped (`seal.json`: inode, size, mtime, ctime), is trusted while its stamp holds (any
@@ -438,6 +465,7 @@ class DCSConfig(BaseSettings):
                 f"({self.heartbeat_timeout_seconds} <= {self.heartbeat_interval_seconds})"
             )
         self._derive_comm_max_port()
+        self._derive_host_dirs()
         if self.comm_max_port < self.comm_base_port:
             raise ValueError(f"comm port range is empty: {self.comm_base_port}-{self.comm_max_port}")
         if self.task_time_limit_seconds < self.task_soft_time_limit_seconds:
@@ -453,10 +481,27 @@ class DCSConfig(BaseSettings):
         if "comm_max_port" not in self.model_fields_set:
             self.__dict__["comm_max_port"] = min(self.comm_base_port + COMM_PORT_SPAN - 1, 65535)
 
+    @staticmethod
+    def default_runtime_dir() -> Path:
+        """`runtime_dir` when unset: `/dev/shm/dcs-<effective uid>`."""
+        return Path(f"/dev/shm/dcs-{os.geteuid()}")
+
+    def _derive_host_dirs(self) -> None:
+        """Unless given, runtime_dir, staging_dir and memory_dir follow their defaults (set, assigned or copied
+        with an update), as comm_max_port does."""
+        given = {name for name in _HOST_DIRS if name in self.model_fields_set and self.__dict__[name] is not None}
+        if "runtime_dir" not in given:
+            self.__dict__["runtime_dir"] = self.default_runtime_dir()
+        for name, leaf in (("staging_dir", "staging"), ("memory_dir", "memory")):
+            if name not in given:
+                self.__dict__[name] = self.__dict__["runtime_dir"] / leaf
+
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> DCSConfig:
-        """pydantic's copy (no validation, as there), with a derived comm_max_port following comm_base_port."""
+        """pydantic's copy (no validation, as there), with the derived comm_max_port following comm_base_port and
+        the derived host directories following runtime_dir."""
         copy = super().model_copy(update=update, deep=deep)
         copy._derive_comm_max_port()
+        copy._derive_host_dirs()
         return copy
 
     @property

@@ -11,6 +11,13 @@ class ConfigError(DCSError, ValueError):
     """A setting is missing or invalid."""
 
 
+class UnsafeHostDirectory(DCSError):
+    """A host-local directory or socket DCS would use (the private runtime directory, staging, the memory tier,
+    the host agent's socket) is not private to this user: a symlink, not a directory, owned by another uid, or
+    open to group/other. Nothing is used, changed or given way to; the message names the path, what is wrong and
+    how to fix it (remove it, or point the setting elsewhere). `dcs_tasks/hostdirs.py`."""
+
+
 class DCSTimeoutError(DCSError, TimeoutError):
     """A bounded wait ran out (group init, broadcast, long-poll, task result, worker presence)."""
 

@@ -2,9 +2,12 @@
 `dcs worker` instead of beating the coordinator per node.
 
 The agent (`workers/agent.py`, a thread of `dcs worker`'s main process) listens on a Unix socket,
-`agent_socket_path(config)`: `DCS_HOST_AGENT_SOCKET`, default `<staging_dir>/dcs-agent-<hash>.sock` (the
-staging directory is the host-local directory a host's trainers and worker already share; the hash covers the
-coordinator URL, Redis URL, namespace and host name, so a process only meets an agent configured like itself).
+`agent_socket_path(config)`: `DCS_HOST_AGENT_SOCKET`, default `<runtime_dir>/agent-<hash>.sock` (the user's
+private directory, `dcs_tasks/hostdirs.py`, which the host's trainers and worker share and no other local user
+can enter; the hash covers the coordinator URL, Redis URL, namespace and host name, so a process only meets an
+agent configured like itself). The worker binds only in a directory that passes `hostdirs.check_private_dir`;
+a client checks the agent's uid with SO_PEERCRED right after connecting and sends nothing (not the hello, which
+carries the token) to a socket whose peer is not its own uid or `host_trusted_uid`.
 
 One connection per node, JSON lines of at most `MAX_MESSAGE_BYTES`:
 
@@ -41,6 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dcs_tasks import hostdirs
 from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
@@ -76,7 +80,7 @@ def agent_socket_path(config: DCSConfig) -> Path:
     if config.host_agent_socket is not None:
         return config.host_agent_socket
     scope = "\n".join((config.base_url, config.redis_url, config.namespace, config.host_name))
-    return config.staging_dir / f"dcs-agent-{hashlib.sha256(scope.encode()).hexdigest()[:16]}.sock"
+    return hostdirs.runtime_path(config) / f"agent-{hashlib.sha256(scope.encode()).hexdigest()[:16]}.sock"
 
 
 def renew_period(config: DCSConfig) -> float:

@@ -31,6 +31,7 @@ import redis
 import torch
 from celery import Celery
 
+from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import make_celery
 from dcs_tasks.checkpoint import dispatch, replicas
 from dcs_tasks.checkpoint.format.layout import (
@@ -111,7 +112,7 @@ class Checkpointer:
         self._ledger = StepLedger(self._redis, self._keys)
         self._app = celery_app or make_celery(self.config)
         self._pool = StagingPool(
-            Path(self.config.staging_dir),
+            hostdirs.staging_dir(self.config, create=True),  # private to this uid (UnsafeHostDirectory)
             self.config.staging_buffers,
             prefix=staging_prefix(self.config.namespace, self._shard_run),
         )

@@ -24,7 +24,7 @@ import stat
 from pathlib import Path
 from typing import overload
 
-from dcs_tasks import storage
+from dcs_tasks import hostdirs, storage
 from dcs_tasks.checkpoint.format.layout import staging_name_pattern, staging_prefix, step_dir_name
 from dcs_tasks.checkpoint.restore.sharded import RANK_DIR
 from dcs_tasks.checkpoint.store.payloads import clean_absolute_path
@@ -144,7 +144,7 @@ def trusted_save_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> L
     """`trusted_step_dir` for a save's step (persist, commit): under the checkpoint root, or, with the memory tier
     on, under `memory_dir` (`dcs_tasks.checkpoint.store.tiers`)."""
     if config.memory_tier_bytes > 0 and not step_dir.startswith("s3://"):
-        memory = _resolve(Path(config.memory_dir))
+        memory = _resolve(hostdirs.memory_dir(config))  # checked private (UnsafeHostDirectory) when it exists
         if _resolve(_clean(step_dir, "step directory")).is_relative_to(memory):
             return trusted_step_dir(step_dir, run, step, config, root=memory)
     return trusted_step_dir(step_dir, run, step, config)
@@ -152,7 +152,7 @@ def trusted_save_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> L
 
 def trusted_staging_path(staging_path: str, run: str, config: DCSConfig) -> Path:
     """The staging file `staging_path` names, when it is one of run `run`'s buffers in `staging_dir`."""
-    staging_dir = _resolve(Path(config.staging_dir))
+    staging_dir = _resolve(hostdirs.staging_dir(config))  # checked private (UnsafeHostDirectory) when it exists
     given = _clean(staging_path, "staging file")
     if _resolve(given.parent) != staging_dir:
         raise UntrustedPath(f"staging file {staging_path[:256]!r} is not in the staging directory {str(staging_dir)!r}")

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import redis
 
+from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
@@ -70,11 +71,9 @@ def enabled(config: DCSConfig) -> bool:
 
 
 def memory_root(config: DCSConfig, create: bool = False) -> Path:
-    """The memory tier's directory, resolved (created 0700 when `create`)."""
-    root = Path(config.memory_dir)
-    if create:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return root.resolve()
+    """The memory tier's directory, resolved (created 0700 when `create`); one that exists is checked private to
+    this uid first (`dcs_tasks.hostdirs`: UnsafeHostDirectory for another user's directory, a link, mode 0777)."""
+    return hostdirs.memory_dir(config, create=create).resolve()
 
 
 def base_and_rank(run: str) -> tuple[str, int]:
