@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.deps import Services
 from coordinator.routes import ROUTERS, nodes, weight_meta
+from dcs_tasks.jsonbody import lone_surrogate_in
 from dcs_tasks.models import MAX_INDEX, RegisterRequest
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -100,8 +101,7 @@ class HotPaths:
         await send_body(send, answer.body)
 
     async def _register(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        raw = await request.body()
+        raw = await nodes.read_body(Request(scope, receive))
         body = plain_register_body(raw, _header(scope, b"content-type"))
         if body is None:
             await self.app(scope, replay(raw, receive), send)
@@ -186,8 +186,9 @@ def _plain_decimal(value: bytes) -> bool:
 
 def plain_register_body(raw: bytes, content_type: bytes | None) -> RegisterRequest | None:
     """The /register body as FastAPI would validate it (`json.loads`, then the model in Python mode), when it
-    is JSON and valid; None otherwise (the route answers with its named errors)."""
-    if content_type != b"application/json" or not raw:
+    is JSON and valid; None otherwise (the route answers with its named errors: a string with a lone surrogate
+    too, which the model would take and Redis could not, see `dcs_tasks.jsonbody`)."""
+    if content_type != b"application/json" or not raw or lone_surrogate_in(raw) is not None:
         return None
     try:
         return RegisterRequest.model_validate(json.loads(raw))

@@ -6,10 +6,11 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator.deps import ServicesDep
+from dcs_tasks.jsonbody import StrictJSONRoute
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.models import StatusResponse
 
-router = APIRouter(tags=["ops"])
+router = APIRouter(tags=["ops"], route_class=StrictJSONRoute)
 
 
 @router.get("/healthz", response_model=StatusResponse)

@@ -11,6 +11,7 @@ from coordinator import groups
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
 from coordinator.responses import COMMON, errors
 from coordinator.routes.nodes import not_found
+from dcs_tasks.jsonbody import StrictJSONRoute
 from dcs_tasks.models import (
     DebugTopologyResponse,
     GlobalRankResponse,
@@ -21,7 +22,7 @@ from dcs_tasks.models import (
     TopologyResponse,
 )
 
-router = APIRouter(tags=["topology"])
+router = APIRouter(tags=["topology"], route_class=StrictJSONRoute)
 
 
 @router.get("/topology", response_model=TopologyResponse, responses=errors(*COMMON))

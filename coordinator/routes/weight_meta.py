@@ -8,9 +8,10 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response
 
 from coordinator.deps import ServicesDep, WeightMetaDep
 from coordinator.responses import COMMON, errors
+from dcs_tasks.jsonbody import StrictJSONRoute
 from dcs_tasks.models import MAX_INDEX, ClearWeightMetaResponse, StatusResponse, WeightMeta, WeightMetaBatch
 
-router = APIRouter(tags=["weight-meta"])
+router = APIRouter(tags=["weight-meta"], route_class=StrictJSONRoute)
 
 MAX_WAIT_S = 300.0
 MAX_LIMIT = 100_000

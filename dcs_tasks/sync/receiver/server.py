@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from dcs_tasks.backends.base import GroupSpec
 from dcs_tasks.backends.fusion import ALIGNMENT, SGLANG_ALIGNMENT, FusionLayout
 from dcs_tasks.errors import DCSError
+from dcs_tasks.jsonbody import StrictJSONRoute
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.sync.engine_protocol import SUPPORTED_VERSIONS
 from dcs_tasks.sync.gcpause import paused_gc
@@ -132,6 +133,7 @@ def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> Fast
     """The app serving one `WeightReceiver` (this process is group rank `rank_offset`, tp_size 1); `pause_gc`
     holds off the cyclic garbage collector while an update is received (see `dcs_tasks.sync.gcpause`)."""
     app = FastAPI(title="DCS reference rollout receiver")
+    app.router.route_class = StrictJSONRoute  # a lone surrogate in a body is an invalid body (dcs_tasks.jsonbody)
     app.add_exception_handler(RequestValidationError, _invalid)
     state = EngineState()
     _group_routes(app, receiver)
