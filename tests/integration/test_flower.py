@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,3 +173,61 @@ def test_flower_requires_basic_auth_when_a_credential_is_set(
     finally:
         flower.stop()
     assert password not in flower.log()
+
+
+def readme_flower_command() -> str:
+    """The README's command that starts Flower: a line of a code block, else an inline `...` span."""
+    text = (REPO / "README.md").read_text()
+    in_block = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_block = not in_block
+        elif in_block and "workers.celery flower" in line and not line.lstrip().startswith("#"):
+            return line.strip()
+    found = re.search(r"`([^`]*workers\.celery flower[^`]*)`", text)
+    assert found is not None, "the README names no command that starts Flower"
+    return found.group(1)
+
+
+def test_the_readmes_flower_command_asks_for_credentials_on_its_ui_and_api(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A user who copies the README's Flower command gets a UI and an API behind the fleet's token, and no Flower at
+    all without a token (not a UI open to every local user beside an API that only answers 401)."""
+    port = free_port()
+    command = re.sub(r"--port[= ]\d+", f"--port={port}", readme_flower_command())
+    token = "t0ken-of-the-readme"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "FLOWER_"))}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(REPO),
+        DCS_REDIS_URL=redis_server.url,
+        FLOWER_PORT=str(port),
+    )
+    log = (tmp_path / "readme-flower.log").open("wb")
+    proc = subprocess.Popen(
+        ["sh", "-c", command],
+        env={**env, "DCS_AUTH_TOKEN": token},
+        cwd=REPO,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port(port, FLOWER_TIMEOUT)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/", timeout=30).status_code == 401  # the UI
+        assert httpx.get(f"{url}/api/workers", timeout=30).status_code == 401
+        assert httpx.get(f"{url}/", auth=("dcs", token), timeout=30).status_code == 200
+        assert httpx.get(f"{url}/api/tasks", auth=("dcs", token), timeout=30).status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+    assert token not in (tmp_path / "readme-flower.log").read_text(errors="replace")
+    refused = subprocess.run(["sh", "-c", command], env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "DCS_AUTH_TOKEN" in refused.stderr  # no token: no Flower
