@@ -263,17 +263,18 @@ class CoordinatorAPI:
         return answer
 
     async def heartbeat(
-        self, role: str, rank: int, *, ip: str | None = None, port: int | None = None
+        self, role: str, rank: int, *, ip: str | None = None, port: int | None = None, identity: str | None = None
     ) -> HeartbeatResponse:
         """Refresh the node's liveness; NodeNotFound when (role, rank) is not registered.
 
         The beat is fenced (header `X-DCS-Node`; RankConflict when another node now holds the rank) with
-        `ip:port` when both are given (a node's identity when it has a port), else with the identity this
-        client's `register` got for (role, rank). Only a portless node registered by another client beats
-        unfenced.
+        `identity` when given (a host agent checking an identity a process claims), else `ip:port` when both
+        are given (a node's identity when it has a port), else with the identity this client's `register` got
+        for (role, rank). Only a portless node registered by another client beats unfenced.
         """
         params = {"role": role, "rank": rank}
-        identity = f"{ip}:{port}" if ip and port else self._identities.get((role, rank))
+        if not identity:
+            identity = f"{ip}:{port}" if ip and port else self._identities.get((role, rank))
         headers = {"X-DCS-Node": identity} if identity else None
         return await self._call("GET", "/heartbeat", HeartbeatResponse, params=params, headers=headers, retry=True)
 

@@ -14,12 +14,16 @@ One connection per node, JSON lines of at most `MAX_MESSAGE_BYTES`:
 - hello (first line): `{"v": 1, "op": "register" | "adopt", "token": ..., "coordinator": <base_url>,
   "node": <RoleInfo>, "lease_ms": N, "identity": ...}`. `register` has the agent register the node (batched
   with the host's other registrations into one `POST /register_batch`); `adopt` hands it a node its process
-  registered itself (a process that beat per node while no agent answered). Answer: `{"ok": true, "rank",
-  "node_id", "identity", "message"}`, or `{"ok": false, "status", "detail", "source": "agent" | "coordinator"}`
-  and the connection is closed.
+  registered itself (a process that beat per node while no agent answered). An adopt is fenced as HTTP fences
+  a beat, before it takes effect: one beat with the claimed `identity` (409 from the coordinator when another
+  node holds the rank; a rank it does not know is taken); and a lease of the agent that its process still renews
+  is never displaced by an adopt (409 from the agent). Answer: `{"ok": true, "rank", "node_id", "identity",
+  "message"}`, or `{"ok": false, "status", "detail", "source": "agent" | "coordinator"}` and the connection is
+  closed.
 - `{"op": "renew"}`: the process's lease, renewed every `renew_every` seconds by the process's own event loop.
   Answer `{"ok": true, "identity": ...}` (the node's identity now: a re-registration may have changed an issued
-  one), or 409 once another node took the rank over.
+  one), or 409 once another node took the rank over. Read each answer before renewing again: a connection that
+  leaves more than 16 KiB of answers unread (beyond its socket's buffers) is cut off (its lease dropped).
 - EOF (the process exited or was killed): the agent stops beating the node at once; it is gone from the
   topology one heartbeat timeout after its last beat, as a node that stops beating itself.
 

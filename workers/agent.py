@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
-from dcs_tasks.errors import CoordinatorError, DCSError, RankConflict
+from dcs_tasks.errors import CoordinatorError, DCSError, NodeNotFound, RankConflict
 from dcs_tasks.hostagent import (
     MAX_MESSAGE_BYTES,
     MAX_SOCKET_PATH,
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # a connection must say who it is within this
 MAX_CONNECTIONS = 4096  # processes (nodes) one agent serves at once
+# answers a client left unread, beyond what its socket's kernel buffers hold: a process reads each answer before
+# it renews again (one line unread at most), so more is a client that does not read, and it is cut off
+MAX_UNREAD_BYTES = 16 * 1024
 AGENT_RETRY_FOR_S = 10.0
 
 
@@ -199,6 +202,10 @@ class HostAgent:
                     return
                 lease.renewed = time.monotonic()
                 writer.write(encode({"ok": True, "identity": lease.identity}))
+                if writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
+                    log.warning("host agent: cut off %s, which does not read its answers", lease.info.node_id)
+                    writer.transport.abort()  # its unread answers are dropped, not kept in this process
+                    return
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             log.debug("host agent connection ended: %r", exc)
         finally:
@@ -206,7 +213,8 @@ class HostAgent:
                 del self.leases[lease.key]
             self._fds.discard(fd)
             with contextlib.suppress(Exception):
-                await writer.drain()
+                async with asyncio.timeout(HELLO_TIMEOUT_S):  # a client that does not read is not waited for
+                    await writer.drain()
             writer.close()
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Lease | None:
@@ -247,6 +255,10 @@ class HostAgent:
             if info.rank is None or not identity:
                 writer.write(_answer_error(400, "adopt needs the node's rank and its identity (or a port)"))
                 return None
+            refusal = await self._refuse_adopt(info, identity)
+            if refusal is not None:
+                writer.write(refusal)
+                return None
             reply = encode(AgentAnswer(ok=True, rank=info.rank, node_id=info.node_id, identity=identity))
         lease = Lease(info=info, identity=identity, lease_s=hello.lease_ms / 1000)
         previous = self.leases.get(lease.key)
@@ -258,6 +270,31 @@ class HostAgent:
         writer.write(reply)
         await writer.drain()
         return lease
+
+    async def _refuse_adopt(self, info: RoleInfo, identity: str) -> bytes | None:
+        """The answer refusing an adopt of `info` claiming `identity`, or None when it may take the lease.
+
+        Fenced as HTTP fences a beat: the coordinator's record decides, with one fenced beat of the claimed
+        identity (409 from the coordinator when another node holds the rank; nothing changes here). A node the
+        coordinator does not know (it lost its state) is taken, and registered again by the beats. Even with
+        the right identity, a lease this agent holds for the rank that is still renewed is not displaced (409
+        from the agent): the process holding it is alive, and a restarted one registers, it does not adopt."""
+        assert self._api is not None and info.rank is not None
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                await self._api.heartbeat(info.role_name, info.rank, identity=identity)
+        except NodeNotFound:
+            pass
+        except TimeoutError:
+            return _answer_error(503, f"the coordinator did not answer within {HELLO_TIMEOUT_S:g}s", "coordinator")
+        except DCSError as exc:
+            status = exc.status_code if isinstance(exc, CoordinatorError) and exc.status_code else 503
+            log.warning("host agent: refused an adopt of %s as %s: %s", info.node_id, identity, exc)
+            return _answer_error(status, str(exc), "coordinator")
+        previous = self.leases.get((info.role_name, info.rank))
+        if previous is not None and previous.lost is None and time.monotonic() - previous.renewed <= previous.lease_s:
+            return _answer_error(409, f"{info.node_id} is held through this agent by a process that renews it")
+        return None
 
     # --- registrations, batched ----------------------------------------------------------------------
     async def _register(self, info: RoleInfo) -> RegisterResponse:

@@ -29,18 +29,24 @@ TOKEN = "agent-test-token"
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[HostAgent]:
+def agent(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[HostAgent]:
+    """An agent for a real coordinator: it checks an adopt's identity there (a node it does not know is taken)."""
+    with_token = dcs_config.model_copy(update={"auth_token": SecretStr(TOKEN)})
+    coordinator = CoordinatorProcess(with_token, tmp_path / "coordinator.log").start()
     config = DCSConfig(
         host_agent_socket=tmp_path / "agent.sock",
         auth_token=SecretStr(TOKEN),
-        coordinator_url="http://127.0.0.1:9",  # never reached: no registration here
+        coordinator_url=coordinator.url,
         heartbeat_interval_seconds=0.5,
         heartbeat_timeout_seconds=2.0,
     )
     host_agent = HostAgent(config)
-    assert host_agent.start()
-    yield host_agent
-    host_agent.stop()
+    try:
+        assert host_agent.start()
+        yield host_agent
+    finally:
+        host_agent.stop()
+        coordinator.stop()
 
 
 def wait_until(check: Any, timeout: float, what: str) -> None:
@@ -67,12 +73,12 @@ def ask(path: Path, *lines: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.splitlines()]
 
 
-def hello(op: str = "adopt", **changes: Any) -> bytes:
+def hello(url: str, op: str = "adopt", **changes: Any) -> bytes:
     body = {
         "v": 1,
         "op": op,
         "token": TOKEN,
-        "coordinator": "http://127.0.0.1:9",
+        "coordinator": url,
         "node": {"role_name": "actor", "rank": 3, "ip": "10.0.0.1", "port": 7003},
         "lease_ms": 1000,
     } | changes
@@ -80,20 +86,20 @@ def hello(op: str = "adopt", **changes: Any) -> bytes:
 
 
 def test_hostile_lines_get_named_errors_and_the_connection_closed(agent: HostAgent) -> None:
-    path = agent.path
+    path, url = agent.path, agent.config.base_url
     [answer] = ask(path, b"not json\n")
     assert answer["status"] == 400 and "not an AgentHello" in answer["detail"]
-    [answer] = ask(path, hello(token="wrong"))
+    [answer] = ask(path, hello(url, token="wrong"))
     assert answer["status"] == 401 and "token" in answer["detail"]
-    [answer] = ask(path, hello(coordinator="http://10.9.9.9:8000"))
-    assert answer["status"] == 400 and "beats for http://127.0.0.1:9" in answer["detail"]
-    [answer] = ask(path, hello(lease_ms=10**9))
+    [answer] = ask(path, hello(url, coordinator="http://10.9.9.9:8000"))
+    assert answer["status"] == 400 and f"beats for {url}" in answer["detail"]
+    [answer] = ask(path, hello(url, lease_ms=10**9))
     assert answer["status"] == 400 and "lease_ms" in answer["detail"]
-    [answer] = ask(path, hello(node={"role_name": "actor", "rank": None, "ip": "10.0.0.1", "port": 0}))
+    [answer] = ask(path, hello(url, node={"role_name": "actor", "rank": None, "ip": "10.0.0.1", "port": 0}))
     assert answer["status"] == 400 and "adopt needs" in answer["detail"]
     [answer] = ask(path, b"x" * (MAX_MESSAGE_BYTES + 10) + b"\n")
     assert answer["status"] == 413 and str(MAX_MESSAGE_BYTES) in answer["detail"]
-    adopted, refused = ask(path, hello(), b'{"op": "bogus"}\n')
+    adopted, refused = ask(path, hello(url), b'{"op": "bogus"}\n')
     assert adopted["ok"] and adopted["identity"] == "10.0.0.1:7003" and adopted["rank"] == 3
     assert refused["status"] == 400 and "not a renewal" in refused["detail"]
     wait_until(lambda: not agent.leases, 5, "the refused connection's lease gone")
@@ -104,7 +110,7 @@ def test_a_renewing_connection_holds_a_lease_and_its_close_drops_it(agent: HostA
         conn.settimeout(5)
         conn.connect(str(agent.path))
         reader = conn.makefile("rb")
-        conn.sendall(hello())
+        conn.sendall(hello(agent.config.base_url))
         assert json.loads(reader.readline())["ok"]
         conn.sendall(b'{"op": "renew"}\n')
         assert json.loads(reader.readline()) == {"ok": True, "identity": "10.0.0.1:7003"}
