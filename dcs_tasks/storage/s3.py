@@ -12,7 +12,10 @@ its own). `bench/storage.py` measures this against s3transfer, obstore, s3fs (DC
 
 Every call maps botocore's errors to DCS's: `StorageAccessDenied` (never retried), `StorageFull`,
 `StorageNotFound`, `StorageUnavailable` (a ConnectionError: retried by the worker). Messages name the bucket,
-key and operation; credentials never appear in them (botocore puts none in its errors) and are never logged.
+key and operation; credentials never appear in them and are never logged: botocore puts no AWS key in its
+errors, and a `user:password@` in `DCS_S3_ENDPOINT_URL` never reaches botocore (`endpoint_without_credentials`:
+S3 requests are signed with the AWS credentials and send only the path, so botocore never used it; its errors
+and debug log print the endpoint URL) and is masked in every message that quotes a URL.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import http.client
 import io
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from dcs_tasks.config import mask_url_credentials
 from dcs_tasks.errors import (
     CorruptCheckpoint,
     StorageAccessDenied,
@@ -80,7 +85,7 @@ def translate(exc: BaseException, op: str, bucket: str, key: str) -> BaseExcepti
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
         status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        message = str(err.get("Message", ""))[:200]
+        message = _said(err.get("Message", ""))
         detail = f"{op} {where}: {code or status} {message}".strip()
         if code in DENIED or (not code and status == "403"):
             return StorageAccessDenied(f"{detail} (check the AWS credentials and the bucket's permissions)")
@@ -96,10 +101,25 @@ def translate(exc: BaseException, op: str, bucket: str, key: str) -> BaseExcepti
     if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
         return StorageAccessDenied(f"{op} {where}: no AWS credentials found (environment, shared files or role)")
     if isinstance(exc, bx.EndpointConnectionError | bx.ConnectTimeoutError | bx.ReadTimeoutError):
-        return StorageUnavailable(f"{op} {where}: {type(exc).__name__}: {str(exc)[:200]}")
+        return StorageUnavailable(f"{op} {where}: {type(exc).__name__}: {_said(exc)}")
     if isinstance(exc, bx.ConnectionClosedError | bx.HTTPClientError | bx.ResponseStreamingError):
-        return StorageUnavailable(f"{op} {where}: {type(exc).__name__}: {str(exc)[:200]}")
+        return StorageUnavailable(f"{op} {where}: {type(exc).__name__}: {_said(exc)}")
     return exc
+
+
+def _said(what: object) -> str:
+    """The first 200 characters of an error's text, credentials of any URL in it masked."""
+    return mask_url_credentials(str(what))[:200]
+
+
+def endpoint_without_credentials(url: str | None) -> str | None:
+    """`url` without its `user:password@` (what botocore is given: see the module docstring)."""
+    if not url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 class ViewReader(io.RawIOBase):
@@ -196,7 +216,8 @@ def client(settings: S3Settings) -> Any:
             session = _sessions.get(key[2:])
             if session is None:  # a session caches the credentials it resolved: one per credential environment
                 session = _sessions[key[2:]] = boto3.session.Session()
-            found = session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+            endpoint = endpoint_without_credentials(settings.endpoint_url)
+            found = session.client("s3", endpoint_url=endpoint, config=config)
             _clients[key] = found
         return found
 
@@ -514,7 +535,7 @@ def _read_direct(fp: http.client.HTTPResponse, rest: memoryview, where: str) -> 
     try:
         return fp.readinto(rest)
     except (OSError, http.client.HTTPException) as exc:
-        raise StorageUnavailable(f"GET {where}: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise StorageUnavailable(f"GET {where}: {type(exc).__name__}: {_said(exc)}") from None
 
 
 class NotPublishedObject(StorageError):
