@@ -86,6 +86,13 @@ class StagingPolicy(str, enum.Enum):
     SKIP = "skip"
 
 
+class SaveFailurePolicy(str, enum.Enum):
+    """What a `Checkpointer` does when it learns that a save failed for a reason retrying will not fix."""
+
+    RAISE = "raise"
+    WARN = "warn"
+
+
 def _nullable(schema: dict[str, Any]) -> WithJsonSchema:
     """JSON schema of a field that takes `null` for its default (the Python type stays non-optional)."""
     return WithJsonSchema({"anyOf": [schema, {"type": "null"}]})
@@ -301,6 +308,13 @@ class DCSConfig(BaseSettings):
     """Staging buffers per Checkpointer: saves that may be in flight at once."""
     staging_policy: StagingPolicy = StagingPolicy.BLOCK
     """When every buffer is in flight: block (wait, counted in the stall) or skip the save."""
+    save_failure_policy: SaveFailurePolicy = SaveFailurePolicy.RAISE
+    """The trainer's: what a Checkpointer does when it learns that a save failed on the worker for a reason
+    retrying will not fix (an untrusted path, refused S3 credentials, a missing bucket, no space left): `raise`
+    SaveFailed, naming the step and the worker's reason, at the next save() or at close(); `warn`: log it and
+    count it in `dcs_ckpt_save_failures_total`. A save lost because storage could not be reached
+    (StorageUnavailable) is always only warned and counted: training goes on and the next save tries again.
+    `close()` lists every failed step either way."""
     file_shard_bytes: int = Field(default=256 * MiB, ge=MiB)
     """Largest safetensors file of a step; bigger states are split and written in parallel."""
     async_io: bool = True

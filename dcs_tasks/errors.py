@@ -71,6 +71,26 @@ class CheckpointFailed(CheckpointError):
     """A save did not commit; the message carries the worker's reason."""
 
 
+class SaveFailed(CheckpointFailed):
+    """An earlier save of this checkpointer failed for a reason retrying will not fix (an untrusted path, refused
+    credentials, a full disk): raised by the next `save()` or by `close()` under `save_failure_policy` "raise".
+    The message names each step and the worker's reason; `step` and `error_type` are the first one's, `steps` all
+    of them."""
+
+    def __init__(self, message: str, *, step: int = -1, error_type: str = "", steps: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.error_type = error_type
+        self.steps = steps or ((step,) if step >= 0 else ())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_save_failed, (str(self), self.step, self.error_type, self.steps))
+
+
+def _rebuild_save_failed(message: str, step: int, error_type: str, steps: tuple[int, ...]) -> SaveFailed:
+    return SaveFailed(message, step=step, error_type=error_type, steps=steps)
+
+
 class CheckpointNotFound(CheckpointError):
     """No committed (or no verifying) checkpoint matches the request."""
 

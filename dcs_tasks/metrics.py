@@ -45,7 +45,7 @@ class MetricsCollector:
     """Latency histograms, byte and operation counters, error counts and gauges of one DCS process.
 
     Names: dcs_{save,load,send,recv}_latency_seconds, dcs_bytes_{saved,loaded,sent,received}_total,
-    dcs_{save,load,send,recv}_operations_total, dcs_errors_total{error_type},
+    dcs_{save,load,send,recv}_operations_total, dcs_errors_total{error_type}, dcs_ckpt_save_failures_total{kind},
     dcs_memory_buffer_usage_bytes, dcs_active_connections, dcs_pending_operations. Thread-safe.
     """
 
@@ -63,6 +63,13 @@ class MetricsCollector:
             op: Counter(f"dcs_{op}_operations", f"Completed {op} operations", registry=r) for op in OPERATIONS
         }
         self.errors = Counter("dcs_errors", "Errors by type", ["error_type"], registry=r)
+        self.save_failures = Counter(
+            "dcs_ckpt_save_failures",
+            "Checkpoint saves a trainer learned had failed, by kind (storage_unavailable: storage could not be "
+            "reached, the next save tries again; failed: a cause to fix)",
+            ["kind"],
+            registry=r,
+        )
         self.memory_buffer_usage = Gauge(
             "dcs_memory_buffer_usage_bytes", "Staging/buffer memory held", registry=r, multiprocess_mode="livesum"
         )

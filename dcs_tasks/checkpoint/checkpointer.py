@@ -33,7 +33,7 @@ from celery import Celery
 
 from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint import dispatch, replicas
+from dcs_tasks.checkpoint import dispatch, failures, replicas
 from dcs_tasks.checkpoint.format.layout import (
     ChunkSums,
     Layout,
@@ -55,7 +55,9 @@ from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
     CheckpointError,
     CheckpointFailed,
+    SaveFailed,
     StagingError,
+    StorageUnavailable,
 )
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
@@ -122,7 +124,9 @@ class Checkpointer:
         self._layouts = dispatch.Layouts(self.config)  # one layout per state shape (incremental saves)
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
-        self._closed: tuple[int, ...] | None = None  # close()'s answer, once closed
+        self._closed: failures.ClosedSteps | None = None  # close()'s answer, once closed
+        self._failures = failures.FailureLog(self.config)  # failed saves: logged, counted, raised (policy)
+        self._noted: set[int] = set()  # ids of the saves in `_pending` whose failure `_failures` has
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
             self._gauges.memory(self._pool.mapped_bytes())
@@ -167,6 +171,8 @@ class Checkpointer:
         `overlap`."""
         started = time.perf_counter()
         step = validate_step(step)
+        self._reap()
+        self._failures.report()  # SaveFailed for an earlier save that failed (policy raise)
         dispatch.require_worker(self._app, self._redis, self._keys, self.config)
         flat = self._flatten(state)
         if flat.dtensors and sharding:
@@ -186,18 +192,21 @@ class Checkpointer:
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
         overlap = overlap and not flat.dtensors and self.config.async_io and not cuda.has_cuda_tensors(flat.tensors)
         staged: threading.Event | None = None  # None: staged before save returns
-        with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
-            if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
-                staged = threading.Event()
-                ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
-                sending = self._dispatcher.submit(
-                    self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged
-                )
-            else:
-                self._stage(lease.buffer, layout, flat)
-                chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
-                ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
-                sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
+        try:
+            with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
+                if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
+                    staged = threading.Event()
+                    ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
+                    sending = self._dispatcher.submit(
+                        self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged
+                    )
+                else:
+                    self._stage(lease.buffer, layout, flat)
+                    chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
+                    ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
+                    sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
+        except StorageUnavailable as exc:  # storage down (asked whether the step exists): this save only is lost
+            return self._failed_at_once(step, exc, started)
         stall = time.perf_counter() - started
         pending = PendingCheckpoint(
             self._shard_run,
@@ -217,6 +226,21 @@ class Checkpointer:
         if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
             pending.wait(timeout=self.config.visibility_timeout_seconds)
         return pending
+
+    def _failed_at_once(self, step: int, exc: StorageUnavailable, started: float) -> PendingCheckpoint:
+        """A save storage could not take before any task went out: logged and counted as a storage outage (never
+        raised, whatever `save_failure_policy`); its handle's `wait()` raises CheckpointFailed with the reason."""
+        reason = f"storage unreachable before the save was sent: {type(exc).__name__}: {exc}"
+        failure = failures.failure_of(self.config, self._shard_run, step, reason, exc)
+        self._failures.add(failure)
+        return PendingCheckpoint(
+            self._shard_run,
+            step,
+            ledger=None,
+            step_dir=self._step_dir(step),
+            stall_seconds=time.perf_counter() - started,
+            failed=failure.reason,
+        )
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every save of this checkpointer has copied its tensors (see `save(overlap=True)`); after
@@ -326,8 +350,8 @@ class Checkpointer:
             delay = min(delay * 2, 0.02)
 
     def _unfinished(self) -> tuple[int, ...]:
-        """Steps saved by this checkpointer that are not yet committed or failed (skipped saves never start)."""
-        return tuple(sorted(p.step for p in self._pending if not p.skipped))
+        """Steps saved by this checkpointer not yet committed or known failed (skipped saves never start)."""
+        return tuple(sorted(p.step for p in self._pending if not p.skipped and id(p) not in self._noted))
 
     def _reap(self) -> None:
         for pending in list(self._pending):
@@ -335,9 +359,20 @@ class Checkpointer:
                 status = pending.poll()
             except redis.RedisError:
                 continue
+            self._note_failure(pending)
             if pending.released and status in (StepStatus.COMMITTED, StepStatus.FAILED):
                 self._pending.remove(pending)
+                self._noted.discard(id(pending))
         self._gauges.pending(len(self._pending))
+
+    def _note_failure(self, pending: PendingCheckpoint) -> None:
+        """Hand a save's failure, once, to `_failures` (which logs, counts and, by policy, raises it later)."""
+        failure = pending.failure()
+        if failure is None or id(pending) in self._noted:
+            return
+        self._noted.add(id(pending))
+        reason, exc = failure
+        self._failures.add(failures.failure_of(self.config, self._shard_run, pending.step, reason, exc), pending)
 
     def _stage(self, buf: StagingBuffer, layout: Layout, flat: FlatState) -> None:
         buf.write_headers(layout)
@@ -465,13 +500,15 @@ class Checkpointer:
             return {}
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def close(self, timeout: float | None = None) -> tuple[int, ...]:
+    def close(self, timeout: float | None = None) -> failures.ClosedSteps:
         """Wait for in-flight saves to be committed or failed and done with their staging buffers (at most
         `timeout` seconds, default `visibility_timeout_seconds`: the longest a sent persist task can take to come
         back after a worker crash), then free the buffers. So a `restore()` or `list()` after `close()` sees
-        every save that committed. Returns the steps not final by then; the staging files of those still
-        being persisted are left in place for the workers (deleting them would lose the save), and an error
-        names them. Closing again returns the same steps at once."""
+        every save that committed. Returns a `ClosedSteps`: a tuple of the steps not final by then (`unfinished`;
+        the staging files of those still being persisted are left in place for the workers, deleting them would
+        lose the save, and an error names them), with `failed` (the steps whose save failed; `failures`: why)
+        and `ok`. Under `save_failure_policy` "raise", a failure not raised yet (by `save()` or `pending.wait()`)
+        raises SaveFailed once everything is closed. Closing again returns the same answer at once."""
         if self._closed is not None:
             return self._closed
         limit = self.config.visibility_timeout_seconds if timeout is None else timeout
@@ -495,11 +532,16 @@ class Checkpointer:
         self._gauges.pending(0)
         self._copier.close()
         self._redis.close()
-        self._closed = unfinished
-        return unfinished
+        self._closed = failures.ClosedSteps(unfinished, self._failures.failed())
+        self._failures.report()
+        return self._closed
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+            return
+        with contextlib.suppress(SaveFailed):  # logged when learned; the exception in flight stays the one raised
+            self.close()

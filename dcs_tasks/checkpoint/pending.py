@@ -90,6 +90,7 @@ class PendingCheckpoint:
         dispatch: Future[None] | None = None,
         staged: threading.Event | None = None,
         storage_dir: Location | None = None,
+        failed: str = "",
     ) -> None:
         self.run = run
         self.step = step
@@ -103,9 +104,11 @@ class PendingCheckpoint:
         self._lease = lease
         self._dispatch = dispatch
         self._staged = staged
-        self._status: StepStatus | None = None
-        self._reason = ""
-        if ledger is not None and not skipped:
+        # `failed`: the save failed in the trainer before any task went out (storage unreachable): final at once
+        self._status: StepStatus | None = StepStatus.FAILED if failed else None
+        self._reason = failed
+        self.failure_raised = False  # wait() raised this save's failure: the caller knows (a checkpointer says no more)
+        if ledger is not None and not skipped and not failed:
             IN_FLIGHT.add(self)
 
     def __repr__(self) -> str:
@@ -145,6 +148,16 @@ class PendingCheckpoint:
         if self._staged is not None and not self._staged.wait(timeout):
             raise DCSTimeoutError(f"step {self.step} of run {self.run!r} not copied into staging after {timeout}s")
 
+    def failure(self) -> tuple[str, BaseException | None] | None:
+        """Why this save failed, as last seen (no Redis round trip; `poll()` first): (the worker's reason, or the
+        trainer's own error with its exception), None while it has not failed."""
+        error = self._dispatch_error()
+        if error is not None:
+            return str(error), error
+        if self._status is StepStatus.FAILED:
+            return self._reason, None
+        return None
+
     def done(self) -> bool:
         """True once the step is committed or failed (or the save was skipped)."""
         if self.skipped or self._dispatch_error() is not None:
@@ -159,16 +172,21 @@ class PendingCheckpoint:
         skipped under policy skip) and DCSTimeoutError after `timeout` seconds (None: wait forever)."""
         if self.skipped:
             raise CheckpointFailed(f"step {self.step} of run {self.run!r} was skipped: every staging buffer was busy")
+        if self._ledger is None and self._status is StepStatus.FAILED:
+            self.failure_raised = True
+            raise CheckpointFailed(f"checkpoint step {self.step} of run {self.run!r} failed: {self._reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN_SECONDS
         while True:
             error = self._dispatch_error()
             if error is not None:
+                self.failure_raised = True
                 raise CheckpointFailed(str(error)) from error
             status = self._poll_quietly()
             if status is StepStatus.COMMITTED and self.released:
                 return self._info()
             if status is StepStatus.FAILED:
+                self.failure_raised = True
                 raise CheckpointFailed(f"checkpoint step {self.step} of run {self.run!r} failed: {self._reason}")
             if deadline is not None and time.monotonic() >= deadline:
                 raise DCSTimeoutError(

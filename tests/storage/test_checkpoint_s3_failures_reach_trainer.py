@@ -1,0 +1,144 @@
+"""S3 save failures reach the trainer, against a real S3 server (OpenStack Swift + s3api), real redis-server and real
+`dcs worker` processes: credentials S3 refuses to the worker end the README's own trainer with SaveFailed naming the
+refusal (it used to exit 0 with nothing saved), and an S3 outage mid-run costs the saves made while it lasts, not
+the training run: no exception from `save()`, a warning and `dcs_ckpt_save_failures_total{kind="storage_unavailable"}`,
+and the next save after the server is back commits."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dcs_tasks import Checkpointer
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import CheckpointFailed
+from tests.checkpoint_support import start_worker, training_state
+from tests.helpers.procs import WorkerProcess
+from tests.helpers.s3server import S3Server
+from tests.integration.readme_trainer import failures_counted, run_readme_trainer, trainer_env
+from tests.storage.conftest import S3Bucket, s3_client
+from tests.storage.s3_support import ROOT, objects, s3_config, use_bucket
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for w in started:
+        w.discard()
+
+
+@pytest.fixture
+def own_bucket(own_s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """A bucket on a private S3 server this test may stop and start."""
+    name = f"dcs-outage-{uuid.uuid4().hex[:12]}"
+    s3_client(own_s3_server).create_bucket(Bucket=name)
+    bucket = S3Bucket(
+        endpoint_url=own_s3_server.endpoint_url,
+        access_key=own_s3_server.access_key,
+        secret_key=own_s3_server.secret_key,
+        region=own_s3_server.region,
+        bucket=name,
+        server=own_s3_server,
+    )
+    return use_bucket(bucket, monkeypatch)
+
+
+def share_bucket(bucket: S3Bucket, user: str, *, grant: bool) -> None:
+    """Grant (or revoke) `user` reading and writing `bucket`, multipart parts included (Swift container ACLs, set
+    by the owner): what a bucket policy change does to a worker's credentials."""
+    token, storage_url = bucket.server.swift_token()
+    verify = bucket.server.ca_bundle or True
+    with httpx.Client(timeout=10, verify=verify) as client:
+        for container in (bucket.bucket, f"{bucket.bucket}+segments"):
+            if grant:
+                headers = {"X-Auth-Token": token, "X-Container-Read": user, "X-Container-Write": user}
+                client.put(f"{storage_url}/{container}", headers=headers).raise_for_status()
+            else:
+                headers = {"X-Auth-Token": token, "X-Remove-Container-Read": "x", "X-Remove-Container-Write": "x"}
+                client.post(f"{storage_url}/{container}", headers=headers).raise_for_status()
+
+
+def test_the_readme_trainer_fails_naming_the_refusal_when_s3_refuses_the_workers_credentials(
+    dcs_config: DCSConfig,
+    tmp_path: Path,
+    aws_env: S3Bucket,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: list[WorkerProcess],
+) -> None:
+    """The worker signs as a user the bucket stopped granting writes after the worker started (its start-up check
+    passed), the trainer as the owner: every upload is refused (StorageAccessDenied). The README trainer used to
+    exit 0 with nothing saved; now its next save raises SaveFailed naming step 0 and the refusal, no secret in it."""
+    config = s3_config(dcs_config, tmp_path, aws_env, root="fleet")
+    server = aws_env.server
+    share_bucket(aws_env, server.other_access_key, grant=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.other_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.other_secret_key)
+    workers.append(start_worker(config, tmp_path))
+    share_bucket(aws_env, server.other_access_key, grant=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret_key)
+    trainer_env(monkeypatch, config)
+    run = run_readme_trainer(steps=250)
+    assert isinstance(run.raised, CheckpointFailed), f"ended by {run.raised!r}, close() returned {run.closed!r}"
+    message = str(run.raised)
+    assert getattr(run.raised, "step", None) == 0, message
+    assert getattr(run.raised, "error_type", None) == "StorageAccessDenied", message
+    assert "step 0 of run 'exp1'" in message
+    assert server.other_secret_key not in message and aws_env.secret_key not in message
+    print(f"StorageAccessDenied of step 0 raised after {run.steps_trained} steps, {run.seconds_after_save(0):.2f} s")
+    assert objects(aws_env) == {}
+
+
+def test_an_s3_outage_mid_run_fails_only_the_saves_made_during_it_and_the_next_save_commits(
+    dcs_config: DCSConfig,
+    tmp_path: Path,
+    own_bucket: S3Bucket,
+    workers: list[WorkerProcess],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The S3 server stops between two saves: the save made while it is down raises nothing (it used to raise
+    StorageUnavailable out of `save()`, ending the training run); its handle's wait() says why, a warning names
+    the step, the counter counts it. Once the server is back, the next save commits, and close() lists the lost
+    step as failed, none as unfinished, and raises nothing."""
+    config = s3_config(
+        dcs_config,
+        tmp_path,
+        own_bucket,
+        s3_max_attempts=2,
+        s3_connect_timeout_seconds=1.0,
+        max_retries=1,
+    )
+    workers.append(start_worker(config, tmp_path))
+    state = training_state()
+    before = failures_counted("storage_unavailable")
+    caplog.set_level(logging.WARNING)
+    with Checkpointer("outage", config) as ckpt:
+        ckpt.save(state, step=1).wait(timeout=60)
+        own_bucket.server.stop()
+        started = time.monotonic()
+        lost = ckpt.save(state, step=2)  # storage is down: this save is lost, training is not
+        stall = time.monotonic() - started
+        with pytest.raises(CheckpointFailed, match="StorageUnavailable"):
+            lost.wait(timeout=60)
+        assert failures_counted("storage_unavailable") - before == 1
+        logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("step 2 of run 'outage' was not saved: storage unavailable" in m for m in logged), logged
+        own_bucket.server.start()
+        info = ckpt.save(state, step=3).wait(timeout=120)  # the next save tries again, and commits
+        assert info.step == 3
+        closed = ckpt.close()
+    print(f"save() during the outage returned after {stall:.2f} s without raising")
+    assert closed.failed == (2,) and closed.unfinished == () and closed.failures[0].transient
+    assert sorted(
+        k.rsplit("/", 2)[-2] for k in objects(own_bucket, f"{ROOT}/outage/") if k.endswith("manifest.json")
+    ) == [
+        "step-000000001",
+        "step-000000003",
+    ]
