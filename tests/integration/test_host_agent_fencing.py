@@ -99,7 +99,8 @@ async def test_an_adopt_with_a_wrong_identity_does_not_displace_a_live_node(
     path = agent_socket_path(config)
     api = CoordinatorAPI(config.base_url, TOKEN, timeout=10)
     port = free_port()
-    liveness = NodeLiveness(api, config, RoleInfo(role_name="receiver", rank=0, ip="127.0.0.1", port=port))
+    node = RoleInfo(role_name="receiver", rank=0, ip="127.0.0.1", port=port)
+    liveness = NodeLiveness(api, config, node, lease_s=5.0)  # fresh throughout, even on a loaded machine
     try:
         assert (await liveness.register()).identity == f"127.0.0.1:{port}" and liveness.via_agent
         liveness.start()
