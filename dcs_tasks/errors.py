@@ -11,6 +11,24 @@ class ConfigError(DCSError, ValueError):
     """A setting is missing or invalid."""
 
 
+class InvalidStorageURL(ConfigError):
+    """A storage root (`DCS_CHECKPOINT_DIR`, `DCS_REPLICA_DIR`, `--dir`) looks like a URL but is not exactly
+    `s3://bucket[/prefix]` or `file:///absolute/path` (`s3:/bucket`, `s3//bucket`, `S3://...`, `gs://...`): it is
+    refused instead of being read as a local folder. A local folder whose name holds a colon is written `./name`."""
+
+
+class SettingsMismatch(ConfigError):
+    """The trainer's settings and those of the `dcs worker` serving its host disagree on where or how checkpoints
+    are written (checkpoint root, store, memory tier): saves would fail on the worker or silently differ. The
+    message names each setting, both values and which process to change."""
+
+
+class PreflightFailed(DCSError):
+    """A start-up check found a setting the host cannot honour (memory tier bigger than its directory's file
+    system, a checkpoint root that cannot be written, an object store that refuses the credentials or has no such
+    bucket). The message names the setting and how to fix it."""
+
+
 class UnsafeHostDirectory(DCSError):
     """A host-local directory or socket DCS would use (the private runtime directory, staging, the memory tier,
     the host agent's socket) is not private to this user: a symlink, not a directory, owned by another uid, or
@@ -89,6 +107,12 @@ class SaveFailed(CheckpointFailed):
 
 def _rebuild_save_failed(message: str, step: int, error_type: str, steps: tuple[int, ...]) -> SaveFailed:
     return SaveFailed(message, step=step, error_type=error_type, steps=steps)
+
+
+class RunNameTaken(CheckpointError):
+    """A save's step is recorded as committed in Redis for this run name, but not under this checkpoint root:
+    the name was used before with another `checkpoint_dir` (or its files were removed). Use a new run name or
+    `DCS_NAMESPACE` to start fresh, or the old root to continue."""
 
 
 class CheckpointNotFound(CheckpointError):

@@ -152,3 +152,8 @@ class Keys:
     def worker_presence(self, queue: str) -> str:
         """K present while a worker consumes `queue` (TTL refreshed by the worker)."""
         return self._k("worker", queue)
+
+    def worker_settings(self, queue: str) -> str:
+        """K JSON of the settings the worker consuming `queue` uses and a trainer must share (checkpoint root,
+        staging and memory tier: `dcs_tasks.checkpoint.agreement.WorkerSettings`); TTL as worker_presence."""
+        return self._k("worker-settings", queue)

@@ -1,9 +1,12 @@
 """Where checkpoints live: a storage root named by a URL.
 
 `DCS_CHECKPOINT_DIR` (and `DCS_REPLICA_DIR`) take a bare path or `file://` URL (a POSIX directory: local disk or
-a shared file system) or `s3://bucket/prefix` (an S3 or S3-compatible object store). Any other scheme is a
-`ConfigError`: before this module, `s3://b/p` was read as the relative folder `s3:/b/p` and a user got local
-files and no error.
+a shared file system) or `s3://bucket/prefix` (an S3 or S3-compatible object store). Anything that looks like a
+URL and is not exactly one of those two forms is an `InvalidStorageURL`: another scheme (`gs://`), a mistyped one
+(`s3:/bucket`, `s3//bucket`, `s3:bucket`, `S3://bucket`, `file:/data`), since read as a path each would quietly
+become a local folder and every save would "succeed" there. "Looks like a URL": the value starts with a scheme
+and a colon (`name:`), or with a known scheme name followed by `//`. A local folder whose first name holds a
+colon is written `./name:x`.
 
 Object keys are checked as hostile input both when a root is configured and when they come back from a listing:
 no empty, `.` or `..` component, no backslash or control character, bounded length (S3's own limit is 1024 bytes).
@@ -15,11 +18,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.errors import ConfigError
+from dcs_tasks.errors import ConfigError, InvalidStorageURL
 
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", re.ASCII)
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+SCHEME_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")  # any `name:` start: a URL, typed right or not
+KNOWN_SCHEMES = ("s3", "s3a", "s3n", "file", "gs", "gcs", "az", "abfs", "abfss", "wasb", "hdfs", "http", "https")
+MISSING_COLON = re.compile(rf"^({'|'.join(KNOWN_SCHEMES)})//", re.IGNORECASE)  # `s3//bucket`
 BAD_KEY_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
@@ -54,12 +60,16 @@ class ObjectURL:
 
     @classmethod
     def parse(cls, url: str) -> ObjectURL:
-        match = SCHEME.match(url)
-        if match is None or match.group(1).lower() != "s3":
-            raise ConfigError(f"{url[:256]!r} is not an s3:// URL")
-        rest = url[match.end() :]
-        bucket, _, prefix = rest.partition("/")
-        return cls(bucket=bucket, prefix=prefix.strip("/"))
+        """`s3://bucket[/prefix][/]` exactly (lower-case scheme, no empty key component); InvalidStorageURL
+        (a ConfigError) otherwise."""
+        if not url.startswith("s3://"):
+            raise InvalidStorageURL(f"{url[:256]!r} is not an s3:// URL (s3://bucket/prefix)")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        prefix = prefix[:-1] if prefix.endswith("/") else prefix  # one trailing slash is harmless
+        try:
+            return cls(bucket=bucket, prefix=prefix)
+        except ConfigError as exc:
+            raise InvalidStorageURL(f"{url[:256]!r}: {exc} (write s3://bucket/prefix)") from None
 
     def key(self, *parts: str) -> str:
         """The key of `parts` (relative names) under this prefix."""
@@ -78,18 +88,37 @@ def parse_root(value: object) -> StorageRoot:
         return value
     if not isinstance(value, str):
         raise ConfigError(f"a storage root is a path or a URL, not {type(value).__name__}")
-    match = SCHEME.match(value)
-    if match is None:
-        return Path(value)
-    scheme = match.group(1).lower()
-    if scheme == "file":
-        path = value[match.end() :]
-        if not path.startswith("/"):
-            raise ConfigError(f"{value[:256]!r}: a file:// URL names an absolute path (file:///data/ckpt)")
-        return Path(path)
-    if scheme == "s3":
+    if value.startswith("s3://"):
         return ObjectURL.parse(value)
-    raise ConfigError(f"storage URL {value[:256]!r}: scheme {scheme!r} is not supported (a path, file:// or s3://)")
+    if value.startswith("file://"):
+        path = value[len("file://") :]
+        if not path.startswith("/"):
+            raise InvalidStorageURL(f"{value[:256]!r}: a file:// URL names an absolute path (file:///data/ckpt)")
+        return Path(path)
+    _refuse_url_like(value)
+    return Path(value)
+
+
+def _refuse_url_like(value: str) -> None:
+    """InvalidStorageURL when `value`, not an exact `s3://` or `file://` URL, still looks like a URL."""
+    shown = value[:256]
+    match = SCHEME.match(value)
+    if match is not None:
+        scheme = match.group(1)
+        if scheme.lower() in ("s3", "file"):  # S3://, File://
+            raise InvalidStorageURL(f"storage URL {shown!r}: write the scheme in lower case ({scheme.lower()}://)")
+        raise InvalidStorageURL(f"storage URL {shown!r}: scheme {scheme!r} is not supported (a path, file:// or s3://)")
+    colon = SCHEME_COLON.match(value)
+    if colon is not None:  # s3:/bucket, s3:bucket, file:/data
+        raise InvalidStorageURL(
+            f"storage root {shown!r} looks like a URL but is not one: write s3://bucket/prefix or "
+            f"file:///absolute/path (for a local folder whose name holds a colon, write './{shown}')"
+        )
+    if MISSING_COLON.match(value):  # s3//bucket
+        raise InvalidStorageURL(
+            f"storage root {shown!r} looks like a URL with its colon missing: write s3://bucket/prefix or "
+            f"file:///absolute/path (for a local folder of that name, write './{shown}')"
+        )
 
 
 def is_object_store(root: object) -> bool:

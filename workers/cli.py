@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from celery import signals
@@ -34,6 +35,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     overrides = {"node_name": args.node_name} if args.node_name else {}
     config = DCSConfig(**overrides)
+    if not _preflight(config):
+        return 1
     prepare_multiprocess_dir(config)  # before prometheus_client is imported (by the task modules)
     from workers.app import make_worker_app
 
@@ -61,6 +64,23 @@ def run(args: argparse.Namespace) -> int:
         if restart.should_restart():
             restart.reexec(args.max_restarts - 1)
     return 0
+
+
+def _preflight(config: DCSConfig) -> bool:
+    """The start-up checks (`dcs_tasks.checkpoint.preflight`): False, after one line on stderr, when the host
+    cannot honour the settings; a problem that may pass (an object store down) is logged as a warning."""
+    from dcs_tasks.checkpoint import preflight
+    from dcs_tasks.errors import PreflightFailed
+
+    try:
+        findings = preflight.require(config)
+    except PreflightFailed as exc:
+        print(f"dcs worker: {config.scrub(str(exc))}", file=sys.stderr, flush=True)
+        return False
+    for found in findings:
+        if not found.ok:
+            log.warning("pre-flight: %s", config.scrub(found.problem))
+    return True
 
 
 def _restore_orphans(app: Any, config: DCSConfig) -> None:

@@ -22,10 +22,15 @@ PRESENCE_TTL_SECONDS = 5.0
 
 
 class PresenceBeacon:
-    def __init__(self, client: redis.Redis, keys: Keys, queues: list[str], worker_name: str) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, queues: list[str], worker_name: str, settings: str | None = None
+    ) -> None:
+        """`settings`: JSON of what this worker uses (`dcs_tasks.checkpoint.agreement`), published with presence
+        under `Keys.worker_settings` of each queue, so a trainer can check it agrees."""
         self._client = client
         self._keys = [keys.worker_presence(q) for q in queues]
         self._value = f"{worker_name} pid={os.getpid()}"
+        self._settings = {keys.worker_settings(q): settings for q in queues} if settings is not None else {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcs-presence", daemon=True)
 
@@ -37,7 +42,7 @@ class PresenceBeacon:
         self._stop.set()
         self._thread.join(timeout=2 * PRESENCE_REFRESH_SECONDS)
         try:
-            self._client.delete(*self._keys)
+            self._client.delete(*self._keys, *self._settings)
         except redis.RedisError as exc:
             log.warning("could not clear worker presence keys: %s", exc)
 
@@ -46,6 +51,8 @@ class PresenceBeacon:
         pipe = self._client.pipeline(transaction=False)
         for key in self._keys:
             pipe.set(key, self._value, px=ttl_ms)
+        for key, settings in self._settings.items():
+            pipe.set(key, settings, px=ttl_ms)
         pipe.execute()
 
     def _run(self) -> None:

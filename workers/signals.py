@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import signals
 
+from dcs_tasks.checkpoint.agreement import effective
 from dcs_tasks.storage import s3_settings
 from dcs_tasks.storage.s3 import prewarm
 from dcs_tasks.storage_url import ObjectURL
@@ -29,7 +30,8 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _beacon
     rt = runtime()
     queues = [q.name for q in sender.app.amqp.queues.consume_from.values()]
-    _beacon = PresenceBeacon(rt.redis, rt.keys, queues, worker_name=str(sender.hostname))
+    settings = effective(rt.config, worker=f"{sender.hostname} pid={os.getpid()}").model_dump_json()
+    _beacon = PresenceBeacon(rt.redis, rt.keys, queues, worker_name=str(sender.hostname), settings=settings)
     _beacon.start()
     start_exporter(rt.config)
     start_host_agent(rt.config)  # trainers, receivers and attach sidecars of this host beat through it

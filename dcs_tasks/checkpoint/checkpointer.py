@@ -33,7 +33,7 @@ from celery import Celery
 
 from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint import dispatch, failures, replicas
+from dcs_tasks.checkpoint import agreement, dispatch, failures, replicas
 from dcs_tasks.checkpoint.format.layout import (
     ChunkSums,
     Layout,
@@ -111,6 +111,7 @@ class Checkpointer:
         )
         self._keys = Keys(self.config.namespace)
         self._redis = sync_client(self.config)  # a Sentinel URL follows the current master
+        agreement.require_agreement(self.config, self._redis, self._keys, celery_app)
         self._ledger = StepLedger(self._redis, self._keys)
         self._app = celery_app or make_celery(self.config)
         self._pool = StagingPool(

@@ -22,7 +22,7 @@ from dcs_tasks.checkpoint.state.structure import FlatState
 from dcs_tasks.checkpoint.store.ledger import StepLedger, Verdict
 from dcs_tasks.checkpoint.store.payloads import PersistRequest, RetentionPolicy, StepRef
 from dcs_tasks.config import CheckpointCompression, DCSConfig
-from dcs_tasks.errors import CheckpointError, CheckpointFailed, NoWorkerError
+from dcs_tasks.errors import CheckpointError, CheckpointFailed, NoWorkerError, RunNameTaken
 from dcs_tasks.keys import Keys
 from dcs_tasks.storage import Location
 
@@ -70,8 +70,14 @@ def open_step(
     ref = StepRef(run=shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(step_dir))
     abandoned_after = config.abandoned_save_seconds()
     verdict = ledger.begin(shard_run, step, ref.token, files, draft, abandoned_after)
-    if verdict is Verdict.COMMITTED:
-        raise CheckpointError(f"step {step} of run {run!r} is already committed; save under a new step")
+    if verdict is Verdict.COMMITTED:  # the ledger has it, yet neither directory holds it (checked above)
+        raise RunNameTaken(
+            f"step {step} of run {run!r} is recorded as committed in Redis (namespace {config.namespace!r}), but "
+            f"{step_dir} holds no such step: the run name was used before under another checkpoint directory (or "
+            "that run's files were removed). To start fresh, give this run a new name, or run with another "
+            f"DCS_NAMESPACE; to continue the old run, use its DCS_CHECKPOINT_DIR (`dcs ckpt list --run {run} "
+            "--dir OLD_DIR` shows its steps)"
+        )
     if verdict is Verdict.BUSY:
         raise CheckpointError(
             f"step {step} of run {run!r} is still being persisted (an attempt that never finishes is "

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from dcs_tasks.cli.readers import read_by
 from dcs_tasks.config import MASK, DCSConfig, mask_url_credentials
 
 
@@ -51,10 +52,11 @@ def rows(config: DCSConfig) -> list[tuple[str, str, str, str, str]]:
 def run(args: argparse.Namespace) -> int:
     config = DCSConfig()  # invalid settings: `dcs` prints one line each, without the values (dcs_tasks.cli.main)
     if args.markdown:
-        print("| setting | environment | type | default | description |\n| --- | --- | --- | --- | --- |")
+        print("| setting | environment | read by | type | default | description |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name, env, kind, default, _ in rows(config):
             doc = " ".join((DCSConfig.model_fields[name].description or "").split()).replace("|", "\\|")
-            print(f"| `{name}` | `{env}` | {kind.replace('|', 'or')} | `{default}` | {doc} |")
+            print(f"| `{name}` | `{env}` | {read_by(name)} | {kind.replace('|', 'or')} | `{default}` | {doc} |")
         return 0
     width = max(len(env) for _, env, *_ in rows(config))
     for _, env, _, default, value in rows(config):

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "receiver": "dcs_tasks.sync.receiver.cli",
     "engine": "dcs_tasks.cli.engine",
     "config": "dcs_tasks.cli.config",
+    "doctor": "dcs_tasks.cli.doctor",
     "up": "dcs_tasks.cli.up",
     "demo": "dcs_tasks.cli.demo",
 }

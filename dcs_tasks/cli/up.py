@@ -1,7 +1,10 @@
 """`dcs up`: the whole DCS stack on this machine in the foreground, until Ctrl-C (or SIGTERM/SIGHUP).
 
 Prints the URLs and the `DCS_*` variables a trainer needs, the token masked; the full values go to a
-0600 env file (`set -a; . FILE; set +a`), removed again at stop because the token dies with the stack.
+0600 env file (`set -a; . FILE; set +a`), removed again at stop because the token dies with the stack. The file
+carries the stack's own variables and every `DCS_*` setting `dcs up` was started with, since the worker reads
+several settings the trainer must share (checkpoint root, memory tier: `dcs_tasks.checkpoint.agreement`). A
+`DCS_REDIS_URL` that does not answer is reported within seconds (`LocalStack`), before anything is started.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from dcs_tasks.config import DCSConfig, mask_url_credentials
@@ -51,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workdir: Path = args.workdir.resolve()
     config = DCSConfig()
+    started_with = set(config.model_fields_set)  # the DCS_* settings of this environment
     if "checkpoint_dir" not in config.model_fields_set:
         config = config.model_copy(update={"checkpoint_dir": workdir / "checkpoints"})
     stack = LocalStack(
@@ -68,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(f"dcs up: starting in {workdir} (logs in {stack.logs}) ...", flush=True)
             with stack:
-                write_env_file(env_file, stack)
-                print_summary(stack, env_file)
+                write_env_file(env_file, stack, started_with)
+                print_summary(stack, env_file, started_with)
                 watch(stack)
         except (KeyboardInterrupt, StackInterrupted):
             print("dcs up: stopped", flush=True)
@@ -82,19 +87,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def trainer_env(stack: LocalStack) -> dict[str, str]:
-    """The `DCS_*` variables a trainer on this host needs, with their real values."""
+def trainer_env(stack: LocalStack, started_with: Iterable[str] = ()) -> dict[str, str]:
+    """The `DCS_*` variables a trainer on this host needs, with their real values: the stack's own
+    (TRAINER_VARS) and every setting `dcs up` was started with (`started_with`: field names), so that a trainer
+    sourcing the file reads what the worker reads (the memory tier, the storage cadence, S3 settings...)."""
     env = stack.config.to_env()
     env.setdefault("DCS_NODE_NAME", stack.config.host_name)
-    return {name: env[name] for name in TRAINER_VARS if name in env}
+    names = list(TRAINER_VARS) + [f"DCS_{field.upper()}" for field in sorted(started_with)]
+    return {name: env[name] for name in dict.fromkeys(names) if name in env}
 
 
-def write_env_file(path: Path, stack: LocalStack) -> None:
-    lines = [f"{name}={shlex.quote(value)}" for name, value in trainer_env(stack).items()]
+def write_env_file(path: Path, stack: LocalStack, started_with: Iterable[str] = ()) -> None:
+    lines = [f"{name}={shlex.quote(value)}" for name, value in trainer_env(stack, started_with).items()]
     write_private(path, "\n".join(lines) + "\n")
 
 
-def print_summary(stack: LocalStack, env_file: Path) -> None:
+def print_summary(stack: LocalStack, env_file: Path, started_with: Iterable[str] = ()) -> None:
     print(f"  coordinator  {stack.coordinator_url}   (GET /healthz, /health, /topology with the token)")
     print(f"  redis        {mask_url_credentials(stack.config.redis_url)}")
     print(f"  worker       1 (`dcs worker --pool=threads`), node queue dcs.node.{stack.config.host_name}")
@@ -105,7 +113,7 @@ def print_summary(stack: LocalStack, env_file: Path) -> None:
     if stack.config.enable_metrics and stack.config.metrics_port:
         print(f"  metrics      http://{stack.config.metrics_host}:{stack.config.metrics_port}/metrics (worker)")
     print("a trainer on this host needs (full values, token included, in the 0600 file below):")
-    for name, value in trainer_env(stack).items():
+    for name, value in trainer_env(stack, started_with).items():
         shown = "***" if name == "DCS_AUTH_TOKEN" else mask_url_credentials(value)
         print(f"  {name}={shown}")
     print(f"  set -a; . {env_file}; set +a")

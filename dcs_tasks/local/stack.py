@@ -35,6 +35,7 @@ from dcs_tasks.local.procs import (
 )
 
 LOOPBACK = "127.0.0.1"
+REDIS_CHECK_SECONDS = 3.0  # how long `dcs up` waits for a given DCS_REDIS_URL to answer PING
 
 
 def write_private(path: Path, text: str) -> None:
@@ -201,6 +202,8 @@ class LocalStack:
             self.redis = LocalRedis(self.workdir / "redis")
             self.redis.start(self.timeout)
             self.config = self.config.model_copy(update={"redis_url": self.redis.url})
+        else:
+            self._check_given_redis()
         coordinator = self._spawn("coordinator", ["coordinator", "--log-level", "warning"])
         worker = self._spawn(
             "worker", ["worker", f"--concurrency={self.worker_concurrency}", "--pool=threads", "--loglevel=INFO"]
@@ -213,6 +216,29 @@ class LocalStack:
             receiver.wait_until(functools.partial(self._registered, rank), self.timeout, "registration as rollout")
         if flower is not None:
             flower.wait_until(lambda: self._answers(f"{self.flower_url}/healthcheck"), self.timeout, "Flower")
+
+    def _check_given_redis(self) -> None:
+        """LocalStackError within a few seconds when the Redis of `DCS_REDIS_URL` does not answer: before, every
+        process was started against it and the worker blamed after the full timeout."""
+        import redis
+
+        from dcs_tasks.config import mask_url_credentials
+        from dcs_tasks.redisconn import sync_client
+
+        timeout = min(REDIS_CHECK_SECONDS, self.config.redis_socket_timeout_seconds)
+        client = sync_client(self.config, socket_timeout=timeout)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise LocalStackError(
+                f"Redis at {mask_url_credentials(self.config.redis_url)} does not answer "
+                f"({self.config.scrub(str(exc))[:200]}). That URL comes from DCS_REDIS_URL in this environment "
+                "(a dcs.env of an earlier `dcs up` sourced in this shell points at a Redis that stopped with it): "
+                "unset it (`unset $(compgen -v DCS_)` clears every DCS_ setting) to let `dcs up` start its own "
+                "Redis, or start the Redis it names"
+            ) from None
+        finally:
+            client.close()
 
     def _spawn(self, name: str, args: list[str], extra: dict[str, str] | None = None) -> Service:
         env = child_environ(self.config.to_env(), extra)

@@ -18,9 +18,9 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import SUM_CHUNK_BYTES
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import (
-    CheckpointFailed,
     ConfigError,
     CorruptCheckpoint,
+    NoWorkerError,
     StorageAccessDenied,
 )
 from tests.checkpoint_support import assert_same_state, start_worker, training_state
@@ -150,19 +150,22 @@ def test_a_worker_killed_mid_upload_leaves_no_half_step_and_the_redelivery_commi
     assert open_uploads(aws_env) == []
 
 
-def test_wrong_credentials_fail_the_save_with_access_denied_and_nothing_is_written(
+def test_wrong_credentials_stop_the_worker_at_start_with_access_denied_and_nothing_is_written(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, monkeypatch: pytest.MonkeyPatch, worker_cleanup: list
 ) -> None:
+    """The worker's start-up check (`dcs_tasks.checkpoint.preflight`) refuses credentials that may not write the
+    root: no worker serves the host, so the trainer's save raises NoWorkerError at once."""
     config = s3_config(dcs_config, tmp_path, aws_env)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.server.other_access_key)  # a user without rights on the bucket
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.server.other_secret_key)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    with pytest.raises(RuntimeError, match="worker exited with 1") as refused:
+        worker_cleanup.append(start_worker(config, tmp_path))
+    assert "StorageAccessDenied" in str(refused.value) and aws_env.server.other_secret_key not in str(refused.value)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.access_key)  # the trainer itself may read
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret_key)
     with Checkpointer("denied", config) as ckpt:
-        with pytest.raises(CheckpointFailed, match=r"AccessDenied|access|credentials") as failed:
-            ckpt.save(training_state(), step=1).wait(timeout=120)
-        assert aws_env.server.other_secret_key not in str(failed.value)
+        with pytest.raises(NoWorkerError):
+            ckpt.save(training_state(), step=1)
         assert ckpt.list() == []
     assert objects(aws_env) == {}
 
