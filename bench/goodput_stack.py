@@ -114,7 +114,7 @@ class Stack:
 
     def config(self, host: str, **settings: Any) -> DCSConfig:
         staging = self.shm / "staging" / host
-        staging.mkdir(parents=True, exist_ok=True)
+        staging.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: DCS refuses a staging dir open to others
         base = DCSConfig(
             redis_url=self.redis_url,
             node_name=host,

@@ -285,10 +285,10 @@ class DCSConfig(BaseSettings):
     else:
         runtime_dir: Path | None = None
         """This user's private directory for everything DCS makes on a host (default: `/dev/shm/dcs-<uid>`, the
-        effective uid): the host agent's socket, and by default staging (`<runtime_dir>/staging`), the memory
-        tier (`<runtime_dir>/memory`) and the worker's metrics files. Made with mode 0700; one that exists must be
-        a directory (no link) owned by this uid (or `host_trusted_uid`) with no group or other permissions, or
-        DCS refuses it (UnsafeHostDirectory)."""
+        effective uid): the host agent's socket and its lock, and by default staging (`<runtime_dir>/staging`)
+        and the memory tier (`<runtime_dir>/memory`). Made with mode 0700; one that exists must be a directory
+        (no link) owned by this uid (or `host_trusted_uid`) with no group or other permissions, or DCS refuses it
+        (UnsafeHostDirectory)."""
     host_trusted_uid: int | None = Field(default=None, ge=0)
     """One more uid whose directories and host agent this process trusts besides its own (None: only its own);
     e.g. 0 in a trainer whose host's `dcs worker` runs as root, and the trainer's uid in that worker."""

@@ -41,7 +41,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import socket
+import stat
+import struct
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +75,10 @@ RENEW_CAP_S = 1.0  # a process renews its lease every min(1 s, interval / 2) ...
 LEASE_RENEWALS = 3  # ... and the lease lasts three renewals
 MIN_LEASE_MS, MAX_LEASE_MS = 50, 600_000
 CONNECT_TIMEOUT_S = 1.0
+LEGACY_SOCKET_DIR = Path("/dev/shm")  # where agents listened before the runtime directory (`sweep_legacy_sockets`)
+MAX_SWEPT = 4096  # sockets one sweep looks at
+_CRED_SIZE = struct.calcsize("3i")  # struct ucred: pid, uid, gid
+_warned_squatters: set[tuple[str, int]] = set()
 
 
 class AgentUnusable(DCSError):
@@ -85,6 +92,61 @@ def agent_socket_path(config: DCSConfig) -> Path:
         return config.host_agent_socket
     scope = "\n".join((config.base_url, config.redis_url, config.namespace, config.host_name))
     return hostdirs.runtime_path(config) / f"agent-{hashlib.sha256(scope.encode()).hexdigest()[:16]}.sock"
+
+
+def lock_path(socket_path: Path) -> Path:
+    """The lock an agent holds while it serves `socket_path`: a socket whose lock is free is a dead worker's."""
+    return socket_path.with_name(socket_path.name + ".lock")
+
+
+def sweep_stale_sockets(directory: Path) -> list[Path]:
+    """Remove the agent sockets in `directory` (a checked private directory) that no live agent holds: those of
+    workers that were killed (their lock is free). Returns those removed."""
+    removed: list[Path] = []
+    for path in sorted(directory.glob("agent-*.sock"))[:MAX_SWEPT]:
+        fd = hostdirs.try_lock(lock_path(path))
+        if fd is None:  # a live agent serves it
+            continue
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+            lock_path(path).unlink(missing_ok=True)  # while held: `try_lock` copes with a removed lock file
+        finally:
+            os.close(fd)
+    return removed
+
+
+def sweep_legacy_sockets(directory: Path = LEGACY_SOCKET_DIR) -> list[Path]:
+    """Remove this uid's agent sockets in the shared `directory` (where agents listened before the runtime
+    directory) that no agent answers any more. Another user's are never touched."""
+    removed: list[Path] = []
+    for path in sorted(directory.glob("dcs-agent-*.sock"))[:MAX_SWEPT]:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:  # nobody listens: the socket of a killed worker
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return removed
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of the connected Unix socket `sock` (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED_SIZE))
+    return int(uid)
 
 
 def renew_period(config: DCSConfig) -> float:
@@ -150,6 +212,23 @@ def raise_coordinator_error(status: int, detail: str) -> None:
     raise CoordinatorError(detail, status)
 
 
+def _check_peer(path: Path, sock: socket.socket, uids: frozenset[int]) -> None:
+    """AgentUnusable, before anything is sent, when the process at `path` runs as a uid not in `uids`: another
+    local user squats the agent's path (warned once per path and uid)."""
+    uid = peer_uid(sock)
+    if uid in uids:
+        return
+    why = (
+        f"the process listening at {path} runs as uid {uid}, not as this process's uid {os.geteuid()} (or "
+        "DCS_HOST_TRUSTED_UID): nothing was sent to it (not the token); another local user may squat the host "
+        "agent's path. Remove it, or set DCS_RUNTIME_DIR / DCS_HOST_AGENT_SOCKET to a directory of your own"
+    )
+    if (str(path), uid) not in _warned_squatters:
+        _warned_squatters.add((str(path), uid))
+        log.warning("host agent refused: %s", why)
+    raise AgentUnusable(why)
+
+
 class _Link:
     """One connection to the agent (one node)."""
 
@@ -162,15 +241,21 @@ class _Link:
         self.timeout = timeout
 
     @classmethod
-    async def open(cls, path: Path, timeout: float) -> _Link:
+    async def open(cls, path: Path, timeout: float, uids: frozenset[int] | None = None) -> _Link:
+        """A connection to the agent at `path`, once the process listening there proved to run as one of `uids`
+        (SO_PEERCRED; default: this process's euid): nothing, the token least of all, is sent to a socket
+        another local user made."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):  # not wait_for: it can swallow a cancel (aiotask.py)
                 await asyncio.get_running_loop().sock_connect(sock, str(path))
+            _check_peer(path, sock, uids if uids is not None else frozenset({os.geteuid()}))
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_MESSAGE_BYTES)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, AgentUnusable) as exc:
             sock.close()
+            if isinstance(exc, AgentUnusable):
+                raise
             raise AgentUnusable(f"no host agent answers at {path}: {exc!r}") from exc
         return cls(reader, writer, sock, timeout)
 
@@ -273,7 +358,7 @@ class NodeLiveness:
 
     async def _agent_hello(self, op: Literal["register", "adopt"]) -> RegisterResponse:
         assert self.path is not None
-        link = await _Link.open(self.path, answer_timeout(self.config))
+        link = await _Link.open(self.path, answer_timeout(self.config), hostdirs.allowed_uids(self.config))
         hello = AgentHello(
             v=PROTOCOL_VERSION,
             op=op,

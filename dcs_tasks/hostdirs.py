@@ -30,11 +30,14 @@ Contract (other modules build on these; paths are never resolved through links):
 - `check_socket(path, allowed_uids=None) -> bool`: a host agent's socket path before binding: False when
   nothing is there, True for a socket owned by an allowed uid, `UnsafeHostDirectory` for anything else (another
   user's socket, a file, a link).
+- `try_lock(path) -> int | None`: an exclusive `flock` on a lock file (the fd; None while another process holds
+  it), safe against a holder that removes the file before letting go.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Iterable
@@ -153,3 +156,25 @@ def check_socket(path: Path, allowed_uids: Iterable[int] | None = None) -> bool:
     if st.st_uid not in _uids(allowed_uids):
         raise _refuse(path, f"is a socket owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
     return True
+
+
+def try_lock(path: Path, attempts: int = 16) -> int | None:
+    """An exclusive `flock` on the file `path` (made 0600 when missing, never opened through a link): its fd, or
+    None when another process holds it. The lock is on the file `path` names when this returns, so a holder may
+    remove the file before it lets go (one that was removed meanwhile is opened anew, at most `attempts` times)."""
+    for _ in range(attempts):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            named = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            named = None
+        held = os.fstat(fd)
+        if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+    return None

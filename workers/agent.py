@@ -20,7 +20,6 @@ import contextlib
 import hmac
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dcs_tasks import hostdirs
 from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
@@ -40,6 +40,9 @@ from dcs_tasks.hostagent import (
     AgentRequest,
     agent_socket_path,
     encode,
+    lock_path,
+    sweep_legacy_sockets,
+    sweep_stale_sockets,
 )
 from dcs_tasks.models import BeatOutcome, RegisterResponse
 
@@ -79,8 +82,8 @@ def _registered(answer: RegisterResponse) -> bytes:
 
 
 class HostAgent:
-    """The agent of one host; `start()` returns False (and serves nothing) when another agent already answers
-    on the socket or the socket cannot be made."""
+    """The agent of one host; `start()` returns False (and serves nothing) when another agent of this user already
+    serves the socket, or the socket cannot be made or is not private (`_claim`: logged as an error)."""
 
     def __init__(self, config: DCSConfig) -> None:
         self.config = config
@@ -92,6 +95,7 @@ class HostAgent:
         self.beats = 0  # node beats recorded
         self.failures = 0
         self._fds: set[int] = set()
+        self._lock_fd: int | None = None  # `hostagent.lock_path`, held while serving
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -104,11 +108,12 @@ class HostAgent:
         if len(str(self.path).encode()) > MAX_SOCKET_PATH:
             log.warning("host agent not started: its socket path is over %d bytes: %s", MAX_SOCKET_PATH, self.path)
             return False
-        if not self.path.parent.is_dir():
-            log.warning("host agent not started: %s is not a directory", self.path.parent)
-            return False
-        if self._someone_answers():
-            log.warning("host agent not started: another worker's agent serves %s", self.path)
+        try:
+            if not self._claim():
+                log.info("host agent not started: another worker of this user serves %s", self.path)
+                return False
+        except (DCSError, OSError) as exc:  # UnsafeHostDirectory: refused, never given way to
+            log.error("host agent not started: %s", exc)
             return False
         os.register_at_fork(after_in_child=self._close_in_child)
         self._thread.start()
@@ -118,19 +123,46 @@ class HostAgent:
         log.info("host agent serving %s, beating for its processes at %s", self.path, self.config.base_url)
         return True
 
-    def _someone_answers(self) -> bool:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(self.path))
-            return True
-        except OSError:
+    def _claim(self) -> bool:
+        """Take the socket's path: False while a live agent of this user serves it (another `dcs worker` of the
+        host configured alike holds its lock); True once the path is free to bind. Its directory must be private
+        (`dcs_tasks.hostdirs`): one another local user made, a socket of another uid or a link there raise
+        UnsafeHostDirectory. A socket of this uid whose lock is free is a killed worker's: removed, as are those
+        of other killed workers in the directory and this uid's dead ones in /dev/shm."""
+        uids = hostdirs.allowed_uids(self.config)
+        if self.path.parent == hostdirs.runtime_path(self.config):
+            hostdirs.private_root(self.config, create=True)
+        else:
+            hostdirs.check_private_dir(self.path.parent, uids)
+        hostdirs.check_socket(self.path, uids)  # before the lock file is made beside it
+        fd = hostdirs.try_lock(lock_path(self.path))
+        if fd is None:
             return False
-        finally:
-            probe.close()
+        self._lock_fd = fd
+        if hostdirs.check_socket(self.path, uids):  # stale: its agent's lock was free
+            self.path.unlink()
+            log.info("host agent: removed the stale socket of a dead worker at %s", self.path)
+        removed = sweep_stale_sockets(self.path.parent) + sweep_legacy_sockets()
+        if removed:
+            log.info("host agent: removed %d sockets of dead workers (%s)", len(removed), removed[0])
+        return True
+
+    def _release(self) -> None:
+        """Remove the socket, then its lock file while still holding it (`hostdirs.try_lock` copes), then let go."""
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        if self._lock_fd is not None:
+            lock_path(self.path).unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _close_in_child(self) -> None:
-        """A forked pool process must not hold the agent's sockets: a killed worker's connections end with it."""
+        """A forked pool process must not hold the agent's sockets, nor its lock: a killed worker's connections
+        end with it, and the next worker finds its lock free."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
         for fd in list(self._fds):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -162,7 +194,8 @@ class HostAgent:
             cfg.base_url, self.token, timeout=cfg.request_timeout_seconds, retry_for_s=AGENT_RETRY_FOR_S
         )
         server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_MESSAGE_BYTES)
-        os.chmod(self.path, 0o660)  # the worker's user and group connect; the token is checked as HTTP checks it
+        # only this uid (and root) reach the private directory; with a trusted uid, that user's processes connect
+        os.chmod(self.path, 0o666 if self.config.host_trusted_uid is not None else 0o600)
         self._fds.update(s.fileno() for s in server.sockets)
         tasks = [asyncio.create_task(self._registrar()), asyncio.create_task(self._beat_loop())]
         self._ready.set()
@@ -171,8 +204,7 @@ class HostAgent:
         finally:
             server.close()
             await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            self._release()
             await self._api.aclose()
             self._fds.clear()  # closed: a later fork must not close whatever reuses their numbers
 

@@ -35,6 +35,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     overrides = {"node_name": args.node_name} if args.node_name else {}
     config = DCSConfig(**overrides)
+    if not _private_dirs(config):
+        return 1
     if not _preflight(config):
         return 1
     prepare_multiprocess_dir(config)  # before prometheus_client is imported (by the task modules)
@@ -80,6 +82,24 @@ def _preflight(config: DCSConfig) -> bool:
     for found in findings:
         if not found.ok:
             log.warning("pre-flight: %s", config.scrub(found.problem))
+    return True
+
+
+def _private_dirs(config: DCSConfig) -> bool:
+    """This user's host-local directories (the runtime directory, staging, the memory tier's when on), made
+    private or checked (`dcs_tasks.hostdirs`): False, after one line on stderr naming the path, what is wrong
+    and the fix, when one is another user's, a link or open to others (UnsafeHostDirectory)."""
+    from dcs_tasks import hostdirs
+    from dcs_tasks.errors import UnsafeHostDirectory
+
+    try:
+        hostdirs.private_root(config, create=True)
+        hostdirs.staging_dir(config, create=True)
+        if config.memory_tier_bytes > 0:
+            hostdirs.memory_dir(config, create=True)
+    except UnsafeHostDirectory as exc:
+        print(f"dcs worker: {exc}", file=sys.stderr, flush=True)
+        return False
     return True
 
 

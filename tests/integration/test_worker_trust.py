@@ -89,7 +89,7 @@ def persist_payload(run: str, step: int, step_dir: str, staging: str, length: in
 @pytest.fixture
 def scene(dcs_config: DCSConfig, tmp_path: Path) -> Any:
     config = ckpt_config(dcs_config, tmp_path)
-    Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
+    Path(config.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
     worker = start_worker(config, tmp_path)
     try:
         yield Scene(config, tmp_path, worker)
@@ -221,7 +221,7 @@ def test_a_redelivery_overlapping_the_first_never_replaces_the_file_it_recorded(
     overwritten), while the second delivery is still reading it. The second must drop its copy instead of
     renaming it over the committed file: the committed bytes stay the first delivery's."""
     config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=32 * 1024)
-    Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
+    Path(config.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
     worker = start_worker(config, tmp_path)  # two pool processes: both deliveries run at once
     try:
         scene = Scene(config, tmp_path, worker)
