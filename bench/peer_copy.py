@@ -176,7 +176,9 @@ def serve(args: argparse.Namespace) -> None:
     runs until stdin closes."""
     tune(args)
     root = Path(args.root)
-    server = pw.PeerServer(root / "peer", TOKEN, args.bind, 0, max_step_bytes=1 << 40, timeout=60.0)
+    server = pw.PeerServer(
+        root / "peer", TOKEN, args.bind, 0, max_step_bytes=1 << 40, accept_put=lambda rel, raw: None, timeout=60.0
+    )
     _, peer_port = server.start()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -117,6 +117,12 @@ class Keys:
         peer copy verified); value = the time it was recorded."""
         return self._k("ckpt", run, "places")
 
+    def step_owners(self, run: str) -> str:
+        """H which host committed each memory-tier step of `run` (the base run): field `<step>|<rank>`, value JSON
+        {host, digest} (digest: SHA-256 of the step's manifest.json). A peer server accepts a copy of a step only
+        when it is another host's, with that manifest (`tiers.PutCheck`)."""
+        return self._k("ckpt", run, "owners")
+
     def memory_peers(self) -> str:
         """H the workers' peer servers: host -> JSON {address, port, domain, seen}."""
         return self._k("memory", "peers")

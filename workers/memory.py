@@ -1,13 +1,14 @@
 """The memory tier on the worker (`dcs_tasks.checkpoint.store.tiers`): what follows the commit of a memory step, the
 flush of a step to storage, the copies to peer hosts, eviction, and this host's peer server.
 
-After a memory step commits (`after_commit`): its place `mem@<host>` is recorded; a durable step is sent to the
-flush task (copy to `checkpoint_dir` with `replica.copy_step`: every file hashed while written and compared
-with the manifest, fsynced, headers checked, manifest last; then `latest`, retention and the replica as after a
-storage commit); with `memory_replicas` > 0 the peer-copy task pushes the step to peers chosen by `tiers.choose_peers`
-(`dcs_tasks.checkpoint.store.peerwire`: authenticated with the shared token, every file verified on arrival); each
-copy's place is recorded once it verified, and `replicated` once every copy asked for did. Every one of these
-ends with eviction (`tiers.evict`).
+After a memory step commits (`after_commit`): its place `mem@<host>` is recorded, and this host as its owner with
+its manifest's digest (`tiers.Owners`: peers accept copies only of steps so recorded, by another host); a durable
+step is sent to the flush task (copy to `checkpoint_dir` with `replica.copy_step`: every file hashed while written
+and compared with the manifest, fsynced, headers checked, manifest last; then `latest`, retention and the replica as
+after a storage commit); with `memory_replicas` > 0 the peer-copy task pushes the step to peers chosen by
+`tiers.choose_peers` (`dcs_tasks.checkpoint.store.peerwire`: authenticated with the shared token, every file
+verified on arrival); each copy's place is recorded once it verified, and `replicated` once every copy asked for
+did. Every one of these ends with eviction (`tiers.evict`).
 
 The peer server (`start_peer_server`) runs in the worker's main process while the worker lives, serving this
 host's `memory_dir` to peers (receive copies of their steps, send copies to restores on other hosts), and
@@ -25,6 +26,7 @@ from typing import Any
 
 import redis
 
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME
 from dcs_tasks.checkpoint.store import peerwire, tiers
 from dcs_tasks.checkpoint.store.payloads import MemoryStepRequest
 from dcs_tasks.checkpoint.telemetry import record_error
@@ -70,11 +72,24 @@ def after_commit(step_dir: str, run: str, step: int, durable: bool) -> tuple[boo
     place = tiers.mem_place(rt.config.host_name) if memory else tiers.STORAGE
     marks = [m for m, on in ((tiers.FLUSHING, flush), (tiers.COPYING, copy)) if on]
     try:
+        if memory:  # before the peer copy task is sent: the peers check it
+            _record_owner(rt.config.host_name, base, step, rank, Path(step_dir))
         tiers.Places(rt.redis, rt.keys).record(base, step, rank, place, *marks)
     except redis.RedisError as exc:
         log.warning("memory tier: place of step %d of %s not recorded: %s", step, run, exc)
     evict(run)
     return flush, copy
+
+
+def _record_owner(host: str, base: str, step: int, rank: int, step_dir: Path) -> None:
+    """Record this host as the owner of its committed memory step (with its manifest's digest)."""
+    rt = runtime()
+    try:
+        raw = (step_dir / MANIFEST_NAME).read_bytes()
+    except OSError as exc:
+        log.warning("memory tier: owner of step %d of %s not recorded: %s", step, base, exc)
+        return
+    tiers.Owners(rt.redis, rt.keys).record(base, step, rank, host, raw)
 
 
 def flush(req: MemoryStepRequest, task_id: str) -> dict[str, Any]:
@@ -136,7 +151,15 @@ def _peer_copy(req: MemoryStepRequest) -> dict[str, Any]:
         if len(done) >= config.memory_replicas:
             break
         try:
-            peerwire.push_step((peer.address, peer.port), token, src, rel, timeout=config.peer_timeout_seconds)
+            peerwire.push_step(
+                (peer.address, peer.port),
+                token,
+                src,
+                rel,
+                timeout=config.peer_timeout_seconds,
+                min_rate=config.peer_min_bytes_per_second,
+                max_manifest_bytes=config.peer_max_manifest_bytes,
+            )
         except CheckpointError as exc:
             failures.append(f"{peer.host}: {exc}")
             log.warning("memory tier: copy of step %d of %s to %s failed: %s", ref.step, ref.run, peer.host, exc)
@@ -172,7 +195,13 @@ class _PeerService:
             config.peer_host,
             config.peer_port,
             max_step_bytes=config.memory_tier_bytes,
+            accept_put=tiers.PutCheck(client, runtime().keys, config.host_name),
+            room=lambda: tiers.room(config),
             timeout=config.peer_timeout_seconds,
+            handshake_seconds=config.peer_handshake_seconds,
+            per_source=config.peer_connections_per_source,
+            min_rate=config.peer_min_bytes_per_second,
+            max_manifest_bytes=config.peer_max_manifest_bytes,
         )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._register_loop, name="dcs-peer-register", daemon=True)
@@ -197,7 +226,8 @@ class _PeerService:
 
     def _rediscover(self) -> None:
         """A restarted worker finds its host's memory steps again (tmpfs outlives it) and records the places Redis
-        lacks (lost in a failover, say), so restores on other hosts can find them."""
+        lacks (lost in a failover, say), so restores on other hosts can find them: `mem@` and the owner for its own
+        steps, `peer@` for the copies it received."""
         host = self.config.host_name
         mine = {tiers.mem_place(host), tiers.peer_place(host)}
         book = tiers.Places(self.client, runtime().keys)
@@ -207,7 +237,9 @@ class _PeerService:
                 known = book.read(run)
                 for s in held:
                     if s.run == run and not known.get((s.step, s.rank), set()) & mine:
-                        book.record(run, s.step, s.rank, tiers.mem_place(host))
+                        book.record(run, s.step, s.rank, (tiers.peer_place if s.peer else tiers.mem_place)(host))
+                        if not s.peer:
+                            _record_owner(host, run, s.step, s.rank, s.path)
             except redis.RedisError as exc:
                 log.warning("memory tier: places of run %r not restored: %s", run, exc)
         if held and not self.thread.is_alive():  # at start

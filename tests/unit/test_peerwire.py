@@ -46,6 +46,12 @@ from dcs_tasks.errors import (
 from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def any_step(rel: ps.StepRel, raw: bytes) -> None:
+    """The transport alone: any step may be put (the memory tier's ownership check is `tiers.PutCheck`)."""
+
+
 TOKEN = "peer-token-1"
 TIMEOUT = 5.0
 SIZES = (1000, 1 << 20, 3 * (1 << 20) + 7)
@@ -128,7 +134,7 @@ def verifies(step_dir: Path) -> bool:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[pw.PeerServer]:
-    srv = pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=64 << 20, timeout=TIMEOUT)
+    srv = pw.PeerServer(tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=64 << 20, timeout=TIMEOUT)
     srv.start()
     yield srv
     srv.stop()
@@ -398,11 +404,11 @@ def test_a_bad_manifest_is_refused_before_any_byte(
 
 def test_a_step_over_the_size_limit_is_refused(tmp_path: Path) -> None:
     step_dir, rel = make_step(tmp_path / "src", "exp", 1)
-    with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 20, timeout=TIMEOUT) as small:
+    with pw.PeerServer(tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 20, timeout=TIMEOUT) as small:
         with pytest.raises(PeerRefused, match="more than the 1048576 allowed"):
             pw.push_step(small.address, TOKEN, step_dir, rel, timeout=TIMEOUT)
         assert not (small.root / rel).exists()
-    with pw.PeerServer(tmp_path / "src", TOKEN, max_step_bytes=1 << 30, timeout=TIMEOUT) as source:
+    with pw.PeerServer(tmp_path / "src", TOKEN, accept_put=any_step, max_step_bytes=1 << 30, timeout=TIMEOUT) as source:
         with pytest.raises(PeerRefused, match="more than the 1000 allowed"):
             pw.pull_step(source.address, TOKEN, rel, tmp_path / "dest", timeout=TIMEOUT, max_bytes=1000)
     assert leftovers(tmp_path / "dest") == [] and not (tmp_path / "dest" / rel).exists()
@@ -502,7 +508,9 @@ def test_concurrent_puts_of_one_step_install_it_once(server: pw.PeerServer, tmp_
 
 
 def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
-    with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 20, timeout=TIMEOUT, max_connections=1) as srv:
+    with pw.PeerServer(
+        tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 20, timeout=TIMEOUT, max_connections=1
+    ) as srv:
         held = pc.client_session(srv.address, TOKEN, TIMEOUT)  # authenticated, idle: holds the only slot
         with pytest.raises(PeerUnavailable, match="busy"):
             pw.list_steps(srv.address, TOKEN, "exp", timeout=TIMEOUT)
@@ -513,7 +521,7 @@ def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
 
 def test_stop_cuts_a_transfer_and_removes_its_partial_step(tmp_path: Path) -> None:
     step_dir, rel = make_step(tmp_path / "src", "exp", 1)
-    srv = pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 30, timeout=30)
+    srv = pw.PeerServer(tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 30, timeout=30)
     srv.start()
     ch = hostile_put(srv, rel, (step_dir / MANIFEST_NAME).read_bytes())
     ch.sock.sendall(b"\0" * 500)  # then nothing: the server waits for the rest
@@ -533,7 +541,7 @@ def test_on_installed_names_each_step_a_put_installed(tmp_path: Path) -> None:
         seen.append(installed)
         raise RuntimeError("a failing hook changes nothing for the peer")
 
-    with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 30, on_installed=hook) as srv:
+    with pw.PeerServer(tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 30, on_installed=hook) as srv:
         assert pw.push_step(srv.address, TOKEN, step_dir, rel, timeout=TIMEOUT) > 0
         assert pw.push_step(srv.address, TOKEN, step_dir, rel, timeout=TIMEOUT) == 0
         wait_until(lambda: seen == [rel], 10, "the hook to be called once")
@@ -544,7 +552,7 @@ def test_a_stale_incoming_directory_is_removed_at_start(tmp_path: Path) -> None:
     stale = tmp_path / "peer" / "exp" / "rank-00001" / (ps.INCOMING_PREFIX + "dead")
     stale.mkdir(parents=True)
     (stale / "model-00001-of-00001.safetensors").write_bytes(b"x")
-    with pw.PeerServer(tmp_path / "peer", TOKEN, max_step_bytes=1 << 20):
+    with pw.PeerServer(tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 20):
         assert leftovers(tmp_path / "peer") == []
 
 
@@ -554,7 +562,7 @@ SERVER = """
 import sys
 from pathlib import Path
 from dcs_tasks.checkpoint.store.peerwire import PeerServer
-srv = PeerServer(Path(sys.argv[1]), sys.argv[2], max_step_bytes=1 << 30, timeout=5.0)
+srv = PeerServer(Path(sys.argv[1]), sys.argv[2], accept_put=lambda rel, raw: None, max_step_bytes=1 << 30, timeout=5.0)
 print(srv.start()[1], flush=True)
 sys.stdin.read()
 srv.stop()

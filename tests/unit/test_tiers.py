@@ -3,10 +3,18 @@ how a hostile places record is read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.peersteps import StepRel
 from dcs_tasks.checkpoint.store.tiers import MemoryStep, Peer, choose_peers, evictable
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import PeerCorrupt, PeerRefused
+from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
 
 ME = "hosta"
 
@@ -177,3 +185,54 @@ def test_the_pool_is_trimmed_largest_first_to_what_the_budget_leaves_free(tmp_pa
     assert sorted(size for size, _ in tiers._recycled(root)) == [3000, 4000]
     tiers.trim_pool(root, allowed=0)
     assert tiers._recycled(root) == []
+
+
+# --- peer copies: whose they are, and that they leave first (real Redis) -------------------------------------
+def _step(root: Path, rel: str, nbytes: int, peer: bool) -> None:
+    step_dir = root / rel
+    step_dir.mkdir(parents=True)
+    (step_dir / "model.safetensors").write_bytes(b"x" * nbytes)
+    seal = {"format": 1, "files": {}, **({"peer": True} if peer else {})}
+    (step_dir / "seal.json").write_text(json.dumps(seal))
+    (step_dir / "manifest.json").write_text("{}")
+
+
+def test_over_budget_peer_copies_leave_first_whatever_their_age_and_leave_no_directory(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    root = tmp_path / "memory"
+    root.mkdir(mode=0o700)
+    size = 256 << 10
+    for step in (1, 2):  # this host's own steps, held nowhere else: they may not leave
+        _step(root, f"mine/step-{step:09d}", size, peer=False)
+    for step in (5, 6, 7):  # copies pushed by peers; no places recorded for them at all
+        _step(root, f"theirs/rank-00001/step-{step:09d}", size, peer=True)
+    config = dcs_config.model_copy(update={"memory_dir": root, "memory_tier_bytes": 3 * size, "node_name": ME})
+    client = sync_client(config)
+    try:
+        tiers.evict(config, client, Keys(config.namespace))
+    finally:
+        client.close()
+    assert sorted(p.name for p in (root / "mine").iterdir()) == ["step-000000001", "step-000000002"]
+    assert not (root / "theirs").exists()  # every copy left, and the run and rank directories with them
+    assert tiers.used_bytes(root) <= config.memory_tier_bytes
+
+
+def test_a_put_is_accepted_only_for_another_hosts_step_with_its_recorded_manifest(dcs_config: DCSConfig) -> None:
+    client = sync_client(dcs_config)
+    keys = Keys(dcs_config.namespace)
+    try:
+        tiers.Owners(client, keys).record("run", 3, 1, "hostb", b'{"manifest": 1}')
+        rel = StepRel("run", 3, 1)
+        tiers.PutCheck(client, keys, ME)(rel, b'{"manifest": 1}')  # host b's step, its manifest: accepted
+        with pytest.raises(PeerRefused, match="not the one host hostb committed"):
+            tiers.PutCheck(client, keys, ME)(rel, b'{"manifest": 2}')
+        with pytest.raises(PeerRefused, match="this host's own step"):
+            tiers.PutCheck(client, keys, "hostb")(rel, b'{"manifest": 1}')
+        with pytest.raises(PeerRefused, match="no host recorded"):
+            tiers.PutCheck(client, keys, ME)(StepRel("run", 4, 1), b'{"manifest": 1}')
+        with pytest.raises(PeerCorrupt):
+            tiers.pull_check(client, keys)(rel, b'{"manifest": 2}')
+        tiers.pull_check(client, keys)(StepRel("run", 9), b"{}")  # no record: taken on its checksums
+    finally:
+        client.close()

@@ -15,8 +15,11 @@ never pickle. The handshake (`client_session` on one side, `accept_session` on t
 
 An error travels as `{"error": kind, "message"}` and is raised on the other side as its named error
 (dcs_tasks.errors: PeerAuthFailed, PeerRefused, PeerCorrupt, PeerNotFound, PeerUnavailable). Every socket call
-has the timeout (SO_RCVTIMEO/SO_SNDTIMEO); while `deadline` is set (the handshake and the request) every call
-waits only what is left of it. A socket failure is PeerUnavailable naming the peer and what was going on.
+has the timeout (SO_RCVTIMEO/SO_SNDTIMEO); while `deadline` is set (the handshake, then the request) every call
+waits only what is left of it. While a step's bytes move, `pace` (when set) holds the peer to a minimum rate: fewer
+than `Pace.min_rate` bytes a second over any `Pace.window` is PeerUnavailable, so a peer that trickles cannot hold
+a connection (and the receiver's temp directory) for long. A socket failure is PeerUnavailable naming the peer and
+what was going on.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_MESSAGE = 500  # characters of a peer's error message kept
 NONCE_BYTES = 32
 TAG_BYTES = 32
+RATE_WINDOW_SECONDS = 10.0  # a transfer's minimum rate is judged over windows this long
 SOCKET_BUFFER_BYTES = 16 << 20  # asked for when net.core.[rw]mem_max allow that much, else TCP autotuning
 _ERROR_KINDS: dict[str, type[PeerError]] = {
     "auth": PeerAuthFailed,
@@ -103,6 +107,34 @@ def _hex(value: object, size: int, what: str, peer: str) -> bytes:
     raise PeerCorrupt(f"peer {peer}: {what} is not {size} hex bytes")
 
 
+class Pace:
+    """A minimum transfer rate: at least `min_rate` bytes a second, judged over each `window` seconds (the first
+    window starts when the transfer does). `min_rate` 0: no minimum."""
+
+    def __init__(self, min_rate: float, window: float = RATE_WINDOW_SECONDS) -> None:
+        if min_rate < 0 or window <= 0:
+            raise ConfigError("a peer transfer's minimum rate must be >= 0 and its window positive")
+        self.min_rate = min_rate
+        self.window = window
+        self._mark = time.monotonic()
+        self._count = 0
+
+    def restart(self) -> None:
+        self._mark, self._count = time.monotonic(), 0
+
+    def add(self, nbytes: int, peer: str, what: str) -> None:
+        """Count `nbytes` moved; PeerUnavailable when a window closed with fewer bytes than the minimum."""
+        self._count += nbytes
+        elapsed = time.monotonic() - self._mark
+        if self.min_rate and elapsed >= self.window:
+            if self._count < self.min_rate * elapsed:
+                raise PeerUnavailable(
+                    f"peer {peer}: {self._count} bytes in {elapsed:.1f}s while {what}, under the minimum of "
+                    f"{self.min_rate:g} bytes/s: cut off"
+                )
+            self.restart()
+
+
 class Channel:
     """One connection: frames in both directions, MACed once the session key is set, and the timeouts."""
 
@@ -115,6 +147,8 @@ class Channel:
         self.sent = 0
         self.received = 0
         self.deadline: float | None = None
+        self.pace: Pace | None = None
+        self.waits = timeout  # what the socket's calls wait now (for the messages)
         sock.settimeout(None)
         set_timeout(sock, timeout)
 
@@ -127,7 +161,7 @@ class Channel:
         except PeerError:
             raise
         except (BlockingIOError, TimeoutError) as exc:
-            raise PeerUnavailable(f"peer {self.peer}: no progress within {self.timeout:g}s while {what}") from exc
+            raise PeerUnavailable(f"peer {self.peer}: no progress within {self.waits:g}s while {what}") from exc
         except OSError as exc:
             raise PeerUnavailable(f"peer {self.peer}: connection failed while {what}: {exc.strerror or exc}") from exc
 
@@ -138,6 +172,21 @@ class Channel:
             if left <= 0:
                 raise PeerUnavailable(f"peer {self.peer}: did not complete its request within {self.timeout:g}s")
             set_timeout(self.sock, min(left, self.timeout))
+
+    def start_transfer(self, pace: Pace | None) -> None:
+        """A step's bytes start to move: no deadline, but `pace` (when it sets a minimum) from now on, and then no
+        socket call waits longer than its window (a peer silent that long is under any minimum rate)."""
+        self.deadline = None
+        self.pace = pace if pace is not None and pace.min_rate > 0 else None
+        self.waits = self.timeout if self.pace is None else min(self.timeout, self.pace.window)
+        set_timeout(self.sock, self.waits)
+        if self.pace is not None:
+            self.pace.restart()
+
+    def moved(self, nbytes: int, what: str) -> None:
+        """`nbytes` more of a transfer moved (checked against `pace`)."""
+        if self.pace is not None:
+            self.pace.add(nbytes, self.peer, what)
 
     def recv_exact(self, size: int, what: str) -> bytes:
         buf = bytearray(size)
@@ -150,6 +199,7 @@ class Channel:
                 if n == 0:
                     raise PeerUnavailable(f"peer {self.peer}: closed the connection while {what}")
                 pos += n
+                self.moved(n, what)
         return bytes(buf)
 
     def sendall(self, data: bytes, what: str) -> None:
@@ -171,10 +221,16 @@ class Channel:
     def send(self, header: dict[str, Any]) -> None:
         self.send_blob(json.dumps(header, separators=(",", ":")).encode())
 
-    def recv_blob(self, limit: int, what: str = "receiving a header") -> bytes:
+    def recv_blob(
+        self, limit: int, what: str = "receiving a header", admit: Callable[[int], None] | None = None
+    ) -> bytes:
+        """The next frame's body, at most `limit` bytes; `admit(size)` (when given) may refuse the announced size
+        before any byte of the body is read."""
         (size,) = struct.unpack(">I", self.recv_exact(4, what))
         if size > limit:
             raise PeerCorrupt(f"peer {self.peer}: announced a {size}-byte frame while {what}, more than {limit}")
+        if admit is not None:
+            admit(size)
         tag = b"" if self.key is None else self.recv_exact(TAG_BYTES, what)
         body = self.recv_exact(size, what)
         if self.key is not None:

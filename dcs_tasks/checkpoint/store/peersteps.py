@@ -13,8 +13,10 @@ relative to its parent's descriptor with O_NOFOLLOW, so no symlink is ever follo
 (received into a reusable buffer with MSG_WAITALL, hashed, written); then the safetensors headers are checked
 against the manifest (`validate.check_files`), the seal (`seal.json`: the files were hashed on arrival) and the
 manifest are written last, and the directory is renamed into place with RENAME_NOREPLACE: a step committed at
-the target is never replaced. On any failure the temp directory is removed. Nothing is fsynced (the memory
-tier lives on tmpfs). Sending: every file opened by descriptor (regular, of its recorded size) and
+the target is never replaced. On any failure the temp directory is removed, and the run and rank directories made
+for it when they are left empty (`prune_parents`). A step received is a peer copy: its seal says so
+(`seal.is_peer_copy`), so the memory tier evicts it before its own steps. Nothing is fsynced (the memory tier
+lives on tmpfs). Sending: every file opened by descriptor (regular, of its recorded size) and
 `sendfile`d, then a trailer `{"done": total bytes}`.
 """
 
@@ -41,7 +43,10 @@ from dcs_tasks.checkpoint.store.peerchannel import MAX_MESSAGE, Channel, short
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
 
-MAX_MANIFEST_BYTES = min(64 * 1024 * 1024, _VALIDATE_MANIFEST_BYTES)
+# A manifest takes ~400 bytes per tensor: a 70B-parameter Llama's full state with Adam's (2,893 tensors) has a
+# 1.2 MB manifest; 4 MiB leaves room for ~10,000 tensors per rank. A step with a bigger one is not copied to
+# peers (it stays in this host's memory and reaches storage as any other); DCSConfig.peer_max_manifest_bytes.
+MAX_MANIFEST_BYTES = min(4 * 1024 * 1024, _VALIDATE_MANIFEST_BYTES)
 MAX_FILES = 65536
 MAX_REL = 300  # characters of a rel: a run name (128) and two directory names fit with room to spare
 RECV_CHUNK_BYTES = 1 << 20  # received, hashed and written per step (one reusable buffer per connection)
@@ -198,6 +203,27 @@ def _rename_noreplace(dir_fd: int, src: str, dst: str) -> None:
     os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
+def prune_parents(root: Path, rel: StepRel) -> None:
+    """Remove `rel`'s rank directory, then its run directory, when empty (a refused or failed step leaves no
+    directories behind); every component reached by descriptor without following a link."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if len(rel.parts) == 3:
+            with contextlib.suppress(OSError, PeerRefused):
+                run_fd = open_dir(rel.parts[0], root_fd, rel.parts[0])
+                try:
+                    os.rmdir(rel.parts[1], dir_fd=run_fd)
+                finally:
+                    os.close(run_fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(rel.parts[0], dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+
+
 def _remove_temp(parent_fd: int, name: str) -> None:
     """Remove a temp step directory (only regular files inside, removed by name, nothing followed)."""
     with contextlib.suppress(FileNotFoundError):
@@ -242,6 +268,7 @@ def _recv_file(ch: Channel, fd: int, size: int, buf: bytearray, what: str) -> st
                         f"peer {ch.peer}: closed the connection while {what}, {size - left + pos} of {size} bytes in"
                     )
                 pos += n
+                ch.moved(n, what)
             with view[:want] as chunk:
                 hasher.update(chunk)
                 try:
@@ -299,7 +326,7 @@ def receive_step(ch: Channel, parent: Path, parent_fd: int, rel: StepRel, manife
                 raise PeerCorrupt(f"peer {ch.peer}: {rel}: {exc}") from exc
             fd = _create(SEAL_NAME, temp_fd)  # every byte was hashed on arrival: a restore need not hash again
             try:
-                write_all(fd, memoryview(seal_bytes(stamps)))
+                write_all(fd, memoryview(seal_bytes(stamps, peer=True)))
             finally:
                 os.close(fd)
             fd = _create(MANIFEST_NAME, temp_fd)
@@ -347,8 +374,9 @@ def open_files(step_fd: int, manifest: Manifest, rel: StepRel) -> list[int]:
         raise
 
 
-def read_manifest_at(step_fd: int, rel: StepRel) -> bytes | None:
-    """The manifest bytes of the step directory `step_fd` (None when it has none: not committed)."""
+def read_manifest_at(step_fd: int, rel: StepRel, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+    """The manifest bytes of the step directory `step_fd` (None when it has none: not committed);
+    CorruptCheckpoint when it is over `limit` bytes."""
     try:
         fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=step_fd)
     except FileNotFoundError:
@@ -357,10 +385,8 @@ def read_manifest_at(step_fd: int, rel: StepRel) -> bytes | None:
         raise CorruptCheckpoint(f"{rel}/{MANIFEST_NAME} cannot be opened: {exc.strerror}") from exc
     try:
         found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpoint(
-                f"{rel}/{MANIFEST_NAME} is not a regular file of at most {MAX_MANIFEST_BYTES} bytes"
-            )
+        if not stat.S_ISREG(found.st_mode) or found.st_size > limit:
+            raise CorruptCheckpoint(f"{rel}/{MANIFEST_NAME} is not a regular file of at most {limit} bytes")
         return read_exactly(fd, found.st_size)
     finally:
         os.close(fd)
@@ -378,6 +404,7 @@ def send_files(ch: Channel, fds: list[int], manifest: Manifest, rel: StepRel) ->
                 if sent == 0:  # the file shrank under us: the peer will find the stream short and refuse it
                     raise CorruptCheckpoint(f"{rel}/{entry.name} shrank to {offset} bytes while being sent")
                 offset += sent
+                ch.moved(sent, f"sending {rel}/{entry.name}")
         total += offset
     ch.send({"done": total})
     return total

@@ -1,27 +1,36 @@
 """The memory tier's peer transport: one committed step directory copied between two hosts' memory tiers.
 
 A `PeerServer` (one per `dcs worker`) serves its memory root (`<root>/<run>/step-N/` or
-`<root>/<run>/rank-N/step-N/`, the checkpoint root's layout) over TCP, one thread per connection (at most
-`max_connections`). Clients: `push_step` (op `put`: send a step, the server installs it), `pull_step` (op
-`get`: fetch a step and install it locally) and `list_steps` (op `list`: the committed steps of a run).
+`<root>/<run>/rank-N/step-N/`, the checkpoint root's layout) over TCP, one thread per connection. A connection that
+has not authenticated holds one of `MAX_PENDING` handshake places (at most `per_source` from one source address;
+more are closed at once) for at most `handshake_seconds`; only once it has authenticated does it take one of the
+`max_connections` slots that transfers run in, so connections that never authenticate cannot keep authenticated ones
+waiting. A transfer's bytes must keep `min_rate` (`peerchannel.Pace`). Clients: `push_step` (op `put`: send a step,
+the server installs it), `pull_step` (op `get`: fetch a step and install it locally) and `list_steps` (op `list`:
+the committed steps of a run).
 
 A connection (`peerchannel`: both sides authenticated with the shared token, every header MACed under a
 session key), then:
 1. The request: `{"op": "put", "rel"}` + the manifest, answered `have` (the step is committed there already:
-   nothing is sent, nothing replaced) or `send`; or `{"op": "get", "rel", "max_bytes"}`, answered `send` +
-   the manifest; or `{"op": "list", "run"}`, answered with the list.
+   nothing is sent, nothing replaced) or `send`. Before `send` the server has the step checked by `accept_put`
+   (whose step it is: the memory tier accepts only a step another host committed, with that manifest) and
+   reserved its bytes (manifest, files, seal) against `room` (what the memory tier may still take, less what
+   transfers in flight reserved): a put that does not fit is refused before any byte of it lands. Or
+   `{"op": "get", "rel", "max_bytes"}`, answered `send` + the manifest; or `{"op": "list", "run"}`, answered
+   with the list.
 2. For put/get: every file's bytes, raw, in manifest order (the sender `sendfile`s them from the file
    descriptors), then a trailer `{"done": total bytes}`; a put is answered `ok` (installed) or `have` (another
    copy was installed first).
 How a step is named, checked, received (hashed on arrival, installed atomically, never replacing a committed
-step) and sent: `peersteps`. A manifest is at most `peersteps.MAX_MANIFEST_BYTES`, a list `MAX_LIST_BYTES`.
+step) and sent: `peersteps`. A manifest is at most `max_manifest_bytes` (default `peersteps.MAX_MANIFEST_BYTES`),
+a list `MAX_LIST_BYTES`. A refused or failed put leaves no directory behind (`peersteps.prune_parents`).
 
 Errors (dcs_tasks.errors): PeerAuthFailed (a PeerRefused), PeerRefused (bad name, over a limit, compressed or
 incremental files, no room), PeerCorrupt (bytes, checksums, manifest or frames that do not verify; bytes beyond
-those announced), PeerNotFound, PeerUnavailable (unreachable, closed mid-transfer, no answer within `timeout`,
-no free connection slot). Every socket call has the timeout; the handshake and the request must arrive within
-`timeout` in all. A local step that fails its checks before a push: CorruptCheckpoint; a local file system
-failure on the pulling side: its OSError.
+those announced), PeerNotFound, PeerUnavailable (unreachable, closed mid-transfer, no answer within `timeout`, no
+free connection slot, too slow). Every socket call has the timeout; the handshake must complete within
+`handshake_seconds`, the request within `timeout`. A local step that fails its checks before a push:
+CorruptCheckpoint; a local file system failure on the pulling side: its OSError.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -38,11 +48,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME
+from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peerchannel import (
     Address,
     Channel,
+    Pace,
     accept_session,
     client_session,
     named_cause,
@@ -53,6 +64,7 @@ from dcs_tasks.checkpoint.store.peerchannel import (
 from dcs_tasks.checkpoint.store.peersteps import (
     MAX_MANIFEST_BYTES,
     LocalWriteError,
+    StepRel,
     check_step_manifest,
     committed_steps,
     is_committed,
@@ -60,6 +72,7 @@ from dcs_tasks.checkpoint.store.peersteps import (
     open_files,
     open_parent,
     parse_rel,
+    prune_parents,
     read_manifest_at,
     receive_step,
     remove_stale_incoming,
@@ -78,7 +91,12 @@ from dcs_tasks.errors import (
 log = logging.getLogger(__name__)
 
 MAX_LIST_BYTES = 4 * 1024 * 1024
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 16  # authenticated connections at once (transfers)
+MAX_PENDING = 64  # connections not yet authenticated, at once
+PER_SOURCE = 8  # of those, from one source address
+HANDSHAKE_SECONDS = 5.0
+MIN_RATE = 1 << 20  # bytes/s a transfer must keep (peerchannel.Pace)
+SEAL_BYTES_PER_FILE = 128  # what a received step's seal.json takes per file, with room to spare
 STOP_JOIN_SECONDS = 10.0
 _ACCEPT_POLL = 0.2
 
@@ -87,11 +105,13 @@ _ACCEPT_POLL = 0.2
 
 
 class PeerServer:
-    """Serves the memory root `root` to peers that know `token` (module doc). `max_step_bytes` bounds the step
-    a put may bring (and so each connection's temp directory); `timeout`: every socket call's, and the whole
-    handshake's plus request's. `on_installed(rel)` is called (in the connection's thread, after the peer was
-    answered) for every step a put installed. `errors` keeps the last failures (newest last), for logs and
-    tests."""
+    """Serves the memory root `root` to peers that know `token` (module doc). `accept_put(rel, manifest bytes)`
+    raises PeerRefused for a step a put may not bring (the memory tier's: `tiers.PutCheck`); `room()`, when
+    given, is the bytes the memory tier may still take. `max_step_bytes` bounds the step a put may bring (and so
+    each connection's temp directory); `timeout`: every socket call's, and the request's; `handshake_seconds`:
+    the handshake's; `min_rate`: the bytes/s a transfer must keep (0: none). `on_installed(rel)` is called (in the
+    connection's thread, after the peer was answered) for every step a put installed. `errors` keeps the last
+    failures (newest last), for logs and tests."""
 
     def __init__(
         self,
@@ -101,25 +121,44 @@ class PeerServer:
         port: int = 0,
         *,
         max_step_bytes: int,
+        accept_put: Callable[[StepRel, bytes], None],
+        room: Callable[[], int] | None = None,
         timeout: float = 30.0,
+        handshake_seconds: float = HANDSHAKE_SECONDS,
         max_connections: int = MAX_CONNECTIONS,
+        per_source: int = PER_SOURCE,
+        min_rate: float = MIN_RATE,
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         on_installed: Callable[[str], None] | None = None,
     ) -> None:
         self._token = token_bytes(token)
-        if max_step_bytes <= 0 or timeout <= 0 or max_connections <= 0:
-            raise ConfigError("max_step_bytes, timeout and max_connections must be positive")
+        numbers = (max_step_bytes, timeout, handshake_seconds, max_connections, per_source, max_manifest_bytes)
+        if min(numbers) <= 0 or min_rate < 0:
+            raise ConfigError(
+                "max_step_bytes, timeout, handshake_seconds, max_connections, per_source and max_manifest_bytes "
+                "must be positive, min_rate >= 0"
+            )
         self.root = Path(root)
         self.host = host
         self.port = port
         self.max_step_bytes = max_step_bytes
+        self.accept_put = accept_put
+        self.room = room
         self.timeout = timeout
+        self.handshake_seconds = handshake_seconds
         self.max_connections = max_connections
+        self.per_source = per_source
+        self.min_rate = min_rate
+        self.max_manifest_bytes = max_manifest_bytes
         self.on_installed = on_installed
         self.errors: deque[PeerError] = deque(maxlen=64)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[threading.Thread, socket.socket] = {}
+        self._pending: dict[str, int] = {}  # source address -> connections not yet authenticated
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._reserved = 0  # bytes reserved by the puts in flight
         self._acceptor: threading.Thread | None = None
         self._bound: Address | None = None
 
@@ -197,32 +236,58 @@ class PeerServer:
                     return
                 time.sleep(_ACCEPT_POLL)  # EMFILE and friends: back off, keep serving
                 continue
-            peer = f"{addr[0]}:{addr[1]}"
+            source, peer = str(addr[0]), f"{addr[0]}:{addr[1]}"
             with self._lock:
-                busy = len(self._conns) >= self.max_connections
+                waiting = self._pending.get(source, 0)
+                busy = sum(self._pending.values()) >= MAX_PENDING or waiting >= self.per_source
                 if not busy:
+                    self._pending[source] = waiting + 1
                     thread = threading.Thread(
-                        target=self._serve, args=(sock, peer), name=f"dcs-peer {peer}", daemon=True
+                        target=self._serve, args=(sock, source, peer), name=f"dcs-peer {peer}", daemon=True
                     )
                     self._conns[thread] = sock
             if busy:
-                self._refuse_busy(sock, peer)
+                self._refuse(sock, "too many connections are authenticating (from this address or in all)")
                 continue
             thread.start()
 
-    def _refuse_busy(self, sock: socket.socket, peer: str) -> None:
+    @staticmethod
+    def _refuse(sock: socket.socket, why: str) -> None:
+        """Tell a connection why it is closed, without waiting on it (a frame fits any socket buffer)."""
         with contextlib.suppress(OSError):
-            ch = Channel(sock, peer, min(self.timeout, 1.0), server=True)
-            ch.send_error(PeerUnavailable(f"all {self.max_connections} connection slots are busy"))
+            sock.setblocking(False)
+            body = json.dumps({"error": "unavailable", "message": why}).encode()
+            sock.send(struct.pack(">I", len(body)) + body)
         sock.close()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _authenticate(self, ch: Channel, source: str) -> bool:
+        """The handshake within `handshake_seconds`, holding one of the source's handshake places; then one of the
+        transfer slots (False, the connection told, when none is free)."""
+        try:
+            ch.deadline = time.monotonic() + self.handshake_seconds
+            accept_session(ch, self._token)
+        finally:
+            with self._lock:
+                left = self._pending.get(source, 1) - 1
+                if left:
+                    self._pending[source] = left
+                else:
+                    self._pending.pop(source, None)
+        if not self._slots.acquire(blocking=False):
+            ch.send_error(PeerUnavailable(f"all {self.max_connections} transfer slots are busy"))
+            return False
+        return True
+
+    def _serve(self, sock: socket.socket, source: str, peer: str) -> None:
+        slot = False
         try:
             tune(sock)
             ch = Channel(sock, peer, self.timeout, server=True)
             try:
+                slot = self._authenticate(ch, source)
+                if not slot:
+                    return
                 ch.deadline = time.monotonic() + self.timeout
-                accept_session(ch, self._token)
                 request = ch.recv("receiving the request")
                 op = request.get("op")
                 if op == "put":
@@ -246,6 +311,8 @@ class PeerServer:
                 log.exception("peer server: request from %s failed", peer)
                 self._failed(ch, PeerError(f"internal error: {type(exc).__name__}"))
         finally:
+            if slot:
+                self._slots.release()
             sock.close()
             with self._lock:
                 self._conns.pop(threading.current_thread(), None)
@@ -259,21 +326,40 @@ class PeerServer:
         ch.send_error(exc)
         ch.linger_close()
 
+    def _reserve(self, nbytes: int, rel: object) -> None:
+        """Reserve `nbytes` of the memory tier for a put in flight; PeerRefused when they do not fit."""
+        with self._lock:
+            free = (self.room() if self.room is not None else self.max_step_bytes) - self._reserved
+            if nbytes > free:
+                raise PeerRefused(f"no room for {rel}: it needs {nbytes} bytes, the memory tier has {max(free, 0)}")
+            self._reserved += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
     def _put(self, ch: Channel, request: dict[str, Any]) -> None:
         rel = parse_rel(request.get("rel"))
-        raw = ch.recv_blob(MAX_MANIFEST_BYTES, f"receiving the manifest of {rel}")
-        manifest = check_step_manifest(raw, rel, self.max_step_bytes)
-        parent_fd = open_parent(self.root, rel, create=True)
-        assert parent_fd is not None
+        held = 0
         try:
-            if is_committed(parent_fd, rel.parts[-1], rel):
-                ch.send({"status": "have"})
-                return
-            ch.send({"status": "send"})
-            ch.deadline = None
-            installed = receive_step(ch, self.root.joinpath(*rel.parts[:-1]), parent_fd, rel, manifest, raw)
+
+            def admit(size: int) -> None:  # the manifest's bytes count before they are read
+                nonlocal held
+                self._reserve(size, rel)
+                held = size
+
+            what = f"receiving the manifest of {rel}"
+            raw = ch.recv_blob(self.max_manifest_bytes, what, admit)
+            manifest = check_step_manifest(raw, rel, self.max_step_bytes)
+            self.accept_put(rel, raw)
+            step_bytes = manifest.total_bytes + SEAL_BYTES_PER_FILE * (len(manifest.files) + 1)
+            self._reserve(step_bytes, rel)
+            held += step_bytes
+            installed = self._receive(ch, rel, manifest, raw)
         finally:
-            os.close(parent_fd)
+            self._release(held)
+        if installed is None:
+            return
         ch.send({"status": "ok" if installed else "have", "bytes": manifest.total_bytes})
         log.info("peer server: %s %s from %s", "installed" if installed else "already had", rel, ch.peer)
         if installed and self.on_installed is not None:
@@ -281,6 +367,25 @@ class PeerServer:
                 self.on_installed(str(rel))
             except Exception:  # the step is installed and the peer told so: a failing hook is only logged
                 log.exception("peer server: on_installed(%r) failed", str(rel))
+
+    def _receive(self, ch: Channel, rel: StepRel, manifest: Manifest, raw: bytes) -> bool | None:
+        """Receive and install the step (True), or find it installed (False: another put was first; None: it
+        was there already, the peer told `have`). The directories made for it go again when it fails."""
+        parent_fd = open_parent(self.root, rel, create=True)
+        assert parent_fd is not None
+        installed: bool | None = None
+        try:
+            if is_committed(parent_fd, rel.parts[-1], rel):
+                ch.send({"status": "have"})
+                return None
+            ch.send({"status": "send"})
+            ch.start_transfer(Pace(self.min_rate))
+            installed = receive_step(ch, self.root.joinpath(*rel.parts[:-1]), parent_fd, rel, manifest, raw)
+            return installed
+        finally:
+            os.close(parent_fd)
+            if not installed:
+                prune_parents(self.root, rel)
 
     def _get(self, ch: Channel, request: dict[str, Any]) -> None:
         rel = parse_rel(request.get("rel"))
@@ -298,7 +403,7 @@ class PeerServer:
         finally:
             os.close(parent_fd)
         try:
-            raw = read_manifest_at(step_fd, rel)
+            raw = read_manifest_at(step_fd, rel, self.max_manifest_bytes)
             if raw is None:
                 raise PeerNotFound(f"step {rel} is not committed here")
             manifest = check_step_manifest(raw, rel, min(limit, self.max_step_bytes))
@@ -308,7 +413,7 @@ class PeerServer:
         try:
             ch.send({"status": "send"})
             ch.send_blob(raw, f"sending the manifest of {rel}")
-            ch.deadline = None
+            ch.start_transfer(Pace(self.min_rate))
             send_files(ch, fds, manifest, rel)
         finally:
             for fd in fds:
@@ -327,16 +432,26 @@ class PeerServer:
 # --- clients ------------------------------------------------------------------------------------------------
 
 
-def push_step(address: Address, token: str, step_dir: Path, rel: str, *, timeout: float) -> int:
+def push_step(
+    address: Address,
+    token: str,
+    step_dir: Path,
+    rel: str,
+    *,
+    timeout: float,
+    min_rate: float = MIN_RATE,
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+) -> int:
     """Send the committed step at `step_dir` to the peer at `address`, which installs it as `rel`; the bytes of
     file data sent (0 when the peer said it holds the step already, before any byte went: it is never replaced;
     a copy that another one beat to the rename counts its bytes and leaves the first in place). The local step is
-    checked first (CorruptCheckpoint: its manifest fails the checks, names another step than `rel`, or a file is
-    not a regular file of its recorded size; PeerRefused: it is compressed or incremental)."""
+    checked first (CorruptCheckpoint: its manifest fails the checks, is over `max_manifest_bytes`, names another
+    step than `rel`, or a file is not a regular file of its recorded size; PeerRefused: it is compressed or
+    incremental)."""
     step = parse_rel(rel)
     step_fd = open_dir(str(step_dir), None, str(step_dir))
     try:
-        raw = read_manifest_at(step_fd, step)
+        raw = read_manifest_at(step_fd, step, max_manifest_bytes)
         if raw is None:
             raise CorruptCheckpoint(f"{step_dir} has no {MANIFEST_NAME}: it is not a committed step", str(step_dir))
         manifest = check_step_manifest(raw, step, 1 << 62)
@@ -350,7 +465,7 @@ def push_step(address: Address, token: str, step_dir: Path, rel: str, *, timeout
             ch.send_blob(raw, f"sending the manifest of {step}")
             if ch.reply(f"offering {step}", "have", "send")["status"] == "have":
                 return 0
-            ch.deadline = None
+            ch.start_transfer(Pace(min_rate))
             try:
                 sent = send_files(ch, fds, manifest, step)
             except PeerUnavailable as exc:
@@ -365,37 +480,57 @@ def push_step(address: Address, token: str, step_dir: Path, rel: str, *, timeout
             os.close(fd)
 
 
-def pull_step(address: Address, token: str, rel: str, dest_root: Path, *, timeout: float, max_bytes: int) -> Path:
+def pull_step(
+    address: Address,
+    token: str,
+    rel: str,
+    dest_root: Path,
+    *,
+    timeout: float,
+    max_bytes: int,
+    accept: Callable[[StepRel, bytes], None] | None = None,
+    min_rate: float = MIN_RATE,
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+) -> Path:
     """Fetch the step `rel` from the peer at `address` and install it, verified, as `dest_root/rel` (module doc:
     temp directory, checksums, manifest last, atomic rename); its path. A step already committed there is kept
-    and returned without asking the peer. PeerRefused when the step has more than `max_bytes` bytes."""
+    and returned without asking the peer. PeerRefused when the step has more than `max_bytes` bytes;
+    `accept(rel, manifest bytes)` may refuse the manifest the peer sent (PeerRefused, PeerCorrupt) before any
+    file byte is taken."""
     step = parse_rel(rel)
     dest_root = Path(dest_root)
     dest_root.mkdir(parents=True, exist_ok=True)
     final = dest_root.joinpath(*step.parts)
     parent_fd = open_parent(dest_root, step, create=True)
     assert parent_fd is not None
+    installed = False
     try:
         if is_committed(parent_fd, step.parts[-1], step):
+            installed = True
             return final
         ch = client_session(address, token, timeout)
         try:
             ch.send({"op": "get", "rel": str(step), "max_bytes": max_bytes})
             ch.reply(f"asking for {step}", "send")
-            raw = ch.recv_blob(MAX_MANIFEST_BYTES, f"receiving the manifest of {step}")
+            raw = ch.recv_blob(max_manifest_bytes, f"receiving the manifest of {step}")
             try:
                 manifest = check_step_manifest(raw, step, max_bytes)
             except CorruptCheckpoint as exc:
                 raise PeerCorrupt(f"peer {ch.peer}: {exc}") from exc
-            ch.deadline = None
+            if accept is not None:
+                accept(step, raw)
+            ch.start_transfer(Pace(min_rate))
             try:
                 receive_step(ch, final.parent, parent_fd, step, manifest, raw)
             except LocalWriteError as exc:
                 raise exc.cause from exc
+            installed = True
         finally:
             ch.sock.close()
     finally:
         os.close(parent_fd)
+        if not installed:
+            prune_parents(dest_root, step)
     return final
 
 

@@ -72,10 +72,14 @@ def seal_fd(fd: int) -> Stamp:
     return Stamp.of(info)
 
 
-def seal_bytes(stamps: Mapping[str, Stamp]) -> bytes:
-    """The `seal.json` record of `stamps` (file name -> stamp)."""
+def seal_bytes(stamps: Mapping[str, Stamp], peer: bool = False) -> bytes:
+    """The `seal.json` record of `stamps` (file name -> stamp); `peer`: the step is a copy received from another
+    host (`is_peer_copy`)."""
     files = {name: [s.ino, s.size, s.mtime_ns, s.ctime_ns] for name, s in stamps.items()}
-    return json.dumps({"format": SEAL_FORMAT, "files": files}, separators=(",", ":")).encode()
+    record: dict[str, object] = {"format": SEAL_FORMAT, "files": files}
+    if peer:
+        record["peer"] = True
+    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def seal_step(step_dir: Path, names: Iterable[str]) -> dict[str, Stamp]:
@@ -91,6 +95,34 @@ def seal_step(step_dir: Path, names: Iterable[str]) -> dict[str, Stamp]:
             os.close(fd)
     write_bytes_durably(step_dir / SEAL_NAME, seal_bytes(stamps), "seal")
     return stamps
+
+
+def is_peer_copy(step_dir: Path) -> bool:
+    """Whether the memory step at `step_dir` is a copy received from another host (its seal says so): such a step
+    is evicted before this host's own. A step without a readable seal counts as this host's own."""
+    body = _seal_body(step_dir)
+    return isinstance(body, dict) and body.get("peer") is True
+
+
+def _seal_body(step_dir: Path) -> object:
+    path = step_dir / SEAL_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SEAL_BYTES:
+            return None
+        raw = os.read(fd, MAX_SEAL_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def read_seals(step_dir: Path) -> dict[str, Stamp]:

@@ -20,14 +20,25 @@ Eviction (`evictable`): per run and rank directory in memory, the newest complet
 being flushed or copied (a flush that failed for good leaves its mark: the step stays, safe but held); the
 `memory_keep_last` newest stay; an older step leaves once a copy of it, or of a newer step of the same rank,
 exists in storage or in a peer's memory (then losing it loses no recovery point that nothing newer covers).
-While the memory used exceeds the budget, further steps leave under the same rule, oldest first. A step that may
-not leave stays: the trainer then sends its next save straight to storage (`fits`), which makes the older steps
-superseded.
+While the memory used exceeds the budget, copies received from peers (`seal.is_peer_copy`) leave first, oldest
+first, whatever their age (they are another host's redundancy, never this host's only copy); then further steps
+leave under the same rule, oldest first. A step that may not leave stays: the trainer then sends its next save
+straight to storage (`fits`), which makes the older steps superseded. A run or rank directory left empty goes too.
+
+Whose step is whose (`Owners`, `Keys.step_owners`): when a memory step commits, the worker of its host records
+itself as the step's owner with the SHA-256 of the step's manifest. A peer server accepts a copy (`PutCheck`)
+only of a step whose owner is another host and whose manifest is the one recorded, byte for byte, so the shared
+token alone no longer lets a peer place a step of a run and rank it does not hold, nor one of this host's own
+(a restore here therefore never finds a peer's bytes where its own committed step belongs); the manifest carries
+every file's checksum, which the receiver checks on arrival. The proof is the owner's write to Redis, which the
+token does not grant. Pulls check the same record when there is one. A put must also fit (`room`: the budget
+less what the tier holds; the peer server reserves a put's manifest, files and seal before any byte lands).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +47,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +58,10 @@ from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.checkpoint.store import peerwire
-from dcs_tasks.checkpoint.store.seal import SEAL_NAME
+from dcs_tasks.checkpoint.store.peersteps import StepRel
+from dcs_tasks.checkpoint.store.seal import SEAL_NAME, is_peer_copy
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointError
+from dcs_tasks.errors import CheckpointError, PeerCorrupt, PeerRefused
 from dcs_tasks.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -159,6 +171,84 @@ def _parse_field(raw: bytes | str) -> tuple[int, int, str] | None:
     return int(parts[0]), int(parts[1]), place
 
 
+# --- owners ------------------------------------------------------------------------------------------------
+def manifest_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+class Owners:
+    """Which host committed each memory step, and the digest of its manifest (module docstring). Every method
+    may raise redis.RedisError."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._redis = client
+        self._keys = keys
+
+    def record(self, run: str, step: int, rank: int, host: str, manifest: bytes) -> None:
+        key = self._keys.step_owners(run)
+        value = json.dumps({"host": host, "digest": manifest_digest(manifest)})
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(key, f"{step}|{rank}", value)
+        pipe.hlen(key)
+        _, size = pipe.execute()
+        if int(size) > KEPT_STEPS_IN_PLACES * 4:  # the oldest steps' records go, as their places do
+            fields = [f.decode() if isinstance(f, bytes) else str(f) for f in self._redis.hkeys(key)]
+            steps = sorted({int(f.split("|")[0]) for f in fields if f.split("|")[0].isdigit()}, reverse=True)
+            old = set(steps[KEPT_STEPS_IN_PLACES:])
+            drop = [f for f in fields if not f.split("|")[0].isdigit() or int(f.split("|")[0]) in old]
+            if drop:
+                self._redis.hdel(key, *drop)
+
+    def get(self, run: str, step: int, rank: int) -> tuple[str, str] | None:
+        """(host, manifest digest) of the step's owner; None when none is recorded (or the record is malformed)."""
+        raw = self._redis.hget(self._keys.step_owners(run), f"{step}|{rank}")
+        if raw is None or len(raw) > 1024:
+            return None
+        try:
+            record = json.loads(raw)
+            host, digest = str(record["host"]), str(record["digest"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        return (host, digest) if _HOST_RE.fullmatch(host) else None
+
+
+class PutCheck:
+    """`peerwire.PeerServer.accept_put` for the memory tier of `this_host`: a peer may put only a step that another
+    host recorded as its own, with that manifest (module docstring); PeerRefused otherwise."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, this_host: str) -> None:
+        self._owners = Owners(client, keys)
+        self.this_host = this_host
+
+    def __call__(self, rel: StepRel, raw: bytes) -> None:
+        try:
+            owner = self._owners.get(rel.run, rel.step, rel.rank or 0)
+        except redis.RedisError as exc:
+            raise PeerRefused(f"cannot check whose step {rel} is (Redis: {exc}); try again") from exc
+        if owner is None:
+            raise PeerRefused(f"{rel}: no host recorded committing it; a peer may copy only another host's step")
+        if owner[0] == self.this_host:
+            raise PeerRefused(f"{rel} is this host's own step: a peer may not place a copy of it here")
+        if manifest_digest(raw) != owner[1]:
+            raise PeerRefused(f"{rel}: its manifest is not the one host {owner[0]} committed")
+
+
+def pull_check(client: redis.Redis, keys: Keys) -> Callable[[StepRel, bytes], None]:
+    """`peerwire.pull_step`'s `accept` for a restore: a step whose owner is recorded must come with the manifest
+    recorded (PeerCorrupt otherwise); one without a record (lost with Redis's data) is taken on its checksums."""
+    owners = Owners(client, keys)
+
+    def check(rel: StepRel, raw: bytes) -> None:
+        try:
+            owner = owners.get(rel.run, rel.step, rel.rank or 0)
+        except redis.RedisError:
+            owner = None
+        if owner is not None and manifest_digest(raw) != owner[1]:
+            raise PeerCorrupt(f"{rel}: the peer's manifest is not the one host {owner[0]} committed")
+
+    return check
+
+
 # --- peers -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Peer:
@@ -233,6 +323,7 @@ class MemoryStep:
     path: Path
     committed: bool
     nbytes: int
+    peer: bool = False  # a copy received from another host (`seal.is_peer_copy`)
 
     @property
     def rel(self) -> str:
@@ -285,6 +376,7 @@ def scan(root: Path, run: str | None = None) -> list[MemoryStep]:
                             path=path,
                             committed=os.path.isfile(path / MANIFEST_NAME),
                             nbytes=_dir_bytes(path),
+                            peer=is_peer_copy(path),
                         )
                     )
     return found
@@ -300,6 +392,11 @@ def used_bytes(root: Path) -> int:
         if entry.name.startswith(".") and entry.name != RECYCLE_DIR and _is_dir(Path(entry.path)):
             total += sum(_dir_bytes(Path(p)) for p, _, _ in os.walk(entry.path))
     return total
+
+
+def room(config: DCSConfig) -> int:
+    """Bytes the memory tier may still take (the budget less what it holds; what a peer may put)."""
+    return config.memory_tier_bytes - used_bytes(memory_root(config))
 
 
 def fits(config: DCSConfig, nbytes: int) -> bool:
@@ -421,6 +518,18 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
     book = Places(client, keys)
     removed: list[MemoryStep] = []
     host = config.host_name
+    copies = [s for s in (held if run is None else scan(root)) if s.peer and s.committed]
+    for s in sorted(copies, key=lambda s: (s.step, s.run, s.rank)):
+        if over <= 0:  # over budget: peer copies leave first, oldest first
+            break
+        with contextlib.suppress(redis.RedisError):
+            book.forget(s.run, s.step, s.rank, peer_place(host))
+        remove_step(s, root, config.memory_tier_bytes - used_bytes(root) - recycled_bytes(root))
+        _prune(root, s.path)
+        over -= s.nbytes
+        removed.append(s)
+        log.info("memory tier: peer copy %s left memory (%d bytes, over budget)", s.rel, s.nbytes)
+    held = [s for s in held if s.path not in {r.path for r in removed}]
     for name in sorted({s.run for s in held}):
         try:
             places = book.read(name)
@@ -433,11 +542,24 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
             # the pool keeps what the budget leaves free: with storage every N steps, about N steps leave at once
             # after each flush and the next N saves overwrite their pages (new tmpfs pages cost their zeroing)
             remove_step(s, root, config.memory_tier_bytes - used_bytes(root) - recycled_bytes(root))
+            _prune(root, s.path)
             over -= s.nbytes
             removed.append(s)
             log.info("memory tier: step %d of %s rank %d left memory (%d bytes)", s.step, name, s.rank, s.nbytes)
     trim_pool(root, config.memory_tier_bytes - used_bytes(root))
     return removed
+
+
+def _prune(root: Path, step_dir: Path) -> None:
+    """Remove the rank directory, then the run directory, that held a step which left memory, when empty."""
+    parent = step_dir.parent
+    for directory in (parent, parent.parent) if RANK_DIR.fullmatch(parent.name) else (parent,):
+        if directory == root or not directory.is_relative_to(root) or not _is_dir(directory):
+            return
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def trim_pool(root: Path, allowed: int) -> None:
@@ -482,6 +604,7 @@ def pull_from_peers(
     local = {(m.step, m.rank) for m in scan(root, run) if m.committed}
     listed: dict[str, list[str]] = {}
     pulled: dict[int, str] = {}
+    check = pull_check(client, keys)
     for s in [step] if step is not None else sorted(holders, reverse=True)[:newest]:
         for host in sorted(holders.get(s, ())):
             address = (live[host].address, live[host].port)
@@ -491,7 +614,7 @@ def pull_from_peers(
                 found = rel_step(rel)
                 if found is None or found[1] != s or (s, found[0]) in local:
                     continue
-                if _pull(address, token, rel, root, config, host):
+                if _pull(address, token, rel, root, config, host, check):
                     local.add((s, found[0]))
                     pulled[s] = host
         if step is None and s in pulled:
@@ -507,7 +630,15 @@ def _list(address: tuple[str, int], token: str, run: str, host: str, config: DCS
         return []
 
 
-def _pull(address: tuple[str, int], token: str, rel: str, root: Path, config: DCSConfig, host: str) -> bool:
+def _pull(
+    address: tuple[str, int],
+    token: str,
+    rel: str,
+    root: Path,
+    config: DCSConfig,
+    host: str,
+    check: Callable[[StepRel, bytes], None],
+) -> bool:
     try:
         peerwire.pull_step(
             address,
@@ -516,6 +647,9 @@ def _pull(address: tuple[str, int], token: str, rel: str, root: Path, config: DC
             root,
             timeout=config.peer_timeout_seconds,
             max_bytes=max(config.memory_tier_bytes, 1),
+            accept=check,
+            min_rate=config.peer_min_bytes_per_second,
+            max_manifest_bytes=config.peer_max_manifest_bytes,
         )
     except CheckpointError as exc:
         log.warning("memory tier: could not fetch %s from peer %s: %s", rel, host, exc)
