@@ -246,8 +246,12 @@ class DCSConfig(BaseSettings):
     """Network interface(s) gloo and NCCL use (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset; default:
     the interface holding the advertised address, so a hostname resolving to loopback does not matter)."""
     group_init_timeout_seconds: float = Field(default=60.0, gt=0, le=MAX_GROUP_INIT_TIMEOUT_SECONDS)
-    """Timeout for a weight-sync process group to form (at most 1 h: a join task's payload may carry no more,
-    and a worker holds a join no longer than its own value of this)."""
+    """Timeout for a weight-sync process group to form (at most `group_init_timeout_max_seconds`; a worker holds
+    a join no longer than its own value of this)."""
+    group_init_timeout_max_seconds: float = Field(default=300.0, gt=0, le=MAX_GROUP_INIT_TIMEOUT_SECONDS)
+    """The longest wait for a group to form this host allows: `group_init_timeout_seconds` may not exceed it, and
+    a worker cuts a join task that asks for longer to it (a join holds one of the worker's pool slots while it
+    waits). At most 1 h."""
     ref_update_interval: int | None = Field(default=None, ge=1)
     """Update the reference model every N rollouts (None: never)."""
 
@@ -484,6 +488,12 @@ class DCSConfig(BaseSettings):
             raise ValueError(f"comm port range is empty: {self.comm_base_port}-{self.comm_max_port}")
         if self.task_time_limit_seconds < self.task_soft_time_limit_seconds:
             raise ValueError("task_time_limit_seconds must be >= task_soft_time_limit_seconds")
+        if self.group_init_timeout_seconds > self.group_init_timeout_max_seconds:
+            raise ValueError(
+                f"group_init_timeout_seconds ({self.group_init_timeout_seconds:g}) must be <= "
+                f"group_init_timeout_max_seconds ({self.group_init_timeout_max_seconds:g}): a join holds a worker "
+                "pool slot that long; raise DCS_GROUP_INIT_TIMEOUT_MAX_SECONDS (at most 3600) to allow it"
+            )
         if self.weight_meta_entry_max_bytes > self.weight_meta_read_max_bytes:
             raise ValueError(
                 "weight_meta_entry_max_bytes must be <= weight_meta_read_max_bytes (one entry must fit an answer)"

@@ -68,8 +68,10 @@ def join_engine(self: DCSTask, payload: dict[str, Any]) -> dict[str, Any]:
     on failure)."""
     request = parse_payload(JoinRequest, payload, self.name)
     rt = runtime()
-    if request.timeout_seconds > rt.config.group_init_timeout_seconds:  # never hold a slot longer than we would
-        request = request.model_copy(update={"timeout_seconds": rt.config.group_init_timeout_seconds})
+    # a join holds a pool slot while it waits: never longer than this host's own settings allow
+    longest = min(rt.config.group_init_timeout_seconds, rt.config.group_init_timeout_max_seconds)
+    if request.timeout_seconds > longest:
+        request = request.model_copy(update={"timeout_seconds": longest})
     token = rt.config.token()  # this host's DCS_AUTH_TOKEN: sent as the engine's API key, never in payloads
     ttl = bootstrap_ttl(rt.config)
     result = join_once(rt.redis, rt.keys, request, self.request.id, rt.config.host_name, ttl, token)

@@ -48,7 +48,8 @@ _TRAINER_WORKER = (
     "runtime_dir host_trusted_uid peer_handshake_seconds peer_min_bytes_per_second peer_max_manifest_bytes"
 )
 _TRAINER_WORKER_RECEIVER = (
-    "coordinator_url request_timeout_seconds group_init_timeout_seconds host_agent host_agent_socket"
+    "coordinator_url request_timeout_seconds group_init_timeout_seconds group_init_timeout_max_seconds host_agent "
+    "host_agent_socket"
 )
 _ALL = "auth_token redis_socket_timeout_seconds heartbeat_interval_seconds heartbeat_timeout_seconds"
 _MATCH = "redis_url namespace node_name checkpoint_dir staging_dir memory_tier_bytes memory_dir s3_endpoint_url"

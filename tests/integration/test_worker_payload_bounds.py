@@ -17,6 +17,7 @@ from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.sync.wire import EngineEndpoint, InitWeightsUpdateGroupRequest, JoinRequest
 from tests.checkpoint_support import start_worker
+from tests.helpers.procs import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -62,5 +63,30 @@ def test_join_payloads_cannot_hold_the_worker(dcs_config: DCSConfig, tmp_path: P
             outcome = result.get(timeout=30)
             assert outcome["success"] is False and outcome["outcome"] == "timed_out", outcome
         assert time.monotonic() - started < OWN_TIMEOUT + 5 + 6
+    finally:
+        worker.discard()
+
+
+def test_a_join_may_hold_a_worker_slot_for_minutes_at_most_unless_the_cap_is_raised(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """A join holds one of the worker's pool slots for up to its `group_init_timeout_seconds`: that setting is
+    bounded by DCS_GROUP_INIT_TIMEOUT_MAX_SECONDS (default 300 s), so a worker started with 900 s refuses to
+    start naming both settings (before, up to 3,600 s was taken: two joins held both slots for an hour). With
+    the cap raised on purpose it starts and serves."""
+    longer = {"DCS_GROUP_INIT_TIMEOUT_SECONDS": "900"}
+    worker = WorkerProcess(dcs_config, tmp_path / "refused.log", concurrency=1, env=longer)
+    try:
+        with pytest.raises(RuntimeError, match="worker exited") as refused:
+            worker.start(timeout=60)
+    finally:
+        worker.discard()
+    assert "group_init_timeout_max_seconds" in str(refused.value), str(refused.value)[-2000:]
+    assert "DCS_GROUP_INIT_TIMEOUT_MAX_SECONDS" in str(refused.value), str(refused.value)[-2000:]
+    raised = {**longer, "DCS_GROUP_INIT_TIMEOUT_MAX_SECONDS": "900"}
+    worker = WorkerProcess(dcs_config, tmp_path / "raised.log", concurrency=1, env=raised).start()
+    try:
+        ping = make_celery(dcs_config).send_task(TaskName.PING.value, queue=node_queue(dcs_config.host_name))
+        assert ping.get(timeout=30) is not None
     finally:
         worker.discard()
