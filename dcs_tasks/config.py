@@ -379,6 +379,18 @@ class DCSConfig(BaseSettings):
     """Address peers connect to (None: `peer_host`)."""
     peer_timeout_seconds: float = Field(default=30.0, gt=0)
     """Memory tier: a peer copy or fetch gives up after this long without progress (connect, each send or read)."""
+    peer_handshake_seconds: float = Field(default=5.0, gt=0, le=300)
+    """Memory tier: a connection to the peer server must prove it knows `auth_token` within this long, or it is
+    closed; until then it holds none of the slots transfers use."""
+    peer_connections_per_source: int = Field(default=8, ge=1, le=64)
+    """Memory tier: connections one source address may have open at the peer server before they authenticate
+    (more are closed at once); at most 64 in all, apart from the 16 that transfer steps."""
+    peer_min_bytes_per_second: int = Field(default=1 << 20, ge=0)
+    """Memory tier: the rate a peer copy or fetch must keep once its step's bytes move, judged over each 10 s
+    (slower: cut off, its partial copy removed; 0: no minimum, only `peer_timeout_seconds` without progress)."""
+    peer_max_manifest_bytes: int = Field(default=4 << 20, ge=64 << 10, le=512 << 20)
+    """Memory tier: the largest manifest a peer copy may carry (~400 bytes per tensor: 4 MiB holds ~10,000
+    tensors per rank). A step with a bigger manifest is not copied to peers; it stays in memory and storage."""
     checkpoint_compression: CheckpointCompression = CheckpointCompression.NONE
     """Per-file compression of checkpoint files: none, or zstd. The worker compresses while it persists (never in
     save()'s stall); restore, verify and export read either kind transparently."""
