@@ -22,7 +22,7 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
-from dcs_tasks.errors import DCSError, DCSTimeoutError, WeightSyncError
+from dcs_tasks.errors import DCSError, DCSTimeoutError, SaveFailed, WeightSyncError
 from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.netaddr import configure_comm_interface, route_address
@@ -228,7 +228,9 @@ class CheckpointEngineClient:
         self._fwd_sender = ActorFwdSender(self._api, sender(False), pp_rank)
 
     async def stop(self) -> None:
-        """Cancel heartbeats and background receives, release groups, close the backend and HTTP client."""
+        """Cancel heartbeats and background receives, release groups, close the backend, the checkpointer and the HTTP
+        client. A `SaveFailed` from the checkpointer's close (a failed save not raised yet) is raised once all of it
+        is closed."""
         if self._background is not None:
             await cancel_and_wait(self._background)
         if self._beats is not None:
@@ -239,11 +241,17 @@ class CheckpointEngineClient:
         await self._release_pp_port()
         if self._backend is not None:
             self._backend.close()
+        failed: SaveFailed | None = None
         if self._checkpointer is not None:
-            self._checkpointer.close()
+            try:
+                self._checkpointer.close()
+            except SaveFailed as exc:
+                failed = exc
         if self._api is not None:
             await self._api.aclose()
             self._api = None
+        if failed is not None:
+            raise failed
 
     async def _release_pp_port(self) -> None:
         name = self.role_info.metadata.get("pp_group_name")

@@ -18,12 +18,12 @@ import pytest
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
-from tests.checkpoint_support import start_worker, training_state
+from tests.checkpoint_support import start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.s3server import S3Server
 from tests.integration.readme_trainer import failures_counted, run_readme_trainer, trainer_env
 from tests.storage.conftest import S3Bucket, s3_client
-from tests.storage.s3_support import ROOT, objects, s3_config, use_bucket
+from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config, use_bucket
 
 
 @pytest.fixture
@@ -142,3 +142,40 @@ def test_an_s3_outage_mid_run_fails_only_the_saves_made_during_it_and_the_next_s
         "step-000000001",
         "step-000000003",
     ]
+
+
+def test_an_upload_the_worker_gives_up_on_while_s3_is_down_is_warned_not_raised(
+    dcs_config: DCSConfig,
+    tmp_path: Path,
+    own_bucket: S3Bucket,
+    workers: list[WorkerProcess],
+) -> None:
+    """The server stops while the worker uploads a step (throttled: about 4 s) and stays down until the worker gives
+    up on it (StorageUnavailable after its retries): the step fails in the ledger, and the trainer's next save, once
+    the server is back, raises nothing for it (storage was down, nothing to fix) and commits; close() lists it."""
+    config = s3_config(
+        dcs_config,
+        tmp_path,
+        own_bucket,
+        persist_throttle_bytes_per_second=4 * MiB,
+        file_shard_bytes=32 * MiB,
+        s3_concurrency=1,
+        s3_max_attempts=2,
+        s3_connect_timeout_seconds=1.0,
+        max_retries=1,
+    )
+    workers.append(start_worker(config, tmp_path))
+    state = training_state(width=1100)  # one 14.6 MiB file
+    with Checkpointer("gaveup", config) as ckpt:
+        lost = ckpt.save(state, step=1)
+        wait_until(lambda: open_uploads(own_bucket), 30, "a multipart upload to start")
+        own_bucket.server.stop()
+        wait_until(lost.done, 120, "the worker to give up on step 1")
+        own_bucket.server.start()
+        info = ckpt.save(state, step=2).wait(timeout=120)  # no SaveFailed for step 1: storage was down
+        assert info.step == 2
+        closed = ckpt.close()
+    assert closed.failed == (1,) and closed.unfinished == ()
+    failure = closed.failures[0]
+    assert failure.transient and failure.error_type == "StorageUnavailable", failure
+    assert "persisting" in failure.reason, failure.reason
