@@ -147,6 +147,7 @@ class Channel:
         self.sent = 0
         self.received = 0
         self.deadline: float | None = None
+        self.allowed = timeout  # what `deadline` allows in all (for the message)
         self.pace: Pace | None = None
         self.waits = timeout  # what the socket's calls wait now (for the messages)
         sock.settimeout(None)
@@ -170,7 +171,7 @@ class Channel:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise PeerUnavailable(f"peer {self.peer}: did not complete its request within {self.timeout:g}s")
+                raise PeerUnavailable(f"peer {self.peer}: did not complete its request within {self.allowed:g}s")
             set_timeout(self.sock, min(left, self.timeout))
 
     def start_transfer(self, pace: Pace | None) -> None:

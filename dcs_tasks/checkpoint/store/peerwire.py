@@ -264,7 +264,7 @@ class PeerServer:
         """The handshake within `handshake_seconds`, holding one of the source's handshake places; then one of the
         transfer slots (False, the connection told, when none is free)."""
         try:
-            ch.deadline = time.monotonic() + self.handshake_seconds
+            ch.deadline, ch.allowed = time.monotonic() + self.handshake_seconds, self.handshake_seconds
             accept_session(ch, self._token)
         finally:
             with self._lock:
@@ -287,7 +287,7 @@ class PeerServer:
                 slot = self._authenticate(ch, source)
                 if not slot:
                     return
-                ch.deadline = time.monotonic() + self.timeout
+                ch.deadline, ch.allowed = time.monotonic() + self.timeout, self.timeout
                 request = ch.recv("receiving the request")
                 op = request.get("op")
                 if op == "put":

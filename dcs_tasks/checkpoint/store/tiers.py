@@ -518,7 +518,7 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
     book = Places(client, keys)
     removed: list[MemoryStep] = []
     host = config.host_name
-    copies = [s for s in (held if run is None else scan(root)) if s.peer and s.committed]
+    copies = [s for s in (held if run is None else scan(root)) if s.peer and s.committed] if over > 0 else []
     for s in sorted(copies, key=lambda s: (s.step, s.run, s.rank)):
         if over <= 0:  # over budget: peer copies leave first, oldest first
             break
