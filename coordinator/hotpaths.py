@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.deps import Services
 from coordinator.routes import ROUTERS, nodes, weight_meta
-from dcs_tasks.jsonbody import lone_surrogate_in
+from dcs_tasks.jsonbody import lone_surrogate_in, read_body
 from dcs_tasks.models import MAX_INDEX, RegisterRequest
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -101,7 +101,7 @@ class HotPaths:
         await send_body(send, answer.body)
 
     async def _register(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await nodes.read_body(Request(scope, receive))
+        raw = await read_body(Request(scope, receive))
         body = plain_register_body(raw, _header(scope, b"content-type"))
         if body is None:
             await self.app(scope, replay(raw, receive), send)

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from coordinator.deps import ROLE_PATTERN, RankQuery, RoleQuery, ServicesDep, TopologyDep
 from coordinator.limits import metadata_problem
@@ -23,7 +22,7 @@ from coordinator.topology import (
 )
 from dcs_tasks.config import RoleInfo
 from dcs_tasks.errors import RankConflict
-from dcs_tasks.jsonbody import StrictJSONRoute
+from dcs_tasks.jsonbody import StrictJSONRoute, read_body
 from dcs_tasks.models import (
     MAX_BATCH_NODES,
     MAX_RANK,
@@ -79,19 +78,6 @@ def caller_identity(request: Request) -> str:
             raise HTTPException(status_code=422, detail=IDENTITY_REQUIRED.format(where="header X-DCS-Node"))
         return ""
     return checked_identity(raw.decode("latin-1"), "X-DCS-Node")
-
-
-BODY_UNREAD = "There was an error parsing the body"  # FastAPI's 400 for a declared body it could not read
-
-
-async def read_body(request: Request) -> bytes:
-    """The request's body; when the client goes before sending all of it, the 400 FastAPI answers for a declared
-    body it could not read (not an unhandled `ClientDisconnect`: a 500 in the metrics and a traceback in the
-    log). For the routes and hot paths that read their body themselves."""
-    try:
-        return await request.body()
-    except ClientDisconnect as exc:
-        raise HTTPException(status_code=400, detail=BODY_UNREAD) from exc
 
 
 IDENTITY_REQUIRED = (
