@@ -22,7 +22,7 @@ from dcs_tasks.checkpoint.format.fsio import file_checksum
 from dcs_tasks.checkpoint.format.layout import FileEntry, ManifestDraft
 from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepLedger, StepStatus, file_entry_json
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointFailed
+from dcs_tasks.errors import CheckpointFailed, SettingsMismatch
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
@@ -183,14 +183,13 @@ def _tree(base: Path, name: str) -> set[str]:
 
 
 def test_a_trainer_whose_checkpoint_dir_the_worker_does_not_serve_gets_the_reason(scene: Scene, tmp_path: Path) -> None:
-    """A trainer configured with another checkpoint root than its worker: the save fails with the worker's
-    reason (it used to be written wherever the trainer said), and nothing appears in either place."""
+    """A trainer configured with another checkpoint root than its worker: the Checkpointer refuses at construction,
+    naming both roots (`dcs_tasks.checkpoint.agreement`; the worker would refuse every step as UntrustedPath, which
+    the payload tests above check), and nothing appears in either place."""
     elsewhere = tmp_path / "elsewhere"
     trainer_config = scene.config.model_copy(update={"checkpoint_dir": elsewhere})
-    with Checkpointer("astray", trainer_config) as ckpt:
-        pending = ckpt.save(training_state(), step=1)
-        with pytest.raises(CheckpointFailed, match=r"UntrustedPath: step directory .* is outside the checkpoint root"):
-            pending.wait(60)
+    with pytest.raises(SettingsMismatch, match=r"checkpoint_dir: this trainer uses .*elsewhere, the worker uses"):
+        Checkpointer("astray", trainer_config)
     assert not (elsewhere / "astray").exists() and not (scene.root / "astray").exists()
 
 
