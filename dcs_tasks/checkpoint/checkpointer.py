@@ -33,7 +33,7 @@ from celery import Celery
 
 from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint import agreement, dispatch, failures, replicas
+from dcs_tasks.checkpoint import agreement, dispatch, exiting, failures, replicas
 from dcs_tasks.checkpoint.format.layout import (
     ChunkSums,
     Layout,
@@ -128,6 +128,7 @@ class Checkpointer:
         self._closed: failures.ClosedSteps | None = None  # close()'s answer, once closed
         self._failures = failures.FailureLog(self.config)  # failed saves: logged, counted, raised (policy)
         self._noted: set[int] = set()  # ids of the saves in `_pending` whose failure `_failures` has
+        exiting.track(self, self._pool)  # staging files removed at exit and on SIGTERM, close() or not
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
             self._gauges.memory(self._pool.mapped_bytes())

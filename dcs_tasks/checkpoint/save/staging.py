@@ -191,6 +191,15 @@ class StagingPool:
         with self._lock:
             return sum(b.state is BufferState.IN_FLIGHT for b in self._buffers)
 
+    def unlink_free_files(self) -> None:
+        """Delete the files of the buffers no save holds, taking no lock and unmapping nothing: the path of a
+        process about to end by a signal (`exiting`), whose handler may run while this thread holds the lock.
+        The mappings stay valid until the process ends; the files of buffers in flight stay for the workers."""
+        for buf in list(self._buffers):
+            if buf.state is BufferState.FREE:
+                with contextlib.suppress(OSError):
+                    buf.path.unlink()
+
     def close(self, keep_in_flight: bool = False) -> None:
         """End every lease, unmap every buffer and delete its file; with `keep_in_flight`, the files of buffers
         still leased stay (a worker has yet to read them; a later trainer of the run removes them once this
