@@ -36,6 +36,12 @@ class UnsafeHostDirectory(DCSError):
     how to fix it (remove it, or point the setting elsewhere). `dcs_tasks/hostdirs.py`."""
 
 
+class HostBusy(DCSError):
+    """`dcs clean` found a running `dcs worker`, `dcs up` or `dcs demo` of this user on the directories it would
+    clean (a worker may still read a gone trainer's last staging file): nothing is removed. The message names each
+    process; stop them, then run `dcs clean` again."""
+
+
 class DCSTimeoutError(DCSError, TimeoutError):
     """A bounded wait ran out (group init, broadcast, long-poll, task result, worker presence)."""
 

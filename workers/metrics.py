@@ -20,20 +20,16 @@ import atexit
 import contextlib
 import logging
 import os
-import re
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 
+from dcs_tasks import metricsdir
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.process import pid_alive
 
 log = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 OWNED_ENV = "_DCS_OWN_PROMETHEUS_DIR"  # set beside ENV when the directory is the worker's own (made here)
-DIR_PREFIX = "dcs-prometheus-"
-STALE_NAME = re.compile(r"dcs-prometheus-.+-(\d+)-[A-Za-z0-9_]{8}")  # ...-<pid>-<mkdtemp's 8 characters>
 # error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.base.DCSTask
 WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "checkpoint_replica", "task_retry", "task_failed")
 
@@ -53,7 +49,7 @@ def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
         shutil.rmtree(given, ignore_errors=True)
     base = Path(tempfile.gettempdir())
     remove_stale_dirs(base)
-    prefix = f"{DIR_PREFIX}{config.namespace}-{config.host_name}-{os.getpid()}-"
+    prefix = f"{metricsdir.PREFIX}{config.namespace}-{config.host_name}-{os.getpid()}-"
     directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # 0700, a name nobody else holds
     os.environ[ENV] = os.environ[OWNED_ENV] = str(directory)
     atexit.register(remove_own_dir, directory, os.getpid())
@@ -68,18 +64,13 @@ def remove_own_dir(directory: Path, owner_pid: int) -> None:
 
 
 def remove_stale_dirs(base: Path) -> list[Path]:
-    """Remove the per-worker directories under `base` whose worker is gone: this user's own (never a symlink),
-    named like `prepare_multiprocess_dir` names them, of a pid that no longer exists. Returns those removed."""
+    """Remove the per-worker directories under `base` whose worker is gone (`metricsdir.gone_workers_dirs`: this
+    user's own, never a symlink, of a pid that no longer exists). Returns those removed."""
     removed = []
-    for path in base.glob(f"{DIR_PREFIX}*"):
-        found = STALE_NAME.fullmatch(path.name)
-        if found is None or pid_alive(int(found.group(1))):
-            continue
+    for path in metricsdir.gone_workers_dirs(base):
         with contextlib.suppress(OSError):
-            info = path.lstat()
-            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
-                shutil.rmtree(path)
-                removed.append(path)
+            shutil.rmtree(path)
+            removed.append(path)
     return removed
 
 

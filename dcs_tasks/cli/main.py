@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "doctor": "dcs_tasks.cli.doctor",
     "up": "dcs_tasks.cli.up",
     "demo": "dcs_tasks.cli.demo",
+    "clean": "dcs_tasks.cli.clean",
 }
 
 
