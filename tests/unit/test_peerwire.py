@@ -714,3 +714,46 @@ def test_a_client_killed_mid_transfer_leaves_no_partial_step(server: pw.PeerServ
     assert not (server.root / rel).exists()
     # and the server still serves
     assert pw.push_step(server.address, TOKEN, step_dir, rel, timeout=TIMEOUT) > 0
+
+
+def test_idle_connections_hold_their_place_only_briefly_and_never_a_transfer_slot(tmp_path: Path) -> None:
+    """Before authenticating: at most `per_source` connections from one address (more are closed at once), each
+    for at most `handshake_seconds`, and none of them keeps an authenticated client from a transfer slot. After
+    it: a client that says nothing holds its slot only for the handshake's time plus the largest manifest's at
+    the minimum rate (1 + 1 s here)."""
+    with pw.PeerServer(
+        tmp_path / "peer",
+        TOKEN,
+        accept_put=any_step,
+        max_step_bytes=1 << 20,
+        timeout=TIMEOUT,
+        handshake_seconds=1.0,
+        max_connections=1,
+        per_source=2,
+        max_manifest_bytes=1 << 20,
+        min_rate=1 << 20,
+    ) as srv:
+        idle = [socket.create_connection(srv.address, TIMEOUT, ("127.0.0.2", 0)) for _ in range(3)]
+        try:
+            idle[2].settimeout(2.0)
+            frames = idle[2].recv(65536)  # the third from this address: told why, and closed at once
+            assert b"too many connections are authenticating" in frames
+            # from another address: the one transfer slot is free
+            assert pw.list_steps(srv.address, TOKEN, "exp", timeout=TIMEOUT) == []
+            began = time.monotonic()
+            for sock in idle[:2]:  # the greeting, then closed at the handshake deadline
+                sock.settimeout(5.0)
+                while sock.recv(65536):
+                    pass
+            assert time.monotonic() - began < 2.0
+        finally:
+            for sock in idle:
+                sock.close()
+        quiet = pc.client_session(srv.address, TOKEN, TIMEOUT)  # authenticated, holds the slot, says nothing
+        began = time.monotonic()
+        quiet.sock.settimeout(10.0)
+        with pytest.raises(PeerUnavailable, match="closed the connection"):
+            quiet.reply("waiting", "never")
+        assert time.monotonic() - began < 4.0
+        quiet.sock.close()
+        assert pw.list_steps(srv.address, TOKEN, "exp", timeout=TIMEOUT) == []

@@ -172,6 +172,7 @@ class Channel:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise PeerUnavailable(f"peer {self.peer}: did not complete its request within {self.allowed:g}s")
+            self.waits = min(self.allowed, self.timeout)
             set_timeout(self.sock, min(left, self.timeout))
 
     def start_transfer(self, pace: Pace | None) -> None:

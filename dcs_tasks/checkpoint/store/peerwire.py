@@ -29,7 +29,8 @@ Errors (dcs_tasks.errors): PeerAuthFailed (a PeerRefused), PeerRefused (bad name
 incremental files, no room), PeerCorrupt (bytes, checksums, manifest or frames that do not verify; bytes beyond
 those announced), PeerNotFound, PeerUnavailable (unreachable, closed mid-transfer, no answer within `timeout`, no
 free connection slot, too slow). Every socket call has the timeout; the handshake must complete within
-`handshake_seconds`, the request within `timeout`. A local step that fails its checks before a push:
+`handshake_seconds`, the request (a put's manifest included) within `handshake_seconds` plus the largest
+manifest's time at `min_rate` (9 s by default), at most `timeout`. A local step that fails its checks before a push:
 CorruptCheckpoint; a local file system failure on the pulling side: its OSError.
 """
 
@@ -278,6 +279,14 @@ class PeerServer:
             return False
         return True
 
+    def _request_seconds(self) -> float:
+        """What the request (and a put's manifest) may take once authenticated: the handshake's time plus the
+        largest manifest at the minimum rate, at most `timeout`; so an authenticated peer that says nothing
+        holds a transfer slot no longer than that."""
+        if not self.min_rate:
+            return self.timeout
+        return min(self.timeout, self.handshake_seconds + self.max_manifest_bytes / self.min_rate)
+
     def _serve(self, sock: socket.socket, source: str, peer: str) -> None:
         slot = False
         try:
@@ -287,7 +296,8 @@ class PeerServer:
                 slot = self._authenticate(ch, source)
                 if not slot:
                     return
-                ch.deadline, ch.allowed = time.monotonic() + self.timeout, self.timeout
+                allowed = self._request_seconds()
+                ch.deadline, ch.allowed = time.monotonic() + allowed, allowed
                 request = ch.recv("receiving the request")
                 op = request.get("op")
                 if op == "put":
