@@ -5,7 +5,8 @@ trusts only paths under its own roots and keeps (or refuses) memory-tier steps b
 disagree, nothing fails in the trainer: the worker refuses the tasks (`UntrustedPath`) or quietly does something
 else (no memory tier). So each worker publishes what it actually uses (`WorkerSettings`, under
 `Keys.worker_settings(queue)`, refreshed with its presence), and a `Checkpointer` compares it with its own at
-construction: `require_agreement` raises `SettingsMismatch` naming each setting, both values and how to fix it.
+construction, and again before each save (a worker started or restarted since): `require_agreement` raises
+`SettingsMismatch` naming each setting, both values and how to fix it.
 
 Compared: the checkpoint root (resolved; an `s3://` URL and its endpoint), the staging directory and the memory
 tier (on or off, budget, directory). `storage_every_steps`/`storage_every_seconds` are the trainer's alone (it picks
@@ -20,13 +21,13 @@ import os
 from pathlib import Path
 
 import redis
-from celery import Celery
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dcs_tasks.celery_app import node_queue
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import SettingsMismatch
 from dcs_tasks.keys import Keys
+from dcs_tasks.storage.s3 import endpoint_without_credentials  # what S3 uses, and nothing secret to publish
 from dcs_tasks.storage_url import ObjectURL
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def effective(config: DCSConfig, worker: str = "") -> WorkerSettings:
     return WorkerSettings(
         worker=worker,
         checkpoint_dir=str(root) if isinstance(root, ObjectURL) else _resolved(root),
-        s3_endpoint_url=config.s3_endpoint_url if is_object else None,
+        s3_endpoint_url=endpoint_without_credentials(config.s3_endpoint_url) if is_object else None,
         staging_dir=_resolved(config.staging_dir),
         memory_tier_bytes=config.memory_tier_bytes,
         memory_dir=_resolved(config.memory_dir) if config.memory_tier_bytes > 0 else "",
@@ -143,9 +144,9 @@ def disagreements(mine: WorkerSettings, theirs: WorkerSettings) -> list[str]:
 
 def require_agreement(config: DCSConfig, client: redis.Redis, keys: Keys, app: object = None) -> None:
     """SettingsMismatch when the worker serving this host published settings that disagree with `config`.
-    Nothing to compare with an in-process committer (`app` neither None nor a Celery app), no published settings
-    or Redis unreachable."""
-    if app is not None and not isinstance(app, Celery):
+    Nothing to compare with an in-process committer (`app` with `inline` true), no published settings or Redis
+    unreachable."""
+    if getattr(app, "inline", False):
         return
     queue = node_queue(config.host_name)
     try:

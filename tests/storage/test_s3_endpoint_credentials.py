@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.celery_app import node_queue
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointFailed, StorageUnavailable
+from dcs_tasks.errors import CheckpointFailed, SettingsMismatch, StorageUnavailable
+from dcs_tasks.keys import Keys
+from dcs_tasks.redisconn import sync_client
 from dcs_tasks.storage import ObjectURL, S3Store, parse_root
 from dcs_tasks.storage.s3 import S3Settings
 from tests.checkpoint_support import start_worker, training_state, wait_until
@@ -131,3 +134,19 @@ def test_a_save_and_dcs_ckpt_during_an_outage_name_it_without_the_password(
     assert "StorageUnavailable" in log, log[-3000:]
     for text in (error_chain(failed.value), output, log):
         assert PASSWORD not in text, [line for line in text.splitlines() if PASSWORD in line][:3]
+
+
+def test_a_settings_mismatch_over_the_endpoint_names_it_without_the_password(
+    dcs_config: DCSConfig, tmp_path: Path, own_bucket: S3Bucket, workers: list[WorkerProcess]
+) -> None:
+    """The worker publishes the endpoint it uses (in Redis, for trainers to compare) and a trainer that uses
+    another refuses to start naming both: neither the record nor the message carries the password."""
+    config = s3_config(dcs_config, tmp_path, own_bucket)
+    workers.append(start_worker(config, tmp_path))
+    raw = sync_client(config).get(Keys(config.namespace).worker_settings(node_queue(config.host_name)))
+    published = raw.decode() if isinstance(raw, bytes) else str(raw)
+    assert PASSWORD not in published and own_bucket.server.endpoint_url in published, published
+    elsewhere = str(own_bucket.endpoint_url).replace("127.0.0.1", "localhost")
+    with pytest.raises(SettingsMismatch, match="s3_endpoint_url") as refused:
+        Checkpointer("endpoint", config.model_copy(update={"s3_endpoint_url": elsewhere}))
+    assert PASSWORD not in error_chain(refused.value), error_chain(refused.value)
