@@ -218,7 +218,7 @@ class JoinRequest(BaseModel):
     body: InitWeightsUpdateGroupRequest
     timeout_seconds: float = Field(gt=0, le=MAX_GROUP_INIT_TIMEOUT_SECONDS, allow_inf_nan=False)
     """What DCS sends: the bootstrapping worker's `group_init_timeout_seconds`; the joining worker waits no
-    longer than its own value of that setting either."""
+    longer than its own value of that setting either (at most its `group_init_timeout_max_seconds`)."""
 
 
 class JoinOutcome(str, enum.Enum):
