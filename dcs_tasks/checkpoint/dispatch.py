@@ -14,6 +14,7 @@ import torch
 from celery import Celery
 
 from dcs_tasks.celery_app import TaskName, node_queue
+from dcs_tasks.checkpoint import agreement
 from dcs_tasks.checkpoint.committer import committed
 from dcs_tasks.checkpoint.format.compression import CompressionSpec
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Layout, ManifestDraft, plan_layout, specs_of
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 def require_worker(app: Celery | InlineCommitter, client: redis.Redis, keys: Keys, config: DCSConfig) -> None:
     """NoWorkerError unless a live `dcs worker` serves this host's node queue (or `app` persists in this
-    process: an InlineCommitter)."""
+    process: an InlineCommitter); SettingsMismatch when that worker's published settings disagree with `config`."""
     if getattr(app, "inline", False):
         return
     queue = node_queue(config.host_name)
@@ -45,6 +46,7 @@ def require_worker(app: Celery | InlineCommitter, client: redis.Redis, keys: Key
             f"no live `dcs worker` serves queue {queue!r}; start one on host {config.host_name!r} "
             "(`dcs worker`) before saving"
         )
+    agreement.require_agreement(config, client, keys, app)  # a worker started or restarted since construction
 
 
 def open_step(

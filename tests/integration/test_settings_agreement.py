@@ -130,3 +130,17 @@ def test_doctor_without_a_worker_or_redis_says_what_to_start(dcs_config: DCSConf
     gone = doctor(config, DCS_REDIS_URL="redis://:hunter22@127.0.0.1:1/0")
     assert gone.returncode == 1 and "FAIL  redis reachable: redis://:***@127.0.0.1:1/0" in gone.stdout, gone.stdout
     assert "hunter22" not in gone.stdout + gone.stderr
+
+
+def test_a_worker_started_after_the_checkpointer_is_checked_at_the_first_save(
+    dcs_config: DCSConfig, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    """The trainer started first (nothing to compare with yet); the worker `dcs up` then started has another root:
+    the first save raises SettingsMismatch before anything is staged, instead of failing on the worker."""
+    config = ckpt_config(dcs_config, tmp_path, checkpoint_dir=tmp_path / "trainer-ckpt")
+    with Checkpointer("exp1", config) as ckpt:
+        workers.append(start_worker(config.model_copy(update={"checkpoint_dir": tmp_path / "worker-ckpt"}), tmp_path))
+        with pytest.raises(errors.ConfigError, match="checkpoint_dir: this trainer uses") as caught:
+            ckpt.save(training_state(), step=0)
+        assert type(caught.value).__name__ == "SettingsMismatch"
+    assert not (tmp_path / "trainer-ckpt" / "exp1").exists()
