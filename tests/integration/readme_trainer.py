@@ -65,6 +65,27 @@ def run_readme_trainer(steps: int, step_seconds: float = 0.005) -> TrainerRun:
     return TrainerRun(raised, len(started), closed, started, ended)
 
 
+SCRIPT_HEAD = """\
+import time
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+lr, steps = 0.01, 250
+def train_step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    time.sleep(0.005)
+"""
+
+
+def readme_trainer_script(path: Path) -> Path:
+    """The README's trainer as the file a user runs (`python path`): a tiny model, then the README's lines."""
+    path.write_text(SCRIPT_HEAD + readme_example() + 'print("trainer finished")\n')
+    return path
+
+
 def failures_counted(kind: str) -> float:
     """`dcs_ckpt_save_failures_total{kind=...}` of this process (the trainer's), 0 before any."""
     from dcs_tasks.metrics import get_metrics

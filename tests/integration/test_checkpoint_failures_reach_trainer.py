@@ -7,6 +7,7 @@ worker's root, the memory tier's directory full. Also: `save_failure_policy=warn
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +17,14 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, ConfigError
 from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
-from tests.helpers.procs import WorkerProcess
-from tests.integration.readme_trainer import checkpoint_dir_files, failures_counted, run_readme_trainer, trainer_env
+from tests.helpers.procs import WorkerProcess, child_env
+from tests.integration.readme_trainer import (
+    checkpoint_dir_files,
+    failures_counted,
+    readme_trainer_script,
+    run_readme_trainer,
+    trainer_env,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,6 +78,25 @@ def test_a_run_directory_leaving_the_workers_root_fails_the_readme_trainer_at_it
     print(f"UntrustedPath of step 0 raised by the next save, {learned:.2f} s after save(step=0) returned")
     assert learned < 5.0
     assert checkpoint_dir_files(tmp_path / "elsewhere") == []
+
+
+def test_the_readme_trainer_run_as_a_script_exits_non_zero_naming_the_failed_step(
+    dcs_config: DCSConfig, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    """`python trainer.py` with the README's lines, as the user ran it, while the worker refuses the run's steps
+    (its directory leaves the worker's root): the process used to print "trainer finished" and exit 0 with nothing
+    saved; now it exits 1 with SaveFailed naming step 0 and UntrustedPath on stderr."""
+    config = ckpt_config(dcs_config, tmp_path, checkpoint_dir=tmp_path / "ckpt")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "ckpt").mkdir(parents=True)
+    ((tmp_path / "ckpt") / "exp1").symlink_to(tmp_path / "elsewhere")
+    workers.append(start_worker(config, tmp_path))
+    script = readme_trainer_script(tmp_path / "trainer.py")
+    env = child_env(config, DCS_ENABLE_METRICS="false")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "trainer finished" not in done.stdout, (done.returncode, done.stdout)
+    assert "SaveFailed" in done.stderr and "step 0 of run 'exp1'" in done.stderr, done.stderr[-3000:]
+    assert "UntrustedPath" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.fixture
