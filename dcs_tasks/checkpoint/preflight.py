@@ -29,7 +29,8 @@ from dcs_tasks.storage import S3Store, s3_settings
 from dcs_tasks.storage_url import ObjectURL
 
 MAX_SCANNED_FILES = 100_000  # files of the memory tier counted at most (a bound on a hostile tree)
-PROBE_CONNECT_SECONDS = 5.0  # one attempt, this connect timeout: a start-up check never waits minutes
+PROBE_CONNECT_SECONDS = 5.0  # one attempt, these timeouts: a start-up check never waits minutes
+PROBE_READ_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,9 @@ def root_writable(config: DCSConfig) -> Finding | None:
 
 
 def _probe_store(url: ObjectURL, config: DCSConfig, write: bool) -> None:
-    quick = dataclasses.replace(s3_settings(config), max_attempts=1, connect_timeout=PROBE_CONNECT_SECONDS)
+    quick = dataclasses.replace(
+        s3_settings(config), max_attempts=1, connect_timeout=PROBE_CONNECT_SECONDS, read_timeout=PROBE_READ_SECONDS
+    )
     store = S3Store(url, quick)
     next(iter(store.objects(url.prefix, limit=1)), None)
     if write:
