@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dcs_tasks.config import DCSConfig
 from dcs_tasks.process import pid_alive
 
 SUBNET = "10.213"
@@ -166,6 +167,11 @@ class SimulatedHost:
     def shm_files(self) -> list[str]:
         """Names in this host's /dev/shm."""
         return sorted(os.listdir(self.root / "dev/shm"))
+
+    def staging_files(self) -> list[str]:
+        """Names in this host's default staging directory (`/dev/shm/dcs-<uid>/staging`: DCSConfig's default)."""
+        staging = self.root / str(DCSConfig.default_runtime_dir() / "staging").lstrip("/")
+        return sorted(os.listdir(staging)) if staging.is_dir() else []
 
     def command(self, argv: Sequence[str], cwd: Path) -> list[str]:
         """`argv` wrapped to run inside this host."""

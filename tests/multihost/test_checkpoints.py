@@ -70,8 +70,8 @@ def start_job(cluster: Cluster, run: str) -> tuple[list[TrainerRank], list[Train
 
 
 def staged_runs(host: SimulatedHost) -> set[str]:
-    """Runs (`<run>.rank-0000r`) with a staging buffer in this host's /dev/shm."""
-    found = (re.fullmatch(r"dcs-dcs-(.+)-\d+-[0-9a-f]+-\d+\.stage", name) for name in host.shm_files())
+    """Runs (`<run>.rank-0000r`) with a staging buffer in this host's /dev/shm (its staging directory there)."""
+    found = (re.fullmatch(r"dcs-dcs-(.+)-\d+-[0-9a-f]+-\d+\.stage", name) for name in host.staging_files())
     return {match[1] for match in found if match}
 
 
