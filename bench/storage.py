@@ -325,7 +325,6 @@ def main() -> None:
     config = DCSConfig(
         redis_url=redis_url,
         checkpoint_dir=f"s3://{args.bucket}/dcs-{uuid.uuid4().hex[:8]}",
-        staging_dir=Path("/dev/shm"),
         s3_endpoint_url=os.environ["AWS_ENDPOINT_URL"],
         s3_addressing_style="path",
         s3_part_bytes=args.part_mb * MiB,
