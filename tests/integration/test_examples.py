@@ -1,0 +1,97 @@
+"""The scripts in examples/ run as the README tells a user to run them: `dcs up --receivers 2` (with the memory tier
+on), its `.dcs-run/dcs.env` sourced, then `python examples/<script>.py`. One stack serves the module's tests.
+The S3 example runs in tests/storage/test_example_s3.py (it needs the S3 server's fixtures).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import REPO
+from tests.integration.local_support import clean_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+UP_TIMEOUT = 150.0
+EXAMPLE_TIMEOUT = 180.0
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+    assert proc.stdout is not None
+    seen, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line or time.monotonic() > deadline:
+            break
+    text = "".join(seen)
+    assert marker in text, text
+    return text
+
+
+@pytest.fixture(scope="module")
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The environment of a shell that sourced the dcs.env of a running `dcs up --receivers 2`."""
+    workdir = tmp_path_factory.mktemp("examples") / "run"
+    runtime = Path(f"/dev/shm/dcs-test-examples-{uuid.uuid4().hex[:8]}")  # not the user's own runtime directory
+    runtime.mkdir(mode=0o700)
+    settings = {"DCS_RUNTIME_DIR": str(runtime), "DCS_MEMORY_TIER_BYTES": str(256 << 20)}
+    settings["DCS_STORAGE_EVERY_STEPS"] = "10"
+    up = [sys.executable, "-m", "dcs_tasks.cli.main", "up", "--workdir", str(workdir), "--receivers", "2"]
+    proc = subprocess.Popen(
+        [*up, "--no-flower"],
+        env=clean_env(**settings),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _read_until(proc, "Ctrl-C stops everything.", UP_TIMEOUT)
+        sourced = dict(shlex.split(line)[0].split("=", 1) for line in (workdir / "dcs.env").read_text().splitlines())
+        yield clean_env(**sourced)
+    finally:
+        if proc.poll() is None:  # Ctrl-C, as a user stops it
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def run_example(env: dict[str, str], script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(REPO / "examples" / script), *args]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_the_trainer_example_saves_and_a_second_run_resumes(stack_env: dict[str, str]) -> None:
+    first = run_example(stack_env, "trainer.py", "--run", "example-trainer", "--steps", "250")
+    assert "committed steps: [0, 100, 200]" in first.stdout, first.stdout
+    second = run_example(stack_env, "trainer.py", "--run", "example-trainer", "--steps", "320")
+    assert "resumed from step 200" in second.stdout, second.stdout
+    assert "trained steps 201-319; committed steps: [0, 100, 200, 300]" in second.stdout, second.stdout
+
+
+def test_the_memory_tier_example_restores_from_memory(stack_env: dict[str, str]) -> None:
+    done = run_example(stack_env, "memory_tier.py", "--run", "example-memory", "--steps", "12")
+    assert "restored step 11 from memory" in done.stdout and "bit-exact: True" in done.stdout, done.stdout
+
+
+def test_the_weight_push_example_reaches_both_receivers_bit_exact(stack_env: dict[str, str]) -> None:
+    done = run_example(stack_env, "weight_push.py")
+    for rank in (0, 1):
+        assert f"receiver {rank}: weight version 1, bit-exact: True" in done.stdout, done.stdout
