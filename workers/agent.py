@@ -182,6 +182,7 @@ class HostAgent:
         except Exception:
             log.exception("host agent stopped")
         finally:
+            self._release()  # however the loop ended, the next worker may serve: the lock is free
             self._ready.set()
 
     # --- the agent's loop ----------------------------------------------------------------------------
