@@ -192,3 +192,27 @@ def test_sockets_of_killed_workers_are_removed_by_the_next_worker(dcs_config: DC
         for worker in workers[1:]:
             worker.discard()
         legacy.unlink(missing_ok=True)
+
+
+async def test_a_trusted_uid_is_talked_to_and_any_other_is_not(tmp_path: Path) -> None:
+    """`DCS_HOST_TRUSTED_UID` names the one more uid whose agent a process talks to (a worker running as another
+    user): its listener passes the SO_PEERCRED check; without it, the same listener gets nothing."""
+    from dcs_tasks import hostdirs
+    from dcs_tasks.hostagent import AgentUnusable, _Link
+
+    shared = shared_shm_dir(tmp_path, "trusted")
+    remove(shared)
+    assert as_nobody("mkdir", "-m", "0700", str(shared)).returncode == 0
+    listener = Squatter(shared / "agent.sock").start()
+    try:
+        assert listener.bound
+        with pytest.raises(AgentUnusable, match=f"runs as uid {NOBODY}"):
+            await _Link.open(listener.path, 1.0, hostdirs.allowed_uids(DCSConfig()))
+        link = await _Link.open(listener.path, 1.0, hostdirs.allowed_uids(DCSConfig(host_trusted_uid=NOBODY)))
+        await link._send(b"hello\n", 1.0)
+        link.close()
+        _wait_for(lambda: b"hello\n" in listener.received, "the trusted listener's line")
+        assert b"".join(listener.received) == b"hello\n"  # the refused connection carried nothing
+    finally:
+        listener.stop()
+        remove(shared)
