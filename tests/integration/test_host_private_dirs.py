@@ -187,6 +187,11 @@ def test_sockets_of_killed_workers_are_removed_by_the_next_worker(dcs_config: DC
         probe.settimeout(2)
         probe.connect(str(stale_path))  # a live agent again
         probe.close()
+        second = WorkerProcess(first, tmp_path / "second.log").start()  # configured alike, while that one serves
+        workers.append(second)
+        _wait_for(lambda: "host agent not started" in second.log_tail(), "the second worker's word on its agent")
+        assert "another worker of this user serves" in second.log_tail()
+        assert stale_path.exists()  # the serving agent's socket is left alone
     finally:
         squatted.stop()
         for worker in workers[1:]:
