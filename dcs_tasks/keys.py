@@ -111,6 +111,11 @@ class Keys:
         """Z steps of `run` still in flight (score = start time); retention skips them."""
         return self._k("ckpt", run, "inflight")
 
+    def ckpt_flush_failures(self, run: str) -> str:
+        """H step -> JSON {"at": unix time, "reason": ...}: memory-tier steps of `run` whose copy to storage failed for
+        good (the worker's flush task gave up), for the trainer to learn of them (bounded by the worker)."""
+        return self._k("ckpt", run, "flushfail")
+
     def step_places(self, run: str) -> str:
         """H where the memory tier's steps of `run` (the base run) live: field `<step>|<rank>|<place>`, place
         `mem@<host>` (the rank's own host), `peer@<host>` (a verified peer copy), `storage`, `replicated` (every

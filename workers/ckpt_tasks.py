@@ -16,6 +16,7 @@ gets the reason; a partial step directory is removed only when it is the trusted
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import shared_task
@@ -133,8 +134,20 @@ class MemoryTask(DCSTask):
         log.error("%s of %s failed (the step stays in memory): %s", self.name, what, reason)
 
 
-@shared_task(name=TaskName.FLUSH.value, base=MemoryTask, bind=True)
-def flush_step(self: MemoryTask, payload: dict[str, Any]) -> dict[str, Any]:
+class FlushTask(MemoryTask):
+    def give_up(self, args: Any, kwargs: Any, reason: str) -> None:
+        """Logged like any memory task's failure, and recorded for the trainer: the step is in memory only, so a
+        save it asked to be durable is not (`dcs_tasks.checkpoint.failures`)."""
+        super().give_up(args, kwargs, reason)
+        failed = FailedTask.read(args[0] if args else None)
+        if failed is not None and not ledger().record_flush_failure(
+            failed.ref.run, failed.ref.step, reason, time.time()
+        ):
+            log.error("flush failures of run %r not recorded: too many already", failed.ref.run)
+
+
+@shared_task(name=TaskName.FLUSH.value, base=FlushTask, bind=True)
+def flush_step(self: FlushTask, payload: dict[str, Any]) -> dict[str, Any]:
     """Copy a memory-tier step to storage (verified), move storage's `latest`, apply retention, send the replica."""
     req = parse_payload(MemoryStepRequest, payload, self.name)
     done = memory.flush(req, str(self.request.id))

@@ -128,6 +128,8 @@ class Checkpointer:
         self._closed: failures.ClosedSteps | None = None  # close()'s answer, once closed
         self._failures = failures.FailureLog(self.config)  # failed saves: logged, counted, raised (policy)
         self._noted: set[int] = set()  # ids of the saves in `_pending` whose failure `_failures` has
+        self._flush_noted: set[int] = set()  # memory-tier steps whose failed copy to storage `_failures` has
+        self._created_at = time.time()  # flush failures recorded before this checkpointer are not its saves'
         exiting.track(self, self._pool)  # staging files removed at exit and on SIGTERM, close() or not
         if size_hint_bytes:
             self._pool.reserve(size_hint_bytes)
@@ -174,6 +176,7 @@ class Checkpointer:
         started = time.perf_counter()
         step = validate_step(step)
         self._reap()
+        self._note_flush_failures()
         self._failures.report()  # SaveFailed for an earlier save that failed (policy raise)
         dispatch.require_worker(self._app, self._redis, self._keys, self.config)
         flat = self._flatten(state)
@@ -367,6 +370,20 @@ class Checkpointer:
                 self._noted.discard(id(pending))
         self._gauges.pending(len(self._pending))
 
+    def _note_flush_failures(self) -> None:
+        """Hand `_failures` the memory-tier steps of this checkpointer whose copy to storage failed for good (the
+        worker records them in the ledger): committed in memory, they are not where `durable` asked them to be."""
+        if self.memory_run_root is None:
+            return
+        try:
+            found = self._ledger.flush_failures(self._shard_run, since=self._created_at)
+        except redis.RedisError:
+            return
+        for step in sorted(found.keys() - self._flush_noted):
+            self._flush_noted.add(step)
+            reason = f"copying step {step} from memory to storage failed (it is in memory only): {found[step]}"
+            self._failures.add(failures.failure_of(self.config, self._shard_run, step, reason))
+
     def _note_failure(self, pending: PendingCheckpoint) -> None:
         """Hand a save's failure, once, to `_failures` (which logs, counts and, by policy, raises it later)."""
         failure = pending.failure()
@@ -520,6 +537,7 @@ class Checkpointer:
             time.sleep(0.02)
         self._dispatcher.shutdown(wait=True)
         self._reap()
+        self._note_flush_failures()
         unfinished = self._unfinished()
         if unfinished:
             log.error(

@@ -1,8 +1,9 @@
 """How a save that failed reaches the trainer: classified, scrubbed, logged, counted, and raised or warned.
 
 A save fails on the worker (its persist or commit task fails for good and records the reason in the step's
-ledger: `"persisting <file> failed: <ErrorType>: <message>"`) or in the trainer (the tasks could not be sent,
-storage could not be asked whether the step exists). The `Checkpointer` learns of it when it next looks at its
+ledger: `"persisting <file> failed: <ErrorType>: <message>"`), in the worker after a memory-tier commit (its copy
+to storage gave up: `StepLedger.record_flush_failure`), or in the trainer (the tasks could not be sent, storage
+could not be asked whether the step exists). The `Checkpointer` learns of it when it next looks at its
 saves in flight (every `save()` and `close()`) and hands it to a `FailureLog`, which decides what the trainer
 sees:
 

@@ -21,6 +21,7 @@ from dcs_tasks.errors import CheckpointFailed
 from tests.checkpoint_support import start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.s3server import S3Server
+from tests.helpers.shm import shm_dir
 from tests.integration.readme_trainer import failures_counted, run_readme_trainer, trainer_env
 from tests.storage.conftest import S3Bucket, s3_client
 from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config, use_bucket
@@ -179,3 +180,45 @@ def test_an_upload_the_worker_gives_up_on_while_s3_is_down_is_warned_not_raised(
     failure = closed.failures[0]
     assert failure.transient and failure.error_type == "StorageUnavailable", failure
     assert "persisting" in failure.reason, failure.reason
+
+
+def test_a_memory_tier_step_whose_copy_to_s3_is_refused_is_raised_at_the_next_save(
+    dcs_config: DCSConfig,
+    tmp_path: Path,
+    aws_env: S3Bucket,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: list[WorkerProcess],
+) -> None:
+    """Memory tier on, S3 refuses the worker's uploads (its grant was revoked after it started): step 1 commits in
+    memory, and its copy to storage fails for good (StorageAccessDenied). That used to be a line in the worker's log
+    only; now the trainer's next save raises SaveFailed naming step 1, that it is in memory only, and the refusal."""
+    config = s3_config(
+        dcs_config, tmp_path, aws_env, memory_tier_bytes=64 * MiB, memory_dir=shm_dir(tmp_path) / "memory"
+    )
+    server = aws_env.server
+    share_bucket(aws_env, server.other_access_key, grant=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.other_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.other_secret_key)
+    workers.append(start_worker(config, tmp_path))
+    share_bucket(aws_env, server.other_access_key, grant=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret_key)
+    state = training_state()
+    with Checkpointer("memflush", config) as ckpt:
+        info = ckpt.save(state, step=1, durable=True).wait(timeout=60)  # committed in memory
+        assert info.path == Path(config.memory_dir) / "memflush" / "step-000000001"
+
+        error = None
+        for step in range(2, 40):  # each save looks for the failed copy; it comes within a few seconds
+            try:
+                ckpt.save(state, step=step, durable=False).wait(timeout=60)
+            except CheckpointFailed as exc:  # SaveFailed
+                error = exc
+                break
+            time.sleep(0.5)
+        assert error is not None, "no save reported the failed copy to storage"
+        assert type(error).__name__ == "SaveFailed", repr(error)
+        assert getattr(error, "step", None) == 1, str(error)
+        assert getattr(error, "error_type", None) == "StorageAccessDenied", str(error)
+        assert "in memory only" in str(error) and server.other_secret_key not in str(error)
+    assert objects(aws_env) == {}

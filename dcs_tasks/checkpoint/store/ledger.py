@@ -34,6 +34,8 @@ from dcs_tasks.lua import LuaScript
 log = logging.getLogger(__name__)
 
 STATE_TTL_SECONDS = 7 * 24 * 3600
+MAX_FLUSH_FAILURES = 1024  # flush failures recorded per run at most (the trainer reads them all at once)
+MAX_FLUSH_REASON_CHARS = 2000
 
 
 class StepStatus(str, enum.Enum):
@@ -179,6 +181,35 @@ class StepLedger:
         status, finished, nfiles, reason = (_s(v) if v is not None else "" for v in values)
         counts = _count(finished, "finished", run, step, key), _count(nfiles, "nfiles", run, step, key)
         return _known_status(status, run, step, key), counts[0], counts[1], reason
+
+    def record_flush_failure(self, run: str, step: int, reason: str, at: float) -> bool:
+        """Record that memory-tier step `step` of `run` could not be copied to storage (the worker's flush gave up), so
+        the trainer's next save() or close() learns of it. False, recording nothing, once the run holds
+        MAX_FLUSH_FAILURES of them (old ones expire with the key)."""
+        key = self._keys.ckpt_flush_failures(run)
+        if int(self._client.hlen(key)) >= MAX_FLUSH_FAILURES:
+            return False
+        value = json.dumps({"at": at, "reason": reason[:MAX_FLUSH_REASON_CHARS]})
+        pipe = self._client.pipeline()
+        pipe.hset(key, str(step), value)
+        pipe.expire(key, STATE_TTL_SECONDS)
+        pipe.execute()
+        return True
+
+    def flush_failures(self, run: str, since: float) -> dict[int, str]:
+        """Step -> reason of the flush failures of `run` recorded at or after `since` (unix time). Entries that do not
+        parse (written by hand) are skipped."""
+        found: dict[int, str] = {}
+        for field_, value in self._client.hgetall(self._keys.ckpt_flush_failures(run)).items():
+            name = _s(field_)
+            try:
+                entry = json.loads(_s(value))
+                at, reason = float(entry["at"]), str(entry["reason"])[:MAX_FLUSH_REASON_CHARS]
+            except (ValueError, TypeError, KeyError):
+                continue
+            if name.isascii() and name.isdigit() and at >= since:
+                found[int(name)] = reason
+        return found
 
     def in_flight_steps(self, run: str) -> set[int]:
         """The steps of `run` begun and not yet committed or failed. A member of the set that is no step number
