@@ -1,11 +1,14 @@
-"""The scripts in examples/ run as the README tells a user to run them: `dcs up --receivers 2` (with the memory tier
-on), its `.dcs-run/dcs.env` sourced, then `python examples/<script>.py`. One stack serves the module's tests.
-The S3 example runs in tests/storage/test_example_s3.py (it needs the S3 server's fixtures).
+"""The README's quickstart and the scripts in examples/, run as the README tells a user to run them: `dcs up
+--receivers 2` (with the memory tier on), its `.dcs-run/dcs.env` sourced, then `python examples/<script>.py`. One
+stack serves the module's tests; the quickstart's second shell is the README's own lines, run by bash in a
+directory laid out like the checkout (`.venv`, `examples`, `.dcs-run`). The S3 example runs in
+tests/storage/test_example_s3.py (it needs the S3 server's fixtures).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -14,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,10 +42,19 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str
     return text
 
 
+@dataclass
+class Stack:
+    env: dict[str, str]  # a shell's environment once it sourced the stack's dcs.env
+    home: Path  # a directory like the checkout: .venv and examples (links), .dcs-run (the stack's workdir)
+
+
 @pytest.fixture(scope="module")
-def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The environment of a shell that sourced the dcs.env of a running `dcs up --receivers 2`."""
-    workdir = tmp_path_factory.mktemp("examples") / "run"
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A running `dcs up --receivers 2`, started as the quickstart starts it, with the memory tier on."""
+    home = tmp_path_factory.mktemp("examples")
+    for name in (".venv", "examples"):
+        (home / name).symlink_to(REPO / name)
+    workdir = home / ".dcs-run"
     runtime = Path(f"/dev/shm/dcs-test-examples-{uuid.uuid4().hex[:8]}")  # not the user's own runtime directory
     runtime.mkdir(mode=0o700)
     settings = {"DCS_RUNTIME_DIR": str(runtime), "DCS_MEMORY_TIER_BYTES": str(256 << 20)}
@@ -59,7 +72,7 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     try:
         _read_until(proc, "Ctrl-C stops everything.", UP_TIMEOUT)
         sourced = dict(shlex.split(line)[0].split("=", 1) for line in (workdir / "dcs.env").read_text().splitlines())
-        yield clean_env(**sourced)
+        yield Stack(clean_env(**sourced), home)
     finally:
         if proc.poll() is None:  # Ctrl-C, as a user stops it
             os.killpg(proc.pid, signal.SIGINT)
@@ -78,20 +91,42 @@ def run_example(env: dict[str, str], script: str, *args: str) -> subprocess.Comp
     return done
 
 
-def test_the_trainer_example_saves_and_a_second_run_resumes(stack_env: dict[str, str]) -> None:
-    first = run_example(stack_env, "trainer.py", "--run", "example-trainer", "--steps", "250")
+def test_the_trainer_example_saves_and_a_second_run_resumes(stack: Stack) -> None:
+    first = run_example(stack.env, "trainer.py", "--run", "example-trainer", "--steps", "250")
     assert "committed steps: [0, 100, 200]" in first.stdout, first.stdout
-    second = run_example(stack_env, "trainer.py", "--run", "example-trainer", "--steps", "320")
+    second = run_example(stack.env, "trainer.py", "--run", "example-trainer", "--steps", "320")
     assert "resumed from step 200" in second.stdout, second.stdout
     assert "trained steps 201-319; committed steps: [0, 100, 200, 300]" in second.stdout, second.stdout
 
 
-def test_the_memory_tier_example_restores_from_memory(stack_env: dict[str, str]) -> None:
-    done = run_example(stack_env, "memory_tier.py", "--run", "example-memory", "--steps", "12")
+def test_the_memory_tier_example_restores_from_memory(stack: Stack) -> None:
+    done = run_example(stack.env, "memory_tier.py", "--run", "example-memory", "--steps", "12")
     assert "restored step 11 from memory" in done.stdout and "bit-exact: True" in done.stdout, done.stdout
 
 
-def test_the_weight_push_example_reaches_both_receivers_bit_exact(stack_env: dict[str, str]) -> None:
-    done = run_example(stack_env, "weight_push.py")
+def test_the_weight_push_example_reaches_both_receivers_bit_exact(stack: Stack) -> None:
+    done = run_example(stack.env, "weight_push.py")
     for rank in (0, 1):
         assert f"receiver {rank}: weight version 1, bit-exact: True" in done.stdout, done.stdout
+
+
+def quickstart_second_shell() -> str:
+    """The README quickstart's second bash block: what a user types once `dcs up` runs."""
+    section = (REPO / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, "the README's quickstart lost its two shells"
+    return blocks[1]
+
+
+def test_the_readme_quickstart_trains_resumes_lists_and_pushes(stack: Stack) -> None:
+    shell = clean_env(PATH=os.environ.get("PATH", "/usr/bin:/bin"))  # no DCS_* until the quickstart sources them
+    script = "set -e\n" + quickstart_second_shell()
+    done = subprocess.run(
+        ["bash", "-c", script], env=shell, cwd=stack.home, capture_output=True, text=True, timeout=3 * EXAMPLE_TIMEOUT
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert "committed steps: [0, 100, 200]" in out and "resumed from step 200" in out, out
+    listed = [line.split()[0] for line in out.splitlines() if re.match(r"^\s*\d+\s", line)]
+    assert listed[-4:] == ["0", "100", "200", "300"] and "<- latest" in out, out
+    assert "receiver 0: weight version" in out and out.count("bit-exact: True") >= 2, out
