@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dcs_tasks import hostdirs
 from dcs_tasks.aiotask import cancel_and_wait
 from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import (
     AuthError,
     ClientClosed,
@@ -64,6 +64,7 @@ from dcs_tasks.errors import (
     NodeNotFound,
     RankConflict,
 )
+from dcs_tasks.heartbeats import HeartbeatLoop
 from dcs_tasks.models import IDENTITY_PATTERN, RegisterResponse
 
 log = logging.getLogger(__name__)

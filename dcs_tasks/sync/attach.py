@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -30,6 +30,7 @@ from dcs_tasks.errors import (
     RankConflict,
     WeightSyncError,
 )
+from dcs_tasks.heartbeats import HeartbeatLoop
 from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.models import RegisterResponse
 from dcs_tasks.sync.engine_probe import EngineProbe

@@ -18,8 +18,9 @@ from dcs_tasks.checkpoint import Checkpointer
 from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
 from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import CheckpointFailed, CoordinatorError, DCSTimeoutError
+from dcs_tasks.heartbeats import HeartbeatLoop
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import TopologyResponse, WeightMeta
 from dcs_tasks.redisconn import sync_client

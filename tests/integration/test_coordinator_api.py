@@ -315,8 +315,8 @@ async def test_metrics_also_export_the_process_collector_once_per_family(coord: 
 
 
 async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs_config: DCSConfig) -> None:
-    from dcs_tasks.coordinator_api import HeartbeatLoop
     from dcs_tasks.errors import RankConflict
+    from dcs_tasks.heartbeats import HeartbeatLoop
 
     config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})
     async with in_process_coordinator(config) as c:
@@ -339,8 +339,9 @@ async def test_replaced_node_gets_rank_conflict_and_its_heartbeat_loop_stops(dcs
 async def test_a_portless_node_is_fenced_by_the_identity_its_registration_got(dcs_config: DCSConfig) -> None:
     import httpx
 
-    from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+    from dcs_tasks.coordinator_api import CoordinatorAPI
     from dcs_tasks.errors import RankConflict
+    from dcs_tasks.heartbeats import HeartbeatLoop
 
     config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 0.3})
     async with in_process_coordinator(config) as c:
@@ -372,8 +373,9 @@ async def test_a_closed_client_is_a_typed_error_and_ends_its_heartbeat_loops_qui
     with a log line, not an unretrieved task exception; any other call says the client was closed."""
     import httpx
 
-    from dcs_tasks.coordinator_api import CoordinatorAPI, FleetHeartbeatLoop, HeartbeatLoop
+    from dcs_tasks.coordinator_api import CoordinatorAPI
     from dcs_tasks.errors import ClientClosed
+    from dcs_tasks.heartbeats import FleetHeartbeatLoop, HeartbeatLoop
 
     async with in_process_coordinator(dcs_config) as c:
         api = CoordinatorAPI("http://coordinator", transport=httpx.ASGITransport(app=c.app))
@@ -382,7 +384,7 @@ async def test_a_closed_client_is_a_typed_error_and_ends_its_heartbeat_loops_qui
         single = HeartbeatLoop(api, node("trainer", port=7000, rank=one.rank), interval=0.05).start()
         fleet = FleetHeartbeatLoop(api, [node("trainer", port=7001, rank=two.rank)], interval=0.05).start()
         await eventually(lambda: single.beats and fleet.beats, 15, "both loops to beat")
-        with caplog.at_level(logging.INFO, logger="dcs_tasks.coordinator_api"):
+        with caplog.at_level(logging.INFO, logger="dcs_tasks.heartbeats"):
             await api.aclose()
             await eventually(lambda: not single.running and not fleet.running, 5, "both loops to end")
         assert single.lost is None and fleet.lost == [] and not single.failures and not fleet.failures

@@ -16,7 +16,8 @@ import redis
 from coordinator.app import make_redis
 from coordinator.topology import TopologyManager
 from dcs_tasks.config import DCSConfig, RoleInfo, TopologyConfig
-from dcs_tasks.coordinator_api import KEEPALIVE_EXPIRY_S, FleetHeartbeatLoop
+from dcs_tasks.coordinator_api import KEEPALIVE_EXPIRY_S
+from dcs_tasks.heartbeats import FleetHeartbeatLoop
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import MAX_BATCH_NODES, BeatOutcome
 from tests.helpers.procs import CoordinatorProcess

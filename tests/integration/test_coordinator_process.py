@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from dcs_tasks.config import DCSConfig, RoleInfo
-from dcs_tasks.coordinator_api import CoordinatorAPI, HeartbeatLoop
+from dcs_tasks.coordinator_api import CoordinatorAPI
+from dcs_tasks.heartbeats import HeartbeatLoop
 from dcs_tasks.models import WeightMeta
 from tests.helpers.procs import CoordinatorProcess
 from tests.helpers.redis_server import RedisServer
