@@ -42,6 +42,18 @@ class HostBusy(DCSError):
     process; stop them, then run `dcs clean` again."""
 
 
+class InstallationError(DCSError):
+    """DCS as installed cannot run: a file of its package is missing (a `.lua` script left out of a wheel) or a
+    dependency lacks what DCS relies on. Raised when the module that needs it is imported; the message names
+    what is missing and what to install."""
+
+
+class TorchInternalsMissing(InstallationError):
+    """The installed torch lacks a private `torch.distributed` internal that DCS's process groups use
+    (`dcs_tasks/backends/process_group.py`): raised when that module is imported, naming the torch version and
+    the missing attribute, instead of a bare AttributeError at the first weight update."""
+
+
 class DCSTimeoutError(DCSError, TimeoutError):
     """A bounded wait ran out (group init, broadcast, long-poll, task result, worker presence)."""
 

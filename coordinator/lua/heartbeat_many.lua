@@ -1,0 +1,61 @@
+-- Refresh many nodes' heartbeats in one call (POST /heartbeats): per node what HEARTBEAT does, with the fewest
+-- Redis calls: the owner read answers registered and fenced at once (the record is read only when there is no
+-- owner), one SET ... GET refreshes the TTL and returns the previous beat, and the node's node_beats entry (the
+-- sweep's and rank assignment's last-beat record) and node_unbeaten entry are written only when that previous
+-- beat is older than ARGV[6] seconds (so a record is at most ARGV[6] + one interval old: the coordinator keeps it
+-- under half the TTL, which rank assignment relies on).
+-- KEYS[1] node_beats  KEYS[2] node_unbeaten
+-- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
+-- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] record refresh age (seconds, 0: every beat)
+-- ARGV[7] the beats, "role\nrank\nidentity" each, joined by "\n" (identity "" = unfenced; none holds a "\n")
+-- Returns one character per beat, in order: "1" beat recorded, "0" not registered, "x" rank held by another
+-- identity. A heartbeat key that is not a string (a hostile write) is replaced.
+
+local ttl, now = ARGV[1], ARGV[2]
+local fresh = tonumber(now) - tonumber(ARGV[6])
+local nodes_p, owners_p, beat_p, packed = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local out, beats, members = {}, {}, {}
+local pos, size = 1, #packed
+local function record()
+  redis.call("ZADD", KEYS[1], unpack(beats))
+  redis.call("ZREM", KEYS[2], unpack(members))
+  beats, members = {}, {}
+end
+while pos <= size do
+  local a = string.find(packed, "\n", pos, true)
+  local b = string.find(packed, "\n", a + 1, true)
+  local c = string.find(packed, "\n", b + 1, true) or size + 1
+  local role, rank = string.sub(packed, pos, a - 1), string.sub(packed, a + 1, b - 1)
+  local ident = string.sub(packed, b + 1, c - 1)
+  pos = c + 1
+  local code = "0"
+  local owner = redis.call("HGET", owners_p .. role, rank)
+  if owner then
+    code = (ident == "" or owner == ident) and "1" or "x"
+  elseif redis.call("HEXISTS", nodes_p .. role, rank) == 1 then
+    code = ident == "" and "1" or "x"
+  end
+  if code == "1" then
+    local member = role .. ":" .. rank
+    local key = beat_p .. member
+    local prev = redis.pcall("SET", key, now, "PX", ttl, "GET")
+    if type(prev) == "table" then
+      redis.call("DEL", key)
+      redis.call("SET", key, now, "PX", ttl)
+      prev = false
+    end
+    if not prev or (tonumber(prev) or 0) <= fresh then
+      beats[#beats + 1] = now
+      beats[#beats + 1] = member
+      members[#members + 1] = member
+      if #members >= 500 then
+        record()
+      end
+    end
+  end
+  out[#out + 1] = code
+end
+if #members > 0 then
+  record()
+end
+return table.concat(out)
