@@ -20,13 +20,54 @@ the group timeout (`comm_timeout_seconds`) and fails naming the group's members.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from dcs_tasks.backends.base import GroupSpec
+from dcs_tasks.errors import TorchInternalsMissing
+
+# What of torch.distributed.distributed_c10d this module uses beyond the public API: the group builder behind
+# `new_group` (called without a default group, with these keywords) and the registry of groups' ranks.
+HELPER = "_new_process_group_helper"
+HELPER_KEYWORDS = ("group_name", "timeout")
+ATTRIBUTES = ("PrefixStore", "Backend", "GroupName", HELPER, "_world")
+
+
+def missing_torch_internals() -> list[str]:
+    """The c10d internals this module needs that the installed torch lacks (empty when all are there)."""
+    missing = [f"distributed_c10d.{name}" for name in ATTRIBUTES if not hasattr(c10d, name)]
+    helper = getattr(c10d, HELPER, None)
+    if callable(helper):
+        try:
+            names = set(inspect.signature(helper).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature: its keywords cannot be checked
+            names = set(HELPER_KEYWORDS)
+        missing += [f"distributed_c10d.{HELPER}({k}=...)" for k in HELPER_KEYWORDS if k not in names]
+    elif helper is not None:
+        missing.append(f"distributed_c10d.{HELPER} (not callable)")
+    world = getattr(c10d, "_world", None)
+    if world is not None and not isinstance(getattr(world, "pg_group_ranks", None), dict):
+        missing.append("distributed_c10d._world.pg_group_ranks (a dict)")
+    return missing
+
+
+def check_torch_internals() -> None:
+    """Raise TorchInternalsMissing naming torch's version and each missing internal; run when this module is
+    imported, so an unsupported torch fails at start-up instead of at the first weight update."""
+    missing = missing_torch_internals()
+    if missing:
+        raise TorchInternalsMissing(
+            f"torch {torch.__version__} lacks {', '.join(missing)}, which DCS's weight-update groups use "
+            "(dcs_tasks/backends/process_group.py); install a torch DCS supports (torch>=2.13, docs/testing.md)"
+        )
+
+
+check_torch_internals()
 
 _MASTERS: dict[tuple[str, int], tuple[dist.TCPStore, int]] = {}
 _MASTERS_LOCK = threading.Lock()
