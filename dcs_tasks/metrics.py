@@ -160,7 +160,13 @@ class MetricsServer:
     """A small HTTP server answering `GET /metrics` with `get_metrics().export_prometheus()` (daemon threads).
 
     `before` runs before each answer (e.g. refresh a gauge from Redis); its failure is logged and the
-    scrape still answers with the values as they are."""
+    scrape still answers with the values as they are.
+
+    Kept instead of prometheus-client's `make_wsgi_app` on its threading WSGI server (with the same 404, refresh,
+    timeout and text format around it, which made it no shorter): over 1,000 scrapes of a trainer's 12 KB of
+    metrics, interleaved in 10 rounds on the 2-core machine at load 7-9, the WSGI server took 1.42 ms of CPU a scrape
+    against 1.27 ms here (more in all 10 rounds) and answered in 1.63 ms against 1.42 ms (median); its OpenMetrics
+    output, which Prometheus asks for, took 2.2 ms."""
 
     def __init__(self, host: str, port: int, before: Callable[[], object] | None = None) -> None:
         server = self
