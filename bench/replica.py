@@ -5,8 +5,8 @@ private redis-server and a real `dcs worker` with `replica_dir` set, then:
   task      the `dcs.ckpt.replicate` task's own time per step (its Celery result: check the primary, copy with
             the hash on the same pass, fsync + rename, read the replica back and verify it, manifest, `latest`),
             medians over `--repeats` saved steps (the copy then competes with the primary's retention)
-  copy_step the same copy + verify in this process (`workers.replica.copy_step`), page cache of the primary
-            evicted first, into a fresh directory each time
+  copy_step the same copy + verify in this process (`dcs_tasks.checkpoint.replicating.copy_step`), page cache
+            of the primary evicted first, into a fresh directory each time
   plain     `shutil.copyfile` of the same files + fsync + directory fsync (cold primary), and the same plus a
             read-back of the copy with the page cache evicted (what "copy and check" costs without DCS)
 The three in-process contenders take turns, `--repeats` rounds. GB/s = step bytes / seconds (1 GB = 1e9
@@ -34,13 +34,13 @@ from bench.save import drop_cache, make_state, nbytes
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import make_celery
 from dcs_tasks.checkpoint.format.fsio import fsync_dir
+from dcs_tasks.checkpoint.replicating import copy_step
 from dcs_tasks.checkpoint.restore.reader import load_manifest
 from dcs_tasks.checkpoint.store.ledger import StepLedger
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from workers.ckpt_tasks import replica_task_id
-from workers.replica import copy_step
 
 MiB = 1 << 20
 

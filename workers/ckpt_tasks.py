@@ -1,10 +1,11 @@
-"""Checkpoint tasks (persist, commit, retention, replicate): thin Celery wrappers over `workers.persist`,
-`workers.commit`, `workers.retention` and `workers.replica`. Payloads are the JSON models of
-`dcs_tasks.checkpoint.store.payloads`.
+"""Checkpoint tasks (persist, commit, retention, replicate, the memory tier's flush and peer copy): thin Celery
+drivers over the library (`dcs_tasks.checkpoint.persisting`, `.aftercommit`, `.replicating`, `.tiering`), with
+this worker's `Runtime` as context. Payloads are the JSON models of `dcs_tasks.checkpoint.store.payloads`.
 
 Flow: the trainer sends one persist per file to its host's node queue; the persist that records the last
-file sends the commit to the same queue; the commit sends retention when the run has a policy, and, when
-this worker has a `replica_dir`, the replicate task (same queue, task id `replica-<save token>`: one per
+file sends the commit to the same queue; the commit sends what `aftercommit.after_commit` names, each as a task
+of its own on the same queue: for a memory step the peer copy and the flush (whose end sends the replica of the
+stored step), for a storage step retention and the replicate task (task id `replica-<save token>`: one per
 committed save attempt, so the result of a step's replication can be looked up by its token).
 
 Payloads are untrusted: a malformed one fails with `InvalidTaskPayload`, and one naming a path outside this
@@ -16,13 +17,12 @@ gets the reason; a partial step directory is removed only when it is the trusted
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
-from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint import aftercommit, replicating, tiering
 from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepStatus, Verdict
 from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
@@ -33,14 +33,10 @@ from dcs_tasks.checkpoint.store.payloads import (
     RetentionRequest,
 )
 from dcs_tasks.checkpoint.telemetry import record_error
-from workers import memory
 from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
-from workers.replica import relative, replicate
-from workers.retention import retain
 from workers.runtime import runtime
-from workers.trust import checkpoint_root, replica_root, trusted_step_dir
 
 log = logging.getLogger(__name__)
 
@@ -100,27 +96,20 @@ def persist_file(self: PersistTask, payload: dict[str, Any]) -> str:
 
 @shared_task(name=TaskName.COMMIT.value, base=CommitTask, bind=True)
 def commit_step(self: CommitTask, payload: dict[str, Any]) -> str:
-    """Write the manifest and move `latest`; then enqueue retention when the run has a policy."""
+    """Write the manifest and move `latest`; then send what follows the commit (`aftercommit.after_commit`)."""
     req = parse_payload(CommitRequest, payload, self.name)
     verdict = commit(req, str(self.request.id))
     if verdict is not Verdict.WRITE:
         return verdict.value
-    config = runtime().config
-    if memory.is_memory_step(config, req.ref.step_dir):  # retention and replicas follow the flush to storage
-        flush, copy = memory.after_commit(req.ref.step_dir, req.ref.run, req.ref.step, req.durable)
-        step = MemoryStepRequest(ref=req.ref, retention=req.retention).model_dump(mode="json")
-        if copy:
-            self.app.send_task(TaskName.PEER_COPY.value, args=[step], queue=_local_queue())
-        if flush:
-            self.app.send_task(TaskName.FLUSH.value, args=[step], queue=_local_queue())
-        return verdict.value
-    if tiers.enabled(config):
-        memory.after_commit(req.ref.step_dir, req.ref.run, req.ref.step, True)
-    if req.retention.active:
-        body = RetentionRequest(run=req.ref.run, run_dir=req.ref.step_dir.rpartition("/")[0], policy=req.retention)
-        self.app.send_task(TaskName.RETENTION.value, args=[body.model_dump(mode="json")], queue=_local_queue())
-    if config.replica_dir is not None:
-        _send_replica(self, req)
+    follow = aftercommit.after_commit(runtime(), req)
+    for name, body in (
+        (TaskName.PEER_COPY, follow.peer_copy),
+        (TaskName.FLUSH, follow.flush),
+        (TaskName.RETENTION, follow.retention),
+    ):
+        if body is not None:
+            self.app.send_task(name.value, args=[body.model_dump(mode="json")], queue=_local_queue())
+    _send_replica(self, req.ref.token, follow.replica)
     return verdict.value
 
 
@@ -140,27 +129,23 @@ class FlushTask(MemoryTask):
         save it asked to be durable is not (`dcs_tasks.checkpoint.failures`)."""
         super().give_up(args, kwargs, reason)
         failed = FailedTask.read(args[0] if args else None)
-        if failed is not None and not ledger().record_flush_failure(
-            failed.ref.run, failed.ref.step, reason, time.time()
-        ):
-            log.error("flush failures of run %r not recorded: too many already", failed.ref.run)
+        if failed is not None:
+            aftercommit.flush_failed(runtime(), failed.ref.run, failed.ref.step, reason)
 
 
 @shared_task(name=TaskName.FLUSH.value, base=FlushTask, bind=True)
 def flush_step(self: FlushTask, payload: dict[str, Any]) -> dict[str, Any]:
     """Copy a memory-tier step to storage (verified), move storage's `latest`, apply retention, send the replica."""
     req = parse_payload(MemoryStepRequest, payload, self.name)
-    done = memory.flush(req, str(self.request.id))
-    if runtime().config.replica_dir is not None:
-        stored = CommitRequest(ref=req.ref.model_copy(update={"step_dir": done["storage"]}), retention=req.retention)
-        _send_replica(self, stored)
+    done = tiering.flush(runtime(), req, str(self.request.id))
+    _send_replica(self, req.ref.token, aftercommit.after_flush(runtime(), req, done["storage"]))
     return done
 
 
 @shared_task(name=TaskName.PEER_COPY.value, base=MemoryTask, bind=True)
 def copy_to_peers(self: MemoryTask, payload: dict[str, Any]) -> dict[str, Any]:
     """Copy a memory-tier step to `memory_replicas` peers' memory, each verified on arrival."""
-    return memory.peer_copy(parse_payload(MemoryStepRequest, payload, self.name))
+    return tiering.peer_copy(runtime(), parse_payload(MemoryStepRequest, payload, self.name))
 
 
 def replica_task_id(token: str) -> str:
@@ -168,35 +153,26 @@ def replica_task_id(token: str) -> str:
     return f"replica-{token}"
 
 
-def _send_replica(task: DCSTask, req: CommitRequest) -> None:
-    """Enqueue the replica of a step just committed. A failure to send is logged and counted: the commit
-    stands (the replica is best effort; `dcs ckpt list` shows the step as primary only)."""
-    config, ref = runtime().config, req.ref
+def _send_replica(task: DCSTask, token: str, body: ReplicateRequest | None) -> None:
+    """Enqueue the replica of a step just committed (none without `body`). A failure to send is logged and
+    counted: the commit stands (the replica is best effort; `dcs ckpt list` shows the step as primary only)."""
+    if body is None:
+        return
     try:
-        root, replica = checkpoint_root(config), replica_root(config)
-        assert replica is not None
-        source = trusted_step_dir(ref.step_dir, ref.run, ref.step, config, root=root)
-        target = replica
-        for part in relative(source, root).split("/"):
-            target = target / part
-        body = ReplicateRequest(
-            run=ref.run, step=ref.step, step_dir=ref.step_dir, replica_step_dir=str(target), retention=req.retention
-        )
         task.app.send_task(
             TaskName.REPLICATE.value,
             args=[body.model_dump(mode="json")],
             queue=_local_queue(),
-            task_id=replica_task_id(ref.token),
+            task_id=replica_task_id(token),
         )
     except Exception as exc:  # the primary commit is done and must not fail because of its replica
-        record_error("checkpoint_replica")
-        log.error("replica of step %d of run %s not sent: %s: %s", ref.step, ref.run, type(exc).__name__, exc)
+        aftercommit.replica_not_sent(body.run, body.step, exc)
 
 
 @shared_task(name=TaskName.RETENTION.value, base=DCSTask, bind=True)
 def apply_retention(self: DCSTask, payload: dict[str, Any]) -> list[int]:
     """Delete the steps the run's retention policy lets go; returns them."""
-    return retain(parse_payload(RetentionRequest, payload, self.name))
+    return aftercommit.retain(runtime(), parse_payload(RetentionRequest, payload, self.name))
 
 
 class ReplicateTask(DCSTask):
@@ -210,7 +186,7 @@ class ReplicateTask(DCSTask):
 @shared_task(name=TaskName.REPLICATE.value, base=ReplicateTask, bind=True)
 def replicate_step(self: ReplicateTask, payload: dict[str, Any]) -> dict[str, Any]:
     """Copy a committed step to the replica root, verify it, move the replica's `latest`, apply retention."""
-    done = replicate(parse_payload(ReplicateRequest, payload, self.name), str(self.request.id))
+    done = replicating.replicate(runtime(), parse_payload(ReplicateRequest, payload, self.name), str(self.request.id))
     return {
         "step": done.step,
         "replica": str(done.replica_step_dir),

@@ -1,7 +1,7 @@
 """Where a run's steps are: the primary root (`checkpoint_dir`) and, when set, the replica root (`replica_dir`).
 
 A replica is the same relative tree under the other root, written by the worker's replicate task
-(`workers/replica.py`). Readers pick a step's copy in one order: the newest step that verifies in either
+(`dcs_tasks.checkpoint.replicating`). Readers pick a step's copy in one order: the newest step that verifies in either
 location wins; for that step the primary copy is tried first and the replica when the primary is missing or
 corrupt (the restore result, a warning and the log name the copy used). A step never mixes copies: all of a
 multi-rank step's parts come from one location.

@@ -1,9 +1,11 @@
 """Saves persisted and committed in the trainer's own process (`InlineCommitter`), Redis real, no worker: the
-save path's fast tests, on files and on S3-free paths alike."""
+save path's fast tests, and what follows a commit (retention, replicas, the memory tier's flush) run on its
+threads."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -12,9 +14,11 @@ import torch
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.inline import InlineCommitter
+from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import CheckpointFailed, ConfigError
+from dcs_tasks.errors import CheckpointFailed
 from tests.checkpoint_support import assert_same_state, ckpt_config, training_state
+from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +59,54 @@ def test_an_inline_persist_that_fails_fails_the_save_with_the_reason(dcs_config:
         inline.close()
 
 
-def test_an_inline_committer_refuses_replicas(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="replica_dir"):
-        InlineCommitter(ckpt_config(dcs_config, tmp_path, replica_dir=tmp_path / "replica"))
+def test_an_inline_committer_replicates_and_prunes_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """Replicas are the library's (`dcs_tasks.checkpoint.replicating`): an inline committer copies each committed
+    step to `replica_dir`, moves the replica's `latest`, and applies retention there, as a worker does."""
+    config = ckpt_config(dcs_config, tmp_path, replica_dir=tmp_path / "replica", keep_last=2)
+    inline = InlineCommitter(config)
+    state = training_state(width=256)
+    try:
+        with Checkpointer("copied", config, celery_app=inline) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(state, step=step).wait(timeout=30)
+                inline.drain(timeout=60)  # retention and the replica copy after the commit
+            replica_run = tmp_path / "replica" / "copied"
+            assert [s for s, _ in step_dirs(replica_run)] == [2, 3]
+            assert (replica_run / "latest").read_text().strip() == "step-000000003"
+            shutil.rmtree(Path(config.checkpoint_dir) / "copied" / "step-000000003")
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (3, "replica")
+            assert_same_state(state, restored.state)
+    finally:
+        inline.close()
+
+
+def test_an_inline_committer_keeps_steps_in_memory_flushes_every_nth_and_replicates_it(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    """The memory tier without a worker: each step commits in `memory_dir`, every 2nd is flushed to storage
+    (`dcs_tasks.checkpoint.tiering.flush`) and the flushed step is replicated, as a worker's flush task does."""
+    config = ckpt_config(
+        dcs_config,
+        tmp_path,
+        memory_tier_bytes=64 << 20,
+        memory_dir=shm_dir(tmp_path) / "memory",
+        memory_keep_last=2,
+        storage_every_steps=2,
+        replica_dir=tmp_path / "replica",
+    )
+    inline = InlineCommitter(config)
+    states = {s: training_state(seed=s, width=128) for s in (1, 2, 3)}
+    try:
+        with Checkpointer("tiered", config, celery_app=inline) as ckpt:
+            for step, state in states.items():
+                info = ckpt.save(state, step=step).wait(timeout=30)
+                assert info.path == Path(config.memory_dir) / "tiered" / f"step-{step:09d}"
+            inline.drain(timeout=60)  # the flush of step 2 and its replica
+            assert [s for s, _ in step_dirs(Path(config.checkpoint_dir) / "tiered")] == [2]
+            assert [s for s, _ in step_dirs(tmp_path / "replica" / "tiered")] == [2]
+            restored = ckpt.restore()
+            assert (restored.step, restored.location) == (3, "memory")
+            assert_same_state(states[3], restored.state)
+    finally:
+        inline.close()

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, draft_of, manifest_bytes, plan_layout, specs_of
+from dcs_tasks.checkpoint.replicating import copy_step
 from dcs_tasks.checkpoint.state.structure import flatten_state
 from dcs_tasks.errors import UntrustedPath
 from dcs_tasks.interop.writer import write_file
-from workers.replica import copy_step
 
 
 def _primary(run_dir: Path) -> tuple[Path, Manifest]:

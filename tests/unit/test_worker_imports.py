@@ -25,8 +25,9 @@ PROBE = textwrap.dedent(
 
     app = make_worker_app(DCSConfig())
     app.loader.import_default_modules()
-    import dcs_tasks.sync.group_bootstrap, workers.commit, workers.persist, workers.recovery, workers.replica
-    import workers.retention, workers.trust
+    import dcs_tasks.sync.group_bootstrap, workers.commit, workers.persist, workers.recovery, workers.memory
+    import dcs_tasks.checkpoint.aftercommit, dcs_tasks.checkpoint.replicating, dcs_tasks.checkpoint.tiering
+    import workers.trust
     import dcs_tasks.checkpoint.store.retention, dcs_tasks.checkpoint.store.latest
     print(sorted(name for name in app.tasks if name.startswith("dcs.")))
     """

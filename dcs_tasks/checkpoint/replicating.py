@@ -1,4 +1,6 @@
-"""Replicate one committed step to the replica root (`replica_dir`): the `dcs.ckpt.replicate` task's work.
+"""Replicate one committed step to the replica root (`replica_dir`): the `dcs.ckpt.replicate` task's work, run by
+`workers/ckpt_tasks.py` (with the worker's `Runtime` as context) or by an in-process committer's threads
+(`dcs_tasks.checkpoint.inline`); the order of what follows a commit is `dcs_tasks.checkpoint.aftercommit`'s.
 
 The replica is the same relative tree under another root (`<replica_dir>/<run>/step-.../`, a rank's part
 under `<replica_dir>/<run>/rank-0000r/step-.../`), so a file an incremental step refers to in an earlier
@@ -17,7 +19,7 @@ appear after fsync + rename) and verified with the rest; a replica step whose ma
 whose files check is not copied again. Retention then applies the run's policy to the replica run directory.
 
 Failures are the replica's alone: `ReplicaFailed` (not writable, primary gone or corrupt, copy does not
-verify) fails this task, never the primary commit; the task logs the reason and counts
+verify) fails this copy, never the primary commit; the caller logs the reason and counts
 `dcs_errors_total{error_type="checkpoint_replica"}`.
 """
 
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcs_tasks.checkpoint import persisting
 from dcs_tasks.checkpoint.committer import move_object_latest
 from dcs_tasks.checkpoint.format.fsio import (
     durable_file,
@@ -43,6 +46,7 @@ from dcs_tasks.checkpoint.format.fsio import (
 )
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, check_files, read_small
+from dcs_tasks.checkpoint.persisting import Context
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.landing import anonymous
@@ -50,12 +54,10 @@ from dcs_tasks.checkpoint.store.latest import move_latest
 from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
 from dcs_tasks.checkpoint.store.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
+from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
+from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath
-from workers.objlocks import run_lock
-from workers.persist import ledger
-from workers.runtime import runtime
-from workers.trust import checkpoint_root, replica_root, trusted_step_dir
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +74,21 @@ class ReplicaResult:
     seconds: float
 
 
-def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
+def replicate(ctx: Context, req: ReplicateRequest, task_id: str) -> ReplicaResult:
     """Copy, verify and publish the replica of `req`'s step; ReplicaFailed names why it could not."""
-    config = runtime().config
-    src_dir, dst_dir = _trusted_dirs(req)
+    config = ctx.config
+    src_dir, dst_dir = _trusted_dirs(config, req)
     started = time.monotonic()
-    manifest = _primary_manifest(src_dir)
+    manifest = primary_manifest(src_dir)
     copied = 0
-    if not _complete(dst_dir, manifest):
+    if not complete(dst_dir, manifest):
         try:
             copied = copy_step(src_dir, dst_dir, manifest, task_id, config.persist_throttle_bytes_per_second)
         except OSError as exc:
             if exc.errno in UNWRITABLE:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc
             raise  # transient (ENOSPC, EIO): retried by the task base
-    deleted = publish_copy(dst_dir, req.run, req.step, req.retention, task_id)
+    deleted = publish_copy(ctx, dst_dir, req.run, req.step, req.retention, task_id)
     seconds = time.monotonic() - started
     record_replica(seconds, copied)
     log.info(
@@ -95,18 +97,20 @@ def replicate(req: ReplicateRequest, task_id: str) -> ReplicaResult:
     return ReplicaResult(req.step, dst_dir, copied, deleted, seconds)
 
 
-def publish_copy(dst_dir: Location, run: str, step: int, retention: RetentionPolicy, task_id: str) -> list[int]:
+def publish_copy(
+    ctx: Context, dst_dir: Location, run: str, step: int, retention: RetentionPolicy, task_id: str
+) -> list[int]:
     """After a step was copied to `dst_dir` (a replica, or the memory tier's flush to storage): move that run
     directory's `latest` forward and apply `retention` there; the steps retention let go."""
+    run_lock = persisting.object_lock(ctx)
     if isinstance(dst_dir, ObjectPath):
         move_object_latest(dst_dir.parent, step, run_lock)
     else:
         move_latest(dst_dir.parent, step, task_id)
     if not retention.active:
         return []
-    return apply_retention(
-        dst_dir.parent, retention, ledger().in_flight_steps(run), object_lock=lambda where: run_lock(where, "refs")
-    )
+    in_flight = persisting.ledger(ctx).in_flight_steps(run)
+    return apply_retention(dst_dir.parent, retention, in_flight, object_lock=lambda where: run_lock(where, "refs"))
 
 
 def relative(location: Location, root: Location) -> str:
@@ -120,9 +124,8 @@ def relative(location: Location, root: Location) -> str:
     raise ValueError(f"{location} and {root} are not the same kind of location")
 
 
-def _trusted_dirs(req: ReplicateRequest) -> tuple[Location, Location]:
+def _trusted_dirs(config: DCSConfig, req: ReplicateRequest) -> tuple[Location, Location]:
     """(primary step dir, replica step dir): each under its own root, at the same relative path."""
-    config = runtime().config
     replica = replica_root(config)
     if replica is None:
         raise ReplicaFailed(f"this worker has no replica_dir: cannot replicate step {req.step} of run {req.run!r}")
@@ -141,7 +144,7 @@ def _exists(path: Location) -> bool:
     return path.size() is not None if isinstance(path, ObjectPath) else os.path.lexists(path)
 
 
-def _primary_manifest(src_dir: Location) -> Manifest:
+def primary_manifest(src_dir: Location) -> Manifest:
     """The primary step's manifest, its files checked (sizes, headers); ReplicaFailed when gone or corrupt."""
     if not _exists(src_dir / MANIFEST_NAME):
         raise ReplicaFailed(f"primary step {src_dir} has no manifest (deleted before it was replicated?)")
@@ -153,7 +156,7 @@ def _primary_manifest(src_dir: Location) -> Manifest:
     return manifest
 
 
-def _complete(dst_dir: Location, manifest: Manifest) -> bool:
+def complete(dst_dir: Location, manifest: Manifest) -> bool:
     """Whether an earlier delivery finished this replica: its manifest is there and its files check."""
     if not _exists(dst_dir / MANIFEST_NAME):
         return False
