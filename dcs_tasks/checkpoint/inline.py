@@ -158,5 +158,10 @@ class InlineCommitter:
                 future.result(timeout=left)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.redis.close()
+        """Run what was sent and what follows it to the end (a follow-up sends the next one, so the pool may
+        only stop once none is pending), then stop the threads."""
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.redis.close()
