@@ -20,6 +20,7 @@ and debug log print the endpoint URL) and is masked in every message that quotes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import http.client
@@ -426,6 +427,39 @@ class S3Store:
             except Exception:  # noqa: S110 - gc sweeps what an abort could not (the original error is raised)
                 pass
             raise
+
+    def start_upload(self, key: str) -> str:
+        """A new multipart upload of `key`; its id. Nothing is visible at `key` until `complete_upload`."""
+        created = self._call(
+            "CREATE-UPLOAD", key, lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=key)
+        )
+        return str(created["UploadId"])
+
+    def put_part(self, key: str, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+        """Part `number` (from 1) of an upload; what `complete_upload` needs of it."""
+        answer = self._call(
+            "UPLOAD-PART",
+            key,
+            lambda: self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, ContentLength=len(data)
+            ),
+        )
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        """The object appears at `key`, whole."""
+        self._call(
+            "COMPLETE-UPLOAD",
+            key,
+            lambda: self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            ),
+        )
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an upload's parts (gc sweeps what this could not: the caller's own error is what matters)."""
+        with contextlib.suppress(Exception):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
 
     def _upload_parts(
         self,

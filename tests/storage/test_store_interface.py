@@ -1,0 +1,180 @@
+"""The storage interface (`dcs_tasks/storage/store.py`) behaves the same through every store: the file store (a
+POSIX directory), the S3 store (a real S3 server, tests/storage/conftest.py) and the memory tier's store (a
+private directory in /dev/shm). Each test runs once per store: a write by regions is invisible until published
+and whole after, an aborted one leaves nothing (no temp file, no open upload), ranges land in the caller's
+buffers, and stat, list, files, delete and delete_tree agree.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.storage import ObjectPath, S3Settings, S3Store, Store, store_of
+from dcs_tasks.storage.factory import FILES, copy, is_object, relative, within
+from dcs_tasks.storage.memtier import MemoryTierStore
+from dcs_tasks.storage_url import ObjectURL
+from tests.storage.conftest import S3Bucket
+from tests.storage.s3_support import open_uploads
+
+MiB = 1024 * 1024
+STORES = ("file", "s3", "memory")
+
+
+@dataclass
+class Place:
+    """A store and an empty folder of it to work in."""
+
+    store: Store[Any]
+    root: Any
+    kind: str
+    bucket: S3Bucket | None = None
+
+    def leftovers(self) -> list[str]:
+        """What an unpublished write could have left: temp files in the folder, or open multipart uploads."""
+        if self.bucket is not None:
+            return open_uploads(self.bucket)
+        return [name for _, _, names in os.walk(self.root) for name in names]
+
+
+@pytest.fixture(params=STORES)
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
+    if request.param == "file":
+        yield Place(FILES, tmp_path / "root", "file")
+    elif request.param == "memory":
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        memory = Path(tempfile.mkdtemp(prefix="dcs-test-memtier-", dir=shm))  # mode 0700, this user's own
+        try:
+            yield Place(MemoryTierStore(memory), memory / "root", "memory")
+        finally:
+            shutil.rmtree(memory, ignore_errors=True)
+    else:
+        bucket: S3Bucket = request.getfixturevalue("aws_env")
+        settings = S3Settings(endpoint_url=bucket.endpoint_url, addressing_style="path", part_bytes=5 * MiB)
+        s3 = S3Store(ObjectURL(bucket.bucket, "root"), settings)
+        loc = ObjectPath(s3, "root")
+        yield Place(store_of(loc), loc, "s3", bucket)
+
+
+def pattern(size: int) -> bytes:
+    return (bytes(range(251)) * (size // 251 + 1))[:size]  # period 251: no two aligned blocks alike
+
+
+def test_a_write_by_regions_is_invisible_until_published_then_whole(place: Place) -> None:
+    store, target = place.store, place.root / "step-000000001" / "rank-0.safetensors"
+    data = pattern(12 * MiB + 4097)  # more than two S3 parts, not a multiple of the O_DIRECT alignment
+    view = memoryview(data)
+    with store.open_writer(target, "t1") as writer:
+        for begin in range(0, len(data), 3 * MiB):
+            writer.write(view[begin : begin + 3 * MiB])
+        assert store.stat(target) is None and not store.exists(target)
+        assert store.names(target.parent) == [] and store.files(place.root, 10) == {}
+        writer.publish()
+    assert store.stat(target) == len(data) and store.exists(target) and store.exists(target.parent)
+    got = bytearray(len(data))
+    store.read_into(target, 0, [memoryview(got)])
+    assert got == data
+    assert place.leftovers() == ([] if place.bucket else ["rank-0.safetensors"])
+
+
+def test_an_aborted_or_failed_write_leaves_nothing_and_the_old_bytes_stay(place: Place) -> None:
+    store, target = place.store, place.root / "manifest.json"
+    store.write_small(target, b"old", "t0")
+    with store.open_writer(target, "t1") as writer:
+        writer.write(memoryview(pattern(6 * MiB)))  # an S3 part is already uploaded
+        writer.abort()
+    with pytest.raises(RuntimeError), store.open_writer(target, "t2") as writer:
+        writer.write(memoryview(pattern(6 * MiB)))
+        raise RuntimeError("the writer's caller failed")
+    assert store.read_small(target, 100) == b"old"
+    assert place.leftovers() == ([] if place.bucket else ["manifest.json"])
+
+
+def test_what_a_writer_that_died_left_is_swept_and_never_listed(place: Place) -> None:
+    store, folder = place.store, place.root / "step-000000002"
+    store.write_small(folder / "kept", b"published", "t")
+    dead = store.open_writer(folder / "lost.safetensors", "t1")  # its process "dies": no publish, no abort
+    dead.write(memoryview(pattern(6 * MiB)))
+    assert place.leftovers() != ([] if place.bucket else ["kept"])
+    assert store.names(folder) == ["kept"] and store.files(folder, 10) == {"kept": 9}
+    store.sweep(folder)
+    assert (
+        place.leftovers() == ([] if place.bucket else ["kept"]) and store.read_small(folder / "kept", 9) == b"published"
+    )
+    dead.abort()  # its descriptor closed; nothing left to drop
+
+
+def test_ranges_land_in_the_callers_buffers(place: Place) -> None:
+    store, target = place.store, place.root / "f"
+    data = pattern(1 * MiB + 13)
+    store.write_small(target, data, "t")
+    first, second = bytearray(100), bytearray(5000)
+    store.read_into(target, 4093, [memoryview(first), memoryview(second)])
+    assert bytes(first + second) == data[4093 : 4093 + 5100]
+    with pytest.raises(CorruptCheckpoint, match="ended early"):
+        store.read_into(target, len(data) - 10, [memoryview(bytearray(11))])
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        store.read_into(place.root / "absent", 0, [memoryview(bytearray(1))])
+
+
+def test_read_small_refuses_a_missing_or_larger_file(place: Place) -> None:
+    store = place.store
+    store.write_small(place.root / "latest", b"step-000000007", "t")
+    assert store.read_small(place.root / "latest", 64) == b"step-000000007"
+    with pytest.raises(CorruptCheckpoint):
+        store.read_small(place.root / "latest", 4)
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        store.read_small(place.root / "absent", 64)
+
+
+def test_stat_list_files_and_deletes_agree(place: Place) -> None:
+    store, root = place.store, place.root
+    for name, size in (("a/x", 3), ("a/y", 0), ("a/sub/z", 5), ("b/w", 2), ("top", 1)):
+        store.write_small(root / name, pattern(size), "t")
+    assert store.names(root) == ["a", "b", "top"] and store.names(root / "a") == ["sub", "x", "y"]
+    assert store.files(root / "a", 10) == {"x": 3, "y": 0, "sub/z": 5}
+    assert store.stat(root / "a" / "y") == 0 and store.stat(root / "a") is None and store.stat(root / "no") is None
+    assert store.names(root / "missing") == [] and store.files(root / "missing", 10) == {}
+    store.delete([root / "a" / "x", root / "a" / "never-there"])
+    assert store.stat(root / "a" / "x") is None and store.files(root / "a", 10) == {"y": 0, "sub/z": 5}
+    store.delete_tree(root / "a")
+    store.delete_tree(root / "never-there")
+    assert not store.exists(root / "a") and store.names(root) == ["b", "top"]
+
+
+def test_the_factory_names_what_a_location_is(place: Place) -> None:
+    root = place.root
+    assert within(root / "x" / "y", root) and not within(root.parent / "other", root)
+    assert relative(root / "run" / "step-000000001", root) == "run/step-000000001"
+    with pytest.raises(ValueError):
+        relative(root, root)
+    with pytest.raises(ValueError):
+        relative(root.parent / "other", root)
+    assert is_object(root) is (place.kind == "s3")
+    assert (place.store.local_path(root) is None) is (place.kind == "s3")
+    if place.kind == "memory":
+        assert isinstance(place.store, MemoryTierStore) and place.store.holds(root / "x")
+        assert not place.store.holds(Path("/elsewhere"))
+
+
+def test_copy_between_stores_is_whole_or_nothing(place: Place, tmp_path: Path) -> None:
+    data = pattern(7 * MiB + 5)
+    local = tmp_path / "local" / "f"
+    FILES.write_small(local, data, "t")
+    copy(local, place.root / "copied", "c", len(data))
+    assert place.store.stat(place.root / "copied") == len(data)
+    back = tmp_path / "back" / "f"
+    copy(place.root / "copied", back, "c", len(data))
+    assert back.read_bytes() == data
+    with pytest.raises(CorruptCheckpoint):  # the source is shorter than said: nothing published
+        copy(local, place.root / "short", "c", len(data) + 1)
+    assert place.store.stat(place.root / "short") is None
+    assert not within(local, place.root) or place.kind != "s3"
