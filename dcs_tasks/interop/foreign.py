@@ -38,8 +38,9 @@ import numpy
 import torch
 
 from dcs_tasks.checkpoint.format.layout import CODE_DTYPES, DTYPE_CODES
-from dcs_tasks.checkpoint.format.validate import MAX_NDIM, open_regular, read_header, read_small
+from dcs_tasks.checkpoint.format.validate import MAX_NDIM, read_header, read_small
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
+from dcs_tasks.storage.fs import open_regular
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"

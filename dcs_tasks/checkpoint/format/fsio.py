@@ -16,7 +16,6 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -28,32 +27,13 @@ from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.checkpoint.format.layout import new_hasher
 from dcs_tasks.errors import UntrustedPath
+from dcs_tasks.storage.fs import TEMP_GLOB, fsync_dir, temp_path, write_all
+from dcs_tasks.storage.fs import make_dirs_durable as make_dirs_durable  # until the replica copy imports it there
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = WRITE_CHUNK_BYTES
 O_DIRECT: int = iosizes.O_DIRECT  # a module attribute: tests patch it here
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_dirs_durable(path: Path) -> None:
-    """`mkdir -p path`, fsyncing each parent whose entry was created, so the path survives a crash."""
-    missing: list[Path] = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir()
-        fsync_dir(directory.parent)
 
 
 @contextlib.contextmanager
@@ -88,28 +68,10 @@ def locked(directory: Path, name: str, *, shared: bool = False) -> Iterator[None
         os.close(fd)
 
 
-TEMP_GLOB = ".*.tmp"  # matches every `temp_path` (and nothing a reader opens: final names never start with ".")
-
-
-def temp_path(final: Path, tag: str) -> Path:
-    """A temp name of `final`'s that no other writer uses, even one with the same `tag`: a redelivered task
-    keeps its task id, and the redelivery can run while the first delivery (or a second redelivery) still
-    writes. Two writers sharing one temp file truncate each other's bytes, and the first to rename it would
-    publish an inode the other is still truncating and writing (a short final file, seen in CI)."""
-    return final.with_name(f".{final.name}.{tag}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-
-
 def remove_stray_temps(directory: Path) -> None:
     """Delete temp files left by writes that died mid-way (call once every final file is durable)."""
     for tmp in directory.glob(TEMP_GLOB):
         tmp.unlink(missing_ok=True)
-
-
-def write_all(fd: int, data: memoryview) -> None:
-    pos, size = 0, len(data)
-    while pos < size:
-        with data[pos:] as rest:  # views over an mmap must be released, or it cannot be closed
-            pos += os.write(fd, rest)
 
 
 def try_lock(fd: int, exclusive: bool) -> bool:
@@ -282,18 +244,6 @@ def _copy_chunks(view: memoryview, fd: int, hasher: Any, throttle: float | None)
             pace(started, pos + chunk, throttle)
     finally:
         view.release()
-
-
-def read_exactly(fd: int, size: int) -> bytes:
-    """Up to `size` bytes from `fd`'s position (fewer only when the file ends first)."""
-    chunks, left = [], size
-    while left > 0:
-        chunk = os.read(fd, left)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def file_checksum(path: Path) -> str:

@@ -34,7 +34,6 @@ anything about files elsewhere.
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import json
 import math
@@ -48,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 from dcs_tasks.checkpoint.format.compression import Decoder, check_frame, stored_size_problem
-from dcs_tasks.checkpoint.format.fsio import read_exactly
 from dcs_tasks.checkpoint.format.layout import (
     CHECKSUM_ALGORITHM,
     CHUNK_ALGORITHM,
@@ -60,7 +58,9 @@ from dcs_tasks.checkpoint.format.layout import (
     TensorEntry,
 )
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
+from dcs_tasks.storage.factory import is_object
+from dcs_tasks.storage.fs import open_regular
 from dcs_tasks.storage.objpath import listed_sizes
 from dcs_tasks.storage.s3 import ObjectMissing
 from dcs_tasks.tensors import CODE_ITEMSIZE
@@ -77,7 +77,6 @@ MIN_SUM_CHUNK = 4096  # chunk sizes accepted from a manifest: a multiple of this
 MAX_SUM_CHUNK = 1 << 30
 MAX_PLACEMENT = 32  # characters of one recorded placement
 ITEMSIZE: dict[str, int] = CODE_ITEMSIZE
-O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 
 
 def read_manifest(step_dir: Location) -> Manifest:
@@ -100,20 +99,7 @@ def read_manifest(step_dir: Location) -> Manifest:
 def read_small(path: Location, limit: int) -> bytes:
     """The bytes of a regular file (not a symlink) of at most `limit` bytes; CorruptCheckpoint otherwise. An
     object (`ObjectPath`): at most `limit` + 1 bytes are fetched."""
-    if isinstance(path, ObjectPath):
-        try:
-            return path.store.get_small(path.key, limit)
-        except ObjectMissing as exc:
-            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} it may have", str(path))
-        with _reading(path):
-            return read_exactly(fd, size)
-    finally:
-        os.close(fd)
+    return store_of(path).read_small(path, limit)
 
 
 @contextlib.contextmanager
@@ -123,21 +109,6 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise CorruptCheckpoint(f"checkpoint file {path} cannot be read: {exc.strerror}", str(path)) from exc
-
-
-def open_regular(path: Path) -> int:
-    """A read-only descriptor of `path`, which must be a regular file and not a symlink (never followed)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpoint(f"checkpoint file {path} is missing", str(path)) from exc
-    except OSError as exc:
-        why = "is a symlink (never followed)" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
-        raise CorruptCheckpoint(f"checkpoint file {path} {why}", str(path)) from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpoint(f"checkpoint file {path} is not a regular file", str(path))
-    return fd
 
 
 def open_stored(path: Path, entry: FileEntry) -> int:
@@ -299,7 +270,7 @@ def check_files(step_dir: Location, manifest: Manifest) -> None:
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    if isinstance(step_dir, ObjectPath):
+    if is_object(step_dir):  # no descriptor to check through: sizes from one listing, headers by ranged reads
         _check_objects(step_dir, manifest, by_file)
         return
     for f in manifest.files:

@@ -33,7 +33,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format.fsio import read_exactly, write_all
+from dcs_tasks.checkpoint.format.fsio import write_all
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
 from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
@@ -42,6 +42,7 @@ from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peerchannel import MAX_MESSAGE, Channel, short
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
+from dcs_tasks.storage.fs import read_exactly
 
 # A manifest takes ~400 bytes per tensor: a 70B-parameter Llama's full state with Adam's (2,893 tensors) has a
 # 1.2 MB manifest; 4 MiB leaves room for ~10,000 tensors per rank. A step with a bigger one is not copied to
