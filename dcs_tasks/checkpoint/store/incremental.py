@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntr
 from dcs_tasks.checkpoint.format.validate import read_manifest
 from dcs_tasks.checkpoint.store.steps import step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
 
 REFS_LOCK_NAME = ".refs.lock"
 RETIRED_NAME = ".retired"
@@ -49,9 +48,7 @@ def refs_lock(run_dir: Path, shared: bool) -> Iterator[None]:
 
 def is_retired(step_dir: Location) -> bool:
     marker = step_dir / RETIRED_NAME
-    if isinstance(marker, ObjectPath):
-        return marker.size() is not None
-    return os.path.lexists(marker)
+    return store_of(marker).exists(marker)
 
 
 def base_manifest(step_dir: Location) -> tuple[int, Manifest] | None:
@@ -74,13 +71,14 @@ def _earlier_steps(step_dir: Location) -> list[tuple[int, Location]]:
 
 
 def _cached_manifest(step_dir: Location, load: object) -> Manifest:
-    if isinstance(step_dir, ObjectPath):  # committed manifests are never rewritten; a deleted one is gone
-        size = (step_dir / MANIFEST_NAME).size()
+    local = store_of(step_dir).local_path(step_dir)
+    if local is None:  # an object: committed manifests are never rewritten; a deleted one is gone
+        size = store_of(step_dir).stat(step_dir / MANIFEST_NAME)
         if size is None:
             raise CorruptCheckpoint(f"{step_dir}/{MANIFEST_NAME} is gone", str(step_dir))
         key = (str(step_dir), -1, -1, size)
     else:
-        found = (step_dir / MANIFEST_NAME).lstat()
+        found = (local / MANIFEST_NAME).lstat()
         key = (str(step_dir), found.st_ino, found.st_mtime_ns, found.st_size)
     manifest = _manifests.get(key)
     if manifest is None:
@@ -120,13 +118,7 @@ def candidate(step_dir: Location, name: str, size: int, full_every: int | None =
         if users + 1 >= full_every:
             return None
     held = reused.stored_path(step_dir)
-    if isinstance(held, ObjectPath):
-        return reused if held.size() == entry.disk_size else None
-    try:
-        found = held.lstat()
-    except OSError:
-        return None
-    return reused if stat.S_ISREG(found.st_mode) and found.st_size == entry.disk_size else None
+    return reused if store_of(held).stat(held) == entry.disk_size else None
 
 
 def _load_manifest(step_dir: Location) -> Manifest:
@@ -147,12 +139,8 @@ def surely_differs(fd: int, offset: int, length: int, held: Location, entry: Fil
     try:
         for start in starts:
             staged = os.pread(fd, SAMPLE_BYTES, offset + start)
-            if isinstance(held, ObjectPath):
-                stored = bytearray(SAMPLE_BYTES)
-                held.store.read_into(held.key, start, [memoryview(stored)])
-            else:
-                with open(held, "rb", buffering=0) as f:
-                    stored = bytearray(os.pread(f.fileno(), SAMPLE_BYTES, start))
+            stored = bytearray(SAMPLE_BYTES)
+            store_of(held).read_into(held, start, [memoryview(stored)])
             if staged != bytes(stored):
                 return True
     except (OSError, StorageError, CorruptCheckpoint):

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import stat
 from collections.abc import Callable
 
-from dcs_tasks.checkpoint.format.fsio import fsync_dir, write_bytes_durably
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, step_dir_name
 from dcs_tasks.checkpoint.format.validate import read_manifest
 from dcs_tasks.checkpoint.store.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
@@ -29,7 +26,8 @@ from dcs_tasks.checkpoint.store.ledger import StepLedger
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.store.steps import complete_steps, step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
+from dcs_tasks.storage.factory import is_object
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +58,14 @@ def newest_intact(run_dir: Location) -> int | None:
 def regular_of_size(path: Location, size: int) -> bool:
     """`path` is a regular file of `size` bytes, not a symlink (restore refuses those, so a step holding one
     is not intact whatever it points at); an object of `size` bytes."""
-    if isinstance(path, ObjectPath):
-        return path.size() == size
-    try:
-        found = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISREG(found.st_mode) and found.st_size == size
+    return store_of(path).stat(path) == size
 
 
 def delete_step(step_dir: Location) -> None:
     """Remove the manifest first (durably), then the rest of the directory (every object under the step)."""
-    if isinstance(step_dir, ObjectPath):
-        store = step_dir.store
-        store.delete([(step_dir / MANIFEST_NAME).key])
-        store.delete([item.key for item in store.objects(step_dir.key + "/")])
-        return
-    with contextlib.suppress(FileNotFoundError):
-        (step_dir / MANIFEST_NAME).unlink()
-        fsync_dir(step_dir)
-    shutil.rmtree(step_dir, ignore_errors=True)
+    store = store_of(step_dir)
+    store.delete([step_dir / MANIFEST_NAME])
+    store.delete_tree(step_dir)
 
 
 FileRef = tuple[int, str]  # (step holding the bytes, file name)
@@ -92,45 +78,23 @@ def retire_step(step_dir: Location, keep: set[str]) -> None:
     if not keep:
         delete_step(step_dir)
         return
-    if isinstance(step_dir, ObjectPath):
-        _retire_objects(step_dir, keep)
-        return
+    store = store_of(step_dir)
     if not is_retired(step_dir):
-        write_bytes_durably(step_dir / RETIRED_NAME, b"files here are used by later steps\n", "retire")
-    with contextlib.suppress(FileNotFoundError):
-        (step_dir / MANIFEST_NAME).unlink()
-        fsync_dir(step_dir)
-    for child in step_dir.iterdir():
-        if child.name not in keep and child.name != RETIRED_NAME:
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-    fsync_dir(step_dir)
-
-
-def _retire_objects(step_dir: ObjectPath, keep: set[str]) -> None:
-    store = step_dir.store
-    marker = step_dir / RETIRED_NAME
-    if marker.size() is None:
-        store.put_small(marker.key, b"files here are used by later steps\n")
-    store.delete([(step_dir / MANIFEST_NAME).key])
-    base = step_dir.key + "/"
-    doomed = [i.key for i in store.objects(base) if i.key[len(base) :] not in keep | {RETIRED_NAME}]
-    if doomed:
-        store.delete(doomed)
+        store.write_small(step_dir / RETIRED_NAME, b"files here are used by later steps\n", "retire")
+    store.delete([step_dir / MANIFEST_NAME])
+    store.delete_tree(step_dir, keep=frozenset(keep | {RETIRED_NAME}))
 
 
 def retired_dirs(run_dir: Location) -> dict[int, Location]:
     """Retired step directories (marker, no manifest) of `run_dir`."""
-    if isinstance(run_dir, ObjectPath):
-        return _retired_objects(run_dir)
+    store = store_of(run_dir)
+    marked = set(store.folders_with(run_dir, RETIRED_NAME))
+    manifests = set(store.folders_with(run_dir, MANIFEST_NAME))
     found: dict[int, Location] = {}
-    for child in run_dir.iterdir() if run_dir.is_dir() else ():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and not child.is_symlink() and is_retired(child):
-            if not (child / MANIFEST_NAME).exists():
-                found[int(match.group(1))] = child
+    for name in marked - manifests:
+        match = STEP_DIR.match(name)
+        if match and name == step_dir_name(int(match.group(1))):
+            found[int(match.group(1))] = run_dir / name
     return found
 
 
@@ -142,25 +106,6 @@ def in_flight_refs(book: StepLedger, run: str) -> set[FileRef]:
             if entry.source_step is not None:
                 refs.add((entry.source_step, entry.name))
     return refs
-
-
-def _retired_objects(run_dir: ObjectPath) -> dict[int, Location]:
-    base = run_dir.key + "/" if run_dir.key else ""
-    marked: set[str] = set()
-    manifests: set[str] = set()
-    for item in run_dir.store.objects(base):
-        parts = item.key[len(base) :].split("/")
-        if len(parts) == 2 and STEP_DIR.match(parts[0]):
-            if parts[1] == RETIRED_NAME:
-                marked.add(parts[0])
-            elif parts[1] == MANIFEST_NAME:
-                manifests.add(parts[0])
-    found: dict[int, Location] = {}
-    for name in marked - manifests:
-        match = STEP_DIR.match(name)
-        if match and name == step_dir_name(int(match.group(1))):
-            found[int(match.group(1))] = run_dir / name
-    return found
 
 
 def _marked(dirs: dict[int, Location], kept: set[int]) -> set[FileRef]:
@@ -184,7 +129,7 @@ def apply_retention(
     steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps).
     UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory. A run in an
     object store needs `object_lock` (its `refs` lock: `dcs_tasks.checkpoint.store.objlocks`)."""
-    if isinstance(run_dir, ObjectPath):
+    if is_object(run_dir):
         if object_lock is None:
             raise ValueError("retention of a run in an object store needs its refs lock")
         with object_lock(run_dir):

@@ -9,7 +9,6 @@ Retention, incremental saves and the `latest` pointer use this module as it is.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import overload
 from dcs_tasks.checkpoint.format.layout import LATEST_NAME, MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, step_dir_name
 from dcs_tasks.checkpoint.format.validate import read_manifest, read_small
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
 
 Load = Callable[[Location], Manifest]  # one step directory -> its manifest, checked (CorruptCheckpoint)
 
@@ -33,30 +32,11 @@ def step_dirs(run_dir: Location) -> list[tuple[int, Location]] | list[tuple[int,
     """(step, directory) of every step directory holding a manifest, oldest first. Only real directories
     named exactly as DCS names them count (no symlinks, no `step-+5` alias of `step-000000005`). In an object
     store: every `<run>/step-N/manifest.json` object (one listing)."""
-    if isinstance(run_dir, ObjectPath):
-        return _object_step_dirs(run_dir)
-    if not run_dir.is_dir():
-        return []
     found = []
-    with os.scandir(run_dir) as entries:
-        for entry in entries:
-            match = STEP_DIR.match(entry.name)
-            if match and entry.name == step_dir_name(int(match.group(1))) and entry.is_dir(follow_symlinks=False):
-                if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
-                    found.append((int(match.group(1)), Path(entry.path)))
-    return sorted(found)
-
-
-def _object_step_dirs(run_dir: ObjectPath) -> list[tuple[int, ObjectPath]]:
-    base = run_dir.key + "/" if run_dir.key else ""
-    found = []
-    for item in run_dir.store.objects(base):
-        parts = item.key[len(base) :].split("/")
-        if len(parts) != 2 or parts[1] != MANIFEST_NAME:
-            continue
-        match = STEP_DIR.match(parts[0])
-        if match and parts[0] == step_dir_name(int(match.group(1))):
-            found.append((int(match.group(1)), run_dir / parts[0]))
+    for name in store_of(run_dir).folders_with(run_dir, MANIFEST_NAME):
+        match = STEP_DIR.match(name)
+        if match and name == step_dir_name(int(match.group(1))):
+            found.append((int(match.group(1)), run_dir / name))
     return sorted(found, key=lambda pair: pair[0])
 
 
@@ -71,21 +51,11 @@ def read_latest(run_dir: Location) -> int | None:
 
 def rank_dirs(run_root: Location) -> dict[int, Location]:
     """rank -> its directory, for a multi-rank run (empty for a plain single-rank run). Symlinks do not count."""
-    if isinstance(run_root, ObjectPath):
-        return {
-            int(m.group(1)): run_root / name
-            for name in run_root.store.children(run_root.key)
-            if (m := RANK_DIR.fullmatch(name)) is not None
-        }
-    if not run_root.is_dir():
-        return {}
-    found: dict[int, Location] = {}
-    with os.scandir(run_root) as entries:
-        for child in entries:
-            match = RANK_DIR.match(child.name)
-            if match and child.is_dir(follow_symlinks=False):
-                found[int(match.group(1))] = Path(child.path)
-    return found
+    return {
+        int(m.group(1)): run_root / name
+        for name in store_of(run_root).names(run_root)  # no symlinks
+        if (m := RANK_DIR.fullmatch(name)) is not None
+    }
 
 
 @dataclass(frozen=True)
