@@ -41,7 +41,8 @@ from dcs_tasks.checkpoint.restore.reader import read_latest
 from dcs_tasks.checkpoint.store import incremental
 from dcs_tasks.checkpoint.store.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
+from dcs_tasks.storage.factory import is_object
 from dcs_tasks.storage.objpath import listed_sizes
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def write_file(
     returns its manifest entry (zstd-compressed as `<name>.zst` when `compression` asks and the bytes shrink
     enough, on either store). `recycled`: a file to overwrite instead of a new one (files only; the memory
     tier's, `fsio.durable_file`)."""
-    if isinstance(final, ObjectPath):
+    if is_object(final):  # uploaded from the staging mapping; a file is streamed with O_DIRECT
         if compression is not None and length > 0:
             packed = _upload_compressed(source_fd, offset, length, final, compression, threads, throttle, publish)
             if packed is not None:
@@ -155,7 +156,7 @@ def pacer(throttle: float | None) -> Callable[[int], None] | None:
 def committed(step_dir: Location) -> bool:
     """Whether the step's manifest is stored (the step exists for readers)."""
     manifest = step_dir / MANIFEST_NAME
-    return manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest)
+    return store_of(manifest).exists(manifest)
 
 
 def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
@@ -165,22 +166,16 @@ def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
     show with its size (a listing may lag a write on some servers; a HEAD does not). Returns what the listing
     showed (key -> size; empty on files)."""
     paths = [entry.stored_path(step_dir) for entry in manifest.files]
-    objects = [p for p in paths if isinstance(p, ObjectPath)]
+    objects = [p for p in paths if is_object(p)]
     listed = listed_sizes(objects) if objects else {}
     for entry, path in zip(manifest.files, paths, strict=True):
-        size = listed.get(path.key) if isinstance(path, ObjectPath) else None
+        size = listed.get(path.key) if is_object(path) else None
         if size != entry.disk_size:
-            size = _stored_size(path)
+            size = store_of(path).stat(path)
+            size = -1 if size is None else size
         if size != entry.disk_size:
             raise CheckpointFailed(f"cannot commit: {path} has {size} bytes, expected {entry.disk_size}")
     return listed
-
-
-def _stored_size(path: Location) -> int:
-    if isinstance(path, ObjectPath):
-        size = path.size()
-        return -1 if size is None else size
-    return path.stat().st_size if path.is_file() else -1
 
 
 def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: ObjectLock | None = None) -> None:
@@ -189,12 +184,11 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
     In an object store the sweep of open uploads runs beside the size checks, whose listing of the step also says
     whether its manifest is stored (a manifest a lagging listing missed is written again with the same bytes:
     the rule above makes that harmless); a failed check fails the step, whose open uploads are swept anyway."""
-    final = step_dir / MANIFEST_NAME
-    check_manifest(manifest, final)  # what restore will check, before the step is visible
-    if isinstance(step_dir, ObjectPath):
+    check_manifest(manifest, step_dir / MANIFEST_NAME)  # what restore will check, before the step is visible
+    if is_object(step_dir):
         if object_lock is None:
             raise ValueError("publishing a step in an object store needs its latest lock")
-        assert isinstance(final, ObjectPath)
+        final = step_dir / MANIFEST_NAME
         with ThreadPoolExecutor(1, thread_name_prefix="dcs-publish") as pool:
             swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
             listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
@@ -204,10 +198,9 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
         move_object_latest(step_dir.parent, manifest.step, object_lock)
         return
     check_stored(step_dir, manifest)
-    assert isinstance(final, Path)
     remove_stray_temps(step_dir)
-    if not final.exists():
-        write_bytes_durably(final, manifest_bytes(manifest), tag)
+    if not (step_dir / MANIFEST_NAME).exists():
+        write_bytes_durably(step_dir / MANIFEST_NAME, manifest_bytes(manifest), tag)
     move_latest(step_dir.parent, manifest.step, tag)
 
 
@@ -227,7 +220,7 @@ def remove_partial_step(step_dir: Location) -> None:
     """Delete a step that never got a manifest (a failed save); never a committed one, nor a retired one (a
     deleted step whose files later steps still use). In an object store: its objects and any upload still open
     under it."""
-    if isinstance(step_dir, ObjectPath):
+    if is_object(step_dir):
         if committed(step_dir) or incremental.is_retired(step_dir):
             return
         store = step_dir.store

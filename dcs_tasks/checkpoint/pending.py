@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -17,7 +16,7 @@ from dcs_tasks.checkpoint.restore.reader import load_manifest
 from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, CorruptLedger, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
 
 if TYPE_CHECKING:  # a reader of checkpoints (`dcs ckpt`) needs no staging, so no torch
     from dcs_tasks.checkpoint.save.staging import BufferLease
@@ -232,7 +231,7 @@ class PendingCheckpoint:
                 return CheckpointInfo.of(load_manifest(place), place)
             except CorruptCheckpoint as exc:
                 manifest = place / MANIFEST_NAME
-                if manifest.size() is not None if isinstance(manifest, ObjectPath) else os.path.lexists(manifest):
+                if store_of(manifest).exists(manifest):
                     raise
                 missing = missing or exc
         info = self._committed_info()

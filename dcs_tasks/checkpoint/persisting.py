@@ -38,7 +38,7 @@ import redis
 
 from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
-from dcs_tasks.checkpoint.format.fsio import NotPublished, make_dirs_durable
+from dcs_tasks.checkpoint.format.fsio import NotPublished
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
 from dcs_tasks.checkpoint.store import incremental, objlocks, seal, tiers
 from dcs_tasks.checkpoint.store.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
@@ -48,7 +48,8 @@ from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_s
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from dcs_tasks.keys import Keys
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
+from dcs_tasks.storage.factory import is_object, within
 from dcs_tasks.storage.s3 import NotPublishedObject
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
         with _refs_lock(ctx, step_dir.parent):  # retention waits until the reference is recorded
             reused = reusable(ctx, req, paths.staging, step_dir)
             if reused is not None:
-                if isinstance(step_dir, Path):
-                    make_dirs_durable(step_dir)  # the commit writes the manifest there
+                store_of(step_dir).make_folder(step_dir)  # the commit writes the manifest there
                 record_persist(time.monotonic() - started)
                 log.info(
                     "persist %s/%s step %d: bytes equal step %s's, not written",
@@ -166,7 +166,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
 @contextlib.contextmanager
 def _refs_lock(ctx: Context, run_dir: Location) -> Iterator[None]:
     """The run's reference lock: `.refs.lock` shared on files (when the run exists), Redis on object stores."""
-    if isinstance(run_dir, ObjectPath):
+    if is_object(run_dir):
         with object_lock(ctx)(run_dir, "refs"):
             yield
     elif run_dir.is_dir():
@@ -205,7 +205,7 @@ def step_guard(step_dir: Location, token: str = "") -> Callable[[], None]:
     In an object store a step that passed for one file of a save (`token`: the save's ledger token) passes for
     the save's other files in this process without asking again: while the save persists, only its own commit
     writes the step's manifest, and retention never marks a step that is not committed."""
-    if isinstance(step_dir, ObjectPath):
+    if is_object(step_dir):
         seen = (str(step_dir), token)
         if token and seen in _clean_steps:
             return lambda: None
@@ -260,8 +260,7 @@ def write_file(
     fd = _open_staging(ctx, staging)
     try:
         _check_staged_size(fd, req, staging)
-        if isinstance(paths.step_dir, Path):
-            make_dirs_durable(paths.step_dir)
+        store_of(paths.step_dir).make_folder(paths.step_dir)
         config = ctx.config
         ref = req.ref
         book = ledger(ctx)
@@ -291,7 +290,7 @@ def write_file(
 
 
 def _in_memory_tier(config: DCSConfig, step_dir: Location) -> bool:
-    return tiers.enabled(config) and isinstance(step_dir, Path) and step_dir.is_relative_to(tiers.memory_root(config))
+    return tiers.enabled(config) and within(step_dir, tiers.memory_root(config))
 
 
 def _open_staging(ctx: Context, staging: Path) -> int:
@@ -349,9 +348,9 @@ def commit(ctx: Context, req: CommitRequest, task_id: str) -> Verdict:
     started = time.monotonic()
     state = book.read(ref.run, ref.step)
     manifest = Manifest(**state.manifest_draft().model_dump(), files=[state.files[n] for n in sorted(state.files)])
-    if _in_memory_tier(ctx.config, step_dir):  # hashed on the way in: sealed, so restores need not hash again
-        assert isinstance(step_dir, Path)
-        seal.seal_step(step_dir, [f.stored_path(step_dir).name for f in manifest.files])
+    local = store_of(step_dir).local_path(step_dir)
+    if local is not None and _in_memory_tier(ctx.config, local):  # hashed on the way in: sealed, so restores
+        seal.seal_step(local, [f.stored_path(local).name for f in manifest.files])  # need not hash again
     publish_step(step_dir, manifest, task_id, object_lock=object_lock(ctx))
     if book.finish_commit(ref.run, ref.step, ref.token, StepStatus.COMMITTED, task_id=task_id) is Verdict.OK:
         record_commit(time.monotonic() - started)

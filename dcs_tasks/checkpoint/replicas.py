@@ -18,7 +18,7 @@ from dcs_tasks import storage
 from dcs_tasks.checkpoint.pending import RestoredCheckpoint
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,7 @@ def heal_from(error: CorruptCheckpoint, primary_step: Location, good_step: Locat
     source, target = good_run / parts[0] / parts[1], primary_run / parts[0] / parts[1]
     try:
         data = read_small(source, MAX_MANIFEST_BYTES)  # a file the restore just verified (bounded: one shard)
-        if isinstance(target, ObjectPath):
-            target.store.put_small(target.key, data)
-        else:
-            from dcs_tasks.checkpoint.format.fsio import write_bytes_durably
-
-            write_bytes_durably(target, data, "heal")
+        store_of(target).write_small(target, data, "heal")
     except Exception as exc:  # healing is a bonus: the restore itself succeeded
         log.warning("could not heal %s from %s: %s: %s", target, source, type(exc).__name__, exc)
         return False

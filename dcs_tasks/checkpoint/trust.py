@@ -30,7 +30,8 @@ from dcs_tasks.checkpoint.restore.sharded import RANK_DIR
 from dcs_tasks.checkpoint.store.payloads import clean_absolute_path
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
+from dcs_tasks.storage.factory import is_object
 from dcs_tasks.storage_url import StorageRoot
 
 
@@ -51,8 +52,8 @@ def _resolve(path: Path) -> Path:
 
 
 def _root(value: StorageRoot, config: DCSConfig) -> Location:
-    where = storage.root(value, config)
-    return where if isinstance(where, ObjectPath) else _resolve(where)
+    where = storage.open_root(value, config)
+    return store_of(where).resolve(where)  # an object key is taken as it is
 
 
 def checkpoint_root(config: DCSConfig) -> Location:
@@ -79,9 +80,7 @@ def run_dirs(root: Location, run: str) -> list[Path] | list[ObjectPath]:
     `<root>/<base>/rank-0000r` (a plain run may carry such a name too)."""
     base, dot, rank = run.rpartition(".")
     shard = bool(dot and base and RANK_DIR.fullmatch(rank))
-    if isinstance(root, ObjectPath):
-        return [root / run, *([root / base / rank] if shard else [])]
-    return [root / run, *([root / base / rank] if shard else [])]
+    return [root / run, *([root / base / rank] if shard else [])]  # type: ignore[return-value]
 
 
 def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
@@ -97,14 +96,14 @@ def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool 
     """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root (or, with
     `replica`, under its replica root). For an object-store root the URL must be exactly that run's."""
     for root in roots_of(config, replica):
-        if isinstance(root, ObjectPath):
+        if is_object(root):  # an object key must be exactly the run's: no links to resolve
             for candidate in run_dirs(root, run):
                 if str(candidate) == run_dir:
                     return candidate
     if run_dir.startswith("s3://"):
         raise UntrustedPath(f"run location {run_dir[:256]!r} is not where run {run!r} lives under this worker's roots")
     resolved = _resolve(_clean(run_dir, "run directory"))
-    roots = [r for r in roots_of(config, replica) if isinstance(r, Path)]
+    roots = [r for r in roots_of(config, replica) if not is_object(r)]
     root = _one_of(resolved, roots, "run directory", run_dir)
     if resolved not in [_resolve(c) for c in run_dirs(root, run)]:
         raise UntrustedPath(f"run directory {run_dir[:256]!r} is not where run {run!r} lives under {str(root)!r}")
@@ -123,7 +122,7 @@ def trusted_step_dir(
     """`step_dir` resolved, when it is step `step` of run `run` under this worker's checkpoint root (or under
     `root`, a root from `roots_of`). For an object-store root, the URL must be exactly that step's."""
     root = checkpoint_root(config) if root is None else root
-    if isinstance(root, ObjectPath):
+    if is_object(root):
         for candidate in run_dirs(root, run):
             expected = candidate / step_dir_name(step)
             if str(expected) == step_dir:
