@@ -32,9 +32,7 @@ and verified with the file checksums, as `reader.load_tensors` does; so are piec
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,10 +58,9 @@ from dcs_tasks.checkpoint.state.dtensor_meta import is_dtensor as is_dtensor
 from dcs_tasks.checkpoint.state.dtensor_meta import local_part as local_part
 from dcs_tasks.checkpoint.state.dtensor_meta import owned as owned
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
-from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.steps import StepShards
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
 
 _READ = [0]  # data bytes read by restore_step in this process (bytes_read_total)
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi) along every dimension of the global tensor
@@ -191,21 +188,14 @@ class RangeReader:
         buf = torch.empty(span_hi - span_lo, dtype=torch.uint8)
         listed = next(f for f in piece.manifest.files if f.name == entry.file)  # validated: it is listed
         path = listed.stored_path(piece.step_dir)
-        fd = -1 if isinstance(path, ObjectPath) else validate.open_regular(path)
-        try:
-            for c0, c1 in runs:
-                b0, b1 = c0 * chunk, min(c1 * chunk, end - begin)
-                view = buf[b0 - span_lo : b1 - span_lo].numpy().data
-                if isinstance(path, ObjectPath):  # one ranged GET per run of needed chunks
-                    objread.read_range(path, view, begin + b0)
-                else:
-                    _pread_exact(fd, view, begin + b0, path)
-                self._add(b1 - b0)
-                if self.verify:
-                    _check_chunks(view, c0, chunk, sums, path, name)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        store = store_of(path)
+        for c0, c1 in runs:  # one ranged read (a GET in an object store) per run of needed chunks
+            b0, b1 = c0 * chunk, min(c1 * chunk, end - begin)
+            view = buf[b0 - span_lo : b1 - span_lo].numpy().data
+            store.read_into(path, begin + b0, [view])
+            self._add(b1 - b0)
+            if self.verify:
+                _check_chunks(view, c0, chunk, sums, path, name)
         strides = _strides(shape)
         first = sum(a * s for a, s in zip(lo, strides, strict=True)) - span_lo // dtype.itemsize
         size = [b - a for a, b in zip(lo, hi, strict=True)]
@@ -225,18 +215,6 @@ def _check_chunks(view: memoryview, first: int, chunk: int, sums: list[str], pat
             raise CorruptCheckpoint(
                 f"checkpoint file {path}: chunk {index} of tensor {name!r} fails its checksum", str(path)
             )
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as exc:
-            raise CorruptCheckpoint(f"checkpoint file {path} cannot be read: {exc.strerror}", str(path)) from exc
-        if n <= 0:
-            raise CorruptCheckpoint(f"checkpoint file {path} ended early at byte {offset + done}", str(path))
-        done += n
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

@@ -23,7 +23,8 @@ from dcs_tasks.checkpoint.store.seal import Stamp, read_seals
 from dcs_tasks.checkpoint.store.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.steps import step_dirs as step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
+from dcs_tasks.storage.factory import is_object
 from dcs_tasks.tensors import code_dtype
 
 if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listing and verifying need none
@@ -61,8 +62,8 @@ def scatter(
     progress: Progress | None = None,
 ) -> None:
     """Read every file of the step once into `targets` (file name -> ranges), from a file system or an
-    object store."""
-    if isinstance(step_dir, ObjectPath):
+    object store (each with its own verified reader: ranged GETs, or reads of descriptors)."""
+    if is_object(step_dir):
         objread.read_scatter(
             [(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress
         )
@@ -109,7 +110,8 @@ def load_tensors(
 
     check_files(step_dir, manifest)
     mapped = source is not Source.STORAGE
-    seals = read_seals(step_dir) if source is Source.SEALED and isinstance(step_dir, Path) else {}
+    local = store_of(step_dir).local_path(step_dir)  # a memory-tier step is local files: mapped, sealed
+    seals = read_seals(local) if source is Source.SEALED and local is not None else {}
     if into is None:
         return _load_whole_files(step_dir, manifest, verify, mapped, seals)
     tensors = {name: _destination(name, entry, into) for name, entry in manifest.tensors.items()}
@@ -119,7 +121,7 @@ def load_tensors(
         if end > begin:
             dest = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
             targets[entry.file].append((begin, end, dest))
-    if not (mapped and isinstance(step_dir, Path) and _copy_mapped(step_dir, manifest, targets, verify, seals)):
+    if not (mapped and local is not None and _copy_mapped(local, manifest, targets, verify, seals)):
         scatter(step_dir, manifest, targets, verify)
     with torch.no_grad():
         for name, target in into.items():
@@ -145,7 +147,7 @@ def _load_whole_files(
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    if isinstance(step_dir, ObjectPath):
+    if is_object(step_dir):
         mappings = objread.read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
     else:
         files = [(f.stored_path(step_dir), f) for f in manifest.files]

@@ -188,11 +188,6 @@ def read_scatter(
         whole.release()
 
 
-def read_range(path: ObjectPath, view: memoryview, offset: int) -> None:
-    """`len(view)` bytes of the object from `offset` (a DTensor restore's piece)."""
-    path.store.read_into(path.key, offset, [view])
-
-
 def _slice(whole: memoryview, begin: int, end: int) -> list[memoryview]:
     return [whole[begin:end]]
 
