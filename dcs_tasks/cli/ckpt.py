@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location
 
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 
@@ -319,6 +319,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
     from dcs_tasks.checkpoint.store.retention import apply_retention
+    from dcs_tasks.storage.factory import is_object
 
     config = DCSConfig()
     policy = RetentionPolicy(
@@ -330,7 +331,7 @@ def _gc(args: argparse.Namespace) -> int:
     in_flight, refs = _in_flight(config, args.run)
     places = _locations(args)
     for location, run_dir in places:
-        if isinstance(run_dir, ObjectPath):
+        if is_object(run_dir):  # fenced by its refs lock in Redis, not a directory's flock
             deleted = apply_retention(run_dir, policy, in_flight, refs, object_lock=_object_lock(config))
             prefix = f"{location}: " if len(places) > 1 else ""
             print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint.format.fsio import durable_file, make_dirs_durable, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.format.fsio import durable_file, write_all, write_bytes_durably
 from dcs_tasks.checkpoint.format.layout import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
 from dcs_tasks.checkpoint.format.validate import check_files, read_small
 from dcs_tasks.checkpoint.restore.fastread import Target, read_scatter
@@ -50,7 +50,9 @@ from dcs_tasks.checkpoint.restore.sharded import (
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location
+from dcs_tasks.storage.factory import is_object
+from dcs_tasks.storage.fs import make_dirs_durable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -298,10 +300,10 @@ def _write_files(
             first_out[pick.stored] = pick.name
             targets.setdefault(entry.file, []).append((entry.offsets[0], entry.offsets[1], views[pick.name]))
         files = [(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files if f.name in targets]
-        if isinstance(step_dir, ObjectPath):
-            objread.read_scatter([(p, f, t) for p, f, t in files if isinstance(p, ObjectPath)], verify=True)
+        if is_object(step_dir):  # ranged GETs; files: verified reads through descriptors
+            objread.read_scatter([(p, f, t) for p, f, t in files if is_object(p)], verify=True)
         else:
-            read_scatter([(p, f, t) for p, f, t in files if isinstance(p, Path)], verify=True)
+            read_scatter([(p, f, t) for p, f, t in files if not is_object(p)], verify=True)
         for name, stored in stored_of.items():
             if stored in first_out and first_out[stored] != name:
                 views[name][:] = views[first_out[stored]]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import uuid
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -25,10 +24,7 @@ import torch
 from dcs_tasks import storage
 from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step, remove_partial_step
-from dcs_tasks.checkpoint.format.fsio import (
-    make_dirs_durable,
-    write_all,
-)
+from dcs_tasks.checkpoint.format.fsio import write_all
 from dcs_tasks.checkpoint.format.layout import (
     FileEntry,
     FileLayout,
@@ -47,7 +43,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, ObjectPath, store_of
 
 
 def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Location:
@@ -101,8 +97,7 @@ class _Commit:
 
     def run(self, files: tuple[FileLayout, ...], tensors: dict[str, torch.Tensor]) -> None:
         try:
-            if isinstance(self.step_dir, Path):
-                make_dirs_durable(self.step_dir)
+            store_of(self.step_dir).make_folder(self.step_dir)
             for f in files:
                 self._file(f, tensors)
             self._commit()
@@ -146,7 +141,7 @@ def write_file(step_dir: Location, f: FileLayout, tensors: dict[str, torch.Tenso
     checksum. The temporary file lies in the step directory (the system's temp directory for an object
     store), never in memory: a memfd is shared memory, so one big tensor (a sparse 12 GiB file holds one in
     4 KiB of disk) grew the host's shared memory by its size."""
-    spool = tempfile.TemporaryFile(dir=step_dir if isinstance(step_dir, Path) else None)
+    spool = tempfile.TemporaryFile(dir=store_of(step_dir).local_path(step_dir))
     fd = spool.fileno()
     try:
         write_all(fd, memoryview(f.header))
