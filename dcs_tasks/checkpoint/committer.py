@@ -21,7 +21,6 @@ import contextlib
 import logging
 import mmap
 import os
-import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +42,7 @@ from dcs_tasks.checkpoint.store.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.factory import is_object
-from dcs_tasks.storage.objpath import listed_sizes
+from dcs_tasks.storage.objpath import MAX_FOLDER_OBJECTS
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +159,18 @@ def committed(step_dir: Location) -> bool:
 
 
 def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
-    """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not).
-    In an object store: one listing of each folder the files lie in (`listed_sizes`: the step's own, and the
-    earlier steps' that incremental references point into), then a HEAD only for an object the listing does not
-    show with its size (a listing may lag a write on some servers; a HEAD does not). Returns what the listing
-    showed (key -> size; empty on files)."""
+    """Every file of `manifest` is stored with its recorded size (CheckpointFailed names the first that is not):
+    one listing of each folder the files lie in (the step's own, and the earlier steps' that incremental
+    references point into), then a `stat` (a HEAD) only for a file the listing does not show with its size (an
+    object store's listing may lag a write on some servers; a HEAD does not). Returns what the listings showed
+    (location as text -> size)."""
     paths = [entry.stored_path(step_dir) for entry in manifest.files]
-    objects = [p for p in paths if is_object(p)]
-    listed = listed_sizes(objects) if objects else {}
+    listed: dict[str, int] = {}
+    for folder in {str(p.parent): p.parent for p in paths}.values():
+        found = store_of(folder).files(folder, MAX_FOLDER_OBJECTS)
+        listed.update({str(folder / name): size for name, size in found.items()})
     for entry, path in zip(manifest.files, paths, strict=True):
-        size = listed.get(path.key) if is_object(path) else None
+        size = listed.get(str(path))
         if size != entry.disk_size:
             size = store_of(path).stat(path)
             size = -1 if size is None else size
@@ -193,7 +194,7 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
             swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
             listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
             swept.result()
-        if final.key not in listed:
+        if str(final) not in listed:
             final.store.put_small(final.key, manifest_bytes(manifest))
         move_object_latest(step_dir.parent, manifest.step, object_lock)
         return
@@ -220,17 +221,9 @@ def remove_partial_step(step_dir: Location) -> None:
     """Delete a step that never got a manifest (a failed save); never a committed one, nor a retired one (a
     deleted step whose files later steps still use). In an object store: its objects and any upload still open
     under it."""
-    if is_object(step_dir):
-        if committed(step_dir) or incremental.is_retired(step_dir):
-            return
-        store = step_dir.store
-        aborted = store.abort_uploads(step_dir.key + "/")
-        keys = [item.key for item in store.objects(step_dir.key + "/")]
-        if keys:
-            store.delete(keys)
-        log.info("removed partial step %s (%d objects, %d open uploads aborted)", step_dir, len(keys), aborted)
+    if committed(step_dir) or incremental.is_retired(step_dir):
         return
-    if step_dir.is_dir() and not committed(step_dir) and not incremental.is_retired(step_dir):
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(step_dir)
-        log.info("removed partial step directory %s", step_dir)
+    store = store_of(step_dir)
+    store.sweep(step_dir)  # what writers left unpublished: open uploads, temp files
+    store.delete_tree(step_dir)
+    log.info("removed partial step %s", step_dir)

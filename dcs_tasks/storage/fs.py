@@ -167,6 +167,11 @@ class FileStore(Store[Path]):
     def make_folder(self, loc: Path) -> None:
         make_dirs_durable(loc)
 
+    def write_small(self, loc: Path, data: bytes, tag: str) -> None:
+        with FileWriter(loc, tag, direct=False) as writer:  # a few KiB: O_DIRECT would only cost a retry
+            writer.write(memoryview(data))
+            writer.publish()
+
     def stat(self, loc: Path) -> int | None:
         try:
             found = loc.lstat()

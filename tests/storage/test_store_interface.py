@@ -2,7 +2,7 @@
 POSIX directory), the S3 store (a real S3 server, tests/storage/conftest.py) and the memory tier's store (a
 private directory in /dev/shm). Each test runs once per store: a write by regions is invisible until published
 and whole after, an aborted one leaves nothing (no temp file, no open upload), ranges land in the caller's
-buffers, and stat, list, files, delete and delete_tree agree.
+buffers, and stat, names, folders_with, files, delete and delete_tree agree.
 """
 
 from __future__ import annotations
@@ -148,6 +148,18 @@ def test_stat_list_files_and_deletes_agree(place: Place) -> None:
     store.delete_tree(root / "a")
     store.delete_tree(root / "never-there")
     assert not store.exists(root / "a") and store.names(root) == ["b", "top"]
+
+
+def test_folders_holding_an_entry_and_a_delete_that_keeps_named_entries(place: Place) -> None:
+    store, run = place.store, place.root / "run"
+    for name in ("step-1/manifest.json", "step-1/a", "step-2/a", "step-3/manifest.json", "manifest.json"):
+        store.write_small(run / name, b"x", "t")
+    store.write_small(run / "step-4" / "deep" / "manifest.json", b"x", "t")  # not directly in step-4
+    assert store.folders_with(run, "manifest.json") == ["step-1", "step-3"]
+    assert store.folders_with(run / "missing", "manifest.json") == []
+    store.delete_tree(run / "step-1", keep=frozenset({"a"}))  # a retired step keeps what later steps use
+    assert store.files(run / "step-1", 10) == {"a": 1}
+    assert store.folders_with(run, "a") == ["step-1", "step-2"]
 
 
 def test_the_factory_names_what_a_location_is(place: Place) -> None:
