@@ -2,7 +2,7 @@
 
 A step "directory" on S3 is a key prefix (`<root>/<run>/step-000000042`), its files are objects under it. The
 checkpoint code passes step and run locations around opaquely (join a name, take the parent or the name, print
-it); only the functions that do I/O look at which kind they hold (`isinstance(location, ObjectPath)`). An
+it) and does I/O through the location's store (`factory.store_of`, the one place that looks at the kind). An
 `ObjectPath` deliberately has no `__fspath__`: handing one to `open()` or `os.*` fails loudly instead of
 creating a local file named `s3:/...`.
 """
