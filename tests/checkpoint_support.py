@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.config import DCSConfig
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.helpers.shm import shm_dir
 from tests.helpers.waiting import wait_until as wait_until  # re-exported for the checkpoint tests
+
+Inline = Callable[[DCSConfig], InlineCommitter]  # the `inline` fixture (tests/conftest.py): a committer per config
 
 
 def training_state(seed: int = 0, width: int = 64) -> dict[str, Any]:

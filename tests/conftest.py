@@ -15,6 +15,7 @@ import tempfile
 import threading
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,6 +23,10 @@ from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
 from tests.helpers.shm import shm_dir
+
+if TYPE_CHECKING:
+    from dcs_tasks.checkpoint.inline import InlineCommitter
+    from tests.checkpoint_support import Inline  # imports torch
 
 # Database indexes of the shared server: one per test, never reused within a pytest process.
 SHARED_DATABASES = 16384
@@ -150,6 +155,25 @@ def dcs_config(redis_server: RedisServer, tmp_path: Path) -> DCSConfig:
         node_name="testhost",
         enable_metrics=False,
     )
+
+
+@pytest.fixture
+def inline() -> Iterator[Inline]:
+    """Makes in-process committers (`inline(config)`, for `Checkpointer(..., celery_app=...)`): what a `dcs worker`
+    does for a save (persist, commit and what follows: retention, replicas, the memory tier), on this process's
+    threads against the test's real Redis. For tests of checkpoint behaviour, not of the worker process; each is
+    closed (its work drained) after the test."""
+    from dcs_tasks.checkpoint.inline import InlineCommitter
+
+    made: list[InlineCommitter] = []
+
+    def make(config: DCSConfig) -> InlineCommitter:
+        made.append(InlineCommitter(config))
+        return made[-1]
+
+    yield make
+    for committer in made:
+        committer.close()
 
 
 @pytest.fixture

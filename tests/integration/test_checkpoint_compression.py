@@ -1,5 +1,5 @@
-"""Compressed checkpoints through a real `dcs worker` (real redis-server, real Celery): with
-`checkpoint_compression=zstd` the worker stores compressible files as `<name>.zst` and the rest as they are;
+"""Compressed checkpoints, persisted by an in-process committer (the worker's persist and commit, real redis-server):
+with `checkpoint_compression=zstd` the worker's code stores compressible files as `<name>.zst` and the rest as they are;
 restore (whole, `into=`, `strict=False`), `dcs ckpt verify|inspect` and the Hugging Face export give back the
 saved bits; a damaged compressed file makes restore fall back to the previous step; hostile compression
 fields in a manifest are refused with a CorruptCheckpoint naming the reason.
@@ -21,11 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.restore.reader import load_manifest
 from dcs_tasks.checkpoint.store.retention import newest_intact
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
-from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
+from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, training_state
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.shm import shm_dir
 
@@ -54,13 +55,13 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     server.start()
     base = DCSConfig(redis_url=server.url, checkpoint_dir=root / "ckpt", node_name="testhost", enable_metrics=False)
     config = ckpt_config(base, root, checkpoint_compression=CheckpointCompression.ZSTD, file_shard_bytes=1 << 20)
-    worker = start_worker(config, root)
+    committer = InlineCommitter(config)  # the worker's persist and commit, in this process
     try:
-        with Checkpointer(RUN, config) as ckpt:
+        with Checkpointer(RUN, config, celery_app=committer) as ckpt:
             for step in (1, 2):
                 ckpt.save(state_of(step), step=step).wait(timeout=120)
     finally:
-        worker.discard()
+        committer.close()
         server.stop()
         shutil.rmtree(shm_dir(root), ignore_errors=True)
     yield root / "ckpt"

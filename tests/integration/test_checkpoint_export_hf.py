@@ -1,4 +1,5 @@
-"""`dcs ckpt export --format hf`: a step saved through a real worker loads with transformers, bit-exact.
+"""`dcs ckpt export --format hf`: a step saved (by an in-process committer, the worker's code) loads with
+transformers, bit-exact.
 
 The models are built from configs in code (nothing is downloaded). The saved state holds the model, its
 optimizer and plain values, as a trainer saves it; only `model/` is exported, with the prefix stripped, the
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.config import DCSConfig
-from tests.checkpoint_support import ckpt_config, dcs_ckpt, start_worker
+from tests.checkpoint_support import ckpt_config, dcs_ckpt
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 
@@ -49,12 +51,13 @@ def trained_state(model: Any) -> dict[str, Any]:
 
 
 def save_step(config: DCSConfig, tmp_path: Path, run: str, state: dict[str, Any], step: int = 10) -> Path:
-    worker = start_worker(config, tmp_path)
+    """Save `state` as `step` (persisted and committed by an in-process committer: the worker's code)."""
+    committer = InlineCommitter(config)
     try:
-        with Checkpointer(run, config) as ckpt:
+        with Checkpointer(run, config, celery_app=committer) as ckpt:
             info = ckpt.save(state, step=step).wait(timeout=120)
     finally:
-        worker.terminate()
+        committer.close()
     return Path(info.path)
 
 
@@ -176,18 +179,18 @@ def test_export_of_a_multi_rank_run_joins_the_shards(dcs_config: DCSConfig, tmp_
     model = tiny_llama()
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     split = {"model.embed_tokens.weight": 0, "model.layers.0.mlp.up_proj.weight": 0}
-    worker = start_worker(config, tmp_path)
+    committer = InlineCommitter(config)
     try:
         for rank in range(2):
             part = dict(full)
             for name, dim in split.items():
                 part[name] = torch.tensor_split(full[name], 2, dim)[rank].clone()
             part["lm_head.weight"] = part["model.embed_tokens.weight"]  # tied on each rank, as in the model
-            with Checkpointer("tp", config, rank=rank, world_size=2) as ckpt:
+            with Checkpointer("tp", config, rank=rank, world_size=2, celery_app=committer) as ckpt:
                 sharding = {f"model/{name}": dim for name, dim in split.items()}
                 ckpt.save({"model": part, "step": 5}, step=5, sharding=sharding).wait(timeout=120)
     finally:
-        worker.terminate()
+        committer.close()
 
     out = tmp_path / "hf"
     done = dcs_ckpt(config, "export", "--run", "tp", "--out", str(out))

@@ -16,7 +16,7 @@ import pytest
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, ConfigError
-from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, ckpt_config, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.integration.readme_trainer import (
     checkpoint_dir_files,
@@ -149,11 +149,12 @@ def test_the_readme_trainer_fails_naming_no_space_when_the_memory_dir_is_full(
 def test_policy_warn_logs_and_counts_and_close_lists_the_failed_steps_apart_from_unfinished_ones(
     dcs_config: DCSConfig,
     tmp_path: Path,
-    workers: list[WorkerProcess],
+    inline: Inline,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """`save_failure_policy=warn`: a step the worker refuses is logged (naming step and reason) and counted, never
-    raised; training saves on; close() returns no unfinished step and lists the failed one with its reason."""
+    """`save_failure_policy=warn` (persisted by an in-process committer): a step the worker's code refuses is logged
+    (naming step and reason) and counted, never raised; training saves on; close() returns no unfinished step and
+    lists the failed one with its reason."""
     from dcs_tasks.config import SaveFailurePolicy
 
     config = ckpt_config(
@@ -162,10 +163,10 @@ def test_policy_warn_logs_and_counts_and_close_lists_the_failed_steps_apart_from
     (tmp_path / "ckpt").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     ((tmp_path / "ckpt") / "bad").symlink_to(tmp_path / "elsewhere")
-    workers.append(start_worker(config, tmp_path))
+    committer = inline(config)
     before = failures_counted("failed")
     state = training_state()
-    with Checkpointer("bad", config) as ckpt:
+    with Checkpointer("bad", config, celery_app=committer) as ckpt:
         first = ckpt.save(state, step=1)
         wait_until(first.done, 30, "step 1 to fail")
         ckpt.save(state, step=2)  # no raise under warn
@@ -179,17 +180,17 @@ def test_policy_warn_logs_and_counts_and_close_lists_the_failed_steps_apart_from
 
 
 def test_a_failure_wait_already_raised_is_not_raised_again_and_close_raises_one_not_seen(
-    dcs_config: DCSConfig, tmp_path: Path, workers: list[WorkerProcess]
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
-    """Policy raise: a trainer that waited on the failed save (and got CheckpointFailed) is not told again by the
-    next save; a failure it never looked at is raised by close(), once everything is closed."""
+    """Policy raise (persisted by an in-process committer): a trainer that waited on the failed save (and got
+    CheckpointFailed) is not told again by the next save; a failure it never looked at is raised by close(), once
+    everything is closed."""
     config = ckpt_config(dcs_config, tmp_path, checkpoint_dir=tmp_path / "ckpt")
     (tmp_path / "ckpt").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     ((tmp_path / "ckpt") / "bad").symlink_to(tmp_path / "elsewhere")
-    workers.append(start_worker(config, tmp_path))
     state = training_state()
-    ckpt = Checkpointer("bad", config)
+    ckpt = Checkpointer("bad", config, celery_app=inline(config))
     with pytest.raises(CheckpointFailed, match="UntrustedPath"):
         ckpt.save(state, step=1).wait(30)
     unseen = ckpt.save(state, step=2)  # step 1's failure was raised by wait(): not again here

@@ -1,7 +1,8 @@
-"""Checkpoint files on disk are untrusted input. A real `dcs worker` writes good steps 1 and 2 (once per
-module); each test copies them, tampers with step 2 the way an outside tester did, and checks that restore
-(plain, `into=`, multi-rank) warns and falls back to step 1, that `dcs ckpt list|inspect|verify` print a
-per-step error and no traceback, and that no file outside the checkpoint is read or described.
+"""Checkpoint files on disk are untrusted input. An in-process committer (the worker's persist and commit) writes
+good steps 1 and 2 (once per module); each test copies them, tampers with step 2 the way an outside tester did,
+and checks that restore (plain, `into=`, multi-rank) warns and falls back to step 1, that
+`dcs ckpt list|inspect|verify` print a per-step error and no traceback, and that no file outside the checkpoint
+is read or described.
 
 The property test feeds random manifest, header, byte and symlink mutations to restore and verify: only
 CorruptCheckpoint (turned into a fallback) or success may come out; every path opened or stat'ed lies in
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import new_hasher
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.restore import fastread
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store import zread
@@ -35,7 +37,7 @@ from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.store.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
-from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state
+from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, training_state
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.shm import shm_dir
 
@@ -63,18 +65,18 @@ class Golden:
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Golden]:
-    """Steps 1 and 2 of a single-rank run and of a 2-rank sharded run, written by a real worker."""
+    """Steps 1 and 2 of a single-rank run and of a 2-rank sharded run, written by an in-process committer."""
     root = tmp_path_factory.mktemp("golden")
     server = RedisServer(root / "redis")
     server.start()
     base = DCSConfig(redis_url=server.url, checkpoint_dir=root / "ckpt", node_name="testhost", enable_metrics=False)
     config = ckpt_config(base, root)
-    worker = start_worker(config, root)
+    committer = InlineCommitter(config)  # the worker's persist and commit, in this process
     try:
-        with Checkpointer(RUN, config) as ckpt:
+        with Checkpointer(RUN, config, celery_app=committer) as ckpt:
             for step in (1, 2):
                 ckpt.save(plain_state(step), step=step).wait(timeout=60)
-        ranks = [Checkpointer(MULTI, config, rank=r, world_size=2) for r in range(2)]
+        ranks = [Checkpointer(MULTI, config, rank=r, world_size=2, celery_app=committer) for r in range(2)]
         try:
             for step in (1, 2):
                 for c in [c.save(rank_state(step, c.rank), step, sharding={"model/w": 0}) for c in ranks]:
@@ -83,7 +85,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Golden]:
             for c in ranks:
                 c.close()
     finally:
-        worker.discard()
+        committer.close()
         server.stop()
         shutil.rmtree(shm_dir(root), ignore_errors=True)
     yield Golden(root / "ckpt")

@@ -1,8 +1,8 @@
-"""Incremental saves through a real `dcs worker`: a fine-tuning state's frozen files are written once and
-referred to by later steps (always the step holding the bytes), and restore, `dcs ckpt verify/list`, HF export
-and multi-rank restores read them transparently; a corrupt or missing shared file makes every step using it
-fall back; retention keeps what kept steps refer to, across a kill -9 of the worker between steps and one
-while its retention task waits for the reference lock."""
+"""Incremental saves (persisted by an in-process committer, the worker's code; the kill -9 cases by a real
+`dcs worker`): a fine-tuning state's frozen files are written once and referred to by later steps (always the step
+holding the bytes), and restore, `dcs ckpt verify/list`, HF export and multi-rank restores read them transparently;
+a corrupt or missing shared file makes every step using it fall back; retention keeps what kept steps refer to,
+across a kill -9 of the worker between steps and one while its retention task waits for the reference lock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,11 @@ from safetensors.torch import load_file
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import read_manifest
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.store.incremental import REFS_LOCK_NAME, RETIRED_NAME
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
-from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, wait_until
+from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, dcs_ckpt, start_worker, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -53,14 +53,15 @@ def train(state: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def served(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
-    """A config with 1 MiB files and a real `dcs worker` serving it for the test."""
-    config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=MiB)
-    worker = start_worker(config, tmp_path)
-    try:
-        yield config
-    finally:
-        worker.discard()
+def served(dcs_config: DCSConfig, tmp_path: Path) -> DCSConfig:
+    """A config with 1 MiB files."""
+    return ckpt_config(dcs_config, tmp_path, file_shard_bytes=MiB)
+
+
+@pytest.fixture
+def committer(served: DCSConfig, inline: Inline) -> InlineCommitter:
+    """The worker's persist and commit for `served`, in this process."""
+    return inline(served)
 
 
 def save_steps(ckpt: Checkpointer, state: dict[str, Any], steps: range) -> dict[int, Any]:
@@ -78,15 +79,15 @@ def manifest_of(run_dir: Path, step: int) -> Any:
 
 
 def test_frozen_files_are_written_once_and_every_reader_follows_the_reference(
-    served: DCSConfig, tmp_path: Path
+    served: DCSConfig, committer: InlineCommitter, tmp_path: Path
 ) -> None:
     config, state = served, finetune_state()
-    with Checkpointer("ft", config) as ckpt:
+    with Checkpointer("ft", config, celery_app=committer) as ckpt:
         saved = save_steps(ckpt, state, range(1, 5))
         for step in range(1, 5):
             assert_same_state(saved[step], ckpt.restore(step=step).state)
         assert_same_state(saved[4], ckpt.restore(into=finetune_state()).state)
-    with Checkpointer("full", config.model_copy(update={"incremental_saves": False})) as ckpt:
+    with Checkpointer("full", config.model_copy(update={"incremental_saves": False}), celery_app=committer) as ckpt:
         save_steps(ckpt, state, range(1, 4))
     run_dir = config.checkpoint_dir / "ft"
     # save 1: no earlier step; save 2: the adapters were seen changing, so the layout moved them apart
@@ -114,11 +115,11 @@ def test_frozen_files_are_written_once_and_every_reader_follows_the_reference(
     assert_same_state(dict(sorted(saved[4]["model"].items())), dict(sorted(exported.items())))
 
 
-def test_two_ranks_save_incrementally_and_restore_at_one(served: DCSConfig) -> None:
+def test_two_ranks_save_incrementally_and_restore_at_one(served: DCSConfig, committer: InlineCommitter) -> None:
     config = served
     states = [finetune_state(layers=3), finetune_state(layers=3)]
     states[1]["model"]["layers.0.weight"].neg_()  # rank-local tensors differ between the ranks
-    ranks = [Checkpointer("mr", config, rank=r, world_size=2) for r in range(2)]
+    ranks = [Checkpointer("mr", config, rank=r, world_size=2, celery_app=committer) for r in range(2)]
     for step in (1, 2, 3):
         pendings = []
         for rank, ckpt in enumerate(ranks):
@@ -143,9 +144,11 @@ def _flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_a_corrupt_or_missing_shared_file_fails_every_step_using_it(served: DCSConfig) -> None:
+def test_a_corrupt_or_missing_shared_file_fails_every_step_using_it(
+    served: DCSConfig, committer: InlineCommitter
+) -> None:
     config = served
-    with Checkpointer("bad", config) as ckpt:
+    with Checkpointer("bad", config, celery_app=committer) as ckpt:
         saved = save_steps(ckpt, finetune_state(), range(1, 5))
         run_dir = config.checkpoint_dir / "bad"
         shared = next(f for f in manifest_of(run_dir, 4).files if f.source_step == 2)
@@ -206,14 +209,16 @@ def test_retention_keeps_what_kept_steps_use_across_kill_9(dcs_config: DCSConfig
     assert done.returncode == 0 and "step 5: ok" in done.stdout, done.stderr
 
 
-def test_one_stored_file_serves_at_most_incremental_full_every_steps(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_one_stored_file_serves_at_most_incremental_full_every_steps(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     """Failure isolation: with `incremental_full_every=3`, an unchanged file is written anew at the fourth step,
     so damage to one stored file takes at most 3 steps with it, and an older step still restores."""
     config = ckpt_config(dcs_config, tmp_path, incremental_full_every=3)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = {"model": {"w": torch.arange(65536, dtype=torch.float32)}}
     try:
-        with Checkpointer("isolated", config) as ckpt:
+        with Checkpointer("isolated", config, celery_app=committer) as ckpt:
             infos = [ckpt.save(state, step=s).wait(timeout=60) for s in range(1, 6)]
             sources = [{f.source_step for f in read_manifest(Path(i.path) / "manifest.json").files} for i in infos]
             assert sources == [{None}, {1}, {1}, {None}, {4}]
@@ -227,4 +232,4 @@ def test_one_stored_file_serves_at_most_incremental_full_every_steps(dcs_config:
             assert restored.step == 3
             assert_same_state(state, restored.state)
     finally:
-        worker.discard()
+        committer.close()

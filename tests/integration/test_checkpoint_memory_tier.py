@@ -1,7 +1,8 @@
-"""The memory tier on one host (`memory_tier_bytes`): a real `dcs worker` commits each step in `memory_dir` first,
-storage gets every Nth step (and `durable=True` ones), restore reads memory first and names it, a killed trainer
-and a restarted worker find the memory steps again, a full budget sends steps to storage and evicts only steps
-held elsewhere, and a restore at another world size reads memory copies."""
+"""The memory tier on one host (`memory_tier_bytes`): each step is committed in `memory_dir` first, storage gets
+every Nth step (and `durable=True` ones), restore reads memory first and names it, a killed trainer and a restarted
+worker find the memory steps again, a full budget sends steps to storage and evicts only steps held elsewhere, and a
+restore at another world size reads memory copies. What the worker's code does is run by an in-process committer
+(`inline`); a killed trainer, a restarted worker and peer copies between hosts run against real `dcs worker`s."""
 
 from __future__ import annotations
 
@@ -27,7 +28,15 @@ from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state, wait_until
+from tests.checkpoint_support import (
+    Inline,
+    assert_same_state,
+    ckpt_config,
+    dcs_ckpt,
+    start_worker,
+    training_state,
+    wait_until,
+)
 from tests.helpers.procs import REPO, child_env
 from tests.helpers.shm import shm_dir
 
@@ -66,12 +75,14 @@ def places(config: DCSConfig, run: str) -> dict[tuple[int, int], set[str]]:
         client.close()
 
 
-def test_steps_commit_in_memory_and_every_nth_reaches_storage(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_steps_commit_in_memory_and_every_nth_reaches_storage(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = memory_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     states = {s: training_state(seed=s, width=256) for s in range(1, 9)}
     try:
-        with Checkpointer("mem", config) as ckpt:
+        with Checkpointer("mem", config, celery_app=committer) as ckpt:
             pendings = {}
             for step, state in states.items():
                 pendings[step] = ckpt.save(state, step=step)
@@ -98,15 +109,15 @@ def test_steps_commit_in_memory_and_every_nth_reaches_storage(dcs_config: DCSCon
         assert "memory" in lines[7] and "primary" not in lines[7]
         assert "primary" in lines[4] and "memory" not in lines[4]
     finally:
-        worker.discard()
+        committer.close()
 
 
-def test_a_durable_save_and_the_time_rule_reach_storage(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_a_durable_save_and_the_time_rule_reach_storage(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1000, storage_every_seconds=3600.0)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(seed=3, width=128)
     try:
-        with Checkpointer("ondemand", config) as ckpt:
+        with Checkpointer("ondemand", config, celery_app=committer) as ckpt:
             ckpt.save(state, step=1).wait(timeout=120)
             ckpt.save(state, step=2, durable=True).wait(timeout=120)
             wait_until(lambda: storage_steps(config, "ondemand") == [2], 120, "step 2 in storage")
@@ -114,7 +125,7 @@ def test_a_durable_save_and_the_time_rule_reach_storage(dcs_config: DCSConfig, t
             ckpt.save(state, step=3).wait(timeout=120)
             wait_until(lambda: storage_steps(config, "ondemand") == [2, 3], 120, "step 3 in storage (time rule)")
     finally:
-        worker.discard()
+        committer.close()
 
 
 TRAINER = textwrap.dedent(
@@ -183,7 +194,7 @@ def test_a_restarted_worker_finds_its_memory_steps_again(dcs_config: DCSConfig, 
 
 
 def test_a_full_budget_sends_the_step_to_storage_and_evicts_only_covered_steps(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     state = training_state(seed=5, width=256)
     with Checkpointer("probe", memory_config(dcs_config, tmp_path, memory_tier_bytes=0)) as probe:
@@ -191,9 +202,9 @@ def test_a_full_budget_sends_the_step_to_storage_and_evicts_only_covered_steps(
     config = memory_config(
         dcs_config, tmp_path, memory_tier_bytes=int(step_bytes * 2.5), memory_keep_last=5, storage_every_steps=1000
     )
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     try:
-        with Checkpointer("full", config) as ckpt:
+        with Checkpointer("full", config, celery_app=committer) as ckpt:
             ckpt.save(state, step=1).wait(timeout=120)
             ckpt.save(state, step=2).wait(timeout=120)
             assert memory_steps(config, "full") == [1, 2]  # neither may leave: nothing else holds them
@@ -211,27 +222,29 @@ def test_a_full_budget_sends_the_step_to_storage_and_evicts_only_covered_steps(
                 assert restored.location == where
                 assert_same_state(restored.state, state)
     finally:
-        worker.discard()
+        committer.close()
 
 
-def test_a_restore_at_another_world_size_reads_memory_copies(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_a_restore_at_another_world_size_reads_memory_copies(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     full = torch.arange(4096 * 8, dtype=torch.float32).reshape(4096, 8)
     try:
-        ranks = [Checkpointer("resharded", config, rank=r, world_size=2) for r in range(2)]
+        ranks = [Checkpointer("resharded", config, rank=r, world_size=2, celery_app=committer) for r in range(2)]
         pending = [c.save({"w": full.chunk(2)[c.rank].clone()}, step=1, sharding={"w": 0}) for c in ranks]
         for p in pending:
             p.wait(timeout=120)
         for c in ranks:
             c.close()
         assert memory_steps(config, "resharded", 0) == [1] and storage_steps(config, "resharded", 0) == []
-        with Checkpointer("resharded", config) as single:
+        with Checkpointer("resharded", config, celery_app=committer) as single:
             restored = single.restore()
             assert restored.location == "memory"
             assert torch.equal(restored.state["w"], full)
     finally:
-        worker.discard()
+        committer.close()
 
 
 TOKEN = "memory-tier-peers-token"
@@ -308,17 +321,17 @@ def _mapped_files() -> str:
 
 
 def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_the_step_leaves(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     """Without `into=`, a memory-tier restore's tensors are copy-on-write views of the step's tmpfs files (no
     copy: that is what makes recovery from memory fast). Writing to them leaves the step as committed; when the
     step leaves memory and newer saves of the same size reuse the tier's pages, the lent files are not among
     them: the restored tensors keep their bytes."""
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1, memory_keep_last=1)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     states = {s: training_state(seed=20 + s, width=256) for s in (1, 2, 3, 4)}
     try:
-        with Checkpointer("lent", config) as ckpt:
+        with Checkpointer("lent", config, celery_app=committer) as ckpt:
             ckpt.save(states[1], step=1).wait(timeout=120)
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (1, "memory")
@@ -340,7 +353,7 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
             assert_same_state(restored.state, states[1])  # what was lent never changed
             assert_same_state(ckpt.restore(step=4).state, states[4])
     finally:
-        worker.discard()
+        committer.close()
 
 
 def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -375,17 +388,17 @@ def _flip_a_byte(path: Path, at: int) -> None:
 
 @pytest.mark.parametrize("into", [False, True], ids=["new-tensors", "into"])
 def test_a_sealed_memory_step_is_not_hashed_again_and_any_later_change_is_still_caught(
-    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool, inline: Inline
 ) -> None:
     """A memory-tier file was hashed on its way in; the commit seals it (read-only, its stamp in `seal.json`), and
     a restore that finds the stamp unchanged does not hash it again. A write to the file after that (here: chmod
     and one flipped byte, as a stray writer would) moves the stamp, so that restore hashes it, finds the
     mismatch and falls back to the previous step, warning."""
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     states = {s: training_state(seed=40 + s, width=512) for s in (1, 2)}  # 3 MiB: 3 files of 1 MiB
     try:
-        with Checkpointer("sealed", config) as ckpt:
+        with Checkpointer("sealed", config, celery_app=committer) as ckpt:
             for step, state in states.items():
                 ckpt.save(state, step=step).wait(timeout=120)
             step_dir = Path(config.memory_dir) / "sealed" / "step-000000002"
@@ -406,22 +419,24 @@ def test_a_sealed_memory_step_is_not_hashed_again_and_any_later_change_is_still_
             assert restored.step == 1 and sorted(hashed) == (files if into else [biggest])
             assert_same_state(restored.state, states[1])
     finally:
-        worker.discard()
+        committer.close()
 
 
 def test_memory_restore_verify_hash_hashes_every_file_and_a_bad_seal_record_only_costs_the_hash(
-    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: Inline
 ) -> None:
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(seed=50, width=256)
     try:
-        with Checkpointer("hashed", config) as ckpt:
+        with Checkpointer("hashed", config, celery_app=committer) as ckpt:
             ckpt.save(state, step=1).wait(timeout=120)
         step_dir = Path(config.memory_dir) / "hashed" / "step-000000001"
         files = sorted(p.name for p in step_dir.glob("*.safetensors"))
         hashed = _count_hashes(monkeypatch)
-        with Checkpointer("hashed", config.model_copy(update={"memory_restore_verify": "hash"})) as ckpt:
+        with Checkpointer(
+            "hashed", config.model_copy(update={"memory_restore_verify": "hash"}), celery_app=committer
+        ) as ckpt:
             assert_same_state(ckpt.restore().state, state)
         assert sorted(hashed) == files
 
@@ -436,14 +451,38 @@ def test_memory_restore_verify_hash_hashes_every_file_and_a_bad_seal_record_only
         ):
             seal.write_bytes(bad)
             hashed.clear()
-            with Checkpointer("hashed", config) as ckpt:
+            with Checkpointer("hashed", config, celery_app=committer) as ckpt:
                 restored = ckpt.restore()
             assert (restored.step, sorted(hashed)) == (1, files), bad[:40]
             assert_same_state(restored.state, state)
         seal.write_bytes(good)
         hashed.clear()
-        with Checkpointer("hashed", config) as ckpt:
+        with Checkpointer("hashed", config, celery_app=committer) as ckpt:
             assert_same_state(ckpt.restore().state, state)
         assert hashed == []
+    finally:
+        committer.close()
+
+
+def test_an_inline_committer_copies_its_memory_steps_to_a_peer_worker(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
+    """An in-process committer on host a (no peer server of its own) pushes each memory step to the peer server of
+    host b's real `dcs worker`, as a worker's peer-copy task does; once host a is lost, host c restores from b."""
+    state = training_state(seed=31, width=128)
+    a = host_config(dcs_config, tmp_path, "hosta")
+    b = host_config(dcs_config, tmp_path, "hostb")
+    worker = start_worker(b, tmp_path, name="worker-b")
+    try:
+        wait_until(lambda: registered(a) == {"hostb"}, 60, "host b's peer server to register")
+        with Checkpointer("inpeer", a, celery_app=inline(a)) as ckpt:
+            ckpt.save(state, step=1).wait(timeout=120)
+            wait_until(lambda: "replicated" in places(a, "inpeer").get((1, 0), set()), 120, "step 1 to replicate")
+            assert places(a, "inpeer")[(1, 0)] == {"mem@hosta", "peer@hostb", "replicated"}
+        shutil.rmtree(a.memory_dir)  # host a is lost
+        with Checkpointer("inpeer", host_config(dcs_config, tmp_path, "hostc")) as replacement:
+            restored = replacement.restore()
+            assert (restored.step, restored.location) == (1, "peer:hostb")
+            assert_same_state(restored.state, state)
     finally:
         worker.discard()

@@ -22,7 +22,7 @@ from dcs_tasks.checkpoint.store.payloads import (
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError
 from dcs_tasks.keys import Keys
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, training_state
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import child_env
 
@@ -96,7 +96,7 @@ def test_dcs_ckpt_refuses_bad_run_names(action: str, run: str, tmp_path: Path) -
 
 
 def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path)
     staging = Path(config.staging_dir)
@@ -107,10 +107,10 @@ def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
     for kwargs in ({"rank": True, "world_size": 2}, {"rank": 0, "world_size": 1.0}, {"rank": -1, "world_size": 2}):
         with pytest.raises(CheckpointError):
             Checkpointer("exp", config, **kwargs)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     client = redis.Redis.from_url(config.redis_url)
     try:
-        with Checkpointer("exp", config) as ckpt:
+        with Checkpointer("exp", config, celery_app=committer) as ckpt:
             state = training_state()
             for step in BAD_STEPS:
                 with pytest.raises(CheckpointError, match=rf"step must be an integer >= 0, not .*{step!r}"):
@@ -122,4 +122,3 @@ def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
             assert_same_state(state, ckpt.restore().state)
     finally:
         client.close()
-        worker.discard()

@@ -15,20 +15,20 @@ import torch
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, training_state
 
 pytestmark = pytest.mark.integration
 
 
 def test_an_overlapped_save_commits_the_state_at_the_call_once_the_copy_is_waited_for(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=1 << 20)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(width=512)
     expected = copy.deepcopy(state)
     try:
-        with Checkpointer("overlap", config) as ckpt:
+        with Checkpointer("overlap", config, celery_app=committer) as ckpt:
             pending = ckpt.save(state, step=1, overlap=True)
             pending.wait_staged(timeout=60)
             assert pending.staged
@@ -39,24 +39,24 @@ def test_an_overlapped_save_commits_the_state_at_the_call_once_the_copy_is_waite
             with pytest.raises(CheckpointError, match="already"):
                 ckpt.save(state, step=1, overlap=True)  # checked before save returns, as without overlap
     finally:
-        worker.terminate()
+        committer.close()
 
 
 @pytest.mark.parametrize("guarded", [True, False])
 def test_guard_makes_each_optimizer_step_wait_for_the_overlapped_copy(
-    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guarded: bool
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guarded: bool, inline: Inline
 ) -> None:
     """The copy is slowed (0.2 s before it starts) so that an optimizer step that does not wait overtakes it:
     unguarded, a saved step holds later weights (the case the guard exists for); guarded, every step is exact."""
     config = ckpt_config(dcs_config, tmp_path, staging_buffers=3)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = torch.randn(32, 256), torch.randn(32, 256)
     snapshots: dict[int, dict[str, Any]] = {}
     try:
-        with Checkpointer("guarded", config) as ckpt:
+        with Checkpointer("guarded", config, celery_app=committer) as ckpt:
             real = ckpt._stage
 
             def slow_stage(*args: Any) -> None:
@@ -83,17 +83,17 @@ def test_guard_makes_each_optimizer_step_wait_for_the_overlapped_copy(
                 exact.append(all(torch.equal(restored[k], v) for k, v in expected["model"].items()))
             assert all(exact) if guarded else not all(exact), exact
     finally:
-        worker.terminate()
+        committer.close()
 
 
 def test_a_failed_overlapped_copy_fails_that_save_only(
-    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dcs_config: DCSConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: Inline
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(seed=4)
     try:
-        with Checkpointer("failing", config) as ckpt:
+        with Checkpointer("failing", config, celery_app=committer) as ckpt:
             real = ckpt._stage
             calls = {"n": 0}
 
@@ -114,4 +114,4 @@ def test_a_failed_overlapped_copy_fails_that_save_only(
             assert_same_state(restored.state, state)
             assert [info.step for info in ckpt.list()] == [2]
     finally:
-        worker.terminate()
+        committer.close()

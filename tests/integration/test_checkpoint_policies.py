@@ -14,7 +14,7 @@ from dcs_tasks.celery_app import make_celery, node_queue
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import CheckpointFailed, StagingError
 from dcs_tasks.keys import Keys
-from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, ckpt_config, training_state, wait_until
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import child_env
 from tests.helpers.redis_server import RedisServer
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = ckpt_config(
         dcs_config,
         tmp_path,
@@ -32,10 +34,10 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_confi
         staging_policy=StagingPolicy.SKIP,
         persist_throttle_bytes_per_second=MiB,
     )
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(width=300)  # ~1.1 MiB: ~1 s to persist
     try:
-        with Checkpointer("skip", config) as ckpt:
+        with Checkpointer("skip", config, celery_app=committer) as ckpt:
             first = ckpt.save(state, step=1)
             buf_ptr = ckpt.staging_buffers[0].view.data_ptr()  # type: ignore[union-attr]
             second = ckpt.save(state, step=2)
@@ -50,15 +52,17 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(dcs_confi
             assert ckpt.staging_buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
             assert len(list(Path(config.staging_dir).glob("*.stage"))) == 1
     finally:
-        worker.discard()
+        committer.close()
 
 
-def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = ckpt_config(dcs_config, tmp_path, staging_buffers=1, persist_throttle_bytes_per_second=MiB)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(width=300)
     try:
-        with Checkpointer("block", config, size_hint_bytes=2 * MiB) as ckpt:
+        with Checkpointer("block", config, size_hint_bytes=2 * MiB, celery_app=committer) as ckpt:
             first = ckpt.save(state, step=1)
             with pytest.raises(StagingError, match="still being persisted"):
                 ckpt.save(state, step=2, timeout=0.2)
@@ -67,7 +71,7 @@ def test_block_policy_waits_for_a_buffer_and_counts_it_in_the_stall(dcs_config: 
             assert first.released and second.stall_seconds > max(0.3, first.stall_seconds)
             second.wait(60)
     finally:
-        worker.discard()
+        committer.close()
 
 
 def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
@@ -109,17 +113,17 @@ def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
         broker.stop()
 
 
-def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = ckpt_config(dcs_config, tmp_path, keep_last=2, keep_every=4)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     try:
-        with Checkpointer("keep", config) as ckpt:
+        with Checkpointer("keep", config, celery_app=committer) as ckpt:
             for step in range(1, 7):
                 ckpt.save(training_state(seed=step), step=step).wait(60)
             wait_until(lambda: [i.step for i in ckpt.list()] == [4, 5, 6], 30, "retention to delete steps 1-3")
             assert ckpt.restore().step == 6
     finally:
-        worker.discard()
+        committer.close()
 
 
 def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
@@ -127,15 +131,15 @@ def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
     return run_module("dcs_tasks.cli.main", "ckpt", *args, workdir=workdir, env=child_env(config), timeout=120)
 
 
-def test_cli_list_verify_inspect_gc(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_cli_list_verify_inspect_gc(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     try:
-        with Checkpointer("cli", config) as ckpt:
+        with Checkpointer("cli", config, celery_app=committer) as ckpt:
             for step in (10, 20):
                 info = ckpt.save(training_state(seed=step), step=step, metadata={"s": step}).wait(60)
     finally:
-        worker.terminate()
+        committer.close()
     root = str(config.checkpoint_dir)
     listing = _dcs(config, "list", "--run", "cli", "--dir", root)
     assert listing.returncode == 0 and "20" in listing.stdout and "latest" in listing.stdout

@@ -1,6 +1,7 @@
-"""Replicas (`replica_dir`): a real `dcs worker` copies each committed step to the replica root, restore falls
-back to it when the primary copy is missing or corrupt, retention prunes both, `dcs ckpt list` says where each
-step is, and an unwritable replica root fails only the replicate task."""
+"""Replicas (`replica_dir`): each committed step is copied to the replica root, restore falls back to it when the
+primary copy is missing or corrupt, retention prunes both, `dcs ckpt list` says where each step is (the worker's
+code run by an in-process committer, `inline`), and an unwritable replica root fails only the replicate task (a
+real `dcs worker`: its task result, log line, metric and trust checks of hostile payloads)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from dcs_tasks.checkpoint.store.ledger import StepLedger
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, start_worker, training_state, wait_until
+from tests.checkpoint_support import (
+    Inline,
+    assert_same_state,
+    ckpt_config,
+    dcs_ckpt,
+    training_state,
+    wait_until,
+)
 from tests.helpers.ports import free_port
 from tests.helpers.procs import WorkerProcess
 from tests.integration.test_metrics_where_recorded import scrape, value
@@ -60,12 +68,14 @@ def listing(config: DCSConfig, run: str) -> dict[int, str]:
     return {int(line.split()[0]): line for line in done.stdout.splitlines() if line.strip()}
 
 
-def test_primary_step_deleted_restores_bit_exact_from_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_primary_step_deleted_restores_bit_exact_from_the_replica(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = replica_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     first, second = training_state(seed=1, width=512), training_state(seed=2, width=512)  # ~2 MiB, 3 files
     try:
-        with Checkpointer("rep", config) as ckpt:
+        with Checkpointer("rep", config, celery_app=committer) as ckpt:
             save_and_replicate(ckpt, config, first, 1)
             replica_dir = save_and_replicate(ckpt, config, second, 2)
             primary_dir = Path(config.checkpoint_dir) / "rep" / step_dir_name(2)
@@ -89,19 +99,21 @@ def test_primary_step_deleted_restores_bit_exact_from_the_replica(dcs_config: DC
             assert "both" in lines[1] and "replica" in lines[2] and "both" not in lines[2]
             assert ckpt.restore(step=1).location == "primary"
     finally:
-        worker.discard()
+        committer.close()
 
 
-def test_corrupt_primary_file_restores_the_same_step_from_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_corrupt_primary_file_restores_the_same_step_from_the_replica(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = replica_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     first, second = training_state(seed=1, width=512), training_state(seed=2, width=512)
     try:
-        with Checkpointer("flip", config) as ckpt:
+        with Checkpointer("flip", config, celery_app=committer) as ckpt:
             save_and_replicate(ckpt, config, first, 1)
             save_and_replicate(ckpt, config, second, 2)
     finally:
-        worker.terminate()
+        committer.close()
     victim = sorted((Path(config.checkpoint_dir) / "flip" / step_dir_name(2)).glob("*.safetensors"))[-1]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40  # same size: only the checksum tells
@@ -159,18 +171,18 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
         worker.discard()
 
 
-def test_retention_prunes_the_primary_and_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_retention_prunes_the_primary_and_the_replica(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = replica_config(dcs_config, tmp_path, keep_last=2)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(seed=5, width=128)
     try:
-        with Checkpointer("keep", config) as ckpt:
+        with Checkpointer("keep", config, celery_app=committer) as ckpt:
             for step in (1, 2, 3, 4):
                 save_and_replicate(ckpt, config, state, step)
             wait_until(lambda: primary_steps(config, "keep") == [3, 4], 60, "primary retention")
             wait_until(lambda: replica_steps(config, "keep") == [3, 4], 60, "replica retention")
     finally:
-        worker.terminate()
+        committer.close()
     gc = dcs_ckpt(config, "gc", "--run", "keep", "--keep-last", "1", "--replica-dir", str(config.replica_dir))
     assert gc.returncode == 0 and "primary: deleted steps: [3]" in gc.stdout, gc.stdout
     assert "replica: deleted steps: [3]" in gc.stdout
@@ -178,21 +190,21 @@ def test_retention_prunes_the_primary_and_the_replica(dcs_config: DCSConfig, tmp
 
 
 def test_multi_rank_step_replicated_per_rank_and_restored_whole_from_the_replica(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     config = replica_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     parts = [{"w": torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * r, "r": r} for r in range(2)]
     try:
         for rank in range(2):
-            with Checkpointer("ranks", config, rank=rank, world_size=2) as ckpt:
+            with Checkpointer("ranks", config, rank=rank, world_size=2, celery_app=committer) as ckpt:
                 ckpt.save(parts[rank], step=7, sharding={"w": 0}).wait(timeout=120)
         assert config.replica_dir is not None
         replica_root = Path(config.replica_dir) / "ranks"
         for rank in range(2):
             wait_until(lambda r=rank: bool(step_dirs(replica_root / f"rank-{r:05d}")), 120, f"rank {rank} replica")
     finally:
-        worker.terminate()
+        committer.close()
     assert "both" in listing(config, "ranks")[7]
     shutil.rmtree(Path(config.checkpoint_dir) / "ranks" / "rank-00001" / step_dir_name(7))
     with Checkpointer("ranks", config) as whole:
@@ -202,15 +214,17 @@ def test_multi_rank_step_replicated_per_rank_and_restored_whole_from_the_replica
     assert "replica" in listing(config, "ranks")[7]
 
 
-def test_a_restore_heals_a_damaged_shared_primary_file_from_the_replica(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_a_restore_heals_a_damaged_shared_primary_file_from_the_replica(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     """Step 2 refers to step 1's file (incremental); that primary file is damaged. The restore reads the replica
     (with a warning), then rewrites the primary file from the verified replica bytes: the next restore reads
     the primary again, and so does step 1."""
     config = replica_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     state = training_state(seed=4)
     try:
-        with Checkpointer("heal", config) as ckpt:
+        with Checkpointer("heal", config, celery_app=committer) as ckpt:
             for step in (1, 2):
                 save_and_replicate(ckpt, config, state, step)
             shared = next((Path(config.checkpoint_dir) / "heal" / "step-000000001").glob("*.safetensors"))
@@ -227,4 +241,4 @@ def test_a_restore_heals_a_damaged_shared_primary_file_from_the_replica(dcs_conf
                 assert ckpt.restore().location == "primary"
                 assert ckpt.restore(step=1).location == "primary"
     finally:
-        worker.discard()
+        committer.close()

@@ -1,10 +1,10 @@
-"""`restore(into=part, strict=False)` through a real `dcs worker`: a target holding only some of the
-checkpoint's tensors (e.g. just the model) is filled, the rest of the checkpoint is ignored; the default,
-`strict=True`, still refuses a target that does not hold exactly the checkpoint's tensors."""
+"""`restore(into=part, strict=False)` of steps saved by an in-process committer (the worker's persist and
+commit): a target holding only some of the checkpoint's tensors (e.g. just the model) is filled, the rest of the
+checkpoint is ignored; the default, `strict=True`, still refuses a target that does not hold exactly the
+checkpoint's tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,29 +12,33 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
+from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.restore import dtensor, sharded
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StateMismatch
-from tests.checkpoint_support import as_bytes, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, as_bytes, ckpt_config, training_state
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def config(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
-    config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
-    yield config
-    worker.discard()
+def config(dcs_config: DCSConfig, tmp_path: Path) -> DCSConfig:
+    return ckpt_config(dcs_config, tmp_path)
+
+
+@pytest.fixture
+def committer(config: DCSConfig, inline: Inline) -> InlineCommitter:
+    """The worker's persist and commit, in this process."""
+    return inline(config)
 
 
 def zeros_like_model(state: dict[str, Any]) -> dict[str, Any]:
     return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
 
 
-def test_a_model_only_target_is_filled_from_a_full_checkpoint(config: DCSConfig) -> None:
+def test_a_model_only_target_is_filled_from_a_full_checkpoint(config: DCSConfig, committer: InlineCommitter) -> None:
     saved = training_state(seed=3)
-    with Checkpointer("partial", config) as ckpt:
+    with Checkpointer("partial", config, celery_app=committer) as ckpt:
         ckpt.save(saved, 5).wait(timeout=60)
         target = zeros_like_model(saved)
         weight = target["model"]["0.weight"]
@@ -47,9 +51,11 @@ def test_a_model_only_target_is_filled_from_a_full_checkpoint(config: DCSConfig)
         assert torch.equal(as_bytes(target["model"][name]), as_bytes(tensor)), name
 
 
-def test_strict_false_still_refuses_what_the_checkpoint_lacks_or_shapes_that_differ(config: DCSConfig) -> None:
+def test_strict_false_still_refuses_what_the_checkpoint_lacks_or_shapes_that_differ(
+    config: DCSConfig, committer: InlineCommitter
+) -> None:
     saved = training_state(seed=4)
-    with Checkpointer("refuse", config) as ckpt:
+    with Checkpointer("refuse", config, celery_app=committer) as ckpt:
         ckpt.save(saved, 1).wait(timeout=60)
         unknown = zeros_like_model(saved)
         unknown["model"]["nope"] = torch.zeros(3)
@@ -62,10 +68,10 @@ def test_strict_false_still_refuses_what_the_checkpoint_lacks_or_shapes_that_dif
         assert not any(t.any() for t in wrong["model"].values())  # checked before anything was read
 
 
-def test_a_partial_target_after_resharding(config: DCSConfig) -> None:
+def test_a_partial_target_after_resharding(config: DCSConfig, committer: InlineCommitter) -> None:
     """A `sharding=` run saved by 2 ranks, read by rank 1 of 3 into a target holding only the weight."""
     full = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
-    saving = [Checkpointer("split", config, rank=r, world_size=2) for r in range(2)]
+    saving = [Checkpointer("split", config, rank=r, world_size=2, celery_app=committer) for r in range(2)]
     try:
         for ckpt in saving:
             state = {"model": {"w": torch.tensor_split(full, 2)[ckpt.rank].clone()}, "rng": torch.ones(2)}
@@ -74,7 +80,7 @@ def test_a_partial_target_after_resharding(config: DCSConfig) -> None:
         for ckpt in saving:
             ckpt.close()
     target = {"model": {"w": torch.zeros(3, 4)}}  # rank 1 of 3: rows 4..6
-    with Checkpointer("split", config, rank=1, world_size=3) as ckpt:
+    with Checkpointer("split", config, rank=1, world_size=3, celery_app=committer) as ckpt:
         assert ckpt.restore(into=target, strict=False).state is target
     assert torch.equal(target["model"]["w"], torch.tensor_split(full, 3)[1])
     step = sharded.complete_steps(Path(config.checkpoint_dir) / "split")[7]

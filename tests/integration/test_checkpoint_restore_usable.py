@@ -9,14 +9,14 @@ import torch
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
-from tests.checkpoint_support import ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, ckpt_config, training_state
 
 pytestmark = pytest.mark.integration
 
 
-def test_restored_rng_state_and_optimizer_load_back(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_restored_rng_state_and_optimizer_load_back(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 16)).sum().backward()
@@ -26,11 +26,11 @@ def test_restored_rng_state_and_optimizer_load_back(dcs_config: DCSConfig, tmp_p
     torch.set_rng_state(state["rng"])
     expected_draw = torch.rand(8)  # what the RNG gives after the saved state
     try:
-        with Checkpointer("usable", config) as ckpt:
+        with Checkpointer("usable", config, celery_app=committer) as ckpt:
             ckpt.save(state, step=1).wait(timeout=60)
             restored = ckpt.restore().state
     finally:
-        worker.discard()
+        committer.close()
     for tensor in (restored["rng"], *restored["model"].values()):
         assert tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
     torch.set_rng_state(restored["rng"])  # torch reads the storage from its start: a view would break this

@@ -1,4 +1,5 @@
-"""Save through a real `dcs worker` and restore: bit-exact, in place, listed only once committed."""
+"""Save and restore: bit-exact through a real `dcs worker`; in place, and a step committed on disk never saved
+again, through an in-process committer (the same persist and commit, no worker process)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, StateMismatch
 from dcs_tasks.keys import Keys
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, start_worker, training_state
 
 pytestmark = pytest.mark.integration
 
@@ -45,41 +46,33 @@ def test_round_trip_bit_exact_and_files_open_with_safetensors(dcs_config: DCSCon
         assert len(list(f.keys())) > 0
 
 
-def test_restore_into_existing_tensors_in_place(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_restore_into_existing_tensors_in_place(dcs_config: DCSConfig, tmp_path: Path, inline: Inline) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
     saved = training_state(seed=1)
     target = training_state(seed=2)
     weight = target["model"]["0.weight"]
-    try:
-        with Checkpointer("exp2", config) as ckpt:
-            ckpt.save(saved, step=5).wait(timeout=60)
-            restored = ckpt.restore(into=target)
-            assert restored.state["model"]["0.weight"] is weight  # the caller's tensor, filled in place
-            assert torch.equal(weight, saved["model"]["0.weight"])
-            assert_same_state(saved, restored.state)
-            wrong = training_state(width=32)
-            with pytest.raises(StateMismatch, match=r"model/0\.weight"):
-                ckpt.restore(into=wrong)
-    finally:
-        worker.discard()
+    with Checkpointer("exp2", config, celery_app=inline(config)) as ckpt:
+        ckpt.save(saved, step=5).wait(timeout=60)
+        restored = ckpt.restore(into=target)
+        assert restored.state["model"]["0.weight"] is weight  # the caller's tensor, filled in place
+        assert torch.equal(weight, saved["model"]["0.weight"])
+        assert_same_state(saved, restored.state)
+        wrong = training_state(width=32)
+        with pytest.raises(StateMismatch, match=r"model/0\.weight"):
+            ckpt.restore(into=wrong)
 
 
 def test_a_step_committed_on_disk_is_never_saved_again_even_when_the_ledger_forgot_it(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     """The ledger's record of a committed step expires (7 days) or goes with Redis's data; the step's directory
     still holds its manifest. Saving that step again is refused before anything is staged or sent."""
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
-    try:
-        with Checkpointer("kept", config) as ckpt:
-            info = ckpt.save(training_state(seed=1), step=5).wait(timeout=60)
-            files = {p.name: p.read_bytes() for p in Path(info.path).iterdir()}
-            redis.Redis.from_url(config.redis_url).delete(Keys(config.namespace).ckpt_state("kept", 5))
-            with pytest.raises(CheckpointError, match="already committed"):
-                ckpt.save(training_state(seed=2), step=5)
-            assert {p.name: p.read_bytes() for p in Path(info.path).iterdir()} == files
-            assert_same_state(training_state(seed=1), ckpt.restore(5).state)
-    finally:
-        worker.discard()
+    with Checkpointer("kept", config, celery_app=inline(config)) as ckpt:
+        info = ckpt.save(training_state(seed=1), step=5).wait(timeout=60)
+        files = {p.name: p.read_bytes() for p in Path(info.path).iterdir()}
+        redis.Redis.from_url(config.redis_url).delete(Keys(config.namespace).ckpt_state("kept", 5))
+        with pytest.raises(CheckpointError, match="already committed"):
+            ckpt.save(training_state(seed=2), step=5)
+        assert {p.name: p.read_bytes() for p in Path(info.path).iterdir()} == files
+        assert_same_state(training_state(seed=1), ckpt.restore(5).state)
