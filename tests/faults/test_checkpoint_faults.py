@@ -1,4 +1,5 @@
-"""docs/reliability.md faults 1, 4, 5, 8, 9 and 'no worker' against real Redis and real `dcs worker` processes."""
+"""docs/reliability.md faults 1, 4, 5, 8, 9 and 'no worker' against real Redis and real `dcs worker` processes (the
+corrupt and truncated files, a reader's fault, saved by an in-process committer: the worker's code)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest, S
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, NoWorkerError
 from dcs_tasks.keys import Keys
-from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state
+from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, start_worker, training_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,11 +35,13 @@ def test_save_without_worker_fails_at_once(dcs_config: DCSConfig, tmp_path: Path
             ckpt.save(training_state(), step=1)
 
 
-def test_corrupt_and_truncated_files_are_named_and_restore_falls_back(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_corrupt_and_truncated_files_are_named_and_restore_falls_back(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     try:
-        with Checkpointer("corrupt", config) as ckpt:
+        with Checkpointer("corrupt", config, celery_app=committer) as ckpt:
             good, newer = training_state(seed=1), training_state(seed=2)
             ckpt.save(good, step=1).wait(60)
             info = ckpt.save(newer, step=2).wait(60)
@@ -57,7 +60,7 @@ def test_corrupt_and_truncated_files_are_named_and_restore_falls_back(dcs_config
             with pytest.raises(CorruptCheckpoint, match="has 100 bytes"):
                 verify_step(info.path, load_manifest(info.path))
     finally:
-        worker.discard()
+        committer.close()
 
 
 def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:

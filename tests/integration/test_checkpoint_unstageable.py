@@ -15,7 +15,7 @@ import torch
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StagingError
-from tests.checkpoint_support import as_bytes, ckpt_config, start_worker
+from tests.checkpoint_support import Inline, as_bytes, ckpt_config, start_worker
 from tests.helpers.ports import free_port
 from tests.helpers.preloaded import python_module
 from tests.helpers.procs import child_env
@@ -90,12 +90,12 @@ def _stageable() -> dict[str, torch.Tensor]:
 
 
 def test_unstageable_tensors_are_refused_by_path_and_odd_views_round_trip(
-    dcs_config: DCSConfig, tmp_path: Path
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
+    committer = inline(config)
     try:
-        with Checkpointer("odd", config) as ckpt, warnings.catch_warnings():
+        with Checkpointer("odd", config, celery_app=committer) as ckpt, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # sparse/quantized "beta"/"deprecated" notices
             for key, make, says in _unstageable():
                 state = {"model": {"ok": torch.ones(2), key: make()}}
@@ -107,7 +107,7 @@ def test_unstageable_tensors_are_refused_by_path_and_odd_views_round_trip(
             ckpt.save(state, step=1).wait(60)  # the refused saves opened nothing
             restored = ckpt.restore(step=1).state
     finally:
-        worker.discard()
+        committer.close()
     for name, tensor in state.items():
         expected = tensor.detach().clone(memory_format=torch.contiguous_format).resolve_neg()
         assert restored[name].shape == expected.shape and restored[name].dtype == expected.dtype, name

@@ -1,5 +1,7 @@
-"""Checkpoints kept in S3 (`DCS_CHECKPOINT_DIR=s3://bucket/prefix`), through a real `dcs worker` and a real S3
-server (OpenStack Swift + s3api): save, commit, list and restore bit-exact; failures named, nothing half visible."""
+"""Checkpoints kept in S3 (`DCS_CHECKPOINT_DIR=s3://bucket/prefix`), through a real S3 server (OpenStack Swift +
+s3api): save, commit, list and restore bit-exact; failures named, nothing half visible. The worker's code runs in an
+in-process committer (`inline`) where the behaviour is the store's; a real `dcs worker` where it is the worker's (a
+kill mid-upload and its redelivery, a start refused for wrong credentials, ranks saving from their own processes)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dcs_tasks.errors import (
     NoWorkerError,
     StorageAccessDenied,
 )
-from tests.checkpoint_support import assert_same_state, start_worker, training_state
+from tests.checkpoint_support import Inline, assert_same_state, start_worker, training_state
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import child_env
 from tests.storage.conftest import S3Bucket
@@ -46,13 +48,13 @@ def worker_cleanup() -> Iterator[list]:
 
 
 def test_save_and_restore_through_s3_bit_exact(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     config = s3_config(dcs_config, tmp_path, aws_env, file_shard_bytes=8 * MiB)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(width=1500)  # ~18 MiB: three files, each a multipart upload of 5 MiB parts
     second = training_state(seed=3, width=1500)
-    with Checkpointer("exp1", config) as ckpt:
+    with Checkpointer("exp1", config, celery_app=committer) as ckpt:
         info = ckpt.save(state, step=10, metadata={"lr": 1e-3}).wait(timeout=120)
         assert str(info.path) == aws_env.url("fleet/ckpt/exp1/step-000000010")
         ckpt.save(second, step=20).wait(timeout=120)
@@ -83,11 +85,11 @@ def test_save_and_restore_through_s3_bit_exact(
 
 
 def test_dcs_ckpt_list_and_verify_read_s3_and_name_a_corrupt_object(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     config = s3_config(dcs_config, tmp_path, aws_env)
-    worker_cleanup.append(start_worker(config, tmp_path))
-    with Checkpointer("cli", config) as ckpt:
+    committer = inline(config)
+    with Checkpointer("cli", config, celery_app=committer) as ckpt:
         ckpt.save(training_state(seed=1), step=1).wait(timeout=120)
         ckpt.save(training_state(seed=2), step=2).wait(timeout=120)
     env_config = config
@@ -110,7 +112,7 @@ def test_dcs_ckpt_list_and_verify_read_s3_and_name_a_corrupt_object(
     client.put_object(Bucket=aws_env.bucket, Key=key, Body=bytes(body))
     verified = ckpt_cli(env_config, tmp_path, "verify", "--run", "cli", "--step", "2")
     assert verified.returncode != 0 and "checksum" in verified.stdout + verified.stderr
-    with Checkpointer("cli", config) as ckpt:
+    with Checkpointer("cli", config, celery_app=committer) as ckpt:
         with pytest.warns(RuntimeWarning, match="step 2 is corrupt"):
             restored = ckpt.restore()
         assert restored.step == 1
@@ -222,14 +224,14 @@ def test_a_dtensor_state_saved_by_4_ranks_to_s3_restores_at_2_and_8_ranks_readin
 
 
 def test_incremental_saves_on_s3_refer_to_earlier_objects_and_rewrite_every_k_steps(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """Unchanged files are recorded as references, not uploaded; with `incremental_full_every=3` no stored file
     serves more than 3 steps (failure isolation); every step restores bit-exact through its references."""
     config = s3_config(dcs_config, tmp_path, aws_env, incremental_full_every=3)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(width=600)
-    with Checkpointer("inc", config) as ckpt:
+    with Checkpointer("inc", config, celery_app=committer) as ckpt:
         for step in range(1, 6):
             ckpt.save(state, step=step).wait(timeout=120)
         sources = {}
@@ -245,16 +247,16 @@ def test_incremental_saves_on_s3_refer_to_earlier_objects_and_rewrite_every_k_st
 
 
 def test_retention_on_s3_keeps_the_newest_steps_and_the_objects_they_refer_to(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
-    """keep_last=2 after each commit (the worker's task) and `dcs ckpt gc --keep-last 1`: deleted steps vanish
-    manifest first; a deleted step whose objects later steps refer to is retired (marker, objects kept) until
-    nothing refers to it; every kept step restores bit-exact."""
+    """keep_last=2 after each commit (the worker's retention, run by an in-process committer) and
+    `dcs ckpt gc --keep-last 1`: deleted steps vanish manifest first; a deleted step whose objects later steps
+    refer to is retired (marker, objects kept) until nothing refers to it; every kept step restores bit-exact."""
     config = s3_config(dcs_config, tmp_path, aws_env, keep_last=2)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(width=300)
     run = "fleet/ckpt/kept/"
-    with Checkpointer("kept", config) as ckpt:
+    with Checkpointer("kept", config, celery_app=committer) as ckpt:
         for step in range(1, 5):
             ckpt.save(state, step=step).wait(timeout=120)
         deadline = time.monotonic() + 30
@@ -269,14 +271,14 @@ def test_retention_on_s3_keeps_the_newest_steps_and_the_objects_they_refer_to(
             assert_same_state(state, ckpt.restore(step=step).state)
     gc = ckpt_cli(config, tmp_path, "gc", "--run", "kept", "--keep-last", "1")
     assert gc.returncode == 0 and "deleted steps: [3]" in gc.stdout, gc.stdout + gc.stderr
-    with Checkpointer("kept", config) as ckpt:
+    with Checkpointer("kept", config, celery_app=committer) as ckpt:
         assert [i.step for i in ckpt.list()] == [4]
         assert_same_state(state, ckpt.restore().state)
 
 
 @pytest.mark.parametrize("primary_on_s3", [False, True], ids=["file-to-s3", "s3-to-file"])
 def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_the_primary_is_damaged(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list, primary_on_s3: bool
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline, primary_on_s3: bool
 ) -> None:
     """checkpoint_dir on files and replica_dir on S3, and the reverse: each commit is copied to the other store
     (incremental references included), verified there, then published manifest last; with the primary copy of
@@ -289,11 +291,11 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
     if not primary_on_s3:
         roots = {"checkpoint_dir": tmp_path / "primary", "replica_dir": s3_root}
     config = s3_config(dcs_config, tmp_path, aws_env, **roots)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(width=400)
     assert config.replica_dir is not None
     replica_run = storage.root(config.replica_dir, config) / "mixed"
-    with Checkpointer("mixed", config) as ckpt:
+    with Checkpointer("mixed", config, celery_app=committer) as ckpt:
         for step in (1, 2):
             ckpt.save(state, step=step).wait(timeout=120)
         deadline = time.monotonic() + 60
@@ -328,14 +330,14 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
 
 
 def test_dcs_ckpt_export_reads_a_step_from_s3_into_a_hugging_face_directory(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     from safetensors.torch import load_file
 
     config = s3_config(dcs_config, tmp_path, aws_env)
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(seed=5)
-    with Checkpointer("export", config) as ckpt:
+    with Checkpointer("export", config, celery_app=committer) as ckpt:
         ckpt.save(state, step=3).wait(timeout=120)
     out = tmp_path / "hf"
     done = ckpt_cli(
@@ -383,7 +385,7 @@ def test_dcs_ckpt_import_commits_a_hugging_face_directory_into_s3_through_the_sa
 
 
 def test_zstd_compressed_steps_in_s3_restore_bit_exact_and_verify(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """checkpoint_compression=zstd on S3: compressible files are stored as `<name>.zst` objects smaller than the
     bytes, restore (new memory and into=) and `dcs ckpt verify` decompress and check them; a flipped byte in a
@@ -391,9 +393,9 @@ def test_zstd_compressed_steps_in_s3_restore_bit_exact_and_verify(
     config = s3_config(
         dcs_config, tmp_path, aws_env, checkpoint_compression=CheckpointCompression.ZSTD, incremental_saves=False
     )
-    worker_cleanup.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = {"ids": torch.arange(1 << 18, dtype=torch.int64) % 7, "w": torch.randn(256, 256)}
-    with Checkpointer("zst", config) as ckpt:
+    with Checkpointer("zst", config, celery_app=committer) as ckpt:
         info = ckpt.save(state, step=1).wait(timeout=120)
         restored = ckpt.restore()
         assert_same_state(state, restored.state)
@@ -412,6 +414,6 @@ def test_zstd_compressed_steps_in_s3_restore_bit_exact_and_verify(
     body = bytearray(aws_env.client().get_object(Bucket=aws_env.bucket, Key=victim)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     aws_env.client().put_object(Bucket=aws_env.bucket, Key=victim, Body=bytes(body))
-    with Checkpointer("zst", config) as ckpt, pytest.raises(CorruptCheckpoint):
+    with Checkpointer("zst", config, celery_app=committer) as ckpt, pytest.raises(CorruptCheckpoint):
         ckpt.restore(step=1)
     assert info.step == 1
