@@ -25,10 +25,10 @@ verify) fails this copy, never the primary commit; the caller logs the reason an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
-import os
 import stat
 import time
 from dataclasses import dataclass
@@ -38,11 +38,8 @@ from dcs_tasks.checkpoint import persisting
 from dcs_tasks.checkpoint.committer import move_object_latest
 from dcs_tasks.checkpoint.format.fsio import (
     durable_file,
-    make_dirs_durable,
-    remove_stray_temps,
     stream_region,
     write_all,
-    write_bytes_durably,
 )
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, check_files, read_small
@@ -57,7 +54,9 @@ from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
-from dcs_tasks.storage import Location, ObjectPath
+from dcs_tasks.storage import Location, store_of
+from dcs_tasks.storage.factory import is_object, relative, within
+from dcs_tasks.storage.fs import make_dirs_durable
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def publish_copy(
     """After a step was copied to `dst_dir` (a replica, or the memory tier's flush to storage): move that run
     directory's `latest` forward and apply `retention` there; the steps retention let go."""
     run_lock = persisting.object_lock(ctx)
-    if isinstance(dst_dir, ObjectPath):
+    if is_object(dst_dir):  # under the run's latest lock in Redis; a file is renamed over
         move_object_latest(dst_dir.parent, step, run_lock)
     else:
         move_latest(dst_dir.parent, step, task_id)
@@ -113,25 +112,13 @@ def publish_copy(
     return apply_retention(dst_dir.parent, retention, in_flight, object_lock=lambda where: run_lock(where, "refs"))
 
 
-def relative(location: Location, root: Location) -> str:
-    """`location` below `root`, as a relative name (`run/step-...`); ValueError when it is not below it."""
-    if isinstance(location, ObjectPath) and isinstance(root, ObjectPath):
-        if not location.is_relative_to(root) or location == root:
-            raise ValueError(f"{location} is not under {root}")
-        return location.key[len(root.key) :].lstrip("/")
-    if isinstance(location, Path) and isinstance(root, Path):
-        return location.relative_to(root).as_posix()
-    raise ValueError(f"{location} and {root} are not the same kind of location")
-
-
 def _trusted_dirs(config: DCSConfig, req: ReplicateRequest) -> tuple[Location, Location]:
     """(primary step dir, replica step dir): each under its own root, at the same relative path."""
     replica = replica_root(config)
     if replica is None:
         raise ReplicaFailed(f"this worker has no replica_dir: cannot replicate step {req.step} of run {req.run!r}")
     primary = checkpoint_root(config)
-    same_kind = isinstance(primary, ObjectPath) == isinstance(replica, ObjectPath)
-    if same_kind and (replica == primary or replica.is_relative_to(primary) or primary.is_relative_to(replica)):  # type: ignore[arg-type]
+    if within(replica, primary) or within(primary, replica):
         raise ReplicaFailed(f"replica_dir {str(replica)!r} overlaps checkpoint_dir {str(primary)!r}")
     src_dir = trusted_step_dir(req.step_dir, req.run, req.step, config, root=primary)
     dst_dir = trusted_step_dir(req.replica_step_dir, req.run, req.step, config, root=replica)
@@ -141,7 +128,7 @@ def _trusted_dirs(config: DCSConfig, req: ReplicateRequest) -> tuple[Location, L
 
 
 def _exists(path: Location) -> bool:
-    return path.size() is not None if isinstance(path, ObjectPath) else os.path.lexists(path)
+    return store_of(path).exists(path)
 
 
 def primary_manifest(src_dir: Location) -> Manifest:
@@ -170,10 +157,7 @@ def complete(dst_dir: Location, manifest: Manifest) -> bool:
 
 
 def _remove(path: Location) -> None:
-    if isinstance(path, ObjectPath):
-        path.store.delete([path.key])
-    else:
-        path.unlink(missing_ok=True)
+    store_of(path).delete([path])
 
 
 def copy_step(
@@ -188,8 +172,7 @@ def copy_step(
     with the manifest), verify the copy as read back (`read_back`; the memory tier's flush skips it: its writes
     are checked as a save's are, hashed while written), then write its manifest last; returns the bytes copied.
     No Redis, no `latest` (bench/replica.py times this). Either side may be an object store (`_copy_across`)."""
-    if isinstance(dst_dir, Path):
-        make_dirs_durable(dst_dir)
+    store_of(dst_dir).make_folder(dst_dir)
     copied = sum(_copy_file(entry, src_dir, dst_dir, tag, throttle) for entry in manifest.files)
     try:
         if read_back:
@@ -197,19 +180,15 @@ def copy_step(
         else:
             check_files(dst_dir, manifest)  # sizes and headers as stored
     except CorruptCheckpoint as exc:
-        if exc.path and isinstance(dst_dir, Path) and Path(exc.path).is_relative_to(dst_dir.parent):
-            Path(exc.path).unlink(missing_ok=True)  # a redelivery copies it again
-        elif exc.path and isinstance(dst_dir, ObjectPath) and exc.path.startswith(str(dst_dir.parent) + "/"):
-            dst_dir.store.delete([exc.path.removeprefix(f"s3://{dst_dir.bucket}/")])
+        under = str(dst_dir.parent) + "/"
+        if exc.path and exc.path.startswith(under):
+            with contextlib.suppress(ValueError):  # not a name this run could hold: nothing to remove
+                _remove(dst_dir.parent / exc.path[len(under) :])  # a redelivery copies it again
         raise ReplicaFailed(f"replica of {src_dir.name} does not verify after copying: {exc}") from exc
     raw = read_small(src_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    final = dst_dir / MANIFEST_NAME
-    if isinstance(final, ObjectPath):
-        final.store.abort_uploads(final.parent.key + "/")
-        final.store.put_small(final.key, raw)
-    else:
-        remove_stray_temps(final.parent)
-        write_bytes_durably(final, raw, tag)
+    store = store_of(dst_dir)
+    store.sweep(dst_dir)  # temp files or open uploads of deliveries that died
+    store.write_small(dst_dir / MANIFEST_NAME, raw, tag)
     return copied
 
 
@@ -229,9 +208,8 @@ def _own_directory(step_dir: Path) -> None:
 def _copy_file(entry: FileEntry, src_dir: Location, dst_dir: Location, tag: str, throttle: float | None) -> int:
     """Copy one file's stored bytes unless already there; returns the bytes copied."""
     src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
-    if isinstance(src, ObjectPath) or isinstance(dst, ObjectPath) or isinstance(dst_dir, ObjectPath):
+    if is_object(src) or is_object(dst) or is_object(dst_dir):
         return _copy_across(entry, src, dst, tag)
-    assert isinstance(dst_dir, Path)
     size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
     if dst.parent != dst_dir:
         _own_directory(dst.parent)  # before anything is read or written through it
@@ -254,18 +232,18 @@ def _copy_across(entry: FileEntry, src: Location, dst: Location, tag: str) -> in
     if regular_of_size(dst, size):
         return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified after
     hasher = new_hasher()
-    if isinstance(src, ObjectPath) and entry.compression:  # the stored (compressed) bytes, as they are
+    if is_object(src) and entry.compression:  # the stored (compressed) bytes, as they are
         mapping = anonymous(size)
         with memoryview(mapping)[:size] as raw:
-            src.store.read_into(src.key, 0, [raw])
-    elif isinstance(src, ObjectPath):
+            store_of(src).read_into(src, 0, [raw])
+    elif is_object(src):
         mapping = objread.read_many([(src, entry)], verify=True)[0]  # CorruptCheckpoint: the primary is bad
     else:
         with open(src, "rb") as f:
             mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else mmap.mmap(-1, 1)
     try:
         with memoryview(mapping)[:size] as view:
-            if isinstance(dst, ObjectPath):
+            if is_object(dst):  # parallel parts from the mapping; a file: durable write
                 dst.store.upload(dst.key, view, hasher)
             else:
                 make_dirs_durable(dst.parent)

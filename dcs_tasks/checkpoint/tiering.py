@@ -25,13 +25,14 @@ import redis
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME
 from dcs_tasks.checkpoint.persisting import Context
-from dcs_tasks.checkpoint.replicating import complete, copy_step, primary_manifest, publish_copy, relative
+from dcs_tasks.checkpoint.replicating import complete, copy_step, primary_manifest, publish_copy
 from dcs_tasks.checkpoint.store import peerwire, tiers
 from dcs_tasks.checkpoint.store.payloads import MemoryStepRequest
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.checkpoint.trust import checkpoint_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, ReplicaFailed
+from dcs_tasks.storage.factory import relative
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,6 @@ LOCATION_TYPES = frozenset({"Path", "PurePath", "PosixPath", "PurePosixPath", "O
 FACTORY = ROOT / "dcs_tasks" / "storage"
 # The configured-root parser checks config values (a str, a Path or an ObjectURL), before any location exists.
 PARSERS = {ROOT / "dcs_tasks" / "storage_url.py"}
-# Modules still switching on a location's type, converted one by one; the test fails on any other module, and on
-# a module listed here that exists and no longer switches (take it off the list). The replica copy is moving from
-# workers/ into the library, so it is named at both places.
-NOT_YET_CONVERTED = {"workers/replica.py", "dcs_tasks/checkpoint/replicating.py"}
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -59,10 +55,7 @@ def location_switches() -> list[str]:
 
 
 def test_no_location_type_switch_outside_the_storage_factory() -> None:
-    found = location_switches()
-    wrong = [w for w in found if w.partition(":")[0] not in NOT_YET_CONVERTED]
-    converted = {p for p in NOT_YET_CONVERTED if (ROOT / p).is_file()} - {w.partition(":")[0] for w in found}
-    assert converted == set(), f"no longer switching, take off NOT_YET_CONVERTED: {sorted(converted)}"
+    wrong = location_switches()
     assert wrong == [], (
         "ask the location's store (dcs_tasks.storage.store_of, factory.within/is_object) instead of checking its "
         "type:\n" + "\n".join(wrong)

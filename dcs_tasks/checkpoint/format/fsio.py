@@ -28,7 +28,6 @@ from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.checkpoint.format.layout import new_hasher
 from dcs_tasks.errors import UntrustedPath
 from dcs_tasks.storage.fs import TEMP_GLOB, fsync_dir, temp_path, write_all
-from dcs_tasks.storage.fs import make_dirs_durable as make_dirs_durable  # until the replica copy imports it there
 
 log = logging.getLogger(__name__)
 
