@@ -249,9 +249,7 @@ class FileStore(Store[Path]):
             try:
                 loc.unlink()
             except FileNotFoundError:
-                continue
-            except IsADirectoryError:
-                shutil.rmtree(loc, ignore_errors=True)
+                continue  # a directory where a file belongs raises (IsADirectoryError): delete_tree removes folders
             parents[loc.parent] = None
         for parent in parents:
             with contextlib.suppress(FileNotFoundError):

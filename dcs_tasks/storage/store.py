@@ -19,8 +19,8 @@ Call order of a write (a step's file, a replica's copy, a manifest):
 Reads: `stat(loc)` (the size of a regular file or object, None when there is none), `exists`, `names` (the names
 directly under a folder), `files` (every file under a folder with its size, one listing), `read_into` (a range
 into the caller's buffers), `read_small` (a whole small file: a manifest, a pointer). Deletes: `delete` (files or
-objects, missing ones ignored) and `delete_tree` (a folder and everything under it). `local_path` says whether
-the bytes are a local file (mmap, O_DIRECT, locks) and where.
+objects, missing ones ignored; a folder raises) and `delete_tree` (a folder and everything under it).
+`local_path` says whether the bytes are a local file (mmap, O_DIRECT, locks) and where.
 """
 
 from __future__ import annotations
