@@ -138,9 +138,14 @@ def test_a_trainer_serves_its_metrics_when_asked(
     try:
         ckpt = Checkpointer("trainer-endpoint", config)
         text = scrape(port)  # this test process's values so far (earlier tests saved in it too)
-        stalls, staged, pending = (
+        stalls, staged, pending, saves = (
             value(text, name) or 0.0
-            for name in ("dcs_ckpt_stall_seconds_count", "dcs_ckpt_staged_bytes_total", "dcs_pending_operations")
+            for name in (
+                "dcs_ckpt_stall_seconds_count",
+                "dcs_ckpt_staged_bytes_total",
+                "dcs_pending_operations",
+                "dcs_save_operations_total",  # in-process committers of earlier tests counted theirs here
+            )
         )
         state = training_state(width=700)  # ~4 MiB of tensors: ~2 s at the throttle
         ckpt.save(state, step=1)
@@ -148,7 +153,8 @@ def test_a_trainer_serves_its_metrics_when_asked(
         assert value(text, "dcs_pending_operations") == pending + 1
         assert value(text, "dcs_ckpt_stall_seconds_count") == stalls + 1
         assert (value(text, "dcs_ckpt_staged_bytes_total") or 0.0) - staged >= 4 * 1024 * 1024
-        assert value(text, "dcs_save_operations_total") == 0.0  # a save is counted by the worker that commits it
+        # a save is counted by the worker that commits it, never by the trainer that staged it
+        assert (value(text, "dcs_save_operations_total") or 0.0) == saves
         wait_until(lambda: value(scrape(port), "dcs_pending_operations") == pending, 60, "the commit seen by a scrape")
         ckpt.close()
         with pytest.raises(OSError):  # bound to loopback only
