@@ -137,9 +137,10 @@ def test_a_memory_dir_another_user_made_first_is_refused(dcs_config: DCSConfig, 
         done = as_nobody(*args)
         assert done.returncode == 0, done.stderr
     config = ckpt_config(dcs_config, tmp_path, memory_tier_bytes=64 * 1024 * 1024, memory_dir=memory)
+    worker = WorkerProcess(config, tmp_path / "worker.log")
     try:
         with pytest.raises(RuntimeError, match=rf"{memory} is owned by uid {NOBODY}.*DCS_MEMORY_DIR"):
-            WorkerProcess(config, tmp_path / "worker.log").start(timeout=60)
+            worker.start(timeout=60)
         from dcs_tasks.checkpoint import Checkpointer  # a trainer of this host opening the memory tier
 
         with pytest.raises(Exception, match=rf"{memory} is owned by uid {NOBODY}") as caught:
@@ -148,6 +149,7 @@ def test_a_memory_dir_another_user_made_first_is_refused(dcs_config: DCSConfig, 
         assert sorted(p.name for p in memory.iterdir()) == ["run"]  # nothing of DCS's landed there
         assert os.stat(memory).st_uid == NOBODY and os.stat(memory).st_mode & 0o777 == 0o777  # nor was it adopted
     finally:
+        worker.discard()  # one that started on the foreign directory (the finding) must not outlive the test
         remove(memory)
 
 
@@ -194,7 +196,7 @@ def test_sockets_of_killed_workers_are_removed_by_the_next_worker(dcs_config: DC
         assert stale_path.exists()  # the serving agent's socket is left alone
     finally:
         squatted.stop()
-        for worker in workers[1:]:
+        for worker in workers:  # the first one too, when the test fails before killing it
             worker.discard()
         legacy.unlink(missing_ok=True)
 
