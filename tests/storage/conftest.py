@@ -106,20 +106,35 @@ def own_s3_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[S3
         server.stop()
 
 
+def new_bucket(server: S3Server, prefix: str, endpoint_url: str | None = None) -> S3Bucket:
+    """A fresh bucket `<prefix>-<random>` on `server` with its owner's credentials (`endpoint_url`: another form of
+    the server's URL, e.g. one carrying a user and password)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    s3_client(server).create_bucket(Bucket=name)
+    return S3Bucket(
+        endpoint_url=endpoint_url or server.endpoint_url,
+        access_key=server.access_key,
+        secret_key=server.secret_key,
+        region=server.region,
+        bucket=name,
+        server=server,
+    )
+
+
 @pytest.fixture
 def s3_bucket(s3_server: S3Server) -> S3Bucket:
     if not s3_server.alive():
         raise RuntimeError(f"the shared S3 server is gone (a test stopped it?)\n{s3_server.log_tail()}")
-    name = f"dcs-test-{next(_bucket_numbers)}-{uuid.uuid4().hex[:12]}"
-    s3_client(s3_server).create_bucket(Bucket=name)
-    return S3Bucket(
-        endpoint_url=s3_server.endpoint_url,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        region=s3_server.region,
-        bucket=name,
-        server=s3_server,
-    )
+    return new_bucket(s3_server, f"dcs-test-{next(_bucket_numbers)}")
+
+
+@pytest.fixture
+def own_bucket(own_s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """A bucket on a private S3 server the test may stop and start, its owner's credentials in the AWS
+    environment (`s3_support.use_bucket`)."""
+    from tests.storage.s3_support import use_bucket
+
+    return use_bucket(new_bucket(own_s3_server, "dcs-own"), monkeypatch)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +19,10 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
 from tests.checkpoint_support import start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
-from tests.helpers.s3server import S3Server
 from tests.helpers.shm import shm_dir
 from tests.integration.readme_trainer import failures_counted, run_readme_trainer, trainer_env
-from tests.storage.conftest import S3Bucket, s3_client
-from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config, use_bucket
+from tests.storage.conftest import S3Bucket
+from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config
 
 
 @pytest.fixture
@@ -33,22 +31,6 @@ def workers() -> Iterator[list[WorkerProcess]]:
     yield started
     for w in started:
         w.discard()
-
-
-@pytest.fixture
-def own_bucket(own_s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    """A bucket on a private S3 server this test may stop and start."""
-    name = f"dcs-outage-{uuid.uuid4().hex[:12]}"
-    s3_client(own_s3_server).create_bucket(Bucket=name)
-    bucket = S3Bucket(
-        endpoint_url=own_s3_server.endpoint_url,
-        access_key=own_s3_server.access_key,
-        secret_key=own_s3_server.secret_key,
-        region=own_s3_server.region,
-        bucket=name,
-        server=own_s3_server,
-    )
-    return use_bucket(bucket, monkeypatch)
 
 
 def share_bucket(bucket: S3Bucket, user: str, *, grant: bool) -> None:

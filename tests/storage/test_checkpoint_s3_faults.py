@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,9 +18,8 @@ from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, StorageAccessD
 from tests.checkpoint_support import assert_same_state, start_worker, training_state, wait_until
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
-from tests.helpers.s3server import S3Server
-from tests.storage.conftest import S3Bucket, s3_client
-from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config, use_bucket
+from tests.storage.conftest import S3Bucket
+from tests.storage.s3_support import ROOT, MiB, objects, open_uploads, s3_config
 
 # --- helpers -----------------------------------------------------------------------------------------------------
 
@@ -151,21 +149,6 @@ def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_re
 
 
 # --- 2. the S3 server restarted mid-upload -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_bucket(own_s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    name = f"dcs-restart-{uuid.uuid4().hex[:12]}"
-    s3_client(own_s3_server).create_bucket(Bucket=name)
-    bucket = S3Bucket(
-        endpoint_url=own_s3_server.endpoint_url,
-        access_key=own_s3_server.access_key,
-        secret_key=own_s3_server.secret_key,
-        region=own_s3_server.region,
-        bucket=name,
-        server=own_s3_server,
-    )
-    return use_bucket(bucket, monkeypatch)
 
 
 def test_the_s3_server_restarted_mid_upload_the_save_commits_bit_exact_after_it_returns(

@@ -7,7 +7,6 @@ the worker's log, `dcs ckpt`'s output and botocore's own debug log."""
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tests.checkpoint_support import start_worker, training_state, wait_until
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.helpers.s3server import S3Server
-from tests.storage.conftest import S3Bucket, s3_client
+from tests.storage.conftest import S3Bucket, new_bucket
 from tests.storage.s3_support import MiB, open_uploads, s3_config, use_bucket
 
 PASSWORD = "endpoint-Pw-9f3c7e21a"
@@ -34,18 +33,8 @@ PASSWORD = "endpoint-Pw-9f3c7e21a"
 @pytest.fixture
 def own_bucket(own_s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
     """A bucket on a private S3 server this test may stop; its endpoint URL carries a user and a password."""
-    name = f"dcs-endpoint-{uuid.uuid4().hex[:12]}"
-    s3_client(own_s3_server).create_bucket(Bucket=name)
     endpoint = own_s3_server.endpoint_url.replace("://", f"://dcs:{PASSWORD}@", 1)
-    bucket = S3Bucket(
-        endpoint_url=endpoint,
-        access_key=own_s3_server.access_key,
-        secret_key=own_s3_server.secret_key,
-        region=own_s3_server.region,
-        bucket=name,
-        server=own_s3_server,
-    )
-    return use_bucket(bucket, monkeypatch)
+    return use_bucket(new_bucket(own_s3_server, "dcs-endpoint", endpoint), monkeypatch)
 
 
 @pytest.fixture
