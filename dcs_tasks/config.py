@@ -36,6 +36,7 @@ from dcs_tasks.storage_url import StorageRoot, parse_root
 MiB = 1024 * 1024
 COMM_PORT_SPAN = 1000  # ports in the weight-sync master range when only comm_base_port is given
 _HOST_DIRS = ("runtime_dir", "staging_dir", "memory_dir")  # derived from runtime_dir unless given
+HOST_DIR_LEAVES = {"staging_dir": "staging", "memory_dir": "memory"}  # their defaults under runtime_dir
 MASK = "***"
 # scheme://user:password@  or  scheme://user@  (a lone user may be a secret too); ?password=... query values
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^@/\s?#]*)@")
@@ -518,9 +519,9 @@ class DCSConfig(BaseSettings):
             self.__dict__["comm_max_port"] = min(self.comm_base_port + COMM_PORT_SPAN - 1, 65535)
 
     @staticmethod
-    def default_runtime_dir() -> Path:
-        """`runtime_dir` when unset: `/dev/shm/dcs-<effective uid>`."""
-        return Path(f"/dev/shm/dcs-{os.geteuid()}")
+    def default_runtime_dir(uid: int | None = None) -> Path:
+        """`runtime_dir` when unset: `/dev/shm/dcs-<uid>` (default: this process's effective uid)."""
+        return Path(f"/dev/shm/dcs-{os.geteuid() if uid is None else uid}")
 
     def _derive_host_dirs(self) -> None:
         """Unless given, runtime_dir, staging_dir and memory_dir follow their defaults (set, assigned or copied
@@ -528,7 +529,7 @@ class DCSConfig(BaseSettings):
         given = {name for name in _HOST_DIRS if name in self.model_fields_set and self.__dict__[name] is not None}
         if "runtime_dir" not in given:
             self.__dict__["runtime_dir"] = self.default_runtime_dir()
-        for name, leaf in (("staging_dir", "staging"), ("memory_dir", "memory")):
+        for name, leaf in HOST_DIR_LEAVES.items():
             if name not in given:
                 self.__dict__[name] = self.__dict__["runtime_dir"] / leaf
 

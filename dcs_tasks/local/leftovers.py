@@ -35,7 +35,7 @@ from pathlib import Path
 
 from dcs_tasks import hostagent, hostdirs, metricsdir
 from dcs_tasks.checkpoint.store.tiers import RECYCLE_DIR
-from dcs_tasks.config import DCSConfig
+from dcs_tasks.config import HOST_DIR_LEAVES, DCSConfig
 from dcs_tasks.process import pid_alive
 
 STAGE_NAME = re.compile(r"dcs-.+-(\d+)-[0-9a-f]{8}-\d+\.stage")  # layout.staging_name_pattern, any run
@@ -281,7 +281,8 @@ def _dirs_of(pid_dir: Path) -> set[str]:
     except OSError:
         return set()
     env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
-    runtime = env.get("DCS_RUNTIME_DIR") or f"/dev/shm/dcs-{uid}"
-    staging = env.get("DCS_STAGING_DIR") or os.path.join(runtime, "staging")
-    memory = env.get("DCS_MEMORY_DIR") or os.path.join(runtime, "memory")
-    return {os.path.normpath(runtime), os.path.normpath(staging), os.path.normpath(memory)}
+    runtime = env.get("DCS_RUNTIME_DIR") or str(DCSConfig.default_runtime_dir(uid))
+    dirs = {runtime}
+    for name, leaf in HOST_DIR_LEAVES.items():  # a set DCS_STAGING_DIR / DCS_MEMORY_DIR, else its default
+        dirs.add(env.get(f"DCS_{name.upper()}") or os.path.join(runtime, leaf))
+    return {os.path.normpath(d) for d in dirs}
