@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dcs_tasks.checkpoint.inline import InlineCommitter
@@ -90,3 +92,20 @@ def dcs_ckpt(config: DCSConfig, *args: str, timeout: float = 180) -> subprocess.
     done = run_module("dcs_tasks.cli.main", *argv, workdir=workdir, env=child_env(config), timeout=timeout)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(tmp_path: Path, size: str = "16m") -> Iterator[Path]:
+    """A private tmpfs of `size` at `<tmp_path>/memory` (mode 0700, as the worker requires of a memory dir),
+    unmounted afterwards; the test is skipped where it cannot be mounted (not root)."""
+    mount_point = tmp_path / "memory"
+    mount_point.mkdir(mode=0o700)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

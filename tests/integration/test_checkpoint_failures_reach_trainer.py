@@ -16,7 +16,7 @@ import pytest
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, ConfigError
-from tests.checkpoint_support import Inline, ckpt_config, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, ckpt_config, mounted_tmpfs, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.integration.readme_trainer import (
     checkpoint_dir_files,
@@ -102,15 +102,8 @@ def test_the_readme_trainer_run_as_a_script_exits_non_zero_naming_the_failed_ste
 @pytest.fixture
 def full_memory_dir(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs for the memory tier (private, as the worker requires), unmounted afterwards."""
-    mount_point = tmp_path / "memory"
-    mount_point.mkdir(mode=0o700)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 16 MiB tmpfs (needs root): {done.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with mounted_tmpfs(tmp_path) as mount_point:
+        yield mount_point
 
 
 def fill(directory: Path) -> None:

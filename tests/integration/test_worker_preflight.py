@@ -8,7 +8,6 @@ setting and the fix) instead of failing saves later:
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks.config import DCSConfig
-from tests.checkpoint_support import ckpt_config, start_worker
+from tests.checkpoint_support import ckpt_config, mounted_tmpfs, start_worker
 from tests.helpers.procs import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -27,15 +26,8 @@ MiB = 1024 * 1024
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs (private), unmounted afterwards."""
-    mount_point = tmp_path / "memory"
-    mount_point.mkdir(mode=0o700)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 16 MiB tmpfs (needs root): {done.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with mounted_tmpfs(tmp_path) as mount_point:
+        yield mount_point
 
 
 def refusal(config: DCSConfig, tmp_path: Path) -> tuple[str, float]:
