@@ -21,6 +21,7 @@ from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.hostagent import NodeLiveness, agent_socket_path
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess, WorkerProcess
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "agent-fencing-token"
@@ -42,14 +43,6 @@ def stack(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[tuple[DCSConfig, Wo
     finally:
         worker.discard()
         coordinator.stop()
-
-
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
 
 
 def answers(path: Path) -> bool:

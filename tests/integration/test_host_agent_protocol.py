@@ -22,6 +22,7 @@ from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import RankConflict
 from dcs_tasks.hostagent import MAX_MESSAGE_BYTES, NodeLiveness
 from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.waiting import wait_until
 from workers.agent import HostAgent
 
 pytestmark = pytest.mark.integration
@@ -47,14 +48,6 @@ def agent(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[HostAgent]:
     finally:
         host_agent.stop()
         coordinator.stop()
-
-
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(0.02)
 
 
 def ask(path: Path, *lines: bytes) -> list[dict[str, Any]]:
