@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -34,3 +35,17 @@ async def eventually(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+    """The lines `proc` prints up to and including the first that holds `marker`; fails naming what it printed
+    when `marker` is not among them (the process ended, or `timeout` passed between two lines)."""
+    assert proc.stdout is not None
+    seen, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line or time.monotonic() > deadline:
+            break
+    text = "".join(seen)
+    assert marker in text, text
+    return text

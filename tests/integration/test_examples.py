@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,23 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.procs import REPO
+from tests.helpers.waiting import read_until
 from tests.integration.local_support import clean_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 UP_TIMEOUT = 150.0
 EXAMPLE_TIMEOUT = 180.0
-
-
-def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
-    assert proc.stdout is not None
-    seen, deadline = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line or time.monotonic() > deadline:
-            break
-    text = "".join(seen)
-    assert marker in text, text
-    return text
 
 
 @dataclass
@@ -70,7 +58,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         start_new_session=True,
     )
     try:
-        _read_until(proc, "Ctrl-C stops everything.", UP_TIMEOUT)
+        read_until(proc, "Ctrl-C stops everything.", UP_TIMEOUT)
         sourced = dict(shlex.split(line)[0].split("=", 1) for line in (workdir / "dcs.env").read_text().splitlines())
         yield Stack(clean_env(**sourced), home)
     finally:

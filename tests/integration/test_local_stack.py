@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.helpers.procs import REPO
+from tests.helpers.waiting import read_until
 from tests.integration.local_support import (
     clean_env,
     interrupt,
@@ -20,18 +21,6 @@ from tests.integration.local_support import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def read_until(proc, marker: str, timeout: float) -> str:  # type: ignore[no-untyped-def]
-    assert proc.stdout is not None
-    seen, deadline = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line or time.monotonic() > deadline:
-            break
-    text = "".join(seen)
-    assert marker in text, text
-    return text
 
 
 def env_file_values(path: Path) -> dict[str, str]:

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.procs import REPO
+from tests.helpers.waiting import read_until
 from tests.integration.local_support import clean_env, interrupt, kill_wrapper, leftovers, start_reaped
-from tests.integration.test_local_stack import env_file_values, read_until
+from tests.integration.test_local_stack import env_file_values
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
