@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "client": 3,
     "interop": 3,
     "local": 4,
+    "integrations": 4,
     "cli": 5,
 }
 SERVICES = ("coordinator", "workers")
