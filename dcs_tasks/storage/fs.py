@@ -16,15 +16,17 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from dcs_tasks.errors import CorruptCheckpoint, StorageError, UntrustedPath
-from dcs_tasks.storage.store import Pieces, Store, Writer
+from dcs_tasks.storage.store import Fence, Pieces, Refused, Store, Writer
 
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (buffered I/O then)
 O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+PUT_CHUNK_BYTES = 8 * 1024 * 1024  # one write + hash step of `FileStore.put`
 TEMP_GLOB = ".*.tmp"  # matches every `temp_path` (and nothing a reader opens: final names never start with ".")
 
 
@@ -96,6 +98,38 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def flocked(directory: Path, name: str, *, shared: bool = False) -> Iterator[None]:
+    """Hold an `flock` on the lock file `directory/name` (created when missing; released by the kernel when the
+    holder dies). Neither the directory nor the lock file is followed when a symlink (O_NOFOLLOW, the file opened
+    relative to the directory's own fd), and the file must be a regular one: a link planted at either name would
+    otherwise make the caller create or open a file wherever it points. UntrustedPath names what was there."""
+    where = directory / name
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UntrustedPath(f"{str(directory)[:256]!r} is a symlink or not a directory: lock not taken") from exc
+        raise
+    try:
+        flags = os.O_RDONLY | os.O_CREAT | O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise UntrustedPath(f"lock file {str(where)[:256]!r} is a symlink or not a regular file") from exc
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UntrustedPath(f"lock file {str(where)[:256]!r} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class FileWriter(Writer):
     """A temp file beside `final` (O_DIRECT for aligned regions when `direct` and the file system allows it)."""
 
@@ -132,13 +166,17 @@ class FileWriter(Writer):
             with view[aligned:] as tail:
                 write_all(self.fd, tail)
 
-    def publish(self) -> None:
+    def publish(self, check: Callable[[], bool] | None = None) -> None:
+        """`check`: asked once the bytes are durable, just before the rename; False raises Refused (aborted)."""
         assert self.fd is not None, "publish after publish or abort"
         try:
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
             self.fd = None
+        if check is not None and not check():
+            self.abort()
+            raise Refused(f"{self.final} was not written: the publish check refused it")
         try:
             os.replace(self.tmp, self.final)
         except BaseException:
@@ -171,6 +209,31 @@ class FileStore(Store[Path]):
         with FileWriter(loc, tag, direct=False) as writer:  # a few KiB: O_DIRECT would only cost a retry
             writer.write(memoryview(data))
             writer.publish()
+
+    def put(
+        self,
+        loc: Path,
+        view: memoryview,
+        tag: str,
+        *,
+        hasher: Any = None,
+        publish: Callable[[], bool] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        with FileWriter(loc, tag, self.direct) as writer:
+            for pos in range(0, len(view), PUT_CHUNK_BYTES):
+                with view[pos : pos + PUT_CHUNK_BYTES] as piece:  # released even when the write fails (ENOSPC)
+                    if hasher is not None:
+                        hasher.update(piece)
+                    writer.write(piece)
+                if on_bytes is not None:
+                    on_bytes(min(PUT_CHUNK_BYTES, len(view) - pos))
+            writer.publish(check=publish)
+
+    def lock(
+        self, folder: Path, name: str, *, shared: bool = False, fence: Fence | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        return flocked(folder, f".{name}.lock", shared=shared)  # the folder's own: a fence is not needed
 
     def stat(self, loc: Path) -> int | None:
         try:

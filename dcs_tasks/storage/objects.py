@@ -1,64 +1,126 @@
 """`ObjectStore`: checkpoint bytes as objects in S3 (or an S3-compatible server), through `s3.S3Store`.
 
 A "folder" is a key prefix; a write is a multipart upload (one PUT when the object fits in one part) that
-becomes visible only when completed, so publish is the complete-upload and abort drops the parts.
+becomes visible only when completed, so publish is the complete-upload and abort drops the parts. Parts travel
+in parallel (`s3_concurrency` at a time): from a writer's filled part buffers, or for `put` straight from the
+caller's buffer (`S3Store.upload`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.errors import CorruptCheckpoint, StorageUnavailable
 from dcs_tasks.storage.objpath import ObjectPath
 from dcs_tasks.storage.s3 import MIN_PART_BYTES, ObjectMissing, S3Store
 from dcs_tasks.storage.store import Pieces, Store, Writer
 
 
 class ObjectWriter(Writer):
-    """Regions are gathered into parts of the store's part size; each full part is uploaded as it fills."""
+    """Regions are gathered into parts of the store's part size; each full part is handed to upload threads as
+    it fills, so parts travel side by side while the caller writes the next ones. At most `s3_concurrency` parts
+    are in flight (`write` waits for a free slot when they all are), so a writer holds at most that many parts
+    plus the one filling in memory. Each part is retried by botocore (`s3_max_attempts`); the first part that
+    still fails is raised by the next `write` or by `publish`, and the upload is aborted (parts still travelling
+    are waited for first, so none lands after the abort). `publish` is the complete-upload: nothing is visible
+    at the key before it."""
 
     def __init__(self, loc: ObjectPath) -> None:
         self.loc, self.s3 = loc, loc.store
-        self.part_bytes = max(MIN_PART_BYTES, self.s3.settings.part_bytes)
+        settings = self.s3.settings
+        self.part_bytes = max(MIN_PART_BYTES, settings.part_bytes)
+        self.in_flight = max(1, settings.concurrency)
+        # a part waits at most as long as botocore may spend on it (every attempt timing out), and some more
+        self.wait_seconds = settings.max_attempts * (settings.connect_timeout + settings.read_timeout) + 60.0
+        self.slots = threading.BoundedSemaphore(self.in_flight)
         self.pending = bytearray()
         self.upload_id: str | None = None
-        self.parts: list[dict[str, Any]] = []
+        self.futures: list[Future[dict[str, Any]]] = []
+        self.pool: ThreadPoolExecutor | None = None
         self.closed = False
 
     def write(self, view: memoryview) -> None:
         assert not self.closed, "write after publish or abort"
-        self.pending += view
-        while len(self.pending) >= self.part_bytes:
-            self._send(bytes(self.pending[: self.part_bytes]))
-            del self.pending[: self.part_bytes]
+        self._raise_failed()
+        pos, size = 0, len(view)
+        while pos < size:
+            take = min(self.part_bytes - len(self.pending), size - pos)
+            with view[pos : pos + take] as piece:
+                self.pending += piece
+            pos += take
+            if len(self.pending) == self.part_bytes:
+                self._send()
 
-    def _send(self, data: bytes) -> None:
+    def _send(self) -> None:
+        """Hand the filled part to the upload threads (its bytearray itself: botocore sends one in a single
+        `sendall`, where `bytes` would be wrapped in a BytesIO and sent 16 KiB at a time)."""
         if self.upload_id is None:
             self.upload_id = self.s3.start_upload(self.loc.key)
-        self.parts.append(self.s3.put_part(self.loc.key, self.upload_id, len(self.parts) + 1, data))
+            self.pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="dcs-s3-part")
+        assert self.pool is not None
+        data, self.pending = self.pending, bytearray()
+        if not self.slots.acquire(timeout=self.wait_seconds):
+            raise StorageUnavailable(f"UPLOAD-PART {self.loc}: no part finished within {self.wait_seconds:g} s")
+        try:
+            self.futures.append(self.pool.submit(self._put, len(self.futures) + 1, data))
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _put(self, number: int, data: bytearray) -> dict[str, Any]:
+        assert self.upload_id is not None
+        try:
+            return self.s3.put_part(self.loc.key, self.upload_id, number, data)
+        finally:
+            self.slots.release()
+
+    def _raise_failed(self) -> None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
 
     def publish(self) -> None:
         assert not self.closed, "publish after publish or abort"
         try:
             if self.upload_id is None:
-                self.s3.put_small(self.loc.key, bytes(self.pending))
+                self.s3.put_small(self.loc.key, self.pending)
             else:
                 if self.pending:
-                    self._send(bytes(self.pending))
-                self.s3.complete_upload(self.loc.key, self.upload_id, self.parts)
+                    self._send()
+                parts = [f.result(timeout=self.wait_seconds) for f in self.futures]
+                self.s3.complete_upload(self.loc.key, self.upload_id, parts)
         except BaseException:
             self.abort()
             raise
         self.published = self.closed = True
         self.pending = bytearray()
+        self._stop()
 
     def abort(self) -> None:
         self.closed = True
         self.pending = bytearray()
+        for f in self.futures:
+            f.cancel()
+        with contextlib.suppress(Exception):
+            wait(self.futures, timeout=self.wait_seconds)  # no part may land after the abort
+        self._stop()
         if self.upload_id is not None and not self.published:
             self.s3.abort_upload(self.loc.key, self.upload_id)
             self.upload_id = None
+
+    def _stop(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+            self.pool = None
+
+
+class _NoHash:
+    def update(self, data: Any) -> None:
+        pass
 
 
 def _prefix(loc: ObjectPath) -> str:
@@ -75,6 +137,19 @@ class ObjectStore(Store[ObjectPath]):
 
     def write_small(self, loc: ObjectPath, data: bytes, tag: str) -> None:
         loc.store.put_small(loc.key, data)  # one PUT: whole or not at all
+
+    def put(
+        self,
+        loc: ObjectPath,
+        view: memoryview,
+        tag: str,
+        *,
+        hasher: Any = None,
+        publish: Callable[[], bool] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        # parallel parts lent straight from `view` (no copy), hashed in order while they travel
+        loc.store.upload(loc.key, view, _NoHash() if hasher is None else hasher, publish=publish, on_bytes=on_bytes)
 
     def stat(self, loc: ObjectPath) -> int | None:
         return loc.size()

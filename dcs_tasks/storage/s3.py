@@ -42,11 +42,13 @@ from dcs_tasks.errors import (
     StorageNotFound,
     StorageUnavailable,
 )
+from dcs_tasks.storage.store import Refused
 from dcs_tasks.storage_url import ObjectURL, check_key
 
 MiB = 1024 * 1024
 MIN_PART_BYTES = 5 * MiB  # S3: every part but the last is at least 5 MiB
 MAX_PARTS = 1_000  # parts per upload: AWS allows 10,000, Swift s3api 1,000; larger files get larger parts
+LEND_BYTES = 1 * MiB  # the least `ViewReader.read` lends (urllib3 asks for 16 KiB at a time)
 MAX_LISTED_KEYS = 1_000_000  # a listing longer than this is refused (a hostile or runaway bucket)
 
 DENIED = frozenset(
@@ -151,7 +153,10 @@ class ViewReader(io.RawIOBase):
         return n
 
     def read(self, size: int | None = -1) -> memoryview:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        # At least LEND_BYTES however little is asked: urllib3 sends a file-like body 16 KiB per read + `sendall`
+        # (2,048 rounds of Python per 32 MiB part); its callers (urllib3's sender, botocore's hashers) take what
+        # a read returns, and a slice costs nothing, so a part goes out in 1 MiB `sendall`s.
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + max(size, LEND_BYTES))
         piece = self._view[self._pos : end]
         self._lent.append(piece)
         self._pos = end
@@ -279,7 +284,7 @@ class S3Store:
             )
         return bytes(data)
 
-    def put_small(self, key: str, data: bytes) -> None:
+    def put_small(self, key: str, data: bytes | bytearray) -> None:
         """One PUT: the object appears whole or not at all."""
         self._call(
             "PUT",
@@ -435,7 +440,7 @@ class S3Store:
         )
         return str(created["UploadId"])
 
-    def put_part(self, key: str, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+    def put_part(self, key: str, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
         """Part `number` (from 1) of an upload; what `complete_upload` needs of it."""
         answer = self._call(
             "UPLOAD-PART",
@@ -572,7 +577,7 @@ def _read_direct(fp: http.client.HTTPResponse, rest: memoryview, where: str) -> 
         raise StorageUnavailable(f"GET {where}: {type(exc).__name__}: {_said(exc)}") from None
 
 
-class NotPublishedObject(StorageError):
+class NotPublishedObject(Refused):
     """`S3Store.upload`'s publish check said no: the upload was aborted, the key left as it was."""
 
 

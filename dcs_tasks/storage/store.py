@@ -16,6 +16,17 @@ Call order of a write (a step's file, a replica's copy, a manifest):
    directory fsync; or complete-upload). Or `Writer.abort()` (also what leaving the writer's `with` block
    unpublished does): the staging copy goes, `loc` stays as it was.
 
+A whole buffer already in memory (a staging mapping, a compressed memfd) is stored in one call instead:
+`put(loc, view, tag, hasher=, publish=, on_bytes=)` (the same staging, publish or abort, but the store lends the
+caller's buffer to the I/O: parallel multipart parts, O_DIRECT writes; hashed in order on the way; `publish` is
+asked once every byte is stored, just before they become visible, and False raises `Refused`, leaving `loc` as
+it was).
+
+Locks: `lock(folder, name, shared=, fence=)` holds the folder's lock `name` (`latest`: the read-compare-write of
+a run's pointer; `refs`: references against retention) for a `with` block: an `flock` on `<folder>/.<name>.lock`
+on files; a store with no locks of its own (an object store) takes `fence(folder, name)`, the caller's lock held
+elsewhere (Redis), and refuses without one.
+
 Reads: `stat(loc)` (the size of a regular file or object, None when there is none), `exists`, `names` (the names
 directly under a folder), `files` (every file under a folder with its size, one listing), `read_into` (a range
 into the caller's buffers), `read_small` (a whole small file: a manifest, a pointer). Deletes: `delete` (files or
@@ -27,13 +38,25 @@ from __future__ import annotations
 
 import abc
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from dcs_tasks.errors import StorageError
 
 L = TypeVar("L")
 MAX_FILES = 1_000_000  # a folder listing longer than this is refused (a hostile or runaway tree)
 Pieces = list[memoryview]  # the caller's buffers, filled in order
+Fence = Callable[[Any, str], AbstractContextManager[None]]  # (folder, lock name) -> a lock held elsewhere (Redis)
+
+
+class Refused(StorageError):
+    """`Store.put`'s publish check said no: nothing was published, the location stays as it was."""
+
+
+class NoLock(StorageError):
+    """`Store.lock` on a store with no locks of its own, and no fence given (an object store has no flock)."""
 
 
 class Writer(abc.ABC):
@@ -83,6 +106,31 @@ class Store(abc.ABC, Generic[L]):
         with self.open_writer(loc, tag) as writer:
             writer.write(memoryview(data))
             writer.publish()
+
+    @abc.abstractmethod
+    def put(
+        self,
+        loc: L,
+        view: memoryview,
+        tag: str,
+        *,
+        hasher: Any = None,
+        publish: Callable[[], bool] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        """The whole of `view` as `loc`, durably and atomically (`view` stays the caller's, unchanged, until this
+        returns). `hasher`: updated with the bytes in order. `publish`: asked once every byte is stored, just
+        before they become visible; False raises `Refused` and nothing is published. `on_bytes(n)`: called as
+        bytes are stored (a pacer)."""
+
+    def lock(
+        self, folder: L, name: str, *, shared: bool = False, fence: Fence | None = None
+    ) -> AbstractContextManager[None]:
+        """The folder's lock `name`, held for a `with` block (shared or exclusive). A store with no locks of its
+        own takes `fence(folder, name)` (exclusive either way) and raises `NoLock` without one."""
+        if fence is None:
+            raise NoLock(f"{self.name} store has no locks of its own: locking {folder} ({name}) needs a fence")
+        return fence(folder, name)
 
     # --- reading ---------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -7,9 +7,13 @@ buffers, and stat, names, folders_with, files, delete and delete_tree agree.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +21,11 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.errors import CorruptCheckpoint
+from dcs_tasks.errors import CorruptCheckpoint, StorageFull
 from dcs_tasks.storage import ObjectPath, S3Settings, S3Store, Store, store_of
 from dcs_tasks.storage.factory import FILES, copy, is_object, relative, within
 from dcs_tasks.storage.memtier import MemoryTierStore
+from dcs_tasks.storage.store import NoLock, Refused
 from dcs_tasks.storage_url import ObjectURL
 from tests.storage.conftest import S3Bucket
 from tests.storage.s3_support import open_uploads
@@ -190,3 +195,111 @@ def test_copy_between_stores_is_whole_or_nothing(place: Place, tmp_path: Path) -
         copy(local, place.root / "short", "c", len(data) + 1)
     assert place.store.stat(place.root / "short") is None
     assert not within(local, place.root) or place.kind != "s3"
+
+
+def test_put_stores_a_buffer_whole_hashed_in_order_and_paced(place: Place) -> None:
+    store, target = place.store, place.root / "step-000000003" / "rank-0.safetensors"
+    data = pattern(11 * MiB + 4097)  # three S3 parts (5 MiB), not a multiple of the O_DIRECT alignment
+    hasher, paced = hashlib.sha256(), []
+    store.put(target, memoryview(data), "p", hasher=hasher, on_bytes=paced.append)
+    assert hasher.digest() == hashlib.sha256(data).digest() and sum(paced) == len(data)
+    got = bytearray(len(data))
+    store.read_into(target, 0, [memoryview(got)])
+    assert got == data and store.stat(target) == len(data)
+    store.put(place.root / "empty", memoryview(b""), "p")
+    assert store.stat(place.root / "empty") == 0
+    assert place.leftovers() == ([] if place.bucket else ["empty", "rank-0.safetensors"])
+
+
+def test_a_put_its_publish_check_refuses_leaves_the_old_bytes(place: Place) -> None:
+    store, target = place.store, place.root / "rank-1.safetensors"
+    store.write_small(target, b"old", "t0")
+    asked = []
+    for size in (100, 11 * MiB):  # one PUT / one file write; a multipart upload
+        with pytest.raises(Refused):
+            store.put(target, memoryview(pattern(size)), "p", publish=lambda: asked.append(1) and False)
+    assert asked == [1, 1] and store.read_small(target, 100) == b"old"
+    assert place.leftovers() == ([] if place.bucket else ["rank-1.safetensors"])
+
+
+def test_a_folder_lock_is_the_stores_own_or_the_fence_given(place: Place) -> None:
+    store, run = place.store, place.root / "run"
+    store.write_small(run / "latest", b"step-000000001", "t")
+    fenced: list[tuple[Any, str]] = []
+
+    @contextlib.contextmanager
+    def fence(folder: Any, name: str) -> Iterator[None]:
+        fenced.append((folder, name))
+        yield
+
+    if place.bucket is not None:  # no locks of its own: the fence (Redis, in DCS) is the lock
+        with pytest.raises(NoLock):
+            store.lock(run, "latest").__enter__()
+        with store.lock(run, "latest", fence=fence):
+            assert fenced == [(run, "latest")]
+        return
+    entered = threading.Event()
+
+    def other() -> None:
+        with store.lock(run, "latest"):
+            entered.set()
+
+    with store.lock(run, "latest", fence=fence):  # a file store holds its own flock; the fence is not taken
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert not entered.wait(0.5), "a second exclusive holder got in"
+    assert entered.wait(10) and fenced == []
+    thread.join(10)
+    with store.lock(run, "refs", shared=True), store.lock(run, "refs", shared=True):
+        pass  # shared holders share
+    assert sorted(os.listdir(run)) == [".latest.lock", ".refs.lock", "latest"]
+
+
+def _s3_place(bucket: S3Bucket, concurrency: int) -> tuple[ObjectPath, Store[Any]]:
+    settings = S3Settings(
+        endpoint_url=bucket.endpoint_url, addressing_style="path", part_bytes=5 * MiB, concurrency=concurrency
+    )
+    loc = ObjectPath(S3Store(ObjectURL(bucket.bucket, "root"), settings), "root")
+    return loc, store_of(loc)
+
+
+def test_a_writers_parts_travel_side_by_side_never_more_than_the_concurrency(
+    aws_env: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, store = _s3_place(aws_env, concurrency=3)
+    travelling, most, lock = 0, 0, threading.Lock()
+    put_part = root.store.put_part
+
+    def slow_part(*args: Any) -> dict[str, Any]:
+        nonlocal travelling, most
+        with lock:
+            travelling += 1
+            most = max(most, travelling)
+        time.sleep(0.2)  # every part long enough in flight that the writer must have sent the next ones
+        try:
+            return put_part(*args)
+        finally:
+            with lock:
+                travelling -= 1
+
+    monkeypatch.setattr(root.store, "put_part", slow_part)
+    data = pattern(31 * MiB + 3)  # seven parts
+    with store.open_writer(root / "big", "w") as writer:
+        for begin in range(0, len(data), MiB):
+            writer.write(memoryview(data)[begin : begin + MiB])
+        assert store.stat(root / "big") is None
+        writer.publish()
+    assert most == 3, f"{most} parts travelled at once, with 3 allowed"
+    got = bytearray(len(data))
+    store.read_into(root / "big", 0, [memoryview(got)])
+    assert got == data and open_uploads(aws_env) == []
+
+
+def test_a_part_the_store_refuses_fails_the_writer_and_aborts_its_upload(aws_env: S3Bucket) -> None:
+    root, store = _s3_place(aws_env, concurrency=2)
+    aws_env.set_quota(12 * MiB)  # the third 5 MiB part passes the bucket's quota
+    with pytest.raises(StorageFull), store.open_writer(root / "big", "w") as writer:
+        for _ in range(8):
+            writer.write(memoryview(pattern(5 * MiB)))
+        writer.publish()
+    assert store.stat(root / "big") is None and open_uploads(aws_env) == []
