@@ -36,7 +36,7 @@ from dcs_tasks.celery_app import make_celery
 from dcs_tasks.checkpoint.format.fsio import fsync_dir
 from dcs_tasks.checkpoint.replicating import copy_step
 from dcs_tasks.checkpoint.restore.reader import load_manifest
-from dcs_tasks.checkpoint.store.ledger import StepLedger
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

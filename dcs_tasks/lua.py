@@ -2,7 +2,7 @@
 the whole source each time).
 
 Every script's source is a `.lua` file in a `lua/` folder beside the module that serves it, its KEYS and ARGV
-documented at its top; the module (`dcs_tasks.checkpoint.store.ledger_scripts`, `coordinator.scripts`,
+documented at its top; the module (`dcs_tasks.checkpoint.store.ledger.ledger_scripts`, `coordinator.scripts`,
 `dcs_tasks.sync.group_scripts`) reads it once, at import, into a module-level `LuaScript` (`lua_script`). A
 missing file is an `InstallationError` then, not a failure at the first call. A line `--#include name.lua` is
 replaced by that file of the same folder (one level: shared Lua functions, a script run inside another).

@@ -23,7 +23,7 @@ from celery import shared_task
 
 from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.checkpoint import aftercommit, replicating, tiering
-from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepStatus, Verdict
+from dcs_tasks.checkpoint.store.ledger.stepledger import FileOutcome, StepStatus, Verdict
 from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
     FailedTask,

@@ -4,7 +4,7 @@ context (publish the manifest, move `latest`, mark the step COMMITTED)."""
 from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.store.ledger import Verdict
+from dcs_tasks.checkpoint.store.ledger.stepledger import Verdict
 from dcs_tasks.checkpoint.store.payloads import CommitRequest
 from workers.runtime import runtime
 

@@ -4,7 +4,7 @@ Redis and keys) as context."""
 from __future__ import annotations
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.store.ledger import StepLedger, Verdict
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, Verdict
 from dcs_tasks.checkpoint.store.payloads import PersistRequest
 from workers.runtime import runtime
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from dcs_tasks.checkpoint import persisting, tiering
 from dcs_tasks.checkpoint.persisting import Context
 from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, in_flight_refs
 from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
     MemoryStepRequest,
     ReplicateRequest,
     RetentionRequest,
 )
-from dcs_tasks.checkpoint.store.retention import apply_retention, in_flight_refs
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_run_dir, trusted_step_dir
 from dcs_tasks.storage.factory import relative

@@ -48,7 +48,7 @@ from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
 from dcs_tasks.checkpoint.store import tiers
-from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.store.payloads import StepRef, validate_run_name, validate_step
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy

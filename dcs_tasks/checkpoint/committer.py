@@ -37,8 +37,8 @@ from dcs_tasks.checkpoint.format.layout import (
 )
 from dcs_tasks.checkpoint.format.validate import check_manifest
 from dcs_tasks.checkpoint.restore.reader import read_latest
-from dcs_tasks.checkpoint.store import incremental
-from dcs_tasks.checkpoint.store.latest import move_latest
+from dcs_tasks.checkpoint.store.ledger import incremental
+from dcs_tasks.checkpoint.store.ledger.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.factory import is_object

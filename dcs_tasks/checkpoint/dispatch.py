@@ -20,7 +20,7 @@ from dcs_tasks.checkpoint.format.compression import CompressionSpec
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Layout, ManifestDraft, plan_layout, specs_of
 from dcs_tasks.checkpoint.save.staging import BufferLease
 from dcs_tasks.checkpoint.state.structure import FlatState
-from dcs_tasks.checkpoint.store.ledger import StepLedger, Verdict
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, Verdict
 from dcs_tasks.checkpoint.store.payloads import PersistRequest, RetentionPolicy, StepRef
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed, NoWorkerError, RunNameTaken

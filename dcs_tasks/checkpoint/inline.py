@@ -36,7 +36,7 @@ import redis
 
 from dcs_tasks.celery_app import TaskName
 from dcs_tasks.checkpoint import aftercommit, persisting, replicating, tiering
-from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepStatus, Verdict
+from dcs_tasks.checkpoint.store.ledger.stepledger import FileOutcome, StepStatus, Verdict
 from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
     MemoryStepRequest,

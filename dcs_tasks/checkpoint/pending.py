@@ -13,7 +13,7 @@ import redis
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.restore.reader import load_manifest
-from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, CorruptLedger, DCSTimeoutError
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.storage import Location, store_of

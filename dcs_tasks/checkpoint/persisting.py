@@ -40,8 +40,16 @@ from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
 from dcs_tasks.checkpoint.format.fsio import NotPublished
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
-from dcs_tasks.checkpoint.store import incremental, objlocks, seal, tiers
-from dcs_tasks.checkpoint.store.ledger import FileFinish, FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.store import seal, tiers
+from dcs_tasks.checkpoint.store.ledger import incremental, objlocks
+from dcs_tasks.checkpoint.store.ledger.stepledger import (
+    FileFinish,
+    FileOutcome,
+    StepLedger,
+    StepStatus,
+    Verdict,
+    file_entry_json,
+)
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path

@@ -47,9 +47,9 @@ from dcs_tasks.checkpoint.persisting import Context
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.landing import anonymous
-from dcs_tasks.checkpoint.store.latest import move_latest
+from dcs_tasks.checkpoint.store.ledger.latest import move_latest
+from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
-from dcs_tasks.checkpoint.store.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig

@@ -317,8 +317,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from dcs_tasks.checkpoint.store.ledger.retention import apply_retention
     from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-    from dcs_tasks.checkpoint.store.retention import apply_retention
     from dcs_tasks.storage.factory import is_object
 
     config = DCSConfig()
@@ -350,7 +350,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _object_lock(config: DCSConfig) -> Any:
     """The `refs` lock of a run in an object store, on the configured Redis (the worker's retention takes it)."""
-    from dcs_tasks.checkpoint.store import objlocks
+    from dcs_tasks.checkpoint.store.ledger import objlocks
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 
@@ -362,8 +362,8 @@ def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:
     """The steps in flight and a reader of the files they refer to (empty when Redis does not answer)."""
     import redis
 
-    from dcs_tasks.checkpoint.store.ledger import StepLedger
-    from dcs_tasks.checkpoint.store.retention import in_flight_refs
+    from dcs_tasks.checkpoint.store.ledger.retention import in_flight_refs
+    from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 

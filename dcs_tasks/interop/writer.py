@@ -36,8 +36,8 @@ from dcs_tasks.checkpoint.format.layout import (
 )
 from dcs_tasks.checkpoint.restore.sharded import rank_dirs
 from dcs_tasks.checkpoint.state.structure import flatten_state
-from dcs_tasks.checkpoint.store import objlocks
-from dcs_tasks.checkpoint.store.ledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
+from dcs_tasks.checkpoint.store.ledger import objlocks
+from dcs_tasks.checkpoint.store.ledger.stepledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.store.payloads import validate_run_name, validate_step
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed

@@ -13,7 +13,7 @@ import redis
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
-from dcs_tasks.checkpoint.store.ledger import StepLedger
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest, StepRef
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, NoWorkerError

@@ -16,7 +16,7 @@ import torch
 from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint import Checkpointer
 from dcs_tasks.checkpoint.format.layout import step_dir_name
-from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import CheckpointFailed, CoordinatorError, DCSTimeoutError

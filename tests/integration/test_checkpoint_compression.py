@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.restore.reader import load_manifest
-from dcs_tasks.checkpoint.store.retention import newest_intact
+from dcs_tasks.checkpoint.store.ledger.retention import newest_intact
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, training_state

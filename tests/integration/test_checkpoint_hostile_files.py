@@ -33,8 +33,8 @@ from dcs_tasks.checkpoint.inline import InlineCommitter
 from dcs_tasks.checkpoint.restore import fastread
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store import zread
+from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, newest_intact
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-from dcs_tasks.checkpoint.store.retention import apply_retention, newest_intact
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, training_state

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

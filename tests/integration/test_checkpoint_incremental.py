@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import read_manifest
 from dcs_tasks.checkpoint.inline import InlineCommitter
-from dcs_tasks.checkpoint.store.incremental import REFS_LOCK_NAME, RETIRED_NAME
+from dcs_tasks.checkpoint.store.ledger.incremental import REFS_LOCK_NAME, RETIRED_NAME
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from tests.checkpoint_support import Inline, assert_same_state, ckpt_config, dcs_ckpt, start_worker, wait_until

@@ -1,5 +1,5 @@
-"""The step ledger (`dcs_tasks.checkpoint.store.ledger.StepLedger`) driven directly against a real redis-server: the
-fenced state machine of one checkpoint step (PERSISTING -> COMMITTING -> COMMITTED, or FAILED), as the
+"""The step ledger (`dcs_tasks.checkpoint.store.ledger.stepledger.StepLedger`) driven directly against a real
+redis-server: the fenced state machine of one checkpoint step (PERSISTING -> COMMITTING -> COMMITTED, or FAILED), as the
 trainer (begin, abandon, progress, read) and the persist/commit workers (claims and finishes) use it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from dcs_tasks.checkpoint.format.layout import FileEntry, ManifestDraft
-from dcs_tasks.checkpoint.store.ledger import (
+from dcs_tasks.checkpoint.store.ledger.stepledger import (
     STATE_TTL_SECONDS,
     FileOutcome,
     StepLedger,

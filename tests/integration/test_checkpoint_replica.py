@@ -17,7 +17,7 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.checkpoint.restore.reader import load_manifest, read_latest, step_dirs, verify_step
-from dcs_tasks.checkpoint.store.ledger import StepLedger
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

@@ -169,8 +169,8 @@ def test_a_single_trainer_checkpoint_reshards_too(config: DCSConfig, committer: 
 def test_retention_never_deletes_the_newest_step_every_rank_committed(
     config: DCSConfig, committer: InlineCommitter
 ) -> None:
+    from dcs_tasks.checkpoint.store.ledger.retention import apply_retention
     from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-    from dcs_tasks.checkpoint.store.retention import apply_retention
 
     save_all(committer, "keep", 10, range(SAVED_WORLD))
     save_all(committer, "keep", 20, range(SAVED_WORLD - 1))  # rank 3 is behind

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from coordinator import scripts
 from coordinator.topology import TopologyManager
 from dcs_tasks.checkpoint.format.layout import ManifestDraft
-from dcs_tasks.checkpoint.store import ledger_scripts as ledger_scripts_module
-from dcs_tasks.checkpoint.store.ledger import StepLedger, StepStatus, Verdict
+from dcs_tasks.checkpoint.store.ledger import ledger_scripts as ledger_scripts_module
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus, Verdict
 from dcs_tasks.config import RoleInfo, TopologyConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.lua import LuaScript

@@ -14,7 +14,7 @@ import xxhash
 from dcs_tasks import storage
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME
 from dcs_tasks.checkpoint.persisting import step_guard
-from dcs_tasks.checkpoint.store.incremental import RETIRED_NAME
+from dcs_tasks.checkpoint.store.ledger.incremental import RETIRED_NAME
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath

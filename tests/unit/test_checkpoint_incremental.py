@@ -13,9 +13,9 @@ import torch
 
 from dcs_tasks.checkpoint.format import validate
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, TensorEntry, manifest_bytes, plan_layout, specs_of
-from dcs_tasks.checkpoint.store.incremental import RETIRED_NAME
+from dcs_tasks.checkpoint.store.ledger.incremental import RETIRED_NAME
+from dcs_tasks.checkpoint.store.ledger.retention import apply_retention
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-from dcs_tasks.checkpoint.store.retention import apply_retention
 from dcs_tasks.errors import CorruptCheckpoint
 
 FILE = "model-00001-of-00001.safetensors"

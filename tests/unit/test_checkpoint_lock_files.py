@@ -12,8 +12,8 @@ import pytest
 
 from dcs_tasks.checkpoint.format.layout import LATEST_NAME
 from dcs_tasks.checkpoint.restore.reader import read_latest
-from dcs_tasks.checkpoint.store.incremental import REFS_LOCK_NAME, refs_lock
-from dcs_tasks.checkpoint.store.latest import LATEST_LOCK_NAME, move_latest
+from dcs_tasks.checkpoint.store.ledger.incremental import REFS_LOCK_NAME, refs_lock
+from dcs_tasks.checkpoint.store.ledger.latest import LATEST_LOCK_NAME, move_latest
 from dcs_tasks.errors import UntrustedPath
 
 

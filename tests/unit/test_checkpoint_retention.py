@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dcs_tasks.checkpoint.store.ledger.retention import steps_to_delete
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-from dcs_tasks.checkpoint.store.retention import steps_to_delete
 
 
 def test_keep_last_and_every_and_protected() -> None:

@@ -178,12 +178,14 @@ def test_the_checkpoint_folders_are_the_stages() -> None:
     assert strays == [], f"folders of dcs_tasks/checkpoint/ that are not stages {STAGE_ORDER}: {strays}"
     missing = [s for s in STAGE_ORDER if s != API and not (CHECKPOINT_DIR / s / "__init__.py").is_file()]
     assert missing == [], f"stage folders without an __init__.py: {missing}"
-    # A stage package's __init__ holds a docstring only: a re-export is an import edge (and runs the stage's
-    # modules whenever any one of them is imported, torch included).
+    # A stage package's __init__, and that of every package inside a stage (store/ledger/, ...), holds a docstring
+    # only: a re-export is an import edge (and runs the stage's modules whenever any one of them is imported, torch
+    # included).
     wrong = [
         where(path, line)
         for stage in STAGE_ORDER
-        if stage != API and (path := CHECKPOINT_DIR / stage / "__init__.py").is_file()
+        if stage != API
+        for path in sorted((CHECKPOINT_DIR / stage).rglob("__init__.py"))
         for line, name in imports_of(path)
         if name != "__future__"
     ]
@@ -206,16 +208,22 @@ def test_checkpoint_modules_import_only_their_own_and_earlier_stages() -> None:
 
 
 def test_the_stage_table_of_the_docs_lists_the_folders() -> None:
-    """docs/architecture.md's table ("Checkpoint stages") names each stage's modules as its folder holds them."""
+    """docs/architecture.md's table ("Checkpoint stages") names each stage's modules as its folder holds them, a
+    module of a package inside the stage folder as `package/module` (`ledger/steps`)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     rows: dict[str, set[str]] = {}
     for line in text.split("### Checkpoint stages", 1)[1].splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if line.startswith("|") and len(cells) == 3 and cells[0].split()[0].strip("`/") in STAGE_ORDER:
-            rows[cells[0].split()[0].strip("`/")] = set(re.findall(r"`([a-z_]+)`", cells[1]))
+            rows[cells[0].split()[0].strip("`/")] = set(re.findall(r"`([a-z_]+(?:/[a-z_]+)*)`", cells[1]))
     folders = {
-        stage: {name.rpartition(".")[2] if name != f"{CHECKPOINT}.{stage}" else "" for name in names} - {""}
+        stage: {
+            "/".join(path_of(name).relative_to(CHECKPOINT_DIR / stage).with_suffix("").parts)
+            for name in names
+            if path_of(name).name != "__init__.py"
+        }
         for stage, names in STAGES.items()
+        if stage != API
     }
     folders[API] = {name.rpartition(".")[2] if name != CHECKPOINT else "__init__" for name in STAGES.get(API, ())}
     wrong = {

@@ -58,7 +58,7 @@ from dcs_tasks.checkpoint.state.dtensor_meta import is_dtensor as is_dtensor
 from dcs_tasks.checkpoint.state.dtensor_meta import local_part as local_part
 from dcs_tasks.checkpoint.state.dtensor_meta import owned as owned
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
-from dcs_tasks.checkpoint.store.steps import StepShards
+from dcs_tasks.checkpoint.store.ledger.steps import StepShards
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, store_of
 

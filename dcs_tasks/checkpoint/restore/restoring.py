@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from dcs_tasks.checkpoint.format.layout import Manifest
 from dcs_tasks.checkpoint.restore import dtensor, reader, sharded
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
-from dcs_tasks.checkpoint.store.steps import StepShards
+from dcs_tasks.checkpoint.store.ledger.steps import StepShards
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.storage import Location
 

@@ -26,9 +26,9 @@ from dcs_tasks.checkpoint.format.layout import RANK_DIR as RANK_DIR
 from dcs_tasks.checkpoint.format.layout import rank_dir_name as rank_dir_name
 from dcs_tasks.checkpoint.format.layout import shard_run_name as shard_run_name
 from dcs_tasks.checkpoint.restore.reader import check_targets, load_manifest
-from dcs_tasks.checkpoint.store import steps
-from dcs_tasks.checkpoint.store.steps import StepShards as StepShards
-from dcs_tasks.checkpoint.store.steps import rank_dirs as rank_dirs
+from dcs_tasks.checkpoint.store.ledger import steps
+from dcs_tasks.checkpoint.store.ledger.steps import StepShards as StepShards
+from dcs_tasks.checkpoint.store.ledger.steps import rank_dirs as rank_dirs
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
 from dcs_tasks.storage import Location
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dcs_tasks.checkpoint.format.fsio import locked, write_bytes_durably
 from dcs_tasks.checkpoint.format.layout import LATEST_NAME, step_dir_name
-from dcs_tasks.checkpoint.store.steps import read_latest
+from dcs_tasks.checkpoint.store.ledger.steps import read_latest
 
 LATEST_LOCK_NAME = ".latest.lock"
 

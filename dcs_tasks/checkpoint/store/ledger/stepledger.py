@@ -26,7 +26,7 @@ import redis
 from pydantic import ValidationError
 
 from dcs_tasks.checkpoint.format.layout import FileEntry, ManifestDraft
-from dcs_tasks.checkpoint.store import ledger_scripts as lua
+from dcs_tasks.checkpoint.store.ledger import ledger_scripts as lua
 from dcs_tasks.errors import CorruptLedger
 from dcs_tasks.keys import Keys
 from dcs_tasks.lua import LuaScript

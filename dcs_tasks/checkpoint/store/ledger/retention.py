@@ -7,7 +7,7 @@ directory of a multi-rank run,
 the newest step every rank committed (a rank that runs ahead never deletes the only restorable step).
 A step is deleted manifest-first, so a reader never sees a half-deleted step as committed.
 
-Incremental saves (`dcs_tasks.checkpoint.store.incremental`): under the run's exclusive reference lock, a mark
+Incremental saves (`dcs_tasks.checkpoint.store.ledger.incremental`): under the run's exclusive reference lock, a mark
 phase collects every (step, file) a kept step's manifest or an in-flight step's recorded files refer to; a
 deleted step that holds any of them is retired (marker, manifest removed, its other files removed) instead of
 removed, and retired directories are swept again on every run, going once nothing refers to them.
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, step_dir_name
 from dcs_tasks.checkpoint.format.validate import read_manifest
-from dcs_tasks.checkpoint.store.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
-from dcs_tasks.checkpoint.store.ledger import StepLedger
+from dcs_tasks.checkpoint.store.ledger.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
+from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
+from dcs_tasks.checkpoint.store.ledger.steps import complete_steps, step_dirs
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-from dcs_tasks.checkpoint.store.steps import complete_steps, step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.factory import is_object
@@ -128,7 +128,7 @@ def apply_retention(
     """Delete what `policy` lets go in `run_dir`; returns the deleted steps. Files that kept steps, or the
     steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps).
     UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory. A run in an
-    object store needs `object_lock` (its `refs` lock: `dcs_tasks.checkpoint.store.objlocks`)."""
+    object store needs `object_lock` (its `refs` lock: `dcs_tasks.checkpoint.store.ledger.objlocks`)."""
     if is_object(run_dir):
         if object_lock is None:
             raise ValueError("retention of a run in an object store needs its refs lock")

@@ -1,7 +1,7 @@
-"""Lua scripts of the checkpoint step ledger (`dcs_tasks.checkpoint.store.ledger`): each fenced transition of a
-step is one script, its source in `lua/` beside this module (KEYS and ARGV documented at the top of each file),
-read once at import and run by SHA through `dcs_tasks.lua`. KEYS[1] is the step's state hash, KEYS[2] the run's
-in-flight set (`StepLedger._k`).
+"""Lua scripts of the checkpoint step ledger (`dcs_tasks.checkpoint.store.ledger.stepledger`): each fenced
+transition of a step is one script, its source in `lua/` beside this module (KEYS and ARGV documented at the top
+of each file), read once at import and run by SHA through `dcs_tasks.lua`. KEYS[1] is the step's state hash,
+KEYS[2] the run's in-flight set (`StepLedger._k`).
 
 A record whose status is none of the four, or whose counters or start time are not numbers (edited by hand, or
 damaged), is refused by BEGIN and FINISH_FILE before anything is written, with an error reply starting
