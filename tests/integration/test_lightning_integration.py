@@ -1,0 +1,169 @@
+"""`DCSCheckpointIO` (dcs_tasks/integrations/lightning.py) under Lightning's own `Trainer`, on the CPU: a run killed
+with SIGKILL mid-training resumes with `ckpt_path="last"` from the newest committed step and trains on with the
+losses of an uninterrupted run; `ModelCheckpoint`'s top-k removals take its markers away while DCS retention
+prunes the steps (against a real `dcs worker`); a checkpoint holding an object is refused naming its key, with
+nothing saved; a file that is not a DCS marker is refused on load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dcs_tasks.checkpoint.restore.reader import step_dirs
+from dcs_tasks.config import DCSConfig
+from dcs_tasks.errors import StagingError
+from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint
+from tests.checkpoint_support import ckpt_config
+from tests.helpers.procs import REPO, WorkerProcess, child_env
+from tests.helpers.waiting import wait_until
+from tests.integration.lightning_run import TinyModule
+
+pytestmark = [pytest.mark.integration]
+RUN_TIMEOUT = 240.0
+
+
+def committed(config: DCSConfig, run: str) -> list[int]:
+    return [step for step, _ in step_dirs(Path(config.checkpoint_dir) / run)]
+
+
+def losses_of(path: Path) -> dict[int, str]:
+    """global step -> the loss (float.hex) a run recorded for it."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "step" in line}
+
+
+def start_run(config: DCSConfig, tmp_path: Path, run: str, name: str, *args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "tests.integration.lightning_run", run, str(tmp_path / f"{name}-ckpts")]
+    command += [str(tmp_path / f"{name}.losses"), "40", *args]
+    log = (tmp_path / f"{name}.log").open("w")
+    return subprocess.Popen(
+        command, env=child_env(config), cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+    )
+
+
+def finish(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
+    assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{log.read_text()[-4000:]}"
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def paused(proc: subprocess.Popen[str], losses: Path) -> bool:
+    assert proc.poll() is None, f"the run exited {proc.returncode} before pausing"
+    return losses.exists() and '"paused"' in losses.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_killed_mid_training_resumes_from_last_with_the_losses_of_an_uninterrupted_run(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    whole = start_run(config, tmp_path, "lit-whole", "whole")
+    killed = start_run(config, tmp_path, "lit-killed", "killed", "--pause-at", "25")
+    try:
+        assert finish(whole, tmp_path / "whole.log") == {"done": 40, "committed": [10, 20, 30, 40]}
+        wait_until(lambda: paused(killed, tmp_path / "killed.losses"), RUN_TIMEOUT, "the run to reach step 25")
+        wait_until(lambda: 20 in committed(config, "lit-killed"), 60, "step 20 to commit")
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(10)
+    assert committed(config, "lit-killed") == [10, 20]
+    markers = sorted(p.name for p in (tmp_path / "killed-ckpts").iterdir())
+    assert markers == ["epoch=0-step=20.ckpt", "last.ckpt"], markers
+
+    (tmp_path / "killed.losses").rename(tmp_path / "before-kill.losses")
+    resumed = start_run(config, tmp_path, "lit-killed", "killed", "--resume")
+    assert finish(resumed, tmp_path / "killed.log") == {"done": 40, "committed": [10, 20, 30, 40]}
+
+    reference = losses_of(tmp_path / "whole.losses")
+    before, after = losses_of(tmp_path / "before-kill.losses"), losses_of(tmp_path / "killed.losses")
+    assert sorted(reference) == list(range(40))
+    assert before == {s: reference[s] for s in range(25)}  # steps 0-24 ran before the kill
+    assert after == {s: reference[s] for s in range(20, 40)}, "resumed at step 20 with the uninterrupted losses"
+
+
+class Unstorable(TinyModule):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["sampler"] = {"seed": 3, "generator": object()}
+
+
+def fit(io: Any, dirpath: Path, model: L.LightningModule, max_steps: int, **checkpointing: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath, **checkpointing)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=dirpath.parent,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def test_a_checkpoint_holding_an_object_is_refused_naming_its_key_and_nothing_is_saved(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Any
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    io = DCSCheckpointIO("lit-bad", config, celery_app=inline(config))
+    with pytest.raises(StagingError, match="sampler/generator"):
+        fit(io, tmp_path / "ckpts", Unstorable(), 4, every_n_train_steps=2, save_last=True)
+    assert committed(config, "lit-bad") == []
+    assert not (tmp_path / "ckpts").exists() or list((tmp_path / "ckpts").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_top_k_removals_take_markers_and_dcs_retention_prunes_steps_with_a_worker(
+    dcs_config: DCSConfig, tmp_path: Path
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    worker = WorkerProcess(config, tmp_path / "worker.log").start()
+    try:
+        io = DCSCheckpointIO("lit-topk", config, keep_last=2)
+        torch.manual_seed(0)
+        trained = TinyModule()
+        fit(io, tmp_path / "ckpts", trained, 40, every_n_train_steps=10, save_last=True)  # save_top_k=1
+        assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=40.ckpt", "last.ckpt"]
+        assert committed(config, "lit-topk") == [30, 40]  # the worker's retention after step 40's commit
+
+        loaded = io.load_checkpoint(tmp_path / "ckpts" / "epoch=0-step=40.ckpt")
+        assert loaded["global_step"] == 40 and loaded["pytorch-lightning_version"] == L.__version__
+        for name, tensor in trained.state_dict().items():
+            assert torch.equal(loaded["state_dict"][name], tensor), name
+        io.teardown()
+        io.remove_checkpoint(tmp_path / "ckpts" / "epoch=0-step=40.ckpt")
+        assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["last.ckpt"]
+        assert committed(config, "lit-topk") == [30, 40]  # the marker only: steps go by retention
+    finally:
+        worker.discard()
+
+
+def test_a_file_that_is_not_a_dcs_marker_is_refused_on_load_and_left_on_remove(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Any
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    io = DCSCheckpointIO("lit-other", config, celery_app=inline(config))
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    with pytest.raises(NotADCSCheckpoint, match=r"plain\.ckpt"):
+        io.load_checkpoint(plain)
+    io.remove_checkpoint(plain)
+    assert plain.exists()
+    io.teardown()
