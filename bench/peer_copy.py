@@ -1,4 +1,4 @@
-"""Peer copy throughput: the memory tier's `peerwire.push_step` (and `pull_step`) against a plain TCP copy of the
+"""Peer copy throughput: the memory tier's `transfer.push_step` (and `pull_step`) against a plain TCP copy of the
 same bytes over the same link, in one run.
 
 One committed step of `--files` files (`--size-mib` MiB in all; 4 x 256 MiB by default) of random bytes in
@@ -49,9 +49,9 @@ from dcs_tasks.checkpoint.format.layout import (
     manifest_bytes,
     new_hasher,
 )
-from dcs_tasks.checkpoint.store import peerchannel as pc
-from dcs_tasks.checkpoint.store import peersteps as ps
-from dcs_tasks.checkpoint.store import peerwire as pw
+from dcs_tasks.checkpoint.store.peers import channel as pc
+from dcs_tasks.checkpoint.store.peers import stepfiles as ps
+from dcs_tasks.checkpoint.store.peers import transfer as pw
 
 MiB = 1 << 20
 TOKEN = "bench-peer-token"

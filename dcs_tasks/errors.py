@@ -169,9 +169,9 @@ class ReplicaFailed(CheckpointError):
 
 
 class PeerError(CheckpointError):
-    """Copying a step between hosts' memory tiers (`dcs_tasks.checkpoint.store.peerwire`) failed; the message names the
-    peer, the step (`<run>/[rank-N/]step-N`) and what went wrong. Nothing was installed: a partial copy is removed
-    and a step already committed at the target is never replaced."""
+    """Copying a step between hosts' memory tiers (`dcs_tasks.checkpoint.store.peers.transfer`) failed; the
+    message names the peer, the step (`<run>/[rank-N/]step-N`) and what went wrong. Nothing was installed: a partial
+    copy is removed and a step already committed at the target is never replaced."""
 
 
 class PeerRefused(PeerError):

@@ -17,7 +17,8 @@ import time
 import redis
 
 from dcs_tasks.checkpoint import tiering
-from dcs_tasks.checkpoint.store import peerwire, tiers
+from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.peers import transfer
 from dcs_tasks.config import DCSConfig
 from workers.runtime import runtime
 
@@ -34,7 +35,7 @@ class _PeerService:
         self.client = client
         token = config.token()
         assert token
-        self.server = peerwire.PeerServer(
+        self.server = transfer.PeerServer(
             tiers.memory_root(config, create=True),
             token,
             config.peer_host,

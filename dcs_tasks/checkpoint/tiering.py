@@ -8,7 +8,7 @@ its manifest's digest (`tiers.Owners`: peers accept copies only of steps so reco
 step is flushed (`flush`: copy to `checkpoint_dir` with `replicating.copy_step`: every file hashed while written and
 compared with the manifest, fsynced, headers checked, manifest last; then `latest`, retention and the storage
 place); with `memory_replicas` > 0 `peer_copy` pushes the step to peers chosen by `tiers.choose_peers`
-(`dcs_tasks.checkpoint.store.peerwire`: authenticated with the shared token, every file verified on arrival); each
+(`dcs_tasks.checkpoint.store.peers.transfer`: authenticated with the shared token, every file verified on arrival); each
 copy's place is recorded once it verified, and `replicated` once every copy asked for did. Every one of these ends
 with eviction (`tiers.evict`).
 """
@@ -26,8 +26,9 @@ import redis
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME
 from dcs_tasks.checkpoint.persisting import Context
 from dcs_tasks.checkpoint.replicating import complete, copy_step, primary_manifest, publish_copy
-from dcs_tasks.checkpoint.store import peerwire, tiers
+from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.payloads import MemoryStepRequest
+from dcs_tasks.checkpoint.store.peers import transfer
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.checkpoint.trust import checkpoint_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig
@@ -139,7 +140,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
         if len(done) >= config.memory_replicas:
             break
         try:
-            peerwire.push_step(
+            transfer.push_step(
                 (peer.address, peer.port),
                 token,
                 src,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.store import peersteps, tiers
+from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.peers import stepfiles
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import start_worker, wait_until
@@ -35,7 +36,7 @@ def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
 
 def _incoming(config: DCSConfig) -> list[Path]:
     root = Path(config.memory_dir)
-    return list(root.rglob(f"{peersteps.INCOMING_PREFIX}*")) if root.is_dir() else []
+    return list(root.rglob(f"{stepfiles.INCOMING_PREFIX}*")) if root.is_dir() else []
 
 
 def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: SentinelCluster, tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.store import peerchannel as pc
-from dcs_tasks.checkpoint.store import peersteps as ps
-from dcs_tasks.checkpoint.store import peerwire as pw
 from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.peers import channel as pc
+from dcs_tasks.checkpoint.store.peers import stepfiles as ps
+from dcs_tasks.checkpoint.store.peers import transfer as pw
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PeerError, PeerRefused
 from dcs_tasks.keys import Keys

@@ -1,5 +1,5 @@
-"""The memory tier's peer transport (dcs_tasks.checkpoint.store.peerwire) over real sockets: real server threads, a
-server and hostile peers in other processes. Steps are built the way the writer lays them out (safetensors
+"""The memory tier's peer transport (dcs_tasks.checkpoint.store.peers.transfer) over real sockets: real server threads,
+a server and hostile peers in other processes. Steps are built the way the writer lays them out (safetensors
 headers, xxh3_128 checksums, a checked manifest) without torch, as a worker holds them."""
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dcs_tasks.checkpoint.format.layout import (
     new_hasher,
 )
 from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
-from dcs_tasks.checkpoint.store import peerchannel as pc
-from dcs_tasks.checkpoint.store import peersteps as ps
-from dcs_tasks.checkpoint.store import peerwire as pw
+from dcs_tasks.checkpoint.store.peers import channel as pc
+from dcs_tasks.checkpoint.store.peers import stepfiles as ps
+from dcs_tasks.checkpoint.store.peers import transfer as pw
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
 from dcs_tasks.errors import (
     CorruptCheckpoint,
@@ -561,7 +561,7 @@ def test_a_stale_incoming_directory_is_removed_at_start(tmp_path: Path) -> None:
 SERVER = """
 import sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store.peerwire import PeerServer
+from dcs_tasks.checkpoint.store.peers.transfer import PeerServer
 srv = PeerServer(Path(sys.argv[1]), sys.argv[2], accept_put=lambda rel, raw: None, max_step_bytes=1 << 30, timeout=5.0)
 print(srv.start()[1], flush=True)
 sys.stdin.read()
@@ -572,8 +572,8 @@ srv.stop()
 DYING_SERVER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerchannel as pc
-from dcs_tasks.checkpoint.store import peersteps as ps
+from dcs_tasks.checkpoint.store.peers import channel as pc
+from dcs_tasks.checkpoint.store.peers import stepfiles as ps
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
 sock, _ = listener.accept()
@@ -590,7 +590,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_SENDER = """
 import os, signal, socket, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerchannel as pc
+from dcs_tasks.checkpoint.store.peers import channel as pc
 step_dir = Path(sys.argv[3])
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
@@ -608,7 +608,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 DYING_CLIENT = """
 import os, signal, sys
 from pathlib import Path
-from dcs_tasks.checkpoint.store import peerchannel as pc
+from dcs_tasks.checkpoint.store.peers import channel as pc
 port, token, step_dir, rel = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 ch = pc.client_session(("127.0.0.1", port), token, 5.0)
 ch.send({"op": "put", "rel": rel})

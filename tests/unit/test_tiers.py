@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks.checkpoint.store import tiers
-from dcs_tasks.checkpoint.store.peersteps import StepRel
+from dcs_tasks.checkpoint.store.peers.stepfiles import StepRel
 from dcs_tasks.checkpoint.store.tiers import MemoryStep, Peer, choose_peers, evictable
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PeerCorrupt, PeerRefused

@@ -7,7 +7,7 @@ manifest's checksum, which the transport authenticates). Hashing it again on eve
 256 MiB of one core on the CI VM, more than mapping the pages (~7 ms): with it, recovery from memory was 5.6x
 faster than a cold read from storage; without it, the same restore is mostly page-table work.
 
-So when a memory-tier step is committed (by `persisting.commit`, or by `peerwire` once a peer's copy is
+So when a memory-tier step is committed (by `persisting.commit`, or by `transfer` once a peer's copy is
 verified), each file is made read-only (0444) and its stamp (inode, size, mtime_ns, ctime_ns) is recorded in the
 step's `seal.json`. A restore that finds the open file's `fstat` equal to its stamp and the file still not
 writable trusts the arrival hash (`DCSConfig.memory_restore_verify = "seal"`, the default); any other file, or

@@ -57,8 +57,8 @@ from dcs_tasks import hostdirs
 from dcs_tasks.celery_app import node_queue
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
-from dcs_tasks.checkpoint.store import peerwire
-from dcs_tasks.checkpoint.store.peersteps import StepRel
+from dcs_tasks.checkpoint.store.peers import transfer
+from dcs_tasks.checkpoint.store.peers.stepfiles import StepRel
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, is_peer_copy
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, PeerCorrupt, PeerRefused
@@ -213,7 +213,7 @@ class Owners:
 
 
 class PutCheck:
-    """`peerwire.PeerServer.accept_put` for the memory tier of `this_host`: a peer may put only a step that another
+    """`transfer.PeerServer.accept_put` for the memory tier of `this_host`: a peer may put only a step that another
     host recorded as its own, with that manifest (module docstring); PeerRefused otherwise."""
 
     def __init__(self, client: redis.Redis, keys: Keys, this_host: str) -> None:
@@ -234,7 +234,7 @@ class PutCheck:
 
 
 def pull_check(client: redis.Redis, keys: Keys) -> Callable[[StepRel, bytes], None]:
-    """`peerwire.pull_step`'s `accept` for a restore: a step whose owner is recorded must come with the manifest
+    """`transfer.pull_step`'s `accept` for a restore: a step whose owner is recorded must come with the manifest
     recorded (PeerCorrupt otherwise); one without a record (lost with Redis's data) is taken on its checksums."""
     owners = Owners(client, keys)
 
@@ -592,7 +592,7 @@ def pull_from_peers(
 ) -> dict[int, str]:
     """Fetch into this host's memory the parts of run `run`'s newest steps (of the `newest` newest that peers hold,
     newest first, stopping at the first one something was fetched for; or of `step`) that live peers hold in memory
-    and this host does not (`peerwire.pull_step`: verified on arrival, installed atomically). Returns step -> the
+    and this host does not (`transfer.pull_step`: verified on arrival, installed atomically). Returns step -> the
     peer a part came from. A peer that fails is skipped with a warning (the restore uses what it finds)."""
     token = config.token()
     if not token:
@@ -624,7 +624,7 @@ def pull_from_peers(
 
 def _list(address: tuple[str, int], token: str, run: str, host: str, config: DCSConfig) -> list[str]:
     try:
-        return peerwire.list_steps(address, token, run, timeout=min(10.0, config.peer_timeout_seconds))
+        return transfer.list_steps(address, token, run, timeout=min(10.0, config.peer_timeout_seconds))
     except CheckpointError as exc:
         log.warning("memory tier: peer %s cannot list run %r: %s", host, run, exc)
         return []
@@ -640,7 +640,7 @@ def _pull(
     check: Callable[[StepRel, bytes], None],
 ) -> bool:
     try:
-        peerwire.pull_step(
+        transfer.pull_step(
             address,
             token,
             rel,

@@ -1,5 +1,5 @@
 """The memory tier's peer transport, its connection: an authenticated channel of framed JSON headers over one
-TCP socket (`peerwire` builds its operations on it; `peersteps` moves a step's file bytes through its socket).
+TCP socket (`transfer` builds its operations on it; `stepfiles` moves a step's file bytes through its socket).
 
 Every header is a JSON object in a frame: 4-byte big-endian length, then once the session key exists a 32-byte
 HMAC-SHA256 tag, then the JSON; at most `MAX_HEADER_BYTES` (a caller may allow a larger blob, a manifest);

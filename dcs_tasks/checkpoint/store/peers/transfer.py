@@ -5,11 +5,11 @@ A `PeerServer` (one per `dcs worker`) serves its memory root (`<root>/<run>/step
 has not authenticated holds one of `MAX_PENDING` handshake places (at most `per_source` from one source address;
 more are closed at once) for at most `handshake_seconds`; only once it has authenticated does it take one of the
 `max_connections` slots that transfers run in, so connections that never authenticate cannot keep authenticated ones
-waiting. A transfer's bytes must keep `min_rate` (`peerchannel.Pace`). Clients: `push_step` (op `put`: send a step,
+waiting. A transfer's bytes must keep `min_rate` (`channel.Pace`). Clients: `push_step` (op `put`: send a step,
 the server installs it), `pull_step` (op `get`: fetch a step and install it locally) and `list_steps` (op `list`:
 the committed steps of a run).
 
-A connection (`peerchannel`: both sides authenticated with the shared token, every header MACed under a
+A connection (`channel`: both sides authenticated with the shared token, every header MACed under a
 session key), then:
 1. The request: `{"op": "put", "rel"}` + the manifest, answered `have` (the step is committed there already:
    nothing is sent, nothing replaced) or `send`. Before `send` the server has the step checked by `accept_put`
@@ -22,8 +22,8 @@ session key), then:
    descriptors), then a trailer `{"done": total bytes}`; a put is answered `ok` (installed) or `have` (another
    copy was installed first).
 How a step is named, checked, received (hashed on arrival, installed atomically, never replacing a committed
-step) and sent: `peersteps`. A manifest is at most `max_manifest_bytes` (default `peersteps.MAX_MANIFEST_BYTES`),
-a list `MAX_LIST_BYTES`. A refused or failed put leaves no directory behind (`peersteps.prune_parents`).
+step) and sent: `stepfiles`. A manifest is at most `max_manifest_bytes` (default `stepfiles.MAX_MANIFEST_BYTES`),
+a list `MAX_LIST_BYTES`. A refused or failed put leaves no directory behind (`stepfiles.prune_parents`).
 
 Errors (dcs_tasks.errors): PeerAuthFailed (a PeerRefused), PeerRefused (bad name, over a limit, compressed or
 incremental files, no room), PeerCorrupt (bytes, checksums, manifest or frames that do not verify; bytes beyond
@@ -51,7 +51,7 @@ from typing import Any
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
-from dcs_tasks.checkpoint.store.peerchannel import (
+from dcs_tasks.checkpoint.store.peers.channel import (
     Address,
     Channel,
     Pace,
@@ -62,7 +62,7 @@ from dcs_tasks.checkpoint.store.peerchannel import (
     token_bytes,
     tune,
 )
-from dcs_tasks.checkpoint.store.peersteps import (
+from dcs_tasks.checkpoint.store.peers.stepfiles import (
     MAX_MANIFEST_BYTES,
     LocalWriteError,
     StepRel,
@@ -96,7 +96,7 @@ MAX_CONNECTIONS = 16  # authenticated connections at once (transfers)
 MAX_PENDING = 64  # connections not yet authenticated, at once
 PER_SOURCE = 8  # of those, from one source address
 HANDSHAKE_SECONDS = 5.0
-MIN_RATE = 1 << 20  # bytes/s a transfer must keep (peerchannel.Pace)
+MIN_RATE = 1 << 20  # bytes/s a transfer must keep (channel.Pace)
 SEAL_BYTES_PER_FILE = 128  # what a received step's seal.json takes per file, with room to spare
 STOP_JOIN_SECONDS = 10.0
 _ACCEPT_POLL = 0.2

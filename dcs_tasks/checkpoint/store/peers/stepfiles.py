@@ -1,6 +1,6 @@
 """The memory tier's peer transport, its two ends on disk: a step's name on the wire (`rel`, `parse_rel`), its
 manifest checked as a memory-tier step, and its directory reached, received, installed and sent by descriptor
-(`peerwire` runs these over a `peerchannel.Channel`).
+(`transfer` runs these over a `channel.Channel`).
 
 A step travels as `rel`, `<run>/step-NNNNNNNNN` or `<run>/rank-NNNNN/step-NNNNNNNNN` (`parse_rel`, checked on
 both sides before any path is built). Memory-tier steps are never incremental nor compressed: a manifest naming
@@ -39,7 +39,7 @@ from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
 from dcs_tasks.checkpoint.format.validate import check_files, check_manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
-from dcs_tasks.checkpoint.store.peerchannel import MAX_MESSAGE, Channel, short
+from dcs_tasks.checkpoint.store.peers.channel import MAX_MESSAGE, Channel, short
 from dcs_tasks.checkpoint.store.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
 from dcs_tasks.storage.fs import read_exactly
