@@ -98,6 +98,12 @@ def test_the_weight_push_example_reaches_both_receivers_bit_exact(stack: Stack) 
         assert f"receiver {rank}: weight version 1, bit-exact: True" in done.stdout, done.stdout
 
 
+def test_the_dcp_example_saves_with_dcp_and_loads_bit_exact(stack: Stack) -> None:
+    done = run_example(stack.env, "dcp_save.py", "--run", "example-dcp", "--steps", "30")
+    assert "committed steps: [10, 20, 30]" in done.stdout, done.stdout
+    assert "loaded step 30 with dcp.load, bit-exact: True" in done.stdout, done.stdout
+
+
 def quickstart_second_shell() -> str:
     """The README quickstart's second bash block: what a user types once `dcs up` runs."""
     section = (REPO / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
