@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # and order). 2 on the 2-core CI machines cut the suite from 27 to 18 minutes; 0 runs everything in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install redis-bin sglang-engines vllm-engines lint typecheck test test-unit test-fast demo bench bench-storage clean format
+.PHONY: install redis-bin sglang-engines vllm-engines verl-lib lint typecheck test test-unit test-fast demo bench bench-storage clean format
 .PHONY: compose-wheels compose-test
 
 $(BIN)/python:
@@ -42,6 +42,12 @@ sglang-engines: install
 vllm-engines: install
 	$(BIN)/python -m tests.vllm_engine.install
 
+# verl 0.9.1 and the few packages verl.checkpoint_engine imports (ray's core wheel among them; no CUDA, torch kept)
+# under .verl/, --no-deps: verl's own requirements (ray[default], transformers<5.11) would replace the .venv's
+# (tests/verl_lib/__init__.py). For tests/integration/test_verl_backend.py and examples/verl_backend.py.
+verl-lib: install
+	$(BIN)/python -m tests.verl_lib.install
+
 format: install
 	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples
 	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples
@@ -52,7 +58,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install redis-bin sglang-engines vllm-engines lint typecheck
+test: install redis-bin sglang-engines vllm-engines verl-lib lint typecheck
 	@df -h . "$${TMPDIR:-/tmp}" /dev/shm | sed "s/^/disk before the suite: /"
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
