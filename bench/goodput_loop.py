@@ -295,9 +295,9 @@ logging.getLogger("dcs_tasks.checkpoint.checkpointer").addHandler(FULL)
 
 
 def memory_used(config: DCSConfig) -> int:
-    from dcs_tasks.checkpoint.store import tiers
+    from dcs_tasks.checkpoint.store.tiers import memdir
 
-    return tiers.used_bytes(tiers.memory_root(config))
+    return memdir.used_bytes(memdir.memory_root(config))
 
 
 def run_segments(

@@ -140,7 +140,7 @@ def peer_recovery(
     peer's memory; A's worker stops (A is lost); a fresh trainer on host C restores the step, pulling it from a
     peer into C's memory (verified on arrival) and reading it from there. Loopback first (peer B); then, with a
     veth, B stops too and the pull comes from peer V in the network namespace."""
-    from dcs_tasks.checkpoint.store import tiers
+    from dcs_tasks.checkpoint.store.tiers import stepplaces
 
     shm = stack.memory_root
     state_bytes = trainer.saved_bytes()
@@ -163,8 +163,8 @@ def peer_recovery(
     with Checkpointer(run, config_a) as ckpt_a:
         ckpt_a.save(trainer.state(), step=step).wait(timeout=600)
     client = sync_client(config_a)
-    book = tiers.Places(client, Keys(config_a.namespace))
-    wanted = {tiers.peer_place(host) for _, host, _ in peers}
+    book = stepplaces.Places(client, Keys(config_a.namespace))
+    wanted = {stepplaces.peer_place(host) for _, host, _ in peers}
     wait_until(
         lambda: wanted <= book.read(run).get((step, 0), set()), 600, f"peer copies {sorted(wanted)} of step {step}"
     )

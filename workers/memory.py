@@ -17,8 +17,8 @@ import time
 import redis
 
 from dcs_tasks.checkpoint import tiering
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.peers import transfer
+from dcs_tasks.checkpoint.store.tiers import eviction, memdir, owners, peerchoice, stepplaces
 from dcs_tasks.config import DCSConfig
 from workers.runtime import runtime
 
@@ -36,13 +36,13 @@ class _PeerService:
         token = config.token()
         assert token
         self.server = transfer.PeerServer(
-            tiers.memory_root(config, create=True),
+            memdir.memory_root(config, create=True),
             token,
             config.peer_host,
             config.peer_port,
             max_step_bytes=config.memory_tier_bytes,
-            accept_put=tiers.PutCheck(client, runtime().keys, config.host_name),
-            room=lambda: tiers.room(config),
+            accept_put=owners.PutCheck(client, runtime().keys, config.host_name),
+            room=lambda: memdir.room(config),
             timeout=config.peer_timeout_seconds,
             handshake_seconds=config.peer_handshake_seconds,
             per_source=config.peer_connections_per_source,
@@ -61,29 +61,31 @@ class _PeerService:
 
     def _register(self) -> None:
         config = self.config
-        peer = tiers.Peer(
+        peer = peerchoice.Peer(
             host=config.host_name,
             address=config.peer_advertise_host or self.address[0],
             port=self.address[1],
             domain=config.failure_domain or config.host_name,
             seen=time.time(),
         )
-        tiers.register_peer(self.client, runtime().keys, peer)
+        peerchoice.register_peer(self.client, runtime().keys, peer)
 
     def _rediscover(self) -> None:
         """A restarted worker finds its host's memory steps again (tmpfs outlives it) and records the places Redis
         lacks (lost in a failover, say), so restores on other hosts can find them: `mem@` and the owner for its own
         steps, `peer@` for the copies it received."""
         host = self.config.host_name
-        mine = {tiers.mem_place(host), tiers.peer_place(host)}
-        book = tiers.Places(self.client, runtime().keys)
-        held = [s for s in tiers.scan(tiers.memory_root(self.config)) if s.committed]
+        mine = {stepplaces.mem_place(host), stepplaces.peer_place(host)}
+        book = stepplaces.Places(self.client, runtime().keys)
+        held = [s for s in memdir.scan(memdir.memory_root(self.config)) if s.committed]
         for run in sorted({s.run for s in held}):
             try:
                 known = book.read(run)
                 for s in held:
                     if s.run == run and not known.get((s.step, s.rank), set()) & mine:
-                        book.record(run, s.step, s.rank, (tiers.peer_place if s.peer else tiers.mem_place)(host))
+                        book.record(
+                            run, s.step, s.rank, (stepplaces.peer_place if s.peer else stepplaces.mem_place)(host)
+                        )
                         if not s.peer:
                             tiering.record_owner(runtime(), host, run, s.step, s.rank, s.path)
             except redis.RedisError as exc:
@@ -99,7 +101,7 @@ class _PeerService:
             rounds += 1
             try:
                 self._register()
-                tiers.evict(self.config, self.client, runtime().keys)
+                eviction.evict(self.config, self.client, runtime().keys)
                 if rounds % REDISCOVER_ROUNDS == 0:  # places lost with Redis's data come back
                     self._rediscover()
             except redis.RedisError as exc:  # Redis failing over: the registration comes back with it
@@ -111,7 +113,7 @@ class _PeerService:
         self.stop_event.set()
         self.thread.join(timeout=2 * PEER_REGISTER_SECONDS)
         try:
-            tiers.unregister_peer(self.client, runtime().keys, self.config.host_name)
+            peerchoice.unregister_peer(self.client, runtime().keys, self.config.host_name)
         except redis.RedisError:
             pass
         self.server.stop()
@@ -123,7 +125,7 @@ _service: _PeerService | None = None
 def start_peer_server(config: DCSConfig) -> None:
     """Serve this host's memory tier to peers (memory tier on and a shared token set)."""
     global _service
-    if not tiers.enabled(config):
+    if not memdir.enabled(config):
         return
     if not config.token():
         log.warning("memory tier: no auth_token, so no peer server: peers can neither copy to nor read from this host")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from dcs_tasks.checkpoint import persisting, tiering
 from dcs_tasks.checkpoint.persisting import Context
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, in_flight_refs
 from dcs_tasks.checkpoint.store.payloads import (
     CommitRequest,
@@ -34,6 +33,7 @@ from dcs_tasks.checkpoint.store.payloads import (
     ReplicateRequest,
     RetentionRequest,
 )
+from dcs_tasks.checkpoint.store.tiers import memdir
 from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_run_dir, trusted_step_dir
 from dcs_tasks.storage.factory import relative
@@ -58,7 +58,7 @@ def after_commit(ctx: Context, req: CommitRequest) -> FollowUps:
         flush, copy = tiering.record_commit(ctx, ref.step_dir, ref.run, ref.step, req.durable)
         step = MemoryStepRequest(ref=ref, retention=req.retention)
         return FollowUps(peer_copy=step if copy else None, flush=step if flush else None)
-    if tiers.enabled(ctx.config):
+    if memdir.enabled(ctx.config):
         tiering.record_commit(ctx, ref.step_dir, ref.run, ref.step, True)
     retention = None
     if req.retention.active:

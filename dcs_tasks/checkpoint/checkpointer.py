@@ -47,9 +47,9 @@ from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.store.payloads import StepRef, validate_run_name, validate_step
+from dcs_tasks.checkpoint.store.tiers import memdir, peerpulls, stepplaces
 from dcs_tasks.checkpoint.telemetry import StagingGauges, record_load, record_stall
 from dcs_tasks.config import DCSConfig, StagingPolicy
 from dcs_tasks.errors import (
@@ -95,10 +95,10 @@ class Checkpointer:
         self._roots = replicas.run_roots(self.config, run)
         self.run_root = self._roots[0][1]
         # the memory tier (dcs_tasks.checkpoint.store.tiers): steps committed in memory_dir first, storage every Nth
-        self._memory = tiers.enabled(self.config)
-        self.memory_run_root = (tiers.memory_root(self.config, create=True) / run) if self._memory else None
+        self._memory = memdir.enabled(self.config)
+        self.memory_run_root = (memdir.memory_root(self.config, create=True) / run) if self._memory else None
         if self.memory_run_root is not None:
-            self._roots = [(tiers.MEMORY, self.memory_run_root), *self._roots]
+            self._roots = [(stepplaces.MEMORY, self.memory_run_root), *self._roots]
         self._last_durable = time.monotonic()
         # a single trainer keeps the plain layout; rank r of several writes <run>/rank-0000r/ as `<run>.rank-0000r`
         multi = world_size > 1
@@ -298,7 +298,7 @@ class Checkpointer:
             durable = step % self.config.storage_every_steps == 0 or (
                 every > 0 and time.monotonic() - self._last_durable >= every
             )
-        in_memory = tiers.fits(self.config, nbytes)
+        in_memory = memdir.fits(self.config, nbytes)
         if not in_memory:
             log.warning(
                 "memory tier full (%d bytes budget): step %d of %r goes to storage only",
@@ -489,14 +489,14 @@ class Checkpointer:
             return replicas.load_first_good(s, copies, heal=verify and found.plain)
 
         restored = found.choose(step, load)
-        if restored.location == tiers.MEMORY and restored.step in pulled:
+        if restored.location == stepplaces.MEMORY and restored.step in pulled:
             restored = dataclasses.replace(restored, location=f"peer:{pulled[restored.step]}")
         return restored
 
     def _source(self, location: str) -> reader.Source:
         """How a copy at `location` is read: this host's memory is mapped, its sealed files not hashed again unless
         `memory_restore_verify` is "hash"; anything else as storage."""
-        if location != tiers.MEMORY:
+        if location != stepplaces.MEMORY:
             return reader.Source.STORAGE
         return reader.Source.SEALED if self.config.memory_restore_verify == "seal" else reader.Source.MEMORY
 
@@ -513,7 +513,7 @@ class Checkpointer:
         if self.memory_run_root is None:
             return {}
         try:
-            return tiers.pull_from_peers(self.config, self._redis, self._keys, self.run, step)
+            return peerpulls.pull_from_peers(self.config, self._redis, self._keys, self.run, step)
         except redis.RedisError as exc:
             log.warning("memory tier: places unreadable (%s): not looking at peers", exc)
             return {}

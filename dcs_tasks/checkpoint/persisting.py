@@ -40,7 +40,6 @@ from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
 from dcs_tasks.checkpoint.format.fsio import NotPublished
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
-from dcs_tasks.checkpoint.store import seal, tiers
 from dcs_tasks.checkpoint.store.ledger import incremental, objlocks
 from dcs_tasks.checkpoint.store.ledger.stepledger import (
     FileFinish,
@@ -51,6 +50,8 @@ from dcs_tasks.checkpoint.store.ledger.stepledger import (
     file_entry_json,
 )
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
+from dcs_tasks.checkpoint.store.tiers import memdir as tiers
+from dcs_tasks.checkpoint.store.tiers import seal
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
 from dcs_tasks.config import DCSConfig

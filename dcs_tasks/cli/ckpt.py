@@ -140,7 +140,8 @@ def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
     found = [(PRIMARY, _run_dir(args))]
     config = DCSConfig()
     if config.memory_tier_bytes > 0:  # this host's memory tier, read first by restore
-        from dcs_tasks.checkpoint.store.tiers import MEMORY, memory_root
+        from dcs_tasks.checkpoint.store.tiers.memdir import memory_root
+        from dcs_tasks.checkpoint.store.tiers.stepplaces import MEMORY
 
         run = memory_root(config) / args.run
         found.insert(0, (MEMORY, run / rank_dir_name(args.rank) if args.rank is not None else run))
@@ -166,7 +167,7 @@ def _recorded(args: argparse.Namespace) -> dict[int, str]:
         return {}
     import redis
 
-    from dcs_tasks.checkpoint.store.tiers import Places
+    from dcs_tasks.checkpoint.store.tiers.stepplaces import Places
     from dcs_tasks.keys import Keys
     from dcs_tasks.redisconn import sync_client
 

@@ -64,7 +64,7 @@ from torch.futures import Future
 from dcs_tasks.checkpoint import replicas
 from dcs_tasks.checkpoint.checkpointer import Checkpointer
 from dcs_tasks.checkpoint.restore.sharded import StepShards
-from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.tiers import memdir, stepplaces
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StagingError, UnsupportedDtype
 from dcs_tasks.interop.dcp_steps import (
@@ -402,8 +402,8 @@ def open_step(run: str, config: DCSConfig, step: int | None) -> StepShards:
     on), the primary, the replica (when `replica_dir` is set)."""
     stores = replicas.run_roots(config, run)
     roots: list[tuple[str, Location]] = list(stores)
-    if tiers.enabled(config):
-        roots.insert(0, (tiers.MEMORY, tiers.memory_root(config) / run))
+    if memdir.enabled(config):
+        roots.insert(0, (stepplaces.MEMORY, memdir.memory_root(config) / run))
     return open_step_at(run, roots, stores[0][1], step)
 
 

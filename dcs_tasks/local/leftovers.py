@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcs_tasks import hostagent, hostdirs, metricsdir
-from dcs_tasks.checkpoint.store.tiers import RECYCLE_DIR
+from dcs_tasks.checkpoint.store.tiers.memdir import RECYCLE_DIR
 from dcs_tasks.config import HOST_DIR_LEAVES, DCSConfig
 from dcs_tasks.process import pid_alive
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.peers import stepfiles
-from dcs_tasks.checkpoint.store.seal import SEAL_NAME
+from dcs_tasks.checkpoint.store.tiers import memdir
+from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import start_worker, wait_until
 from tests.helpers.sentinel import SentinelCluster
@@ -95,7 +95,7 @@ def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: Sent
             restored = replacement.restore()
             assert (restored.step, restored.location) == (2, "peer:hostb")
             assert torch.equal(restored.state["w"], small["w"])
-        assert tiers.memory_root(c).is_dir()
+        assert memdir.memory_root(c).is_dir()
     finally:
         for worker in workers.values():
             worker.discard()

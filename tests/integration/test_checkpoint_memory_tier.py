@@ -23,8 +23,8 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import step_dir_name
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.checkpoint.restore.sharded import rank_dir_name
-from dcs_tasks.checkpoint.store import tiers
-from dcs_tasks.checkpoint.store.seal import SEAL_NAME, read_seals
+from dcs_tasks.checkpoint.store.tiers import memdir, peerchoice, stepplaces
+from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, read_seals
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
@@ -70,7 +70,7 @@ def storage_steps(config: DCSConfig, run: str, rank: int | None = None) -> list[
 def places(config: DCSConfig, run: str) -> dict[tuple[int, int], set[str]]:
     client = sync_client(config)
     try:
-        return tiers.Places(client, Keys(config.namespace)).read(run)
+        return stepplaces.Places(client, Keys(config.namespace)).read(run)
     finally:
         client.close()
 
@@ -265,7 +265,7 @@ def host_config(base: DCSConfig, tmp_path: Path, host: str, **overrides: Any) ->
 def registered(config: DCSConfig) -> set[str]:
     client = sync_client(config)
     try:
-        return set(tiers.peers(client, Keys(config.namespace)))
+        return set(peerchoice.peers(client, Keys(config.namespace)))
     finally:
         client.close()
 
@@ -348,8 +348,8 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
             wait_until(lambda: storage_steps(config, "lent") == [1, 2, 3, 4], 120, "every step in storage")
             lent_lines = [line for line in _mapped_files().splitlines() if "/lent/step-000000001/" in line]
             assert lent_lines and all(line.endswith("(deleted)") for line in lent_lines)  # deleted, not recycled
-            assert tiers.RECYCLE_DIR not in _mapped_files()
-            assert tiers.recycled_bytes(tiers.memory_root(config)) > 0  # steps 2 and 3 were recycled meanwhile
+            assert memdir.RECYCLE_DIR not in _mapped_files()
+            assert memdir.recycled_bytes(memdir.memory_root(config)) > 0  # steps 2 and 3 were recycled meanwhile
             assert_same_state(restored.state, states[1])  # what was lent never changed
             assert_same_state(ckpt.restore(step=4).state, states[4])
     finally:

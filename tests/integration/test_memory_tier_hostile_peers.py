@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.peers import channel as pc
 from dcs_tasks.checkpoint.store.peers import stepfiles as ps
 from dcs_tasks.checkpoint.store.peers import transfer as pw
+from dcs_tasks.checkpoint.store.tiers import memdir, peerchoice
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PeerError, PeerRefused
 from dcs_tasks.keys import Keys
@@ -36,10 +36,10 @@ def peer_address(config: DCSConfig, host: str) -> tuple[str, int]:
     """Where `host`'s worker serves its memory tier (its record in Redis), once it registered."""
     client = sync_client(config)
     try:
-        found: dict[str, tiers.Peer] = {}
+        found: dict[str, peerchoice.Peer] = {}
 
         def registered() -> bool:
-            found.update(tiers.peers(client, Keys(config.namespace)))
+            found.update(peerchoice.peers(client, Keys(config.namespace)))
             return host in found
 
         wait_until(registered, 60, f"{host}'s peer server to register")
@@ -127,7 +127,7 @@ def test_pushes_never_take_the_memory_tier_over_its_budget(dcs_config: DCSConfig
             except PeerRefused as exc:
                 assert "no room" in str(exc)
                 refused += 1
-            held.append(tiers.used_bytes(Path(b.memory_dir)))
+            held.append(memdir.used_bytes(Path(b.memory_dir)))
         assert max(held) <= budget, f"host b held {held} bytes after each push, over its {budget}-byte budget"
         assert refused >= 1
         print(f"pushes: host b held at most {max(held)} bytes ({refused} of 4 refused)")

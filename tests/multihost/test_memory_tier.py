@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.checkpoint.store import tiers
+from dcs_tasks.checkpoint.store.tiers import peerchoice, stepplaces
 from tests.multihost.cluster import Cluster
 from tests.multihost.hosts import SimulatedHost
 from tests.multihost.test_checkpoints import wait_for
@@ -33,11 +33,11 @@ def tier_env(host: SimulatedHost, **extra: str) -> dict[str, str]:
 
 
 def live_peers(cluster: Cluster) -> set[str]:
-    return set(tiers.peers(cluster.redis.client(), cluster.keys))
+    return set(peerchoice.peers(cluster.redis.client(), cluster.keys))
 
 
 def places(cluster: Cluster, run: str) -> dict[tuple[int, int], set[str]]:
-    return tiers.Places(cluster.redis.client(), cluster.keys).read(run)
+    return stepplaces.Places(cluster.redis.client(), cluster.keys).read(run)
 
 
 @pytest.mark.slow

@@ -170,7 +170,7 @@ def test_map_many_names_a_bad_file_and_refuses_one_a_writer_holds(where: Path) -
 def test_a_sealed_file_is_lent_or_copied_without_a_hash_and_a_changed_one_is_not_trusted(
     where: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcs_tasks.checkpoint.store.seal import read_seals, seal_step
+    from dcs_tasks.checkpoint.store.tiers.seal import read_seals, seal_step
 
     files = _files(where)
     names = [path.name for path, _ in files]

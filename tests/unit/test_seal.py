@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dcs_tasks.checkpoint.store.seal import MAX_SEAL_BYTES, SEAL_NAME, Stamp, read_seals, seal_step
+from dcs_tasks.checkpoint.store.tiers.seal import MAX_SEAL_BYTES, SEAL_NAME, Stamp, read_seals, seal_step
 
 
 def _sealed(tmp_path: Path) -> tuple[Path, Stamp]:

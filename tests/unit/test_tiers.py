@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dcs_tasks.checkpoint.store import tiers
 from dcs_tasks.checkpoint.store.peers.stepfiles import StepRel
-from dcs_tasks.checkpoint.store.tiers import MemoryStep, Peer, choose_peers, evictable
+from dcs_tasks.checkpoint.store.tiers import eviction, memdir, owners, stepplaces
+from dcs_tasks.checkpoint.store.tiers.eviction import evictable
+from dcs_tasks.checkpoint.store.tiers.memdir import MemoryStep
+from dcs_tasks.checkpoint.store.tiers.peerchoice import Peer, choose_peers
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PeerCorrupt, PeerRefused
 from dcs_tasks.keys import Keys
@@ -87,18 +89,18 @@ def test_the_ring_starts_after_this_host_so_copies_spread() -> None:
 def test_hostile_place_fields_are_skipped() -> None:
     good = "5|0|mem@hosta"
     for bad in ["5|0", "x|0|storage", "5|0|nowhere", "5|0|mem@", "5|0|mem@a b", "1" * 30 + "|0|storage", "5|0|peer@/x"]:
-        assert tiers._parse_field(bad) is None, bad
-    assert tiers._parse_field(good) == (5, 0, "mem@hosta")
-    assert tiers._parse_field(b"7|3|replicated") == (7, 3, "replicated")
+        assert stepplaces._parse_field(bad) is None, bad
+    assert stepplaces._parse_field(good) == (5, 0, "mem@hosta")
+    assert stepplaces._parse_field(b"7|3|replicated") == (7, 3, "replicated")
 
 
 def test_rel_names_a_rank_and_a_step_or_nothing() -> None:
-    assert tiers.rel_step("run/step-000000005") == (0, 5)
-    assert tiers.rel_step("run/rank-00003/step-000000005") == (3, 5)
+    assert stepplaces.rel_step("run/step-000000005") == (0, 5)
+    assert stepplaces.rel_step("run/rank-00003/step-000000005") == (3, 5)
     for bad in ["run", "run/rank-3/step-000000005", "a/b/c/step-000000005", "run/step-5"]:
-        assert tiers.rel_step(bad) is None, bad
-    assert tiers.base_and_rank("run.rank-00002") == ("run", 2)
-    assert tiers.base_and_rank("run") == ("run", 0)
+        assert stepplaces.rel_step(bad) is None, bad
+    assert stepplaces.base_and_rank("run.rank-00002") == ("run", 2)
+    assert stepplaces.base_and_rank("run") == ("run", 0)
 
 
 def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_overwrites_one(tmp_path: Path) -> None:
@@ -111,14 +113,14 @@ def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_ove
     (step_dir / "a.safetensors").write_bytes(b"a" * 5000)
     (step_dir / "b.safetensors").write_bytes(b"b" * 9000)
     (step_dir / "manifest.json").write_text("{}")
-    tiers.remove_step(MemoryStep("run", 0, 1, step_dir, True, 14_000), root, room=14_100)
+    memdir.remove_step(MemoryStep("run", 0, 1, step_dir, True, 14_000), root, room=14_100)
     assert not step_dir.exists()
-    assert [size for size, _ in tiers._recycled(root)] == [5000, 9000]  # the manifest went first
-    assert tiers.recycled_bytes(root) == 14_000
+    assert [size for size, _ in memdir._recycled(root)] == [5000, 9000]  # the manifest went first
+    assert memdir.recycled_bytes(root) == 14_000
 
-    first = tiers.take_recycled(root, 6000)  # the smallest that holds 6000 bytes, now the caller's alone
+    first = memdir.take_recycled(root, 6000)  # the smallest that holds 6000 bytes, now the caller's alone
     assert first is not None and first.read_bytes() == b"b" * 9000
-    assert tiers.take_recycled(root, 6000) is None  # taken: never handed out twice
+    assert memdir.take_recycled(root, 6000) is None  # taken: never handed out twice
     source = tmp_path / "staged"
     source.write_bytes(bytes(range(256)) * 24)  # 6144 bytes
     final = tmp_path / "out" / "c.safetensors"
@@ -128,8 +130,8 @@ def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_ove
     hasher = new_hasher()
     hasher.update(source.read_bytes())
     assert digest == hasher.hexdigest() and not first.exists()
-    tiers.remove_step(MemoryStep("run", 0, 2, final.parent, True, 6144), root, room=0)  # no room: deleted
-    assert not final.parent.exists() and tiers.recycled_bytes(root) == 5000
+    memdir.remove_step(MemoryStep("run", 0, 2, final.parent, True, 6144), root, room=0)  # no room: deleted
+    assert not final.parent.exists() and memdir.recycled_bytes(root) == 5000
 
 
 def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path) -> None:
@@ -152,14 +154,14 @@ def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path
     lent.write_bytes(b"a" * 8192)
     free.write_bytes(b"b" * 8192)
     (mapping,) = lend.map_many([(lent, entry_of(lent))], verify=True)
-    tiers.remove_step(MemoryStep("run", 0, 1, step_dir, True, 16384), root, room=1 << 20)
-    assert [size for size, _ in tiers._recycled(root)] == [8192]  # only the file nobody maps
+    memdir.remove_step(MemoryStep("run", 0, 1, step_dir, True, 16384), root, room=1 << 20)
+    assert [size for size, _ in memdir._recycled(root)] == [8192]  # only the file nobody maps
     assert bytes(mapping[:8192]) == b"a" * 8192
 
     # a file mapped after it reached the pool (a reader that opened it just before): the writer leaves it alone
-    pool_file = tiers._recycled(root)[0][1]
+    pool_file = memdir._recycled(root)[0][1]
     (late,) = lend.map_many([(pool_file, entry_of(pool_file))], verify=True)
-    claimed = tiers.take_recycled(root, 8192)
+    claimed = memdir.take_recycled(root, 8192)
     assert claimed is not None
     source = tmp_path / "staged"
     source.write_bytes(b"c" * 8192)
@@ -179,12 +181,12 @@ def test_the_pool_is_trimmed_largest_first_to_what_the_budget_leaves_free(tmp_pa
         step_dir.mkdir(parents=True)
         for i, size in enumerate(sizes):
             (step_dir / f"f{i}.safetensors").write_bytes(b"x" * size)
-        tiers.remove_step(MemoryStep("run", 0, step, step_dir, True, sum(sizes)), root, room=1 << 20)
-    assert sorted(size for size, _ in tiers._recycled(root)) == [3000, 4000, 5000]  # several steps' files kept
-    tiers.trim_pool(root, allowed=7500)
-    assert sorted(size for size, _ in tiers._recycled(root)) == [3000, 4000]
-    tiers.trim_pool(root, allowed=0)
-    assert tiers._recycled(root) == []
+        memdir.remove_step(MemoryStep("run", 0, step, step_dir, True, sum(sizes)), root, room=1 << 20)
+    assert sorted(size for size, _ in memdir._recycled(root)) == [3000, 4000, 5000]  # several steps' files kept
+    memdir.trim_pool(root, allowed=7500)
+    assert sorted(size for size, _ in memdir._recycled(root)) == [3000, 4000]
+    memdir.trim_pool(root, allowed=0)
+    assert memdir._recycled(root) == []
 
 
 # --- peer copies: whose they are, and that they leave first (real Redis) -------------------------------------
@@ -210,29 +212,29 @@ def test_over_budget_peer_copies_leave_first_whatever_their_age_and_leave_no_dir
     config = dcs_config.model_copy(update={"memory_dir": root, "memory_tier_bytes": 3 * size, "node_name": ME})
     client = sync_client(config)
     try:
-        tiers.evict(config, client, Keys(config.namespace))
+        eviction.evict(config, client, Keys(config.namespace))
     finally:
         client.close()
     assert sorted(p.name for p in (root / "mine").iterdir()) == ["step-000000001", "step-000000002"]
     assert not (root / "theirs").exists()  # every copy left, and the run and rank directories with them
-    assert tiers.used_bytes(root) <= config.memory_tier_bytes
+    assert memdir.used_bytes(root) <= config.memory_tier_bytes
 
 
 def test_a_put_is_accepted_only_for_another_hosts_step_with_its_recorded_manifest(dcs_config: DCSConfig) -> None:
     client = sync_client(dcs_config)
     keys = Keys(dcs_config.namespace)
     try:
-        tiers.Owners(client, keys).record("run", 3, 1, "hostb", b'{"manifest": 1}')
+        owners.Owners(client, keys).record("run", 3, 1, "hostb", b'{"manifest": 1}')
         rel = StepRel("run", 3, 1)
-        tiers.PutCheck(client, keys, ME)(rel, b'{"manifest": 1}')  # host b's step, its manifest: accepted
+        owners.PutCheck(client, keys, ME)(rel, b'{"manifest": 1}')  # host b's step, its manifest: accepted
         with pytest.raises(PeerRefused, match="not the one host hostb committed"):
-            tiers.PutCheck(client, keys, ME)(rel, b'{"manifest": 2}')
+            owners.PutCheck(client, keys, ME)(rel, b'{"manifest": 2}')
         with pytest.raises(PeerRefused, match="this host's own step"):
-            tiers.PutCheck(client, keys, "hostb")(rel, b'{"manifest": 1}')
+            owners.PutCheck(client, keys, "hostb")(rel, b'{"manifest": 1}')
         with pytest.raises(PeerRefused, match="no host recorded"):
-            tiers.PutCheck(client, keys, ME)(StepRel("run", 4, 1), b'{"manifest": 1}')
+            owners.PutCheck(client, keys, ME)(StepRel("run", 4, 1), b'{"manifest": 1}')
         with pytest.raises(PeerCorrupt):
-            tiers.pull_check(client, keys)(rel, b'{"manifest": 2}')
-        tiers.pull_check(client, keys)(StepRel("run", 9), b"{}")  # no record: taken on its checksums
+            owners.pull_check(client, keys)(rel, b'{"manifest": 2}')
+        owners.pull_check(client, keys)(StepRel("run", 9), b"{}")  # no record: taken on its checksums
     finally:
         client.close()

@@ -2,7 +2,7 @@
 
 Without `into=` (`map_many`) the tensors are private copy-on-write mappings of the files' own pages (page tables
 filled on every core); with `into=` (`copy_sealed`) the mappings are copied into the caller's tensors with
-`memmove` on every core. A file that matches its seal (`store/seal.py`: hashed on arrival, unchanged since) is
+`memmove` on every core. A file that matches its seal (`store/tiers/seal.py`: hashed on arrival, unchanged since) is
 not hashed again; any other is hashed after mapping (`nogil`: without the GIL, one file per core), so what was
 checked is what the tensors hold. Each mapping holds a shared `flock` on its file for as long as it lives, and
 the memory tier neither recycles nor overwrites a locked file (`fsio.try_lock`). Files that cannot be lent
@@ -28,7 +28,7 @@ from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
 from dcs_tasks.checkpoint.restore.fastread import O_NOFOLLOW, checked_size
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.store.landing import Target, anonymous
-from dcs_tasks.checkpoint.store.seal import Stamp
+from dcs_tasks.checkpoint.store.tiers.seal import Stamp
 from dcs_tasks.errors import CorruptCheckpoint
 
 POPULATE_BYTES = 64 * 1024 * 1024  # one page-table fill of a lent file (pieces fill on several cores at once)

@@ -21,7 +21,7 @@ from dcs_tasks.checkpoint.restore.lend import Unmappable, copy_sealed, map_many
 from dcs_tasks.checkpoint.store import objread
 from dcs_tasks.checkpoint.store.ledger.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.ledger.steps import step_dirs as step_dirs
-from dcs_tasks.checkpoint.store.seal import Stamp, read_seals
+from dcs_tasks.checkpoint.store.tiers.seal import Stamp, read_seals
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, store_of
 from dcs_tasks.storage.factory import is_object

@@ -40,7 +40,7 @@ from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE
 from dcs_tasks.checkpoint.format.validate import check_files, check_manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peers.channel import MAX_MESSAGE, Channel, short
-from dcs_tasks.checkpoint.store.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
+from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
 from dcs_tasks.storage.fs import read_exactly
 
