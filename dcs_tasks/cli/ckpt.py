@@ -8,7 +8,8 @@ is (primary, replica, both), `verify` checks both copies and `gc` prunes both.
 traceback (manifests are untrusted input: `dcs_tasks.checkpoint.format.validate`).
 `gc` applies the retention policy (`--keep-last`, `--keep-every`, or
 DCS_KEEP_LAST / DCS_KEEP_EVERY) and spares steps the Redis ledger still has in flight when Redis answers.
-`export --format hf` writes a step's tensors under `--prefix` as a Hugging Face directory; `import --format
+`export --format hf` writes a step's tensors under `--prefix` as a Hugging Face directory, `export --format dcp`
+a step saved through torch DCP (`dcs_tasks.integrations.dcp`) as a DCP directory; `import --format
 dcp|hf` commits a torch DCP or Hugging Face checkpoint as a step, through the Redis ledger, without a worker
 (`dcs_tasks.interop`). A run that does not exist is an error naming it (exit 1), for every subcommand.
 """
@@ -62,7 +63,7 @@ def register(sub: Any) -> None:
 
 
 def _register_interop(actions: Any) -> None:
-    p = actions.add_parser("export", help="write a step as a Hugging Face model directory")
+    p = actions.add_parser("export", help="write a step as a Hugging Face model or torch DCP directory")
     p.add_argument("--run", required=True, type=_run_name, help="run name (letters, digits, _ . -)")
     p.add_argument(
         "--dir",
@@ -71,7 +72,12 @@ def _register_interop(actions: Any) -> None:
         help="checkpoint root: a path or s3://bucket/prefix (default: DCS_CHECKPOINT_DIR)",
     )
     p.add_argument("--step", type=int, default=None, help="the step (default: the newest committed one)")
-    p.add_argument("--format", choices=["hf"], default="hf", help="hf: model.safetensors (+ index when sharded)")
+    p.add_argument(
+        "--format",
+        choices=["hf", "dcp"],
+        default="hf",
+        help="hf: model.safetensors (+ index when sharded); dcp: .metadata + .distcp of a step saved through DCP",
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory (new, or without weights in it)")
     p.add_argument("--prefix", default="model/", help="state keys holding the model ('' for a bare state_dict)")
     p.add_argument("--max-shard-size", default="5GB", help="shard above this many bytes (5GB, 500MB, 2GiB)")
@@ -394,6 +400,8 @@ def _export(args: argparse.Namespace) -> int:
         run_root = _run_root(args)
         if not run_root.is_dir():
             raise CheckpointError(f"run {args.run!r} has no checkpoints: {run_root} does not exist")
+        if args.format == "dcp":
+            return _export_dcp(args, run_root)
         result = export_hf(
             run_root,
             args.out,
@@ -412,6 +420,17 @@ def _export(args: argparse.Namespace) -> int:
     )
     for alias, source in result.tied.items():
         print(f"  tied: {alias} -> {source} (left out; from_pretrained ties it again)")
+    return 0
+
+
+def _export_dcp(args: argparse.Namespace, run_root: Location) -> int:
+    from dcs_tasks.interop.dcp_steps import export_dcp
+
+    done = export_dcp(args.run, run_root, args.out, step=args.step)
+    print(
+        f"exported step {done.step} of run {args.run!r} as torch DCP: {done.tensors} tensors, {done.values} other "
+        f"values, {done.total_bytes / 2**20:.1f} MiB to {done.out_dir}"
+    )
     return 0
 
 
