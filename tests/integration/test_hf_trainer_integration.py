@@ -91,3 +91,34 @@ def test_a_run_killed_mid_training_resumes_from_dcs_with_the_losses_of_an_uninte
     for name in ("whole", "killed"):  # the Trainer wrote no checkpoint folder: DCS holds them
         out = tmp_path / f"{name}-out"
         assert not out.exists() or not any(p.name.startswith("checkpoint-") for p in out.iterdir())
+
+
+def test_a_state_holding_an_object_is_refused_naming_its_key_and_nothing_is_saved(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from dcs_tasks.errors import StagingError
+    from dcs_tasks.integrations.hf import DCSCallback
+    from tests.integration.hf_trainer_run import dataset, tiny_model
+
+    config = ckpt_config(dcs_config, tmp_path)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.param_groups[0]["owner"] = object()  # a custom optimizer's extra, not plain data
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True
+    )
+    dcs = DCSCallback("hf-bad", config, celery_app=inline(config))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(8), optimizers=(optimizer, scheduler), callbacks=[dcs]
+    )
+    with pytest.raises(StagingError, match="optimizer/param_groups/0/owner"):
+        trainer.train()
+    dcs.close()
+    assert committed(config, "hf-bad") == []
+    out = tmp_path / "out"
+    assert not out.exists() or not any(p.name.startswith("checkpoint-") for p in out.iterdir())
