@@ -124,3 +124,12 @@ def test_the_readme_quickstart_trains_resumes_lists_and_pushes(stack: Stack) -> 
     listed = [line.split()[0] for line in out.splitlines() if re.match(r"^\s*\d+\s", line)]
     assert listed[-4:] == ["0", "100", "200", "300"] and "<- latest" in out, out
     assert "receiver 0: weight version" in out and out.count("bit-exact: True") >= 2, out
+
+
+def test_the_verl_example_pushes_through_verls_own_registry(stack: Stack) -> None:
+    from tests.verl_lib import pythonpath
+
+    done = run_example(pythonpath(stack.env), "verl_backend.py")  # verl 0.9.1 from .verl/ (make verl-lib)
+    assert "verl's registry gave dcs_tasks.integrations.verl.DCSCheckpointEngine" in done.stdout, done.stdout
+    for version in (1, 2):
+        assert f"rollout worker: weight version {version}, bit-exact: True" in done.stdout, done.stdout
