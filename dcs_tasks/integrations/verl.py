@@ -128,7 +128,7 @@ class _Loop:
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class DCSCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+class DCSCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine over DCS weight sync (module docstring). verl passes `bucket_size` and, on the
     trainer's workers only, `is_master`; the rest comes from `engine_kwargs["dcs"]`:
 
