@@ -32,6 +32,7 @@ of DCP's own format; the DCS config's compression applies instead), and peer pul
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import threading
@@ -196,7 +197,7 @@ class DCSStorageWriter(StorageWriter):
             raise CheckpointError(f"metadata key {DCP_KEY!r} is DCP's record; name yours otherwise")
         self._timeout = timeout
         self._planner_data: Any = None
-        self._rank = 0
+        self._rank, self._world = 0, 1
         self.save_id = uuid.uuid4().hex
 
     # DCP's protocol -------------------------------------------------------------------------------------
@@ -223,12 +224,10 @@ class DCSStorageWriter(StorageWriter):
         if kwargs.get("use_collectives") is False:
             raise CheckpointError("DCSStorageWriter needs DCP's collectives (use_collectives=True)")
         rank, world = _world()
-        self._rank = int(kwargs.get("rank", rank))
-        if self._ckpt is None:
-            self._ckpt = Checkpointer(
-                self.run, self.config, celery_app=self._app, rank=self._rank, world_size=world if rank >= 0 else 1
-            )
-        elif (self._ckpt.rank, self._ckpt.world_size) != (self._rank, world):
+        self._rank, self._world = int(kwargs.get("rank", rank)), world
+        if not 0 <= self._rank < world:
+            raise CheckpointError(f"DCP saves as rank {self._rank}, the process group has {world} ranks")
+        if self._ckpt is not None and (self._ckpt.rank, self._ckpt.world_size) != (self._rank, world):
             raise CheckpointError(
                 f"the Checkpointer given is rank {self._ckpt.rank} of {self._ckpt.world_size}, this process is "
                 f"rank {self._rank} of {world}"
@@ -252,14 +251,21 @@ class DCSStorageWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        future: Future[list[WriteResult]] = Future()
         try:
-            future.set_result(self._write(plan, planner))
-        finally:
-            if self._own and self._ckpt is not None:
-                self._ckpt.close()
-                self._ckpt = None
+            results = self._write(plan, planner)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the save's own error is the one to see
+                self._close_own()
+            raise
+        self._close_own()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
         return future
+
+    def _close_own(self) -> None:
+        if self._own and self._ckpt is not None:
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left to do: every rank's step was committed before its `write_data` returned, and DCP's
@@ -267,7 +273,11 @@ class DCSStorageWriter(StorageWriter):
 
     # the save ---------------------------------------------------------------------------------------------
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        assert self._ckpt is not None and self.step is not None
+        assert self.step is not None
+        if self._ckpt is None:  # made here, not at set-up: a plan refused earlier leaves nothing to close
+            self._ckpt = Checkpointer(
+                self.run, self.config, celery_app=self._app, rank=self._rank, world_size=self._world
+            )
         flat: dict[str, torch.Tensor] = {}
         records: list[dict[str, Any]] = []
         results: list[WriteResult] = []

@@ -132,12 +132,18 @@ def test_a_writer_given_a_run_name_makes_and_closes_its_own_checkpointer(config:
     assert_states_equal(state, into)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("given", ["checkpointer", "run name"])
 def test_a_state_dcs_cannot_store_is_refused_naming_the_key_and_nothing_is_committed(
-    config: DCSConfig, ckpt: Checkpointer
+    config: DCSConfig, ckpt: Checkpointer, inline: Inline, given: str
 ) -> None:
     state = {"fine": torch.ones(4), "half_complex": torch.zeros(4, dtype=torch.complex32)}
+    if given == "checkpointer":
+        writer = DCSStorageWriter(ckpt, step=5)
+    else:
+        writer = DCSStorageWriter("dcp", step=5, config=config, celery_app=inline(config))
     with pytest.raises(CheckpointException) as raised:
-        dcp.save(state, storage_writer=DCSStorageWriter(ckpt, step=5))
+        dcp.save(state, storage_writer=writer)
     errors = [exc for exc, _trace in raised.value.failures.values()]
     assert len(errors) == 1 and isinstance(errors[0], UnstorableItem)
     assert errors[0].key == "half_complex" and "complex32" in str(errors[0])
