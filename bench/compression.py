@@ -10,7 +10,7 @@ State (built in code, nothing downloaded): a Llama from a `LlamaConfig` (`--hidd
 Part 1 (`codec`, one worker file per category, in this process): each category's first `--file-mb` MiB is
 staged in tmpfs and persisted by the worker's own writer (`compression.write_region`: probe, streaming
 hash + zstd, temp, fsync, rename) at each `--levels` level with `--threads` zstd threads, and plain
-(`stream_region`, O_DIRECT); then read back verified by restore's reader (`fastread.read_many`, page cache
+(`stream_region`, O_DIRECT); then read back verified by restore's reader (`fileread.read_many`, page cache
 evicted first). Throughputs count the uncompressed bytes.
 Part 2 (`end_to_end`, a private redis-server and a real `dcs worker` with `--workers` processes): the whole
 state saved with and without compression (at `--level`) (median of `--repeats` saves to the durable commit, after a
@@ -41,7 +41,7 @@ from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
-from dcs_tasks.checkpoint.restore import fastread
+from dcs_tasks.checkpoint.store.reads import fileread
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 
 MiB = 1 << 20
@@ -122,7 +122,7 @@ def codec(category: str, data: bytes, root: Path, levels: list[int], threads: in
                 writes.append(seconds)
                 path = entry.stored_path(root)
                 drop_cache(root)  # only this file is there
-                seconds, maps = timed(partial(fastread.read_many, [(path, entry)], verify=True), read_cpu)
+                seconds, maps = timed(partial(fileread.read_many, [(path, entry)], verify=True), read_cpu)
                 assert maps[0][: len(data)] == data
                 reads.append(seconds)
                 del maps

@@ -7,7 +7,7 @@ is read or described.
 The property test feeds random manifest, header, byte and symlink mutations to restore and verify: only
 CorruptCheckpoint (turned into a fallback) or success may come out; every path opened or stat'ed lies in
 the run directory (a spy on `os.open`/`os.stat`/`os.lstat`); every allocation on the read side
-(`fastread.anonymous`, `torch.empty`) is bounded by the bytes on disk, checked before it happens."""
+(`fileread.anonymous`, `torch.empty`) is bounded by the bytes on disk, checked before it happens."""
 
 from __future__ import annotations
 
@@ -30,11 +30,10 @@ from hypothesis import strategies as st
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import new_hasher
 from dcs_tasks.checkpoint.inline import InlineCommitter
-from dcs_tasks.checkpoint.restore import fastread
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
-from dcs_tasks.checkpoint.store import zread
 from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, newest_intact
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+from dcs_tasks.checkpoint.store.reads import fileread, zread
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt, training_state
@@ -479,7 +478,7 @@ class Spy:
     def anonymous(self, real: Callable[[int], Any]) -> Callable[[int], Any]:
         def spy(nbytes: int) -> Any:
             self.seen["allocations"] += 1
-            limit = fastread.WINDOW * (self.max_file + fastread.DIRECT_ALIGN)
+            limit = fileread.WINDOW * (self.max_file + fileread.DIRECT_ALIGN)
             assert nbytes <= limit, f"allocation of {nbytes} bytes, the largest file has {self.max_file}"
             return real(nbytes)
 
@@ -502,7 +501,7 @@ class Spy:
         with pytest.MonkeyPatch.context() as mp:
             for name in ("open", "stat", "lstat"):
                 mp.setattr(os, name, self.path(getattr(os, name)))
-            mp.setattr(fastread, "anonymous", self.anonymous(fastread.anonymous))
+            mp.setattr(fileread, "anonymous", self.anonymous(fileread.anonymous))
             mp.setattr(zread, "anonymous", self.anonymous(zread.anonymous))
             mp.setattr(torch, "empty", self.empty(torch.empty))
             yield

@@ -16,8 +16,7 @@ import zstandard
 from dcs_tasks.checkpoint.format import compression, validate
 from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.restore import fastread
-from dcs_tasks.checkpoint.store import zread
+from dcs_tasks.checkpoint.store.reads import fileread, zread
 from dcs_tasks.errors import CorruptCheckpoint
 
 ZSTD = CompressionSpec(codec="zstd", level=3, min_saving=0.05)
@@ -26,7 +25,7 @@ NAME = "model-00001-of-00001.safetensors"
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastread, "CHUNK_BYTES", 65536)  # many steps per file
+    monkeypatch.setattr(fileread, "CHUNK_BYTES", 65536)  # many steps per file
     monkeypatch.setattr(zread, "CHUNK_BYTES", 65536)
 
 
@@ -98,21 +97,21 @@ def test_readers_give_back_the_bytes_of_compressed_and_plain_files_together(tmp_
         zstandard.ZstdDecompressor().decompress(p.read_bytes()) if e.compression else plain_bytes for p, e in files
     ]
     seen: dict[str, int] = {}
-    mappings = fastread.read_many(files, True, lambda name, done, size: seen.__setitem__(name, done))
+    mappings = fileread.read_many(files, True, lambda name, done, size: seen.__setitem__(name, done))
     for (_, entry), mapping, data in zip(files, mappings, expected, strict=True):
         assert mapping[: entry.size] == data and seen[entry.name] == entry.size
     spans = [(5, 70_000), (130_000, 130_008), (190_000, 200_000)]  # across steps of 64 KiB, a gap, the tail
     dests = [torch.zeros(end - begin, dtype=torch.uint8) for begin, end in spans]
     targets = [(b, e, d.numpy().data) for (b, e), d in zip(spans, dests, strict=True)]
-    fastread.read_scatter([(files[0][0], files[0][1], targets), (raw, files[1][1], [])], True)
+    fileread.read_scatter([(files[0][0], files[0][1], targets), (raw, files[1][1], [])], True)
     for (begin, end), dest in zip(spans, dests, strict=True):
         assert dest.numpy().tobytes() == expected[0][begin:end]
 
 
 def _expect_corrupt(path: Path, entry: FileEntry, reason: str) -> None:
     for read in (
-        lambda: fastread.read_many([(path, entry)], True),
-        lambda: fastread.read_scatter([(path, entry, [])], True),
+        lambda: fileread.read_many([(path, entry)], True),
+        lambda: fileread.read_scatter([(path, entry, [])], True),
     ):
         with pytest.raises(CorruptCheckpoint, match=reason) as info:
             read()
@@ -196,13 +195,13 @@ def test_a_real_bomb_that_verifies_is_refused_before_any_allocation(
     path.write_bytes(blob)
     entry = FileEntry(name=NAME, size=len(data), checksum=_checksum(data), compression="zstd", stored_size=len(blob))
     allocated: list[int] = []
-    real = fastread.anonymous
+    real = fileread.anonymous
 
     def spy(size: int) -> Any:
         allocated.append(size)
         return real(size)
 
-    monkeypatch.setattr(fastread, "anonymous", spy)
+    monkeypatch.setattr(fileread, "anonymous", spy)
     monkeypatch.setattr(zread, "anonymous", spy)
     with pytest.raises(CorruptCheckpoint, match="at most 256x expansion"):
         validate.check_manifest(_manifest_of(entry), tmp_path / "manifest.json")  # what every reader runs first
@@ -225,7 +224,7 @@ def test_all_zero_files_are_written_within_the_expansion_limit_and_read_back(tmp
         assert entry.compression == "zstd" and entry.stored_size == stored.stat().st_size
         assert entry.stored_size >= size / compression.MAX_EXPANSION
         assert compression.stored_size_problem(entry) is None
-        (mapping,) = fastread.read_many([(stored, entry)], True, None)
+        (mapping,) = fileread.read_many([(stored, entry)], True, None)
         assert mapping[:size] == data
         assert zstandard.ZstdDecompressor().decompressobj().decompress(stored.read_bytes()) == data  # zstd's own
 

@@ -1,4 +1,4 @@
-"""fastread: chunked verified reads land every byte where it belongs, on disk with O_DIRECT, on disk buffered
+"""fileread: chunked verified reads land every byte where it belongs, on disk with O_DIRECT, on disk buffered
 (as where a file system refuses O_DIRECT) and on tmpfs, across chunk and file boundaries; a bad or short
 file is named. Also `lend`, the memory tier's mapped reads, on the same files."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-from dcs_tasks.checkpoint.restore import fastread, lend
+from dcs_tasks.checkpoint.restore import lend
+from dcs_tasks.checkpoint.store.reads import fileread
 from dcs_tasks.errors import CorruptCheckpoint
 
 SIZES = (3 * 65536 + 777, 65536, 4096 * 5, 1)  # ragged, exactly one chunk, page multiple, one byte
@@ -23,7 +24,7 @@ SIZES = (3 * 65536 + 777, 65536, 4096 * 5, 1)  # ragged, exactly one chunk, page
 def where(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     if request.param.startswith("disk"):
         if request.param == "disk-buffered":
-            monkeypatch.setattr(fastread, "O_DIRECT", 0)
+            monkeypatch.setattr(fileread, "O_DIRECT", 0)
         yield tmp_path
         return
     if not Path("/dev/shm").is_dir():
@@ -34,7 +35,7 @@ def where(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastread, "CHUNK_BYTES", 65536)  # many chunks per file, several files per window
+    monkeypatch.setattr(fileread, "CHUNK_BYTES", 65536)  # many chunks per file, several files per window
 
 
 def _write(directory: Path, name: str, size: int, seed: int) -> tuple[Path, FileEntry]:
@@ -63,7 +64,7 @@ def _files(directory: Path) -> list[tuple[Path, FileEntry]]:
 def test_read_many_returns_every_file_bit_exact(where: Path) -> None:
     files = _files(where)
     seen: dict[str, int] = {}
-    mappings = fastread.read_many(files, verify=True, progress=lambda name, done, size: seen.__setitem__(name, done))
+    mappings = fileread.read_many(files, verify=True, progress=lambda name, done, size: seen.__setitem__(name, done))
     for (path, entry), mapping in zip(files, mappings, strict=True):
         assert mapping[: entry.size] == path.read_bytes()
         assert seen[entry.name] == entry.size
@@ -76,7 +77,7 @@ def test_read_scatter_fills_ranges_across_chunk_boundaries_and_nothing_else(wher
     dests = [torch.full((end - begin + 2,), 0xAB, dtype=torch.uint8) for begin, end in spans]
     targets = [(begin, end, dest[1:-1].numpy().data) for (begin, end), dest in zip(spans, dests, strict=True)]
     one = torch.zeros(1, dtype=torch.uint8)
-    fastread.read_scatter(
+    fileread.read_scatter(
         [
             (first[0], first[1], targets),
             *[(p, e, []) for p, e in files[1:-1]],
@@ -103,13 +104,13 @@ def test_flipped_byte_and_short_file_are_named(where: Path, mode: str) -> None:
 
     def read(files: list[tuple[Path, FileEntry]]) -> None:
         if mode == "many":
-            fastread.read_many(files, verify=True)
+            fileread.read_many(files, verify=True)
         else:
-            fastread.read_scatter([(p, e, []) for p, e in files], verify=True)
+            fileread.read_scatter([(p, e, []) for p, e in files], verify=True)
 
     with pytest.raises(CorruptCheckpoint, match=f"{path}.*checksum"):
         read(files)
-    fastread.read_many([(path, entry)], verify=False)  # unverified reads do not hash
+    fileread.read_many([(path, entry)], verify=False)  # unverified reads do not hash
     os.truncate(files[1][0], 100)
     with pytest.raises(CorruptCheckpoint, match=f"{files[1][0]} has 100 bytes"):
         read(files[1:])
@@ -119,10 +120,10 @@ def test_cached_fraction_sees_the_page_cache(tmp_path: Path) -> None:
     path, entry = _write(tmp_path, "f", 8 << 20, 0)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert fastread.cached_fraction(fd, entry.size) < 0.5  # just evicted: read from disk (O_DIRECT)
+        assert fileread.cached_fraction(fd, entry.size) < 0.5  # just evicted: read from disk (O_DIRECT)
         while os.read(fd, 1 << 20):
             pass
-        assert fastread.cached_fraction(fd, entry.size) == 1.0  # all cached: a buffered copy is faster
+        assert fileread.cached_fraction(fd, entry.size) == 1.0  # all cached: a buffered copy is faster
     finally:
         os.close(fd)
 
@@ -132,7 +133,7 @@ def test_read_scatter_many_small_targets_in_one_chunk(where: Path) -> None:
     dest = torch.zeros(3 * 2000, dtype=torch.uint8)
     view = dest.numpy().data
     targets = [(5 + 4 * i, 8 + 4 * i, view[3 * i : 3 * i + 3]) for i in range(2000)]
-    fastread.read_scatter([(path, entry, targets)], verify=True)
+    fileread.read_scatter([(path, entry, targets)], verify=True)
     raw = path.read_bytes()
     assert dest.numpy().tobytes() == b"".join(raw[5 + 4 * i : 8 + 4 * i] for i in range(2000))
 

@@ -6,7 +6,7 @@ filled on every core); with `into=` (`copy_sealed`) the mappings are copied into
 not hashed again; any other is hashed after mapping (`nogil`: without the GIL, one file per core), so what was
 checked is what the tensors hold. Each mapping holds a shared `flock` on its file for as long as it lives, and
 the memory tier neither recycles nor overwrites a locked file (`fsio.try_lock`). Files that cannot be lent
-(compressed, being overwritten, replaced while opened) raise Unmappable: the caller reads them (`fastread`).
+(compressed, being overwritten, replaced while opened) raise Unmappable: the caller reads them (`fileread`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dcs_tasks.checkpoint.format import nogil
 from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-from dcs_tasks.checkpoint.restore.fastread import O_NOFOLLOW, checked_size
 from dcs_tasks.checkpoint.save.copier import HostCopier
-from dcs_tasks.checkpoint.store.landing import Target, anonymous
+from dcs_tasks.checkpoint.store.reads.fileread import O_NOFOLLOW, checked_size
+from dcs_tasks.checkpoint.store.reads.landing import Target, anonymous
 from dcs_tasks.checkpoint.store.tiers.seal import Stamp
 from dcs_tasks.errors import CorruptCheckpoint
 

@@ -10,7 +10,7 @@ manifests read with `reader.load_manifest`). Trying the copies in turn is the ca
 
 Reads (`plan`, then `read`). Every kind of restore goes through one `RestorePlan` over the opened step:
 - WHOLE: a plain step read by one trainer, no DTensors, `strict`: every file read once (`reader.load_tensors`:
-  fastread, or objread's scatter reads on an object store), straight into `into=`'s tensors when given;
+  fileread, or objread's scatter reads on an object store), straight into `into=`'s tensors when given;
 - RESHARD: `sharding=` states read by another rank or world size: whole files of only the source ranks whose
   parts overlap this rank's (`sharded.plan_reshard`), cut and joined (`sharded.assemble`: no copy when a part
   is one whole source shard), then copied into `into=` after the names, shapes and dtypes are checked;

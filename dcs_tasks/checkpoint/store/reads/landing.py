@@ -1,5 +1,5 @@
 """Where verified reads land: the destination types and fresh memory shared by every reader of checkpoint
-files (`fastread` for files, `zread` for compressed files, `objread` for objects).
+files (`fileread` for files, `zread` for compressed files, `objread` for objects).
 
 `Target`: (begin, end) of a file and the writable bytes its range lands in; `TargetIndex`: one file's targets,
 sorted, cut into destination slices per chunk; `anonymous`: fresh private memory (huge pages for large files).

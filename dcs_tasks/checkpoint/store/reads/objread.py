@@ -1,6 +1,6 @@
 """Verified reads of checkpoint files kept in an object store: parallel ranged GETs, hashed in order.
 
-The object-store side of `fastread` (same contract: `read_many` lands each file in fresh memory, `read_scatter`
+The object-store side of `fileread` (same contract: `read_many` lands each file in fresh memory, `read_scatter`
 lands each byte in its target or a scratch slot, and both check every file's size and checksum). Each file is
 cut into `s3_part_bytes` ranges; `s3_read_concurrency` threads GET them (`readinto` the destination: no second
 copy), at most that many plus two ahead of the calling thread, which hashes the ranges in file order as they
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-from dcs_tasks.checkpoint.store import zread
-from dcs_tasks.checkpoint.store.landing import Progress, Target, TargetIndex, anonymous
+from dcs_tasks.checkpoint.store.reads import zread
+from dcs_tasks.checkpoint.store.reads.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 from dcs_tasks.storage.objpath import listed_sizes

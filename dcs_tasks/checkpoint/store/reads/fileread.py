@@ -1,4 +1,5 @@
-"""Fast verified reads for `restore()`: chunked O_DIRECT reads in a few threads, hashed in order.
+"""Verified reads of checkpoint files on a file system (restore's, and every reader's of files): chunked O_DIRECT
+reads in a few threads, hashed in order.
 
 Measured on the 2-core CI VM (1 GiB in 4 files, page cache dropped): the disk gives ~0.54 s with O_DIRECT
 against ~0.7 s buffered (the buffered path adds a page-cache copy); fresh 4 KiB pages cost ~0.45 s/GiB to
@@ -10,7 +11,7 @@ cache already (sampled with mincore) is read buffered instead: copying it costs 
 what O_DIRECT, which ignores the cache, would take.
 
 Destinations: `read_many` lands each file in a fresh anonymous mapping (MADV_HUGEPAGE from 8 MiB on)
-that `tensors_over` then slices into tensors that own their storage (offset 0) without a copy.
+that restore's `tensorviews.tensors_over` then slices into tensors that own their storage (offset 0) without a copy.
 `read_scatter` (`into=`, verify) reads each chunk with one buffered `preadv` straight into the caller's
 tensors (their addresses are not aligned for O_DIRECT, and O_DIRECT into a bounce buffer plus a copy
 measured slower), gaps into scratch; with no targets (verify) it reads O_DIRECT into scratch. A short read
@@ -30,24 +31,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dcs_tasks.checkpoint.format import iosizes
 from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
-from dcs_tasks.checkpoint.format.layout import FileEntry, TensorEntry, new_hasher
-from dcs_tasks.checkpoint.store import zread
-from dcs_tasks.checkpoint.store.landing import HUGE_FROM as HUGE_FROM
-from dcs_tasks.checkpoint.store.landing import HUGE_PAGE as HUGE_PAGE
-from dcs_tasks.checkpoint.store.landing import Progress as Progress
-from dcs_tasks.checkpoint.store.landing import Target as Target
-from dcs_tasks.checkpoint.store.landing import TargetIndex as TargetIndex
-from dcs_tasks.checkpoint.store.landing import anonymous as anonymous
+from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+from dcs_tasks.checkpoint.store.reads import zread
+from dcs_tasks.checkpoint.store.reads.landing import HUGE_FROM as HUGE_FROM
+from dcs_tasks.checkpoint.store.reads.landing import HUGE_PAGE as HUGE_PAGE
+from dcs_tasks.checkpoint.store.reads.landing import Progress as Progress
+from dcs_tasks.checkpoint.store.reads.landing import Target as Target
+from dcs_tasks.checkpoint.store.reads.landing import TargetIndex as TargetIndex
+from dcs_tasks.checkpoint.store.reads.landing import anonymous as anonymous
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.tensors import code_dtype
-
-if TYPE_CHECKING:  # torch is imported where tensors are made: verifying a file's bytes needs none
-    import torch
 
 CHUNK_BYTES = READ_CHUNK_BYTES
 IO_THREADS = READ_THREADS
@@ -303,19 +300,3 @@ def read_scatter(
         _run(opened, verify, land, progress)
     finally:
         whole.release()
-
-
-def tensors_over(mapping: mmap.mmap, entries: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:
-    """One tensor per entry, each with its own storage over its slice of `mapping` (no copy)."""
-    import torch
-
-    view = memoryview(mapping)
-    out: dict[str, torch.Tensor] = {}
-    for name, entry in entries.items():
-        begin, end = entry.offsets
-        dtype = code_dtype(entry.dtype)
-        if end == begin:
-            out[name] = torch.empty(entry.shape, dtype=dtype)
-        else:
-            out[name] = torch.frombuffer(view[begin:end], dtype=dtype).view(entry.shape)
-    return out

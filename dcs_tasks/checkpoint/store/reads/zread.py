@@ -1,16 +1,16 @@
-"""Verified reads of compressed checkpoint files, for `fastread.read_many` / `read_scatter`.
+"""Verified reads of compressed checkpoint files, for `fileread.read_many` / `read_scatter`.
 
-A step may mix compressed and plain files. The plain ones go through fastread's pipeline unchanged (chunked
+A step may mix compressed and plain files. The plain ones go through fileread's pipeline unchanged (chunked
 O_DIRECT or buffered `preadv` by several threads); meanwhile each compressed file is decompressed by one
 thread of its own (zstd releases the GIL; up to `IO_THREADS` files at once), sequentially, in
-`CHUNK_BYTES` steps (both as fastread's, from `iosizes`): every step's bytes land straight in their
+`CHUNK_BYTES` steps (both as fileread's, from `iosizes`): every step's bytes land straight in their
 destination (the file's fresh mapping for `read_many`, the caller's tensors and a scratch buffer for the
 gaps for `read_scatter`) and are hashed there, so the uncompressed bytes are checked against the same
 xxh3_128 checksum as a plain file's. The file's size, frame header and bounds are checked first
 (`compression.check_frame`, `Decoder`: never more than the manifest's `size` bytes are produced). Every
 failure is CorruptCheckpoint naming the file; nothing is still being written when a function returns or
-raises. fastread hands its own plain-file readers in (`raw`); this module imports only what they land in
-(`landing`), never fastread.
+raises. fileread hands its own plain-file readers in (`raw`); this module imports only what they land in
+(`landing`), never fileread.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from dcs_tasks.checkpoint.format.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
 from dcs_tasks.checkpoint.format.validate import open_stored
-from dcs_tasks.checkpoint.store.landing import Progress, Target, TargetIndex, anonymous
+from dcs_tasks.checkpoint.store.reads.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 
-CHUNK_BYTES = READ_CHUNK_BYTES  # decompressed bytes per step (fastread's chunk size; tests patch it here)
+CHUNK_BYTES = READ_CHUNK_BYTES  # decompressed bytes per step (fileread's chunk size; tests patch it here)
 IO_THREADS = READ_THREADS  # compressed files decoded at once
 Land = Callable[[int, int], list[memoryview]]  # (begin, end) of the file -> destination views in order
 RawMany = Callable[[list[tuple[Path, FileEntry]], bool, "Progress | None"], list[mmap.mmap]]
@@ -84,7 +84,7 @@ def _all(jobs: list[Callable[[], None]], alongside: Callable[[], None]) -> None:
 def read_many(
     files: list[tuple[Path, FileEntry]], verify: bool, progress: Progress | None, raw: RawMany
 ) -> list[mmap.mmap]:
-    """`fastread.read_many` of a list holding compressed files: each file's bytes in its own fresh mapping."""
+    """`fileread.read_many` of a list holding compressed files: each file's bytes in its own fresh mapping."""
     packed = [(path, entry) for path, entry in files if entry.compression]
     plain = [(path, entry) for path, entry in files if not entry.compression]
     mappings = [anonymous(entry.size) for _, entry in packed]
@@ -112,7 +112,7 @@ def read_scatter(
     progress: Progress | None,
     raw: RawScatter,
 ) -> None:
-    """`fastread.read_scatter` of a list holding compressed files: each byte lands in its target, gaps (and
+    """`fileread.read_scatter` of a list holding compressed files: each byte lands in its target, gaps (and
     with no targets, everything) in scratch."""
     packed = [item for item in files if item[1].compression]
     plain = [item for item in files if not item[1].compression]
