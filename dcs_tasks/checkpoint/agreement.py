@@ -59,12 +59,12 @@ def _resolved(path: Path) -> str:
 
 def effective(config: DCSConfig, worker: str = "") -> WorkerSettings:
     """The settings `config` makes this process use, as the other side compares them."""
-    root = config.checkpoint_dir
-    is_object = isinstance(root, ObjectURL)
+    root = config.checkpoint_dir  # the configured value: a URL of an object store, or a directory to resolve
+    url = root if isinstance(root, ObjectURL) else None
     return WorkerSettings(
         worker=worker,
-        checkpoint_dir=str(root) if isinstance(root, ObjectURL) else _resolved(root),
-        s3_endpoint_url=endpoint_without_credentials(config.s3_endpoint_url) if is_object else None,
+        checkpoint_dir=_resolved(root) if url is None else str(url),
+        s3_endpoint_url=None if url is None else endpoint_without_credentials(config.s3_endpoint_url),
         staging_dir=_resolved(config.staging_dir),
         memory_tier_bytes=config.memory_tier_bytes,
         memory_dir=_resolved(config.memory_dir) if config.memory_tier_bytes > 0 else "",

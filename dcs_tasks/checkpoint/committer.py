@@ -9,8 +9,8 @@ Two committers use it: the worker's persist and commit tasks (`workers/persist.p
 2. `publish_step`: the manifest is checked as restore will check it (`validate.check_manifest`), every stored
    file has its recorded size, leftovers of dead writers are removed (temp files; open multipart uploads), the
    manifest is written (one atomic rename or PUT: a reader lists a step by its manifest, so it appears whole),
-   and last `latest` moves forward, never back (files: flock on `<run>/.latest.lock`; object stores: the run's
-   `latest` lock in Redis, `dcs_tasks.checkpoint.store.objlocks`).
+   and last `latest` moves forward, never back (`latest.move_latest`, under the run's `latest` lock: `Store.lock`,
+   an flock on `<run>/.latest.lock` on files; in an object store the run's lock in Redis, `store/ledger/objlocks.py`).
 3. `remove_partial_step`: a step that failed before its manifest is removed (never a committed one, nor a
    retired one whose files later steps use).
 """
@@ -26,9 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dcs_tasks.checkpoint.format.compression import CompressionSpec, compress_into, probe_saving, write_region
-from dcs_tasks.checkpoint.format.fsio import remove_stray_temps, write_bytes_durably
 from dcs_tasks.checkpoint.format.layout import (
-    LATEST_NAME,
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -36,12 +34,10 @@ from dcs_tasks.checkpoint.format.layout import (
     new_hasher,
 )
 from dcs_tasks.checkpoint.format.validate import check_manifest
-from dcs_tasks.checkpoint.restore.reader import read_latest
 from dcs_tasks.checkpoint.store.ledger import incremental
 from dcs_tasks.checkpoint.store.ledger.latest import move_latest
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object
 from dcs_tasks.storage.objpath import MAX_FOLDER_OBJECTS
 
 log = logging.getLogger(__name__)
@@ -67,32 +63,36 @@ def write_file(
     returns its manifest entry (zstd-compressed as `<name>.zst` when `compression` asks and the bytes shrink
     enough, on either store). `recycled`: a file to overwrite instead of a new one (files only; the memory
     tier's, `fsio.durable_file`)."""
-    if is_object(final):  # uploaded from the staging mapping; a file is streamed with O_DIRECT
-        if compression is not None and length > 0:
-            packed = _upload_compressed(source_fd, offset, length, final, compression, threads, throttle, publish)
-            if packed is not None:
-                return packed
-        return _upload(source_fd, offset, length, final, publish, throttle)
-    source = Path(f"/proc/self/fd/{source_fd}")
-    return write_region(source, offset, length, final, tag, compression, threads, throttle, publish, recycled)
+    store = store_of(final)
+    local = store.local_path(final)
+    if local is not None:  # a local file: streamed from the staging file with O_DIRECT (recycled, zstd in place)
+        source = Path(f"/proc/self/fd/{source_fd}")
+        return write_region(source, offset, length, local, tag, compression, threads, throttle, publish, recycled)
+    if compression is not None and length > 0:  # elsewhere: put from the staging mapping (`Store.put`)
+        packed = _upload_compressed(source_fd, offset, length, final, compression, threads, throttle, publish)
+        if packed is not None:
+            return packed
+    return _upload(source_fd, offset, length, final, tag, publish, throttle)
 
 
 def _upload(
-    fd: int, offset: int, length: int, final: ObjectPath, publish: Callable[[], bool] | None, throttle: float | None
+    fd: int,
+    offset: int,
+    length: int,
+    final: Location,
+    tag: str,
+    publish: Callable[[], bool] | None,
+    throttle: float | None,
 ) -> FileEntry:
     hasher = new_hasher()
-    store = final.store
-    if length == 0:
-        if publish is not None and not publish():
-            from dcs_tasks.storage.s3 import NotPublishedObject
-
-            raise NotPublishedObject(f"{final} was not written: the publish check refused it")
-        store.put_small(final.key, b"")
+    store = store_of(final)
+    if length == 0:  # nothing to map
+        store.put(final, memoryview(b""), tag, hasher=hasher, publish=publish)
     else:
         mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset)
         try:
             with memoryview(mapping) as view:
-                store.upload(final.key, view, hasher, publish=publish, on_bytes=pacer(throttle))
+                store.put(final, view, tag, hasher=hasher, publish=publish, on_bytes=pacer(throttle))
         finally:
             mapping.close()
     return FileEntry(name=final.name, size=length, checksum=str(hasher.hexdigest()))
@@ -102,7 +102,7 @@ def _upload_compressed(
     fd: int,
     offset: int,
     length: int,
-    final: ObjectPath,
+    final: Location,
     spec: CompressionSpec,
     threads: int,
     throttle: float | None,
@@ -125,7 +125,7 @@ def _upload_compressed(
                 out = mmap.mmap(packed, stored, mmap.MAP_SHARED, mmap.PROT_READ)
                 try:
                     with memoryview(out) as body:
-                        target.store.upload(target.key, body, new_hasher(), publish=publish)
+                        store_of(target).put(target, body, "zst", publish=publish)
                 finally:
                     out.close()
             finally:
@@ -182,39 +182,20 @@ def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
 def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: ObjectLock | None = None) -> None:
     """Make the step visible: checks, leftovers removed, manifest, then `latest` (module doc). A manifest already
     stored is kept (a redelivered commit: it is a pure function of the ledger, so its bytes would not change).
-    In an object store the sweep of open uploads runs beside the size checks, whose listing of the step also says
-    whether its manifest is stored (a manifest a lagging listing missed is written again with the same bytes:
-    the rule above makes that harmless); a failed check fails the step, whose open uploads are swept anyway."""
+    The sweep of what dead writers left (`Store.sweep`: temp files, open multipart uploads) runs beside the size
+    checks, whose listing of the step also says whether its manifest is stored (a manifest a lagging listing
+    missed is written again with the same bytes: the rule above makes that harmless); a failed check fails the
+    step, whose leftovers are swept anyway. `object_lock`: the run's `latest` lock where the store has no locks
+    of its own (an object store: `Store.lock` raises NoLock without it)."""
     check_manifest(manifest, step_dir / MANIFEST_NAME)  # what restore will check, before the step is visible
-    if is_object(step_dir):
-        if object_lock is None:
-            raise ValueError("publishing a step in an object store needs its latest lock")
-        final = step_dir / MANIFEST_NAME
-        with ThreadPoolExecutor(1, thread_name_prefix="dcs-publish") as pool:
-            swept = pool.submit(step_dir.store.abort_uploads, step_dir.key + "/")
-            listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
-            swept.result()
-        if str(final) not in listed:
-            final.store.put_small(final.key, manifest_bytes(manifest))
-        move_object_latest(step_dir.parent, manifest.step, object_lock)
-        return
-    check_stored(step_dir, manifest)
-    remove_stray_temps(step_dir)
-    if not (step_dir / MANIFEST_NAME).exists():
-        write_bytes_durably(step_dir / MANIFEST_NAME, manifest_bytes(manifest), tag)
-    move_latest(step_dir.parent, manifest.step, tag)
-
-
-def move_object_latest(run_dir: ObjectPath, step: int, object_lock: ObjectLock) -> None:
-    """Point the run's `latest` object at `step` unless it names a newer (or the same) step."""
-    from dcs_tasks.checkpoint.format.layout import step_dir_name
-
-    with object_lock(run_dir, "latest"):
-        current = read_latest(run_dir)
-        if current is not None and current >= step:
-            return
-        latest = run_dir / LATEST_NAME
-        latest.store.put_small(latest.key, f"{step_dir_name(step)}\n".encode())
+    store, final = store_of(step_dir), step_dir / MANIFEST_NAME
+    with ThreadPoolExecutor(1, thread_name_prefix="dcs-publish") as pool:
+        swept = pool.submit(store.sweep, step_dir)  # temp files; open multipart uploads
+        listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
+        swept.result()
+    if str(final) not in listed:
+        store.write_small(final, manifest_bytes(manifest), tag)
+    move_latest(step_dir.parent, manifest.step, tag, fence=object_lock)
 
 
 def remove_partial_step(step_dir: Location) -> None:

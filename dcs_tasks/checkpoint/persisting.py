@@ -58,8 +58,8 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from dcs_tasks.keys import Keys
 from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object, within
-from dcs_tasks.storage.s3 import NotPublishedObject
+from dcs_tasks.storage.factory import within
+from dcs_tasks.storage.store import Refused
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
                 return finish(ctx, req, FileOutcome.OK, file_entry_json(reused)).verdict
     try:
         entry = write_file(ctx, req, task_id, paths, guard)
-    except (NotPublished, NotPublishedObject):
+    except (NotPublished, Refused):
         # the file is no longer open: another delivery recorded it (finishing again changes nothing), or the step
         # failed meanwhile (then this file must still be counted, or the step's files never all finish and the
         # save's staging buffer is never handed back)
@@ -174,14 +174,11 @@ def persist(ctx: Context, req: PersistRequest, task_id: str) -> Verdict:
 
 @contextlib.contextmanager
 def _refs_lock(ctx: Context, run_dir: Location) -> Iterator[None]:
-    """The run's reference lock: `.refs.lock` shared on files (when the run exists), Redis on object stores."""
-    if is_object(run_dir):
-        with object_lock(ctx)(run_dir, "refs"):
-            yield
-    elif run_dir.is_dir():
-        with incremental.refs_lock(run_dir, shared=True):
-            yield
-    else:
+    """The run's reference lock, shared (`incremental.refs_lock`: `.refs.lock` on files, Redis in an object
+    store). A run directory that does not exist yet has no earlier step to refer to: nothing to lock."""
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(FileNotFoundError):
+            held.enter_context(incremental.refs_lock(run_dir, shared=True, fence=object_lock(ctx)))
         yield
 
 
@@ -206,35 +203,32 @@ def reusable(ctx: Context, req: PersistRequest, staging: Path, step_dir: Locatio
 
 def step_guard(step_dir: Location, token: str = "") -> Callable[[], None]:
     """The checks that a step may still be written into: not committed (the ledger forgot a committed step:
-    never write into it) and not retired (a deleted step whose files later steps use). On files they run now;
-    in an object store the two HEADs start now, side by side, and the returned call (made before the object
-    appears, and before an incremental reuse) waits for them: the upload's first parts travel meanwhile, and a
-    refusal aborts it, so nothing becomes visible. The returned call raises CheckpointFailed.
+    never write into it) and not retired (a deleted step whose files later steps use). The two look-ups (HEADs
+    in an object store) start now, side by side, and the returned call (made before the file appears, and
+    before an incremental reuse) waits for them: the upload's first parts travel meanwhile, and a refusal
+    aborts it, so nothing becomes visible. The returned call raises CheckpointFailed.
 
-    In an object store a step that passed for one file of a save (`token`: the save's ledger token) passes for
-    the save's other files in this process without asking again: while the save persists, only its own commit
-    writes the step's manifest, and retention never marks a step that is not committed."""
-    if is_object(step_dir):
-        seen = (str(step_dir), token)
-        if token and seen in _clean_steps:
-            return lambda: None
-        pool = ThreadPoolExecutor(2, thread_name_prefix="dcs-step-guard")
-        try:
-            found = [pool.submit(committed, step_dir), pool.submit(incremental.is_retired, step_dir)]
-        finally:
-            pool.shutdown(wait=False)
+    A step that passed for one file of a save (`token`: the save's ledger token) passes for the save's other
+    files in this process without asking again: while the save persists, only its own commit writes the step's
+    manifest, and retention never marks a step that is not committed."""
+    seen = (str(step_dir), token)
+    if token and seen in _clean_steps:
+        return lambda: None
+    pool = ThreadPoolExecutor(2, thread_name_prefix="dcs-step-guard")
+    try:
+        found = [pool.submit(committed, step_dir), pool.submit(incremental.is_retired, step_dir)]
+    finally:
+        pool.shutdown(wait=False)
 
-        def wait() -> None:
-            _refuse(step_dir, *(f.result(timeout=GUARD_TIMEOUT_SECONDS) for f in found))
-            if token:
-                with _clean_lock:
-                    _clean_steps[seen] = None
-                    while len(_clean_steps) > CLEAN_STEPS_KEPT:
-                        del _clean_steps[next(iter(_clean_steps))]
+    def wait() -> None:
+        _refuse(step_dir, *(f.result(timeout=GUARD_TIMEOUT_SECONDS) for f in found))
+        if token:
+            with _clean_lock:
+                _clean_steps[seen] = None
+                while len(_clean_steps) > CLEAN_STEPS_KEPT:
+                    del _clean_steps[next(iter(_clean_steps))]
 
-        return wait
-    _refuse(step_dir, committed(step_dir), incremental.is_retired(step_dir))
-    return lambda: None
+    return wait
 
 
 # (step, save token) pairs whose checks passed in this process, oldest first (step_guard)

@@ -35,11 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.committer import move_object_latest
 from dcs_tasks.checkpoint.format.fsio import (
-    durable_file,
     stream_region,
-    write_all,
 )
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, check_files, read_small
@@ -48,15 +45,15 @@ from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store.ledger.latest import move_latest
 from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
-from dcs_tasks.checkpoint.store.reads import objread
 from dcs_tasks.checkpoint.store.reads.landing import anonymous
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint, ReplicaFailed, UntrustedPath
 from dcs_tasks.storage import Location, store_of
-from dcs_tasks.storage.factory import is_object, relative, within
+from dcs_tasks.storage.factory import relative, within
 from dcs_tasks.storage.fs import make_dirs_durable
+from dcs_tasks.storage.store import Refused
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +99,7 @@ def publish_copy(
     """After a step was copied to `dst_dir` (a replica, or the memory tier's flush to storage): move that run
     directory's `latest` forward and apply `retention` there; the steps retention let go."""
     run_lock = persisting.object_lock(ctx)
-    if is_object(dst_dir):  # under the run's latest lock in Redis; a file is renamed over
-        move_object_latest(dst_dir.parent, step, run_lock)
-    else:
-        move_latest(dst_dir.parent, step, task_id)
+    move_latest(dst_dir.parent, step, task_id, fence=run_lock)  # an object store's latest lock: in Redis
     if not retention.active:
         return []
     in_flight = persisting.ledger(ctx).in_flight_steps(run)
@@ -207,9 +201,10 @@ def _own_directory(step_dir: Path) -> None:
 
 def _copy_file(entry: FileEntry, src_dir: Location, dst_dir: Location, tag: str, throttle: float | None) -> int:
     """Copy one file's stored bytes unless already there; returns the bytes copied."""
-    src, dst = entry.stored_path(src_dir), entry.stored_path(dst_dir)
-    if is_object(src) or is_object(dst) or is_object(dst_dir):
-        return _copy_across(entry, src, dst, tag)
+    src_at, dst_at = entry.stored_path(src_dir), entry.stored_path(dst_dir)
+    src, dst = store_of(src_at).local_path(src_at), store_of(dst_at).local_path(dst_at)
+    if src is None or dst is None:  # not file to file: through the stores
+        return _copy_across(entry, src_at, dst_at, tag)
     size = src.lstat().st_size  # check_files made it a regular file of the manifest's size
     if dst.parent != dst_dir:
         _own_directory(dst.parent)  # before anything is read or written through it
@@ -232,27 +227,25 @@ def _copy_across(entry: FileEntry, src: Location, dst: Location, tag: str) -> in
     if regular_of_size(dst, size):
         return 0  # an earlier delivery, or an earlier replicated step this one refers to: verified after
     hasher = new_hasher()
-    if is_object(src) and entry.compression:  # the stored (compressed) bytes, as they are
+    source, target = store_of(src), store_of(dst)
+    local = source.local_path(src)
+    if local is not None:  # mapped, not copied
+        with open(local, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+    else:  # the stored bytes (compressed ones as they are), into memory
         mapping = anonymous(size)
         with memoryview(mapping)[:size] as raw:
-            store_of(src).read_into(src, 0, [raw])
-    elif is_object(src):
-        mapping = objread.read_many([(src, entry)], verify=True)[0]  # CorruptCheckpoint: the primary is bad
-    else:
-        with open(src, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+            source.read_into(src, 0, [raw])
+
+    def matches() -> bool:  # asked once every byte is stored and hashed, before the copy appears
+        return entry.compression is not None or hasher.hexdigest() == entry.checksum  # compressed: verify_step
+
     try:
         with memoryview(mapping)[:size] as view:
-            if is_object(dst):  # parallel parts from the mapping; a file: durable write
-                dst.store.upload(dst.key, view, hasher)
-            else:
-                make_dirs_durable(dst.parent)
-                with durable_file(dst, tag) as fd:
-                    hasher.update(view)
-                    write_all(fd, view)
+            target.make_folder(dst.parent)
+            target.put(dst, view, tag, hasher=hasher, publish=matches)  # parallel parts; a file: durable write
+    except Refused:
+        raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated") from None
     finally:
         mapping.close()
-    if entry.compression is None and hasher.hexdigest() != entry.checksum:  # compressed: checked by verify_step
-        _remove(dst)
-        raise ReplicaFailed(f"primary file {src} does not match its manifest checksum: not replicated")
     return size

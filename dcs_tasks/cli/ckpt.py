@@ -326,7 +326,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from dcs_tasks.checkpoint.store.ledger.retention import apply_retention
     from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
-    from dcs_tasks.storage.factory import is_object
+    from dcs_tasks.storage import store_of
 
     config = DCSConfig()
     policy = RetentionPolicy(
@@ -337,19 +337,17 @@ def _gc(args: argparse.Namespace) -> int:
         return 2
     in_flight, refs = _in_flight(config, args.run)
     places = _locations(args)
+    lock = _object_lock(config)  # a run in an object store is fenced by its refs lock in Redis, not an flock
     for location, run_dir in places:
-        if is_object(run_dir):  # fenced by its refs lock in Redis, not a directory's flock
-            deleted = apply_retention(run_dir, policy, in_flight, refs, object_lock=_object_lock(config))
-            prefix = f"{location}: " if len(places) > 1 else ""
-            print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
+        local = store_of(run_dir).local_path(run_dir)  # a directory (object keys have no links to follow)
+        if local is not None and location != places[0][0] and not local.is_dir():
             continue
-        if location != places[0][0] and not run_dir.is_dir():
-            continue
-        linked = next((d for d in [run_dir, run_dir.parent][: 1 + (args.rank is not None)] if d.is_symlink()), None)
+        near = [] if local is None else [local, local.parent][: 1 + (args.rank is not None)]
+        linked = next((d for d in near if d.is_symlink()), None)
         if linked is not None:  # the worker's retention refuses the same (workers/trust.py resolves every path)
             print(f"dcs ckpt gc: {location} run directory {str(linked)!r} is a symlink: not followed", file=sys.stderr)
             return 2
-        deleted = apply_retention(run_dir, policy, in_flight, refs)
+        deleted = apply_retention(run_dir, policy, in_flight, refs, object_lock=lock)
         prefix = f"{location}: " if len(places) > 1 else ""  # one root: the output it always had
         print(f"{prefix}deleted steps: {deleted}" if deleted else f"{prefix}nothing to delete")
     return 0

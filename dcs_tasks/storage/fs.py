@@ -220,7 +220,8 @@ class FileStore(Store[Path]):
         publish: Callable[[], bool] | None = None,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        with FileWriter(loc, tag, self.direct) as writer:
+        writer = FileWriter(loc, tag, self.direct)
+        with writer:
             for pos in range(0, len(view), PUT_CHUNK_BYTES):
                 with view[pos : pos + PUT_CHUNK_BYTES] as piece:  # released even when the write fails (ENOSPC)
                     if hasher is not None:

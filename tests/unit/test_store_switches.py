@@ -73,3 +73,41 @@ def test_the_scan_sees_every_form_of_a_switch() -> None:
 def test_the_factory_is_where_the_store_is_chosen() -> None:
     assert switches_in((FACTORY / "factory.py").read_text()), "store_of switches on the location's type"
     assert Path(__file__).name == "test_store_switches.py"
+
+
+# `factory.is_object` branches still outside the factory (file -> calls, when they were counted). Each is a
+# place that picks a code path by where the bytes live instead of asking its store for an operation
+# (`Store.put`, `Store.lock`, ...): the verified readers (fileread for files, objread for objects) and the trust
+# checks (an object key is compared as it is, a path resolved). The count only goes down.
+IS_OBJECT_LEFT = {
+    "dcs_tasks/checkpoint/format/validate.py": 1,
+    "dcs_tasks/checkpoint/restore/reader.py": 2,
+    "dcs_tasks/checkpoint/store/ledger/retention.py": 1,
+    "dcs_tasks/checkpoint/trust.py": 3,
+    "dcs_tasks/interop/hf_export.py": 3,
+}
+
+
+def is_object_calls() -> dict[str, int]:
+    """File -> how many calls of `is_object` it makes (product code outside `dcs_tasks/storage/`)."""
+    found: dict[str, int] = {}
+    for path in files_of("dcs_tasks", "coordinator", "workers"):
+        if path.is_relative_to(FACTORY):
+            continue
+        calls = [
+            node
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)
+            and (getattr(node.func, "id", None) == "is_object" or getattr(node.func, "attr", None) == "is_object")
+        ]
+        if calls:
+            found[path.relative_to(ROOT).as_posix()] = len(calls)
+    return found
+
+
+def test_location_branches_outside_the_factory_only_go_down() -> None:
+    found = is_object_calls()  # a module that moves keeps its count: only the total is held
+    assert sum(found.values()) <= sum(IS_OBJECT_LEFT.values()), (
+        f"{sum(found.values())} is_object branches, at most {sum(IS_OBJECT_LEFT.values())} allowed (add the "
+        f"operation to the Store interface instead): {found}"
+    )

@@ -16,7 +16,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,45 +25,12 @@ from dcs_tasks.checkpoint.format import iosizes
 from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN as DIRECT_ALIGN
 from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.checkpoint.format.layout import new_hasher
-from dcs_tasks.errors import UntrustedPath
 from dcs_tasks.storage.fs import TEMP_GLOB, fsync_dir, temp_path, write_all
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = WRITE_CHUNK_BYTES
 O_DIRECT: int = iosizes.O_DIRECT  # a module attribute: tests patch it here
-
-
-@contextlib.contextmanager
-def locked(directory: Path, name: str, *, shared: bool = False) -> Iterator[None]:
-    """Hold an `flock` on the lock file `directory/name` (created when missing). Neither the directory nor the
-    lock file is followed when a symlink (O_NOFOLLOW, the file opened relative to the directory's own fd), and
-    the file must be a regular one: a link planted at either name would otherwise make the worker create or
-    open a file wherever it points. UntrustedPath names what was there instead."""
-    where = directory / name
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UntrustedPath(f"{str(directory)[:256]!r} is a symlink or not a directory: lock not taken") from exc
-        raise
-    try:
-        flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                raise UntrustedPath(f"lock file {str(where)[:256]!r} is a symlink or not a regular file") from exc
-            raise
-    finally:
-        os.close(dir_fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UntrustedPath(f"lock file {str(where)[:256]!r} is not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def remove_stray_temps(directory: Path) -> None:

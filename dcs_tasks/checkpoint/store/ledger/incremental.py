@@ -21,29 +21,28 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
-from dcs_tasks.checkpoint.format.fsio import locked
 from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.format.validate import read_manifest
 from dcs_tasks.checkpoint.store.ledger.steps import step_dirs
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, store_of
+from dcs_tasks.storage.store import Fence
 
-REFS_LOCK_NAME = ".refs.lock"
+REFS_LOCK = "refs"
+REFS_LOCK_NAME = f".{REFS_LOCK}.lock"  # its lock file in a run directory on files
 RETIRED_NAME = ".retired"
 _CACHE_MAX = 4  # parsed base manifests kept per process (one per run a worker child serves, roughly)
 _manifests: dict[tuple[str, int, int, int], Manifest] = {}
 
 
-@contextlib.contextmanager
-def refs_lock(run_dir: Path, shared: bool) -> Iterator[None]:
-    """The run's reference lock (shared: a persist task recording a reference; exclusive: retention). Released
-    by the kernel when the holder dies, so a killed worker never leaves it held."""
-    with locked(run_dir, REFS_LOCK_NAME, shared=shared):  # never through a symlink (UntrustedPath)
-        yield
+def refs_lock(run_dir: Location, shared: bool, fence: Fence | None = None) -> contextlib.AbstractContextManager[None]:
+    """The run's reference lock (shared: a persist task recording a reference; exclusive: retention), through its
+    store (`Store.lock`): on files `<run>/.refs.lock`, released by the kernel when the holder dies, so a killed
+    worker never leaves it held (never through a symlink: UntrustedPath); in an object store `fence`, the run's
+    `refs` lock in Redis (exclusive either way, with a lease)."""
+    return store_of(run_dir).lock(run_dir, REFS_LOCK, shared=shared, fence=fence)
 
 
 def is_retired(step_dir: Location) -> bool:
