@@ -259,6 +259,13 @@ class RequestRejected(WeightSyncError):
     size limit, wrong group, another group init in flight); nothing was allocated or changed."""
 
 
+class WeightMetaVersionError(WeightSyncError):
+    """An actor_fwd / reference receiver met a weight-meta entry of its groups it must not take: one without a
+    version (written by a DCS release before versioned entries: upgrade the actors), or one more than
+    `MAX_VERSIONS_AHEAD` updates past the update being received (a stage ran that far ahead). The update in
+    assembly is dropped; the previous weights and version stay."""
+
+
 class EngineIncompatible(WeightSyncError):
     """A rollout engine cannot take DCS's distributed weight updates: it is not an SGLang version DCS supports
     (docs/weight_sync.md lists them), or it runs with dp_size > 1 or pp_size > 1. Refused before any group
@@ -289,6 +296,12 @@ class ActorWaitTimeout(DCSTimeoutError):
 class UnsupportedEngineVersion(EngineIncompatible):
     """A rollout engine runs an SGLang or vLLM version DCS does not support (docs/weight_sync.md names the
     supported ones); the message names the engine, its version and the supported list."""
+
+
+class VLLMBackendMismatch(EngineIncompatible):
+    """A vLLM engine runs with a weight-transfer backend other than DCS's plugin (`--weight-transfer-config`
+    absent, or vLLM's own `nccl`, ...): read from its dev-mode `/server_info` before any join. The message says
+    what to install and start `vllm serve` with."""
 
 
 class VLLMDevModeOff(EngineIncompatible):

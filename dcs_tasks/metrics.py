@@ -46,6 +46,7 @@ class MetricsCollector:
 
     Names: dcs_{save,load,send,recv}_latency_seconds, dcs_bytes_{saved,loaded,sent,received}_total,
     dcs_{save,load,send,recv}_operations_total, dcs_errors_total{error_type}, dcs_ckpt_save_failures_total{kind},
+    dcs_weight_meta_dropped_total{reason},
     dcs_memory_buffer_usage_bytes, dcs_active_connections, dcs_pending_operations. Thread-safe.
     """
 
@@ -68,6 +69,13 @@ class MetricsCollector:
             "Checkpoint saves a trainer learned had failed, by kind (storage_unavailable: storage could not be "
             "reached, the next save tries again; failed: a cause to fix)",
             ["kind"],
+            registry=r,
+        )
+        self.weight_meta_dropped = Counter(
+            "dcs_weight_meta_dropped",
+            "Weight-meta entries an actor_fwd / reference receiver dropped, by reason (stale: of an update older "
+            "than the one it receives, e.g. the rest of one that failed here)",
+            ["reason"],
             registry=r,
         )
         self.memory_buffer_usage = Gauge(
@@ -101,6 +109,9 @@ class MetricsCollector:
 
     def record_error(self, error_type: str) -> None:
         self.errors.labels(error_type=error_type).inc()
+
+    def record_weight_meta_dropped(self, reason: str, entries: int = 1) -> None:
+        self.weight_meta_dropped.labels(reason=reason).inc(entries)
 
     def export_prometheus(self, *extra: CollectorRegistry) -> str:
         """Prometheus text format (a str, ready to print or serve) of this collector and of the `extra`

@@ -131,9 +131,13 @@ class GroupRanksResponse(BaseModel):
 
 
 class WeightMeta(BaseModel):
-    """Names, dtypes and shapes of one bucket of tensors broadcast in group `group_name`.
+    """Names, dtypes and shapes of one bucket of tensors broadcast in group `group_name`, of update `version`.
 
-    The end of an update is the sentinel `WeightMeta.end()`; test with `meta.is_end`.
+    The end of a pp stage's part of an update is the sentinel `WeightMeta.end(version, closes)`; test with
+    `meta.is_end`. `version` is the sender's count of updates in its group (1 for the first update after the
+    group formed); `closes` names the group whose part of `version` a sentinel ends. Both are absent (None)
+    only in entries of DCS releases before versioned entries, which receivers refuse
+    (`WeightMetaVersionError`; docs/weight_sync.md, "Versioned weight-meta entries").
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -142,11 +146,21 @@ class WeightMeta(BaseModel):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = Field(min_length=1, max_length=256)
+    version: int | None = Field(default=None, ge=1, le=MAX_INDEX)
+    closes: str | None = Field(default=None, min_length=1, max_length=256)
 
     @classmethod
-    def end(cls) -> WeightMeta:
-        """The sentinel closing an update: `{names:["weight_updated_stop"], dtypes:[], shapes:[], group_name:"end"}`."""
-        return cls(names=[WEIGHT_META_END_NAME], dtypes=[], shapes=[], group_name=WEIGHT_META_END_GROUP)
+    def end(cls, version: int | None = None, closes: str | None = None) -> WeightMeta:
+        """The sentinel closing group `closes`'s part of update `version`: `{names:["weight_updated_stop"],
+        dtypes:[], shapes:[], group_name:"end", version, closes}`."""
+        return cls(
+            names=[WEIGHT_META_END_NAME],
+            dtypes=[],
+            shapes=[],
+            group_name=WEIGHT_META_END_GROUP,
+            version=version,
+            closes=closes,
+        )
 
     @property
     def is_end(self) -> bool:

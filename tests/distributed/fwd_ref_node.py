@@ -64,6 +64,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     try:
         if args.fully_async:
             return await run_fully_async(client, args, state)
+        if args.back_to_back:
+            return await run_back_to_back(client, args, state)
         for rollout_id in range(1, args.rollouts + 1):
             if args.role == "actor":
                 state.update(stage_state(args.pp_rank, rollout_id))
@@ -100,6 +102,29 @@ async def run_fully_async(
     return {"version": client.weight_version, "digest": digest(client.received_weights)}
 
 
+async def run_back_to_back(
+    client: CheckpointEngineClient, args: argparse.Namespace, state: dict[str, torch.Tensor]
+) -> dict[str, object]:
+    """One group (rollout 1); each actor pushes --rollouts updates back to back (waiting --update-delay seconds
+    before each, so one pp stage can run ahead of another), the receiver calls `recv_weight()` once per update.
+    Returns {update: {"version": v, "digest": {...}}} (actor: its stage's tensors; receiver: what it committed)."""
+    await client.init_process_groups_for_actor_fwd_ref(1)
+    results: dict[str, object] = {}
+    if args.role == "actor":
+        for update in range(1, args.rollouts + 1):
+            await asyncio.sleep(args.update_delay)
+            state.update(stage_state(args.pp_rank, update))
+            await client.update_weights_for_rollout(actor_fwd_only=True)
+            results[str(update)] = {"version": update, "digest": digest(state)}
+        return results
+    if args.slow_log_reads:
+        slow_log_reads(client, args.slow_log_reads)
+    for update in range(1, args.rollouts + 1):
+        version = await client.recv_weight()
+        results[str(update)] = {"version": version, "digest": digest(client.received_weights)}
+    return results
+
+
 def slow_log_reads(client: CheckpointEngineClient, seconds: float) -> None:
     """Every read of the weight-meta log starts `seconds` late: by then the sender has ended one update and
     announced the next one's first bucket, so one answer holds both (the receiver's coordinator client is
@@ -124,6 +149,8 @@ def main() -> None:
     parser.add_argument("--expect", required=True, help="role=count,... to wait for before the first rollout")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--fully-async", action="store_true")
+    parser.add_argument("--back-to-back", action="store_true", help="one group, --rollouts updates in a row")
+    parser.add_argument("--update-delay", type=float, default=0.0, help="actor, --back-to-back: wait before each")
     parser.add_argument("--slow-log-reads", type=float, default=0.0, help="actor_fwd: each log read this late")
     args = parser.parse_args()
     args.out.write_text(json.dumps(asyncio.run(run(args))))
