@@ -118,16 +118,16 @@ def _restore(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from dcs_tasks import Checkpointer
-    from dcs_tasks.checkpoint.restore import dtensor
+    from dcs_tasks.checkpoint.restore import boxread
 
     out: dict[str, Any] = {}
     target = _state(job, mesh, zero=True)
     with Checkpointer("reshard", DCSConfig(), rank=rank, world_size=job["world"]) as ckpt:
         if rank == 0:
             evict(Path(job["dcs_dir"]))
-        counted = dtensor.bytes_read_total()
+        counted = boxread.bytes_read_total()
         out["dcs_s"], out["dcs_io"] = _timed(lambda: ckpt.restore(into=target))
-        out["dcs_counted"] = dtensor.bytes_read_total() - counted
+        out["dcs_counted"] = boxread.bytes_read_total() - counted
     out["dcs_ok"] = _matches(job, mesh, target)
     target = _state(job, mesh, zero=True)
     if rank == 0:

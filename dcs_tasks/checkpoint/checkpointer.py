@@ -42,10 +42,11 @@ from dcs_tasks.checkpoint.format.layout import (
     step_dir_name,
 )
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
-from dcs_tasks.checkpoint.restore import dtensor, reader, restoring, sharded
+from dcs_tasks.checkpoint.restore import reader, restoring, sharded
 from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
+from dcs_tasks.checkpoint.state import dtensor_meta
 from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
 from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
 from dcs_tasks.checkpoint.store.payloads import StepRef, validate_run_name, validate_step
@@ -157,7 +158,7 @@ class Checkpointer:
 
         DTensors (Shard/Replicate on a 1-D or 2-D mesh) need no `sharding=`: each rank stages its local
         shard with its place in the global tensor, and a shard several ranks hold is written by one of them
-        (`dcs_tasks.checkpoint.restore.dtensor`). Other placements raise `UnsupportedPlacement` naming the placement
+        (`dcs_tasks.checkpoint.restore.boxread`). Other placements raise `UnsupportedPlacement` naming the placement
         and the path; a DTensor mesh that does not place this process at `rank` raises CheckpointError.
 
         With the memory tier on (`memory_tier_bytes`), the step is committed in this host's memory first (the
@@ -327,8 +328,8 @@ class Checkpointer:
         flat = flatten_state(state)
         if not flat.dtensors:
             return flat
-        dtensor.check_ranks(flat.dtensors, self.rank, self.world_size)
-        mine = dtensor.owned(flat.dtensors, self.rank)
+        dtensor_meta.check_ranks(flat.dtensors, self.rank, self.world_size)
+        mine = dtensor_meta.owned(flat.dtensors, self.rank)
         return FlatState(
             tensors={n: t for n, t in flat.tensors.items() if n not in flat.dtensors or n in mine},
             structure=flat.structure,
@@ -404,7 +405,7 @@ class Checkpointer:
     def _chunk_sums(buf: StagingBuffer, layout: Layout) -> ChunkSums:
         """Per-chunk checksums of the staged tensors (DTensor states: restores read parts of files)."""
         assert buf.view is not None  # a buffer handed out by the pool is mapped
-        return dtensor.chunk_sums(buf.view, layout)
+        return dtensor_meta.chunk_sums(buf.view, layout)
 
     def _begin(
         self,

@@ -116,15 +116,15 @@ def _child_restore(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
     from dcs_tasks import Checkpointer
-    from dcs_tasks.checkpoint.restore import dtensor
+    from dcs_tasks.checkpoint.restore import boxread
 
     step, layout, out = job["step"], job["layout"], {}
     with Checkpointer(job["run"], rank=rank, world_size=job["world"]) as ckpt:
         if job.get("partial"):  # only the FSDP weight, into a state holding nothing else (strict=False)
             target = {"model": {"w": distribute_tensor(torch.zeros(SHAPES["w"]), mesh, _placements(["S0"]))}}
-            before, rchar = dtensor.bytes_read_total(), _rchar()
+            before, rchar = boxread.bytes_read_total(), _rchar()
             restored = ckpt.restore(into=target, strict=False)
-            out["partial_read"] = dtensor.bytes_read_total() - before
+            out["partial_read"] = boxread.bytes_read_total() - before
             out["partial_rchar"] = _rchar() - rchar
             w = target["model"]["w"]
             out["partial_local_bytes"] = w.to_local().numel() * 4
@@ -132,9 +132,9 @@ def _child_restore(job: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
         target = _state(mesh, layout, 0, rank)
         for t in target["model"].values():
             t.to_local().zero_()
-        before, rchar = dtensor.bytes_read_total(), _rchar()
+        before, rchar = boxread.bytes_read_total(), _rchar()
         restored = ckpt.restore(into=target)
-        out["read"], out["rchar"] = dtensor.bytes_read_total() - before, _rchar() - rchar
+        out["read"], out["rchar"] = boxread.bytes_read_total() - before, _rchar() - rchar
     out["step"] = restored.state["step"]
     out["rng"] = restored.state["rng"].tolist()
     out["needed"] = sum(t.to_local().numel() * t.element_size() for t in target["model"].values()) + 16

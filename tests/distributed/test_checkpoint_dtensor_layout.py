@@ -14,7 +14,7 @@ import torch
 
 from dcs_tasks.checkpoint.format import validate
 from dcs_tasks.checkpoint.format.layout import ChunkSums, FileEntry, Manifest, ShardEntry, TensorEntry
-from dcs_tasks.checkpoint.restore import dtensor
+from dcs_tasks.checkpoint.restore import boxread
 from dcs_tasks.checkpoint.state.structure import check_structure, unflatten_state
 from dcs_tasks.errors import CorruptCheckpoint
 
@@ -26,7 +26,7 @@ FILE = "model-00001-of-00001.safetensors"
 def test_chunk_range_is_where_torch_chunk_puts_each_piece(size: int, parts: int) -> None:
     pieces = torch.chunk(torch.arange(size), parts) if size else ()
     for index in range(parts):
-        start, length = dtensor.chunk_range(size, parts, index)
+        start, length = boxread.chunk_range(size, parts, index)
         expected = pieces[index].tolist() if index < len(pieces) else []
         assert list(range(start, start + length)) == expected, (size, parts, index)
 
@@ -47,28 +47,28 @@ def test_needed_runs_cover_exactly_the_chunks_a_box_touches() -> None:
         itemsize, chunk = rng.choice([1, 2, 4, 8]), rng.choice([8, 16, 24, 64])
         lo = tuple(rng.randint(0, s - 1) for s in shape)
         hi = tuple(rng.randint(a + 1, s) for a, s in zip(lo, shape, strict=True))
-        runs = dtensor.needed_runs(shape, itemsize, lo, hi, chunk)
+        runs = boxread.needed_runs(shape, itemsize, lo, hi, chunk)
         got = {c for a, b in runs for c in range(a, b)}
         assert got == _touched(shape, itemsize, lo, hi, chunk), (shape, itemsize, lo, hi, chunk, runs)
         assert all(b0 < a1 for (_, b0), (a1, _) in itertools.pairwise(runs))  # merged and ordered
 
 
 def test_a_dim0_box_is_one_contiguous_run() -> None:
-    runs = dtensor.needed_runs((4096, 256), 4, (1000, 0), (3000, 256), 256 * 1024)
+    runs = boxread.needed_runs((4096, 256), 4, (1000, 0), (3000, 256), 256 * 1024)
     assert runs == [(1000 * 1024 // (256 * 1024), -(-3000 * 1024 // (256 * 1024)))]
 
 
 def _meta(shape: tuple[int, ...], mesh: tuple[int, ...], coordinate: tuple[int, ...], dims: Any) -> Any:
-    local, offset = dtensor.box_of(shape, mesh, coordinate, dims)
+    local, offset = boxread.box_of(shape, mesh, coordinate, dims)
     ranks = tuple(range(int(torch.tensor(mesh).prod())))
     names = tuple("R" if d is None else f"S({d})" for d in dims)
-    return dtensor.ShardMeta(shape, offset, local, names, tuple(dims), mesh, ranks, coordinate, 4)
+    return boxread.ShardMeta(shape, offset, local, names, tuple(dims), mesh, ranks, coordinate, 4)
 
 
 def test_owners_agree_across_ranks_and_spread_replicas() -> None:
     layouts = {"a": (None,), "b": (None,), "c": (None,), "w": (0,)}
     shapes = {"a": (1000,), "b": (1000,), "c": (1000,), "w": (4099, 8)}
-    per_rank = [dtensor.assign_owners({n: _meta(shapes[n], (4,), (r,), layouts[n]) for n in layouts}) for r in range(4)]
+    per_rank = [boxread.assign_owners({n: _meta(shapes[n], (4,), (r,), layouts[n]) for n in layouts}) for r in range(4)]
     for name in ("a", "b", "c"):  # replicated: one writer, the same on every rank
         assert len({owners[name] for owners in per_rank}) == 1
     assert len({per_rank[0][n] for n in ("a", "b", "c")}) == 3  # three replicas, three different ranks
@@ -78,7 +78,7 @@ def test_owners_agree_across_ranks_and_spread_replicas() -> None:
 def test_2d_replicated_mesh_dimension_has_one_writer_per_shard() -> None:
     dims = (0, None)  # Shard(0) over mesh dim 0, replicated over mesh dim 1
     owners = {
-        c: dtensor.assign_owners({"t": _meta((10, 3), (2, 2), c, dims)})["t"]
+        c: boxread.assign_owners({"t": _meta((10, 3), (2, 2), c, dims)})["t"]
         for c in itertools.product(range(2), range(2))
     }
     assert owners[(0, 0)] == owners[(0, 1)] in (0, 1)

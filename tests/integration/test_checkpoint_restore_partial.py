@@ -13,7 +13,7 @@ import torch
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.inline import InlineCommitter
-from dcs_tasks.checkpoint.restore import dtensor, sharded
+from dcs_tasks.checkpoint.restore import boxread, sharded
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import StateMismatch
 from tests.checkpoint_support import Inline, as_bytes, ckpt_config, training_state
@@ -84,4 +84,4 @@ def test_a_partial_target_after_resharding(config: DCSConfig, committer: InlineC
         assert ckpt.restore(into=target, strict=False).state is target
     assert torch.equal(target["model"]["w"], torch.tensor_split(full, 3)[1])
     step = sharded.complete_steps(Path(config.checkpoint_dir) / "split")[7]
-    assert torch.equal(dtensor.read_flat(step)["model/w"], full)  # as one trainer sees it (export)
+    assert torch.equal(boxread.read_flat(step)["model/w"], full)  # as one trainer sees it (export)

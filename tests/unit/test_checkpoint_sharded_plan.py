@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dcs_tasks.checkpoint.format.layout import Manifest, TensorEntry
-from dcs_tasks.checkpoint.restore import dtensor
+from dcs_tasks.checkpoint.restore import boxread
 from dcs_tasks.checkpoint.restore.sharded import StepShards, _overlaps, _tensor_split_range, plan_reshard
 from dcs_tasks.errors import CorruptCheckpoint
 
@@ -72,9 +72,9 @@ def test_sharding_plan_and_dtensor_catalog_cut_split_tensors_alike() -> None:
                 for rank, expected in enumerate(torch.tensor_split(rows, world)):
                     reshard = plan_reshard(shards, rank, world)
                     local = rank if rank < len(sizes) else 0
-                    cat = dtensor.catalog(shards, local)
+                    cat = boxread.catalog(shards, local)
                     assert cat.shapes["w"] == ((total, 3) if dim == 0 else (3, total))
-                    lo, hi = dtensor.default_box(cat, "w", rank, world)
+                    lo, hi = boxread.default_box(cat, "w", rank, world)
                     assert torch.equal(rows[lo[dim] : hi[dim]], expected), (sizes, dim, world, rank)
                     assert (lo[1 - dim], hi[1 - dim]) == (0, 3)  # the other dimension whole
                     got = [sources[src][start : start + n] for src, start, n in reshard.pieces["w"]]
@@ -94,4 +94,4 @@ def test_split_tensors_refuse_ranks_that_do_not_line_up() -> None:
     with pytest.raises(CorruptCheckpoint, match="rank 1 does not hold 'w' sharded along dim 0"):
         plan_reshard(broken, 0, 1)
     with pytest.raises(CorruptCheckpoint, match="rank 1 does not hold 'w' sharded along dim 0"):
-        dtensor.catalog(broken, 0)
+        boxread.catalog(broken, 0)

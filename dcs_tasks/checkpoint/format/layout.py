@@ -231,7 +231,7 @@ class TensorEntry(BaseModel):
 
 
 class ShardEntry(BaseModel):
-    """Where one rank's shard of a DTensor sits in the global tensor (`dcs_tasks.checkpoint.restore.dtensor`): the
+    """Where one rank's shard of a DTensor sits in the global tensor (`dcs_tasks.checkpoint.restore.boxread`): the
     tensor's `TensorEntry.shape` is the shard's shape, `offset` its first index along every dimension."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -15,7 +15,7 @@ Reads (`plan`, then `read`). Every kind of restore goes through one `RestorePlan
   parts overlap this rank's (`sharded.plan_reshard`), cut and joined (`sharded.assemble`: no copy when a part
   is one whole source shard), then copied into `into=` after the names, shapes and dtypes are checked;
 - RANGES: DTensors in the step or in `into`, or `strict=False`: only the byte ranges the targets need
-  (`dtensor.restore_step`, chunk-verified range reads).
+  (`boxread.restore_step`, chunk-verified range reads).
 Where a `sharding=` tensor is cut for a rank is `sharded.SplitTensor.part` in both RESHARD and RANGES.
 """
 
@@ -30,7 +30,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from dcs_tasks.checkpoint.format.layout import Manifest
-from dcs_tasks.checkpoint.restore import dtensor, reader, sharded
+from dcs_tasks.checkpoint.restore import boxread, reader, sharded
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
 from dcs_tasks.checkpoint.store.ledger.steps import StepShards
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
@@ -99,7 +99,7 @@ def read(p: RestorePlan, verify: bool = True, source: reader.Source = reader.Sou
     started = time.perf_counter()
     shards, manifest = p.shards, p.shards.manifests[p.local]
     if p.kind is Kind.RANGES:
-        state, nbytes = dtensor.restore_step(shards, p.rank, p.world_size, p.into, verify, p.strict)
+        state, nbytes = boxread.restore_step(shards, p.rank, p.world_size, p.into, verify, p.strict)
     else:
         targets = flatten_state(p.into).tensors if p.into is not None else None
         if p.kind is Kind.WHOLE:

@@ -1,10 +1,10 @@
 """Where a torch `DTensor`'s local shard sits, and which rank writes it: the state-stage half of DTensor support
-(`dtensor` has the module's story, and restores).
+(`restore/boxread.py` has the story, and restores).
 
 `local_part` flattens a DTensor to its local shard (`to_local()`, no gather) plus a `ShardMeta` (global shape,
 offset, placements, mesh), refusing with `UnsupportedPlacement` what DCS cannot save; `assign_owners` picks the
 one rank that writes each shard several ranks hold; `chunk_sums` hashes the per-chunk checksums partial
-restores verify. `structure.flatten_state` uses this module; `dtensor` re-exports every name.
+restores verify. `structure.flatten_state` uses this module; `boxread` re-exports every name.
 """
 
 from __future__ import annotations

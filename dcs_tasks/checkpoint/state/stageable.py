@@ -5,7 +5,7 @@ strided, storage-backed tensor of a safetensors dtype can be staged. Everything 
 `StagingError` naming the state path and the type, before anything reads the tensor's memory:
 - tensor subclasses that override `__torch_dispatch__` (wrapper subclasses with no storage of their own:
   fake and functorch tensors, float8/NF4 wrappers). A `DTensor` never reaches this check as itself:
-  `structure` hands over its local shard (`dcs_tasks.checkpoint.restore.dtensor`), since the DTensor's own
+  `structure` hands over its local shard (`dcs_tasks.checkpoint.restore.boxread`), since the DTensor's own
   `data_ptr()` is 0 and a raw copy of it would kill the process with SIGSEGV;
 - nested tensors (no strides), sparse (COO/CSR/CSC/BSR/BSC) and mkldnn layouts, quantized tensors,
   meta-device tensors, uninitialized (lazy) parameters and buffers;

@@ -1,4 +1,6 @@
-"""torch `DTensor` state: save each rank's local shard with its place in the global tensor, restore any part.
+"""Reading any box of a saved tensor from the pieces that hold it, verified chunk by chunk (`RangeReader`: only the
+checksum chunks that cover the box are read), for plain, `sharding=` and DTensor checkpoints alike; and torch
+`DTensor` state: save each rank's local shard with its place in the global tensor, restore any part.
 
 Save. A DTensor whose placements are `Shard(d)` or `Replicate()` on a 1-D or 2-D `DeviceMesh` is flattened
 to its local shard (`to_local()`, no gather) plus a `ShardMeta`: global shape, the shard's offset along every
