@@ -104,6 +104,23 @@ def test_the_dcp_example_saves_with_dcp_and_loads_bit_exact(stack: Stack) -> Non
     assert "loaded step 30 with dcp.load, bit-exact: True" in done.stdout, done.stdout
 
 
+def test_the_lightning_example_saves_and_a_second_run_resumes_from_last(stack: Stack, tmp_path: Path) -> None:
+    markers = ("--run", "example-lightning", "--dir", str(tmp_path / "lightning-markers"))
+    first = run_example(stack.env, "lightning_trainer.py", *markers, "--steps", "30")
+    assert "trained to step 30; committed steps: [10, 20, 30]" in first.stdout, first.stdout
+    second = run_example(stack.env, "lightning_trainer.py", *markers, "--steps", "50")
+    assert "resumed from step 30" in second.stdout, second.stdout
+    assert "trained to step 50; committed steps: [10, 20, 30, 40, 50]" in second.stdout, second.stdout
+
+
+def test_the_hf_trainer_example_saves_and_a_second_run_resumes(stack: Stack) -> None:
+    first = run_example(stack.env, "hf_trainer.py", "--run", "example-hf", "--steps", "30")
+    assert "trained to step 30; committed steps: [10, 20, 30]" in first.stdout, first.stdout
+    second = run_example(stack.env, "hf_trainer.py", "--run", "example-hf", "--steps", "50")
+    assert "resumed from step 30" in second.stdout, second.stdout
+    assert "trained to step 50; committed steps: [10, 20, 30, 40, 50]" in second.stdout, second.stdout
+
+
 def quickstart_second_shell() -> str:
     """The README quickstart's second bash block: what a user types once `dcs up` runs."""
     section = (REPO / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
