@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
-    tokens = torch.randint(0, 128, (256, 32), generator=torch.Generator().manual_seed(1))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16))
+    tokens = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in tokens]
 
     dcs = DCSCallback(args.run, DCSConfig())  # DCS_* environment: DCS_REDIS_URL, DCS_CHECKPOINT_DIR, ...
