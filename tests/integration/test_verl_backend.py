@@ -9,6 +9,7 @@ every worker, the backend's `build_topology`, init_process_group on all at once,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import subprocess
@@ -203,3 +204,22 @@ def test_verl_trainer_pushes_through_dcs_to_two_rollout_workers_bit_exact(worker
     sent, received = update(workers, seed=3)
     assert sent[0]["digest"] == digest(weights(3))
     assert received == [{"digest": digest(weights(3)), "version": 2}] * 2
+
+
+def test_a_topology_without_its_source_or_receivers_is_refused_by_name() -> None:
+    from dcs_tasks.errors import ConfigError, WeightSyncError
+    from dcs_tasks.integrations.verl import DCSCheckpointEngine
+
+    source = {"dcs_role": "actor", "updates": 0}
+    other, receiver = {"dcs_role": None, "updates": 0}, {"dcs_role": "actor_fwd", "updates": 3}
+    assert DCSCheckpointEngine.build_topology(2, 1, [source, other, receiver]) == (
+        {"rollout_id": [4, 4]},
+        {"rollout_id": [4]},
+    )
+    with pytest.raises(ConfigError, match=r"trainer workers marked as the source: \[\]"):
+        DCSCheckpointEngine.build_topology(2, 1, [other, other, receiver])
+    with pytest.raises(ConfigError, match=r"rollout workers \[1\] were not built as DCS receivers"):
+        DCSCheckpointEngine.build_topology(1, 2, [source, receiver, other])
+    trainer = DCSCheckpointEngine(bucket_size=1 << 20, is_master=True)
+    with pytest.raises(WeightSyncError, match="not a rollout worker's"):
+        asyncio.run(anext(trainer.receive_weights()))
