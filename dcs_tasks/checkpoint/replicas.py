@@ -76,7 +76,8 @@ def heal_from(error: CorruptCheckpoint, primary_step: Location, good_step: Locat
     """Rewrite the primary file `error` names (under the primary run) with the same file of the copy that just
     verified (`good_step`'s run): complete bytes under a temp name then a rename on files, one upload on an
     object store. Returns whether it healed; a failure is logged and changes nothing."""
-    from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, read_small
+    from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES
+    from dcs_tasks.checkpoint.store.reads.stepcheck import read_small
 
     primary_run, good_run = primary_step.parent, good_step.parent
     named = error.path or ""

@@ -39,13 +39,14 @@ from dcs_tasks.checkpoint.format.fsio import (
     stream_region,
 )
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, check_files, read_small
+from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES
 from dcs_tasks.checkpoint.persisting import Context
 from dcs_tasks.checkpoint.restore.reader import load_manifest, verify_step
 from dcs_tasks.checkpoint.store.ledger.latest import move_latest
 from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, regular_of_size
 from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
 from dcs_tasks.checkpoint.store.reads.landing import anonymous
+from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_small
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig

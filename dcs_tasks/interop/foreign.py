@@ -3,7 +3,7 @@
 Hugging Face (`model.safetensors`, or `model.safetensors.index.json` and the shards it names): the index is a
 regular file of at most `MAX_INDEX_BYTES` holding a JSON object whose `weight_map` maps tensor names to plain
 safetensors file names in the directory; every file is opened without following symlinks, and its header is
-checked like a DCS file's (`validate.read_header`: length bounded by the file and 100 MiB, every entry's dtype,
+checked like a DCS file's (`stepcheck.read_header`: length bounded by the file and 100 MiB, every entry's dtype,
 shape and byte range consistent and inside the data) before any data byte is read. The index and the headers
 must agree on which file holds which tensor.
 
@@ -38,7 +38,8 @@ import numpy
 import torch
 
 from dcs_tasks.checkpoint.format.layout import CODE_DTYPES, DTYPE_CODES
-from dcs_tasks.checkpoint.format.validate import MAX_NDIM, read_header, read_small
+from dcs_tasks.checkpoint.format.validate import MAX_NDIM
+from dcs_tasks.checkpoint.store.reads.stepcheck import read_header, read_small
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint
 from dcs_tasks.storage.fs import open_regular
 

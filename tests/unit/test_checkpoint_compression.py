@@ -16,7 +16,7 @@ import zstandard
 from dcs_tasks.checkpoint.format import compression, validate
 from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.store.reads import fileread, zread
+from dcs_tasks.checkpoint.store.reads import fileread, stepcheck, zread
 from dcs_tasks.errors import CorruptCheckpoint
 
 ZSTD = CompressionSpec(codec="zstd", level=3, min_saving=0.05)
@@ -251,9 +251,9 @@ def test_the_header_of_a_compressed_file_is_checked_by_decompressing_only_the_he
     blob = zstandard.ZstdCompressor().compress(data)
     entry = entry.model_copy(update={"stored_size": len(blob)})
     (tmp_path / (NAME + ".zst")).write_bytes(blob)
-    fd = validate.open_regular(tmp_path / (NAME + ".zst"))
+    fd = stepcheck.open_regular(tmp_path / (NAME + ".zst"))
     try:
-        parsed, start = validate.read_header(fd, tmp_path, entry.size, compression.Decoder(fd, tmp_path, entry).read)
+        parsed, start = stepcheck.read_header(fd, tmp_path, entry.size, compression.Decoder(fd, tmp_path, entry).read)
     finally:
         os.close(fd)
     assert start == 8 + len(header) and parsed["w"]["shape"] == [2]

@@ -16,6 +16,7 @@ from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, TensorEntry,
 from dcs_tasks.checkpoint.store.ledger.incremental import RETIRED_NAME
 from dcs_tasks.checkpoint.store.ledger.retention import apply_retention
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+from dcs_tasks.checkpoint.store.reads import stepcheck
 from dcs_tasks.errors import CorruptCheckpoint
 
 FILE = "model-00001-of-00001.safetensors"
@@ -52,7 +53,7 @@ def test_a_reference_that_is_not_an_integer_is_unreadable(tmp_path: Path, source
     raw["files"][0]["source_step"] = source
     (step_dir / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(CorruptCheckpoint, match="unreadable"):
-        validate.read_manifest(step_dir)
+        stepcheck.read_manifest(step_dir)
 
 
 def test_a_reference_resolves_in_the_holding_step_and_is_checked_there(tmp_path: Path) -> None:
@@ -63,15 +64,15 @@ def test_a_reference_resolves_in_the_holding_step_and_is_checked_there(tmp_path:
     validate.check_manifest(manifest, Path("m.json"))
     assert manifest.files[0].stored_path(step_dir) == run / "step-000000003" / FILE
     with pytest.raises(CorruptCheckpoint, match=r"refers to step 3, whose directory .*step-000000003 does not exist"):
-        validate.check_files(step_dir, manifest)
+        stepcheck.check_files(step_dir, manifest)
     (run / "elsewhere").mkdir()
     (run / "step-000000003").symlink_to(run / "elsewhere")
     with pytest.raises(CorruptCheckpoint, match="is not a directory"):
-        validate.check_files(step_dir, manifest)
+        stepcheck.check_files(step_dir, manifest)
     (run / "step-000000003").unlink()
     (run / "step-000000003").mkdir()
     with pytest.raises(CorruptCheckpoint, match=r"step-000000003/model-00001-of-00001.safetensors is missing"):
-        validate.check_files(step_dir, manifest)
+        stepcheck.check_files(step_dir, manifest)
     assert FileEntry(name=FILE, size=1, checksum="0" * 32).referring(3).source_step == 3
     assert FileEntry(name=FILE, size=1, checksum="0" * 32, source_step=1).referring(3).source_step == 1  # no chain
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from dcs_tasks.checkpoint.format import validate
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, TensorEntry
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
+from dcs_tasks.checkpoint.store.reads import stepcheck
 from dcs_tasks.errors import CorruptCheckpoint
 
 CHECKSUM = "0" * 32
@@ -55,9 +56,9 @@ def test_an_impossible_created_at_is_corrupt(tmp_path: Path, created_at: str) ->
     assert created_at in raw
     (tmp_path / "manifest.json").write_text(raw)
     with pytest.raises(CorruptCheckpoint, match="created_at"):
-        validate.read_manifest(tmp_path)
+        stepcheck.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(created_at=7258118400.0).model_dump_json())
-    assert validate.read_manifest(tmp_path).created_at == 7258118400.0
+    assert stepcheck.read_manifest(tmp_path).created_at == 7258118400.0
 
 
 @pytest.mark.parametrize(
@@ -147,7 +148,7 @@ def test_the_format_stage_checks_the_structure_form_and_restore_its_torch_names(
     step_dir = tmp_path / "step-000000001"
     step_dir.mkdir()
     (step_dir / "manifest.json").write_text(_manifest(structure=odd).model_dump_json())
-    assert validate.read_manifest(step_dir).structure == odd
+    assert stepcheck.read_manifest(step_dir).structure == odd
     with pytest.raises(CorruptCheckpoint, match="not a torch dtype") as refused:
         load_manifest(step_dir)
     assert str(step_dir / "manifest.json") in str(refused.value)
@@ -199,7 +200,7 @@ def test_safetensors_header_is_bounded_and_checked(
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(CorruptCheckpoint, match=reason):
-            validate.read_header(fd, path, os.fstat(fd).st_size)
+            stepcheck.read_header(fd, path, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
@@ -212,7 +213,7 @@ def test_random_headers_raise_only_corrupt_checkpoint(tmp_path: Path, length: in
     path.write_bytes(raw[:size])
     fd = os.open(path, os.O_RDONLY)
     try:
-        header, start = validate.read_header(fd, path, os.fstat(fd).st_size)
+        header, start = stepcheck.read_header(fd, path, os.fstat(fd).st_size)
         assert isinstance(header, dict) and start == 8 + length <= len(raw[:size])
     except CorruptCheckpoint as exc:
         assert str(path) in str(exc)
@@ -249,7 +250,7 @@ def test_random_json_headers_raise_only_corrupt_checkpoint(tmp_path: Path, entri
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        parsed, _ = validate.read_header(fd, path, os.fstat(fd).st_size)
+        parsed, _ = stepcheck.read_header(fd, path, os.fstat(fd).st_size)
     except CorruptCheckpoint:
         return
     finally:

@@ -29,10 +29,10 @@ from dcs_tasks.checkpoint.format.layout import (
     manifest_bytes,
     new_hasher,
 )
-from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
 from dcs_tasks.checkpoint.store.peers import channel as pc
 from dcs_tasks.checkpoint.store.peers import stepfiles as ps
 from dcs_tasks.checkpoint.store.peers import transfer as pw
+from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_manifest
 from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, read_seals
 from dcs_tasks.errors import (
     CorruptCheckpoint,

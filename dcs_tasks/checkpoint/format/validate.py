@@ -1,10 +1,10 @@
-"""Checks of committed steps read back from disk: manifests and safetensors files are untrusted input.
+"""Checks of committed steps as untrusted input, on bytes and parsed models only: manifests, safetensors header
+entries and the structure's form. No file or network I/O here: reading a step from its store and checking its
+files against these rules is `dcs_tasks.checkpoint.store.reads.stepcheck` (`read_manifest`, `check_files`).
 
 Anyone who can write into the checkpoint directory can hand restore a crafted step, so nothing in it is
 believed before it is checked, and everything is checked before memory is allocated or a data file is read:
-- `read_manifest`: `manifest.json` is a regular file (not a symlink) of bounded size that parses as a
-  `Manifest`, `check_manifest` holds, and a step directory named as DCS names it holds that step's manifest.
-- `check_manifest` (no file I/O): the format version is known; file names are plain basenames of
+- `check_manifest`: the format version is known; file names are plain basenames of
   safetensors files (no separator, no `.`/`..`, no leading dot), unique, with an xxh3_128 hex checksum;
   every tensor lies in a listed file, has a safetensors dtype, a shape of at most `MAX_NDIM` non-negative
   dimensions whose byte count equals its byte range, an aligned range inside its file's size and not
@@ -16,15 +16,10 @@ believed before it is checked, and everything is checked before memory is alloca
   size and exactly one well-formed checksum per chunk (`_check_chunks`); a file's compression is one DCS
   writes (zstd) with a `stored_size` any zstd frame of its size could have (`compression.stored_size_problem`).
 - Incremental references (`FileEntry.source_step`): an integer naming an earlier step (0 <= s < this
-  step); `check_files` requires that step's directory to be a real directory (lstat: not a symlink) and
-  checks the referenced file there like any other, so a missing one is `CorruptCheckpoint` naming it.
-- `check_files`: each listed file is a regular file in the step directory (lstat, opened with O_NOFOLLOW:
-  a symlink is refused, never followed) of exactly its recorded size, and its safetensors header (length
-  bounded by the file and `MAX_HEADER_BYTES`, valid JSON, every entry's dtype, shape and byte range
-  consistent and inside the file) lists exactly the manifest's tensors of that file at the same places.
-  Costs one open and one small header read per file: no data bytes are read. A compressed file must have
-  its `stored_size`, a zstd frame header recording exactly its `size`, and its header is read by
-  decompressing only the header's bytes (`compression.Decoder`).
+  step); `stepcheck.check_files` then requires that step's directory to be a real directory and checks the
+  referenced file there like any other.
+- `check_header_entry`: one safetensors header entry's dtype, shape and byte range agree with each other and lie
+  inside the file's data.
 Every failure is `CorruptCheckpoint` naming the file and the reason. Since names are checked before any
 path is built, nothing outside the step directory (and, for incremental references, the same run's
 earlier step directories) is ever opened or stat'ed, so messages cannot reveal
@@ -33,41 +28,26 @@ anything about files elsewhere.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import math
-import os
 import re
-import stat
-import struct
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from dcs_tasks.checkpoint.format.compression import Decoder, check_frame, stored_size_problem
+from dcs_tasks.checkpoint.format.compression import stored_size_problem
 from dcs_tasks.checkpoint.format.layout import (
     CHECKSUM_ALGORITHM,
     CHUNK_ALGORITHM,
     FORMAT_VERSION,
-    MANIFEST_NAME,
-    STEP_DIR,
-    FileEntry,
     Manifest,
     TensorEntry,
 )
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object
-from dcs_tasks.storage.fs import open_regular
-from dcs_tasks.storage.objpath import listed_sizes
-from dcs_tasks.storage.s3 import ObjectMissing
+from dcs_tasks.storage import Location
 from dcs_tasks.tensors import CODE_ITEMSIZE
 
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
-HEAD_PREFETCH = 256 * 1024  # bytes of an object fetched at once for its safetensors header
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 MAX_NDIM = 64
 MAX_REASON = 1000  # characters of a parser's complaint kept in the message
 FILE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,200}\.safetensors$", re.ASCII)
@@ -77,48 +57,6 @@ MIN_SUM_CHUNK = 4096  # chunk sizes accepted from a manifest: a multiple of this
 MAX_SUM_CHUNK = 1 << 30
 MAX_PLACEMENT = 32  # characters of one recorded placement
 ITEMSIZE: dict[str, int] = CODE_ITEMSIZE
-
-
-def read_manifest(step_dir: Location) -> Manifest:
-    """`step_dir`'s manifest, parsed and checked (`check_manifest`); CorruptCheckpoint names what is wrong."""
-    path = step_dir / MANIFEST_NAME
-    raw = read_small(path, MAX_MANIFEST_BYTES)
-    try:
-        manifest = Manifest.model_validate_json(raw)
-    except ValueError as exc:
-        reason = str(exc)
-        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
-        raise CorruptCheckpoint(f"{path} is unreadable: {reason}", str(path)) from exc
-    check_manifest(manifest, path)
-    match = STEP_DIR.match(step_dir.name)
-    if match and int(match.group(1)) != manifest.step:
-        raise CorruptCheckpoint(f"{path}: records step {manifest.step}, not {int(match.group(1))}", str(path))
-    return manifest
-
-
-def read_small(path: Location, limit: int) -> bytes:
-    """The bytes of a regular file (not a symlink) of at most `limit` bytes; CorruptCheckpoint otherwise. An
-    object (`ObjectPath`): at most `limit` + 1 bytes are fetched."""
-    return store_of(path).read_small(path, limit)
-
-
-@contextlib.contextmanager
-def _reading(path: Path) -> Iterator[None]:
-    """An I/O error while reading a checkpoint file makes the step unusable, like a bad checksum."""
-    try:
-        yield
-    except OSError as exc:
-        raise CorruptCheckpoint(f"checkpoint file {path} cannot be read: {exc.strerror}", str(path)) from exc
-
-
-def open_stored(path: Path, entry: FileEntry) -> int:
-    """`open_regular(path)`, which must have the entry's `disk_size` bytes (CorruptCheckpoint otherwise)."""
-    fd = open_regular(path)
-    size = os.fstat(fd).st_size
-    if size != entry.disk_size:
-        os.close(fd)
-        raise CorruptCheckpoint(f"checkpoint file {path} has {size} bytes, manifest says {entry.disk_size}", str(path))
-    return fd
 
 
 def check_manifest(manifest: Manifest, path: Location) -> None:
@@ -264,151 +202,7 @@ def _check_chunks(manifest: Manifest) -> None:
             raise CorruptCheckpoint(f"tensor {name!r} needs {expected} well-formed chunk checksums")
 
 
-def check_files(step_dir: Location, manifest: Manifest) -> None:
-    """Each file of `manifest` (already checked) against the disk: a regular file of its recorded size whose
-    safetensors header agrees with the manifest. Reads only the headers."""
-    by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
-    for name, entry in manifest.tensors.items():
-        by_file[entry.file][name] = entry
-    if is_object(step_dir):  # no descriptor to check through: sizes from one listing, headers by ranged reads
-        _check_objects(step_dir, manifest, by_file)
-        return
-    for f in manifest.files:
-        path = f.stored_path(step_dir)
-        if f.source_step is not None:
-            _check_source_dir(path.parent, f.name, f.source_step)
-        fd = open_stored(path, f)
-        size = f.disk_size
-        try:
-            with _reading(path):
-                if f.compression:
-                    check_frame(fd, path, f)
-                    _check_header(fd, path, f.size, by_file[f.name], Decoder(fd, path, f).read)
-                else:
-                    _check_header(fd, path, size, by_file[f.name])
-        finally:
-            os.close(fd)
-
-
-def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, dict[str, TensorEntry]]) -> None:
-    """`check_files` for a step in an object store: each object exists with its recorded size and, stored plain,
-    its safetensors header (read with ranged GETs) agrees with the manifest. A compressed object's frame and
-    header are checked when it is read (fetched whole, then decompressed: `objread`)."""
-    listed = listed_sizes([f.stored_path(step_dir) for f in manifest.files])
-    for f in manifest.files:
-        path = f.stored_path(step_dir)
-        size = listed.get(path.key)
-        if size is None:
-            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
-        if size != f.disk_size:
-            raise CorruptCheckpoint(
-                f"checkpoint object {path} has {size} bytes, manifest says {f.disk_size}", str(path)
-            )
-        if not f.compression:
-            _check_header(-1, path, size, by_file[f.name], _object_reader(path, size))
-
-
-def _object_reader(path: ObjectPath, size: int) -> Callable[[int], bytes]:
-    """`read(n)`: the object's next n bytes from its start. The first `HEAD_PREFETCH` bytes come with one ranged
-    GET (a header is almost always shorter), the rest, if a header is longer, with one more."""
-    pos = 0
-    first = bytearray(min(size, HEAD_PREFETCH))
-    fetched = False
-
-    def read(n: int) -> bytes:
-        nonlocal pos, fetched
-        n = max(0, min(n, size - pos))
-        try:
-            if not fetched and first:
-                path.store.read_into(path.key, 0, [memoryview(first)])
-                fetched = True
-            if pos + n <= len(first):
-                out = bytes(first[pos : pos + n])
-            else:
-                buf = bytearray(n)
-                if n:
-                    path.store.read_into(path.key, pos, [memoryview(buf)])
-                out = bytes(buf)
-        except ObjectMissing as exc:
-            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
-        pos += n
-        return out
-
-    return read
-
-
-def _check_source_dir(source_dir: Path, name: str, step: int) -> None:
-    """An incremental reference's step directory is a real directory (a symlink is never followed)."""
-    try:
-        found = source_dir.lstat()
-    except OSError:
-        found = None
-    if found is None or not stat.S_ISDIR(found.st_mode):
-        why = "does not exist" if found is None else "is not a directory (symlinks are never followed)"
-        raise CorruptCheckpoint(
-            f"file {name!r} refers to step {step}, whose directory {source_dir} {why}", str(source_dir)
-        )
-
-
-def _check_header(
-    fd: int, path: Location, size: int, expected: Mapping[str, TensorEntry], read: Callable[[int], bytes] | None = None
-) -> None:
-    header, start = read_header(fd, path, size, read)
-    names = set(header) - {"__metadata__"}
-    if names != set(expected):
-        odd = sorted(names ^ set(expected))[0]
-        raise CorruptCheckpoint(f"safetensors header of {path} and the manifest disagree on tensor {odd[:80]!r}")
-    for name, entry in expected.items():
-        got = header[name]
-        if (
-            not isinstance(got, dict)
-            or got.get("dtype") != entry.dtype
-            or got.get("shape") != entry.shape
-            or got.get("data_offsets") != [entry.offsets[0] - start, entry.offsets[1] - start]
-        ):
-            raise CorruptCheckpoint(f"safetensors header of {path} and the manifest disagree on tensor {name!r}")
-
-
-def read_header(
-    fd: int, path: Location, size: int, read: Callable[[int], bytes] | None = None
-) -> tuple[dict[str, Any], int]:
-    """The parsed safetensors header of an open file of `size` bytes and where its data starts; every
-    entry's dtype, shape and byte range checked against each other and the file. `read(n)`: the file's
-    next n bytes from its start (a compressed file's `Decoder`); default: `pread` of `fd`."""
-    if read is None:
-        read = _sequential_pread(fd)
-    prefix = read(8) if size >= 8 else b""
-    if len(prefix) != 8:
-        raise CorruptCheckpoint(f"{path} is too short for a safetensors header", str(path))
-    (length,) = struct.unpack("<Q", prefix)
-    if length > min(size - 8, MAX_HEADER_BYTES):
-        raise CorruptCheckpoint(f"{path}: safetensors header length {length} exceeds the file", str(path))
-    raw = read(length)
-    try:
-        header = json.loads(raw) if len(raw) == length else None
-    except (ValueError, RecursionError):
-        header = None  # UnicodeDecodeError, JSONDecodeError, absurd nesting
-    if not isinstance(header, dict):
-        raise CorruptCheckpoint(f"{path}: safetensors header is not a JSON object", str(path))
-    data = size - 8 - length
-    for name, entry in header.items():
-        if name != "__metadata__":
-            _check_header_entry(path, name, entry, data)
-    return header, 8 + length
-
-
-def _sequential_pread(fd: int) -> Callable[[int], bytes]:
-    pos = [0]
-
-    def read(n: int) -> bytes:
-        data = os.pread(fd, n, pos[0])
-        pos[0] += len(data)
-        return data
-
-    return read
-
-
-def _check_header_entry(path: Location, name: str, entry: Any, data: int) -> None:
+def check_header_entry(path: Location, name: str, entry: Any, data: int) -> None:
     ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and entry["dtype"] in ITEMSIZE
     nbytes = shape_bytes(entry.get("shape"), ITEMSIZE[entry["dtype"]]) if ok else None
     offsets = entry.get("data_offsets") if ok else None

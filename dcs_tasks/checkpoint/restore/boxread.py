@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint.format import validate
 from dcs_tasks.checkpoint.format.layout import (
     CODE_DTYPES,
     Manifest,
@@ -61,6 +60,7 @@ from dcs_tasks.checkpoint.state.dtensor_meta import local_part as local_part
 from dcs_tasks.checkpoint.state.dtensor_meta import owned as owned
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
 from dcs_tasks.checkpoint.store.ledger.steps import StepShards
+from dcs_tasks.checkpoint.store.reads import stepcheck
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, store_of
 
@@ -171,7 +171,7 @@ class RangeReader:
             whole = self._whole[piece.step_dir][name]
             return whole[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
         if piece.step_dir not in self._checked:
-            validate.check_files(piece.step_dir, manifest)  # sizes and headers agree: no data bytes read
+            stepcheck.check_files(piece.step_dir, manifest)  # sizes and headers agree: no data bytes read
             self._checked.add(piece.step_dir)
         assert manifest.chunks is not None
         return self._read_chunks(piece, name, lo, hi, sums, manifest.chunks.chunk_bytes)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from dcs_tasks.checkpoint.format.layout import STEP_DIR as STEP_DIR
-from dcs_tasks.checkpoint.format.validate import check_files, read_manifest
 from dcs_tasks.checkpoint.restore.lend import Unmappable, copy_sealed, map_many
 from dcs_tasks.checkpoint.restore.tensorviews import tensors_over
 from dcs_tasks.checkpoint.store.ledger.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.ledger.steps import step_dirs as step_dirs
 from dcs_tasks.checkpoint.store.reads import objread
 from dcs_tasks.checkpoint.store.reads.fileread import Progress, Target, read_many, read_scatter
+from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_manifest
 from dcs_tasks.checkpoint.store.tiers.seal import Stamp, read_seals
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, store_of

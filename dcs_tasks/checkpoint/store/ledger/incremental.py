@@ -24,8 +24,8 @@ import os
 
 from dcs_tasks.checkpoint.format.iosizes import WRITE_CHUNK_BYTES
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.format.validate import read_manifest
 from dcs_tasks.checkpoint.store.ledger.steps import step_dirs
+from dcs_tasks.checkpoint.store.reads.stepcheck import read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, store_of
 from dcs_tasks.storage.store import Fence

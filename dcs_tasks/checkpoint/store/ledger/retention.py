@@ -20,11 +20,11 @@ import logging
 from collections.abc import Callable
 
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, step_dir_name
-from dcs_tasks.checkpoint.format.validate import read_manifest
 from dcs_tasks.checkpoint.store.ledger.incremental import RETIRED_NAME, is_retired, referenced, refs_lock
 from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
 from dcs_tasks.checkpoint.store.ledger.steps import complete_steps, step_dirs
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
+from dcs_tasks.checkpoint.store.reads.stepcheck import read_manifest
 from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.factory import is_object

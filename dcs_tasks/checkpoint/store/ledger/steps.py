@@ -2,7 +2,7 @@
 (`step_dirs`), the `latest` pointer (`read_latest`), the rank directories of a multi-rank run (`rank_dirs`)
 and the steps every rank committed (`scan_steps`, `complete_steps`, `incomplete_steps`).
 
-Manifests are read with `validate.read_manifest` (every check of the format stage) unless the caller passes
+Manifests are read with `stepcheck.read_manifest` (every check of the format stage) unless the caller passes
 its own `load`: restore passes `reader.load_manifest`, which also decodes the structure against torch.
 Retention, incremental saves and the `latest` pointer use this module as it is.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import overload
 
 from dcs_tasks.checkpoint.format.layout import LATEST_NAME, MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, step_dir_name
-from dcs_tasks.checkpoint.format.validate import read_manifest, read_small
+from dcs_tasks.checkpoint.store.reads.stepcheck import read_manifest, read_small
 from dcs_tasks.errors import CorruptCheckpoint, StorageError
 from dcs_tasks.storage import Location, ObjectPath, store_of
 

@@ -11,7 +11,7 @@ step and rank are those of `rel`; plain files only; at most the receiver's byte 
 temp directory `<parent>/.incoming-<hex>` next to the target (`INCOMING_PREFIX`; every path component opened
 relative to its parent's descriptor with O_NOFOLLOW, so no symlink is ever followed), each hashed on arrival
 (received into a reusable buffer with MSG_WAITALL, hashed, written); then the safetensors headers are checked
-against the manifest (`validate.check_files`), the seal (`seal.json`: the files were hashed on arrival) and the
+against the manifest (`stepcheck.check_files`), the seal (`seal.json`: the files were hashed on arrival) and the
 manifest are written last, and the directory is renamed into place with RENAME_NOREPLACE: a step committed at
 the target is never replaced. On any failure the temp directory is removed, and the run and rank directories made
 for it when they are left empty (`prune_parents`). A step received is a peer copy: its seal says so
@@ -37,9 +37,10 @@ from dcs_tasks.checkpoint.format.fsio import write_all
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
 from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
-from dcs_tasks.checkpoint.format.validate import check_files, check_manifest
+from dcs_tasks.checkpoint.format.validate import check_manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peers.channel import MAX_MESSAGE, Channel, short
+from dcs_tasks.checkpoint.store.reads.stepcheck import check_files
 from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
 from dcs_tasks.storage.fs import read_exactly

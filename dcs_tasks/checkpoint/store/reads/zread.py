@@ -24,8 +24,8 @@ from pathlib import Path
 from dcs_tasks.checkpoint.format.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
-from dcs_tasks.checkpoint.format.validate import open_stored
 from dcs_tasks.checkpoint.store.reads.landing import Progress, Target, TargetIndex, anonymous
+from dcs_tasks.checkpoint.store.reads.stepcheck import open_stored
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 
