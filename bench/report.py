@@ -34,8 +34,8 @@ README = REPO / "README.md"
 MARKERS = {"doc": "bench-report", "readme": "bench-readme"}
 # the order of the tables; benchmarks not named here follow in alphabetical order
 ORDER = (
-    "save", "storage", "weight_sync", "http_roundtrip", "reshard", "incremental", "replica", "compression",
-    "coordinator_load", "fleet_heartbeats", "task_latency",
+    "save", "dcp_writer", "storage", "weight_sync", "http_roundtrip", "reshard", "incremental", "replica",
+    "compression", "coordinator_load", "fleet_heartbeats", "task_latency",
 )  # fmt: skip
 
 
