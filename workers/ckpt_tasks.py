@@ -9,8 +9,8 @@ stored step), for a storage step retention and the replicate task (task id `repl
 committed save attempt, so the result of a step's replication can be looked up by its token).
 
 Payloads are untrusted: a malformed one fails with `InvalidTaskPayload`, and one naming a path outside this
-worker's roots with `UntrustedPath` (`workers.trust`), at once and never retried. A failed persist or commit
-still fails its step in the ledger when the payload names one (run, step, token), so the waiting trainer
+worker's roots with `UntrustedPath` (`dcs_tasks.checkpoint.trust`), at once and never retried. A failed persist or
+commit still fails its step in the ledger when the payload names one (run, step, token), so the waiting trainer
 gets the reason; a partial step directory is removed only when it is the trusted one.
 """
 

@@ -27,7 +27,6 @@ PROBE = textwrap.dedent(
     app.loader.import_default_modules()
     import dcs_tasks.sync.group_bootstrap, workers.commit, workers.persist, workers.recovery, workers.memory
     import dcs_tasks.checkpoint.aftercommit, dcs_tasks.checkpoint.replicating, dcs_tasks.checkpoint.tiering
-    import workers.trust
     import dcs_tasks.checkpoint.store.ledger.retention, dcs_tasks.checkpoint.store.ledger.latest
     print(sorted(name for name in app.tasks if name.startswith("dcs.")))
     """
