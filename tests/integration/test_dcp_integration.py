@@ -108,6 +108,8 @@ def test_dcp_save_commits_a_dcs_step_that_dcp_load_and_checkpointer_restore_read
     assert listed.returncode == 0 and "7" in listed.stdout, listed.stdout + listed.stderr
     verified = dcs_ckpt(config, "verify", "--run", "dcp")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    inspected = dcs_ckpt(config, "inspect", "--run", "dcp", "--step", "7")
+    assert inspected.returncode == 0 and "model.0.weight" in inspected.stdout, inspected.stdout + inspected.stderr
 
 
 def test_async_save_returns_before_the_step_is_durable_and_its_future_after(
