@@ -219,19 +219,27 @@ class DCSCheckpointEngine(CheckpointEngine):
             self.updates += 1
             return {}
         client = self.client
+        if self.rollout_id is None:
+            raise WeightSyncError("send_weights before init_process_group: the DCS group of this update is not formed")
         client.model = state
         try:
             metrics = await self._wait(client.update_weights_for_rollout(actor_fwd_only=True))
         finally:
             client.model = None
         self.updates += 1
-        sent = metrics.get("actor_fwd", {})
+        sent = metrics.get("actor_fwd")
+        if not sent:
+            raise WeightSyncError(f"DCS sent nothing for update {self.rollout_id}: no actor_fwd group ({metrics})")
         return {f"dcs/{key}": sent[key] for key in ("bytes", "tensors", "buckets", "total_seconds") if key in sent}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Receive one whole update (committed only once complete), then yield its (name, tensor) pairs."""
         if self.client is None or self.role != RECEIVER:
             raise WeightSyncError("receive_weights was called on a DCS engine that is not a rollout worker's")
+        if self.rollout_id is None:
+            raise WeightSyncError(
+                "receive_weights before init_process_group: the DCS group of this update is not formed"
+            )
         started = time.perf_counter()
         version = await self._wait(self.client.recv_weight())
         self.updates += 1
