@@ -21,6 +21,7 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.integrations.dcp import DCSStorageReader, DCSStorageWriter, UnstorableItem
+from dcs_tasks.interop.dcp_steps import MAX_BYTES_ITEM
 from tests.checkpoint_support import Inline, ckpt_config, dcs_ckpt
 from tests.helpers.procs import WorkerProcess
 
@@ -151,6 +152,17 @@ def test_a_state_dcs_cannot_store_is_refused_naming_the_key_and_nothing_is_commi
     assert errors[0].key == "half_complex" and "complex32" in str(errors[0])
     assert ckpt.list() == []
     assert not (Path(config.checkpoint_dir) / "dcp" / "step-000000005").exists()
+
+
+def test_a_value_over_the_blob_bound_is_refused_naming_the_key_and_nothing_is_committed(
+    config: DCSConfig, ckpt: Checkpointer
+) -> None:
+    state = {"w": torch.ones(4), "tokenizer": {"vocab": b"x" * MAX_BYTES_ITEM}}  # serialised: a little more
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(state, storage_writer=DCSStorageWriter(ckpt, step=6))
+    errors = [exc for exc, _trace in raised.value.failures.values()]
+    assert len(errors) == 1 and isinstance(errors[0], UnstorableItem) and errors[0].key == "tokenizer.vocab"
+    assert ckpt.list() == []
 
 
 def test_a_corrupt_file_fails_the_load_naming_it(config: DCSConfig, ckpt: Checkpointer) -> None:
