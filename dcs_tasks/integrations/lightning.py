@@ -57,7 +57,7 @@ MARKER_LIMIT = 64 << 10  # a marker is a few hundred bytes: a bigger file is not
 LAST = re.compile(r"^last(-v?\d+)?$")  # ModelCheckpoint's CHECKPOINT_NAME_LAST, with its version suffixes
 
 
-class NotADCSCheckpoint(CheckpointError):
+class NotADCSCheckpoint(CheckpointNotFound):
     """A path handed to `DCSCheckpointIO.load_checkpoint` is not a marker `DCSCheckpointIO` wrote (a `torch.save`
     file, a marker of another kind, a damaged one); the message names the path."""
 
