@@ -1,6 +1,8 @@
 """Faults of checkpoints kept in S3, against a real S3 server (OpenStack Swift + s3api), real redis-server and real
 `dcs worker` processes: a bucket quota that fills mid-save, the server restarted mid-upload, hostile listings and
-objects put into the bucket behind DCS's back, a forged `latest`, and credentials kept out of every message."""
+objects put into the bucket behind DCS's back, a forged `latest`, and credentials kept out of every message. The
+hostile listings and the forged `latest` are the store's readers' behaviour: their steps are saved by an in-process
+committer (`inline`, the worker's code); the worker's retries, log and start-up check run in real workers."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from dcs_tasks import Checkpointer, storage
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, CorruptCheckpoint, StorageAccessDenied, StorageError
-from tests.checkpoint_support import assert_same_state, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, assert_same_state, start_worker, training_state, wait_until
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import WorkerProcess, child_env
 from tests.storage.conftest import S3Bucket
@@ -229,13 +231,13 @@ def _lying_copy(bucket: S3Bucket, run: str, manifest: dict, step: int, change: s
 
 
 def test_hostile_keys_and_lying_manifests_are_skipped_named_and_restore_falls_back(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, workers: list[WorkerProcess]
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     config = s3_config(dcs_config, tmp_path, aws_env)
-    workers.append(start_worker(config, tmp_path))
+    committer = inline(config)
     state = training_state(seed=4)
     run = f"{ROOT}/hostile"
-    with Checkpointer("hostile", config) as ckpt:
+    with Checkpointer("hostile", config, celery_app=committer) as ckpt:
         ckpt.save(state, step=1).wait(timeout=120)
     manifest = json.loads(get(aws_env, f"{run}/step-000000001/manifest.json"))
     good = get(aws_env, f"{run}/step-000000001/manifest.json")
@@ -269,7 +271,7 @@ def test_hostile_keys_and_lying_manifests_are_skipped_named_and_restore_falls_ba
         5: _lying_copy(aws_env, run, manifest, 5, "step"),
         6: _lying_copy(aws_env, run, manifest, 6, "garbage"),
     }
-    with Checkpointer("hostile", config) as ckpt:
+    with Checkpointer("hostile", config, celery_app=committer) as ckpt:
         assert [i.step for i in ckpt.list()] == [1, 2, 3]  # 4-6 fail their manifest checks; 2 and 3 lie about files
         with pytest.warns(RuntimeWarning) as warned:
             restored = ckpt.restore()
@@ -303,17 +305,16 @@ JUNK_KEYS = 1001
 
 @pytest.mark.slow
 def test_a_listing_of_thousands_of_junk_keys_still_finds_the_steps_and_listings_are_bounded(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, workers: list[WorkerProcess]
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """1,001 junk keys under the run prefix, sorting before the steps (S3 lists 1,000 keys a page, so the steps'
     manifests come on the second page; Swift here creates ~20 objects/s on a loaded 2-core machine, so no more):
     list and restore find exactly the real steps; `S3Store.objects(limit=)` refuses a longer listing, and
     `get_small` an object over its limit."""
     config = s3_config(dcs_config, tmp_path, aws_env)
-    workers.append(start_worker(config, tmp_path))
     run = f"{ROOT}/junk"
     states = {s: training_state(seed=s) for s in (10, 20)}
-    with Checkpointer("junk", config) as ckpt:
+    with Checkpointer("junk", config, celery_app=inline(config)) as ckpt:
         ckpt.save(states[10], step=10).wait(timeout=120)
         client = aws_env.client(max_pool_connections=16)
         keys = [f"{run}/aaa-{i:05d}" for i in range(JUNK_KEYS)]  # they sort first: the steps are on page 2
@@ -351,16 +352,15 @@ GARBAGE_LATEST = {
 
 
 def test_a_latest_that_names_no_step_or_holds_garbage_changes_nothing(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, workers: list[WorkerProcess]
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """`latest` only marks a step in listings; readers scan manifests. A forged one (a step that does not exist,
     a path, 80 KB of binary, empty, an older step) changes neither list nor restore, and saves still commit; a
     pointer DCS cannot read, or one naming an older step, is moved forward by the next commit."""
     config = s3_config(dcs_config, tmp_path, aws_env)
-    workers.append(start_worker(config, tmp_path))
     run = f"{ROOT}/latest"
     states = {s: training_state(seed=s) for s in (1, 2, 3, 4)}
-    with Checkpointer("latest", config) as ckpt:
+    with Checkpointer("latest", config, celery_app=inline(config)) as ckpt:
         ckpt.save(states[1], step=1).wait(timeout=120)
         ckpt.save(states[2], step=2).wait(timeout=120)
         for what, latest in GARBAGE_LATEST.items():
