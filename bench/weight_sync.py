@@ -21,8 +21,8 @@ a shared machine, and rounds alternate whether the baselines or DCS go first):
                     clock starts, and ends the session: no pause/continue, topology, packing or checks.
                     `sglang` over `sglang_floor` is what DCS adds to SGLang's own cost
   vllm              the same, into two engines running vLLM 0.33.0's own HTTP app, RL router and
-                    weight-transfer code on CPU (tests/vllm_engine: only the GPU model, executor and NCCL
-                    transport replaced; a gloo engine registered through vLLM's factory), attached with `dcs
+                    weight-transfer code on CPU (tests/vllm_engine: only the GPU model and executor replaced;
+                    DCS's vLLM plugin, backend "dcs" over gloo, from plugins/vllm-dcs), attached with `dcs
                     engine attach --kind vllm`: pause, start, one POST /update_weights per bucket, finish, resume
   vllm_floor        the two vLLM engines' own receive-and-load of the same buckets with DCS out of the path:
                     /start_weight_update, each bucket's /update_weights while it is broadcast from a buffer
@@ -311,7 +311,7 @@ def start_vllm_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> list[s
         (work / "model" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
         cmd = [sys.executable, "-m", "tests.vllm_engine.serve", "--vllm-dir", str(VLLM_DIR), "--sink-model", "--"]
         cmd += ["--model", str(work / "model"), "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--weight-transfer-config", '{"backend": "gloo"}']
+        cmd += ["--weight-transfer-config", '{"backend": "dcs"}']
         engines.append((port, _spawn(stack, cmd, env, work / "engine.log"), work / "engine.log"))
     url, dcs = str(config.coordinator_url), [sys.executable, "-m", "dcs_tasks.cli.main"]
     for rank, (port, proc, log) in enumerate(engines):

@@ -116,7 +116,8 @@ class EngineAPI:
 
     async def probe(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
         """SGLang: `GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo; vLLM (kind
-        "vllm"): `GET /version` and `GET /get_world_size` (`vllm_protocol`)."""
+        "vllm"): `GET /version`, `GET /get_world_size` and the weight-transfer backend of its dev-mode
+        `GET /server_info` (`vllm_protocol`)."""
         if engine.kind == "vllm":
             return await self._probe_vllm(engine, timeout)
         for path in SERVER_INFO_PATHS:
@@ -141,7 +142,12 @@ class EngineAPI:
         if response.status == 404:
             raise vllm_protocol.dev_mode_off(engine, "/get_world_size")
         _raise_for(engine, "/get_world_size", response)
-        return vllm_protocol.vllm_engine_info(engine, version, _json(response))
+        info = vllm_protocol.vllm_engine_info(engine, version, _json(response))
+        bound = max(timeout, vllm_protocol.SERVER_INFO_TIMEOUT_SECONDS)  # its first answer is slow, then cached
+        response = await self._request(engine, "GET", vllm_protocol.SERVER_INFO_PATH, None, bound)
+        _raise_for(engine, "/server_info", response)
+        vllm_protocol.check_backend(engine, _json(response))
+        return info
 
     async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any], timeout: float | None = None) -> str:
         """POST `body`; returns SGLang's `message`. Any non-2xx answer or `success: false` raises."""

@@ -282,7 +282,13 @@ def join_engine(request: JoinRequest, token: str | None = None) -> JoinResult:
         url = f"{request.engine.url}/init_weight_transfer_engine"
         b = request.body
         body = vllm_protocol.init_info(
-            b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name, request.timeout_seconds
+            b.master_address,
+            b.master_port,
+            b.rank_offset,
+            b.world_size,
+            b.group_name,
+            request.timeout_seconds,
+            b.backend,
         )
     else:
         url = f"{request.engine.url}/init_weights_update_group"

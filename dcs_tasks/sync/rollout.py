@@ -321,7 +321,6 @@ class RolloutUpdater:
             return False
         await self._drop_group()
         self.bootstrapper.check_reachable(endpoints)  # a loopback master with a remote engine: at once
-        vllm_protocol.check_transport(endpoints, self.bootstrapper.backend.backend_type)  # before any probe or join
         infos = await self._probe(endpoints)
         plan = plan_rollout_group(endpoints, {e.node_id: info for e, info in zip(endpoints, infos, strict=True)})
         self.group = await self.bootstrapper.form_group(plan)

@@ -10,9 +10,12 @@ What DCS calls, per engine (the HTTP `EngineAPI` of `engine_protocol`: kept-aliv
 
 
 | when | call | vLLM's answer |
-- group formation: `GET /version` -> `{"version"}`, `GET /get_world_size` (TP * PP * DP) -> `{"world_size"}`
+- group formation: `GET /version` -> `{"version"}`, `GET /get_world_size` (TP * PP * DP) -> `{"world_size"}`,
+  `GET /server_info?config_format=json` -> `vllm_config.weight_transfer_config.backend`, which must be "dcs"
+  (DCS's plugin, plugins/vllm-dcs: `VLLMBackendMismatch` otherwise, saying what to start `vllm serve` with)
 - join (Celery `dcs.sync.join_engine`): `POST /init_weight_transfer_engine {"init_info": {...}}`, answered
-  once every worker joined
+  once every worker joined; `transport` is the trainer's backend ("gloo" or "nccl"): the plugin's workers join
+  the trainer's torch.distributed group, the one SGLang engines and `dcs receiver`s join
 - each update: `POST /pause?mode=abort`, `POST /start_weight_update`; per bucket `POST /update_weights
   {"update_info": {"names", "dtype_names", "shapes"}}` (answered once loaded); `POST /finish_weight_update
   {"weight_version": "N"}`, `POST /resume`
@@ -30,13 +33,12 @@ its token anyway); keep a dev-mode server's port on a trusted network.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
 from dcs_tasks.config import BackendType
-from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMDevModeOff
+from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMBackendMismatch, VLLMDevModeOff
 from dcs_tasks.sync.wire import EngineEndpoint, EngineInfo
 
 SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
@@ -48,9 +50,20 @@ PACKED_BUFFER_BYTES = 1 << 40
 PACKED_NUM_BUFFERS = 2
 MAX_VERSION_CHARS = 64
 MAX_WORLD_SIZE = 4096
+PLUGIN_BACKEND = "dcs"
+"""The weight-transfer backend DCS's vLLM plugin registers (plugins/vllm-dcs, entry point `vllm.general_plugins`)."""
+SERVER_INFO_PATH = "/server_info?config_format=json"
+SERVER_INFO_TIMEOUT_SECONDS = 60.0
+"""Bound of the `/server_info` read (at least the probe's own): vLLM builds its `system_env` part (collect_env,
+which runs subprocesses) on the first call, 8 s on the CI machine, and caches it for later calls."""
+BACKEND_HINT = (
+    "install DCS's vLLM plugin into the engine's environment (`pip install plugins/vllm-dcs` from a DCS checkout) "
+    "and start it as `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config "
+    '\'{"backend": "dcs"}\'` (docs/weight_sync.md, vLLM engines)'
+)
 DEV_MODE_HINT = (
     "start `vllm serve` with VLLM_SERVER_DEV_MODE=1 in its environment and --weight-transfer-config "
-    "(docs/weight_sync.md, vLLM engines)"
+    '\'{"backend": "dcs"}\' (docs/weight_sync.md, vLLM engines)'
 )
 
 
@@ -90,21 +103,24 @@ def vllm_engine_info(engine: EngineEndpoint, version: str, world_payload: Any) -
     )
 
 
-def check_transport(engines: Iterable[EngineEndpoint], backend: BackendType) -> None:
-    """EngineIncompatible naming the first vLLM engine when the trainer's backend is not gloo: DCS joins vLLM
-    through a gloo weight-transfer engine only (vLLM's own `nccl` engine rendezvouses through its
-    `StatelessProcessGroup` + `PyNcclCommunicator`, which DCS's trainer does not speak). Refused before any join:
-    the group could only time out."""
-    if backend is BackendType.GLOO:
+def check_backend(engine: EngineEndpoint, server_info: Any) -> None:
+    """VLLMBackendMismatch naming the engine unless its dev-mode `/server_info` (JSON) says it runs DCS's
+    weight-transfer backend: `vllm_config.weight_transfer_config.backend == "dcs"`. Checked before any join: a
+    group joined by vLLM's own engine (its `StatelessProcessGroup` rendezvous) or by none could only time out."""
+    node = engine.node_id
+    config = server_info.get("vllm_config") if isinstance(server_info, dict) else None
+    if not isinstance(config, dict):
+        raise EngineIncompatible(f"{node} at {engine.url}: /server_info has no JSON `vllm_config`", node)
+    transfer = config.get("weight_transfer_config")
+    backend = transfer.get("backend") if isinstance(transfer, dict) else None
+    if backend == PLUGIN_BACKEND:
         return
-    for engine in engines:
-        if engine.kind == "vllm":
-            raise EngineIncompatible(
-                f"{engine.node_id} at {engine.url} is a vLLM engine: DCS joins vLLM's weight-transfer group over "
-                f"gloo only (backend_type=BackendType.GLOO, vllm serve --weight-transfer-config "
-                f'\'{{"backend": "gloo"}}\'), not {backend.value}',
-                engine.node_id,
-            )
+    shown = "none (no --weight-transfer-config)" if transfer is None else repr(backend)[:80]
+    raise VLLMBackendMismatch(
+        f"{node} at {engine.url} runs vLLM with weight-transfer backend {shown}, not {PLUGIN_BACKEND!r}: "
+        f"{BACKEND_HINT}",
+        node,
+    )
 
 
 def dev_mode_off(engine: EngineEndpoint, path: str) -> VLLMDevModeOff:
@@ -115,10 +131,17 @@ def dev_mode_off(engine: EngineEndpoint, path: str) -> VLLMDevModeOff:
 
 
 def init_info(
-    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, timeout: float
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    timeout: float,
+    transport: BackendType = BackendType.GLOO,
 ) -> dict[str, Any]:
     """The body of `POST /init_weight_transfer_engine`: vLLM's NCCL init-info fields (packed, buffer geometry),
-    plus `group_name` and `timeout_seconds` for the gloo engine (tests/vllm_engine/gloo_engine.py)."""
+    plus `group_name`, `timeout_seconds` and `transport` (the group's torch.distributed backend) for DCS's plugin
+    (plugins/vllm-dcs/vllm_dcs/engine.py)."""
     return {
         "init_info": {
             "master_address": master_address,
@@ -130,6 +153,7 @@ def init_info(
             "packed_num_buffers": PACKED_NUM_BUFFERS,
             "group_name": group_name,
             "timeout_seconds": timeout,
+            "transport": transport.value,
         }
     }
 

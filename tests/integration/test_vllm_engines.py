@@ -1,8 +1,9 @@
 """A trainer pushes weights into engines made of vLLM's own code (tests/vllm_engine: vLLM's CLI parser, HTTP app
 with its dev-mode RL router, `AsyncLLM`'s and the GPU `Worker`'s weight methods, `WeightTransferEngineFactory`,
-the NCCL engine's update handling and vLLM's layerwise reload; a gloo transfer engine registered through vLLM's
-factory where NCCL needs a GPU), registered with `dcs engine attach --kind vllm`, beside an SGLang-protocol
-engine (`dcs receiver`), with the README's API only. Weights are read back whole from the engines' workers and
+the NCCL engine's update handling and vLLM's layerwise reload; the transfer engine is DCS's plugin, backend "dcs"
+over gloo, installed with `pip install plugins/vllm-dcs` and found by vLLM through its entry point),
+registered with `dcs engine attach --kind vllm`, beside an SGLang-protocol engine (`dcs receiver`), with the
+README's API only. Weights are read back whole from the engines' workers and
 compared bit for bit; versions through vLLM's `/weight_info`.
 """
 
@@ -20,8 +21,9 @@ import torch
 from pydantic import SecretStr
 
 from dcs_tasks.client.engine import CheckpointEngineClient
-from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import GroupInitError, WeightSyncError
+from dcs_tasks.config import DCSConfig, RoleInfo
+from dcs_tasks.coordinator_api import CoordinatorAPI
+from dcs_tasks.errors import VLLMBackendMismatch, WeightSyncError
 from tests.distributed.sync_stack import SyncStack, sync_stack
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
 from tests.vllm_engine.harness import VLLMEngine, installed
@@ -64,13 +66,13 @@ def config(dcs_config: DCSConfig) -> DCSConfig:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VLLMEngine]]:
     """Every engine the tests here use, started at once (vLLM's imports dominate): a TP=2 and a TP=1 engine,
-    one without dev mode, one without --weight-transfer-config."""
+    one without dev mode, one on vLLM's own `nccl` weight-transfer backend instead of DCS's plugin."""
     tmp = tmp_path_factory.mktemp("vllm")
     specs = {
         "tp2": {"tp": 2},
         "tp1": {},
         "no_dev_mode": {"dev_mode": False},
-        "no_transfer": {"backend": None},
+        "vllm_nccl": {"backend": "nccl"},
     }
     made = {}
     for name, spec in specs.items():
@@ -148,25 +150,43 @@ async def test_an_engine_without_dev_mode_is_refused_naming_what_to_turn_on(
         assert TOKEN not in log
 
 
-async def test_an_engine_that_refuses_the_weight_transfer_group_is_named(
+async def test_an_engine_not_on_the_dcs_backend_is_refused_before_any_join_saying_what_to_start(
     config: DCSConfig, tmp_path: Path, engines: dict[str, VLLMEngine]
 ) -> None:
-    refusing = engines["no_transfer"]  # dev mode, but no --weight-transfer-config: its workers refuse the join
-    with sync_stack(config, tmp_path) as stack, attached(stack, tmp_path, [refusing]):
-        client = CheckpointEngineClient(
-            coordinator_url=stack.url, role="actor", rank=0, model=TrainerModel(), model_name="l", config=stack.config
-        )
-        await client.start()
+    """`vllm serve --weight-transfer-config '{"backend": "nccl"}'` (vLLM's own engine): `dcs engine attach`
+    refuses to register it, and a trainer that finds it registered anyway refuses it before any join, both
+    reading the backend from the engine's dev-mode /server_info."""
+    wrong = engines["vllm_nccl"]
+    with sync_stack(config, tmp_path) as stack:
+        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, wrong.url, 0)
+        sidecar.start("--kind", "vllm")
         try:
-            started = time.monotonic()
-            with pytest.raises(GroupInitError) as refused:
-                await client.update_weights_for_rollout(rollout_only=True)
-            assert refused.value.member == "rollout_0"
-            assert "Weight transfer not configured" in str(refused.value)
-            assert time.monotonic() - started < 60
-            assert refusing.weight_version() == "default"
+            assert sidecar.wait_exit(180) == 1
         finally:
-            await client.stop()
+            sidecar.stop()
+        log = (tmp_path / "attach.log").read_text()
+        assert "VLLMBackendMismatch" in log and "weight-transfer backend 'nccl'" in log
+        assert '--weight-transfer-config \'{"backend": "dcs"}\'' in log and "pip install plugins/vllm-dcs" in log
+        assert rollout_nodes(stack.url, TOKEN) == {}
+
+        node = RoleInfo(role_name="rollout", rank=0, ip="127.0.0.1", port=wrong.port, metadata={"engine": "vllm"})
+        async with CoordinatorAPI(stack.url, TOKEN) as api:
+            await api.register(node)  # as a registration made without the attach sidecar's check
+            client = CheckpointEngineClient(
+                coordinator_url=stack.url, role="actor", rank=0, model=TrainerModel(), model_name="l",
+                config=stack.config,
+            )  # fmt: skip
+            await client.start()
+            try:
+                started = time.monotonic()
+                with pytest.raises(VLLMBackendMismatch) as refused:
+                    await client.update_weights_for_rollout(rollout_only=True)
+                assert refused.value.member == "rollout_0" and '{"backend": "dcs"}' in str(refused.value)
+                assert time.monotonic() - started < 60
+                assert wrong.weight_version() == "default"
+                assert "init_weight_transfer_engine" not in wrong.log_tail(200_000)  # no join was sent
+            finally:
+                await client.stop()
 
 
 async def test_an_engine_killed_mid_update_fails_the_update_naming_it_and_the_survivor_takes_the_next(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dcs_tasks.config import RoleInfo
-from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMDevModeOff
+from dcs_tasks.config import BackendType, RoleInfo
+from dcs_tasks.errors import EngineIncompatible, UnsupportedEngineVersion, VLLMBackendMismatch, VLLMDevModeOff
 from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.planning import endpoint_of, plan_rollout_group
 from dcs_tasks.sync.wire import EngineEndpoint
@@ -62,16 +62,28 @@ def test_the_join_body_is_vllms_init_info_with_one_chunk_per_request() -> None:
     body = vllm_protocol.init_info("10.0.0.1", 11000, 2, 5, "g-e1", 60.0)["init_info"]
     assert body["packed"] is True and body["packed_buffer_size_bytes"] >= 1 << 40
     assert (body["rank_offset"], body["world_size"], body["group_name"]) == (2, 5, "g-e1")
+    assert body["transport"] == "gloo"
+    nccl = vllm_protocol.init_info("10.0.0.1", 11000, 2, 5, "g-e1", 60.0, BackendType.NCCL)["init_info"]
+    assert nccl["transport"] == "nccl"  # the plugin's workers join the trainer's NCCL group
     update = vllm_protocol.update_body(["a"], ["float32"], [[2, 3]])
     assert update == {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2, 3]]}}
 
 
-def test_a_trainer_on_nccl_is_refused_for_vllm_engines_only() -> None:
-    from dcs_tasks.config import BackendType
+def _server_info(transfer: object) -> dict[str, object]:
+    return {"vllm_config": {"model_config": {}, "weight_transfer_config": transfer}, "vllm_env": {}}
 
-    sglang = EngineEndpoint(rank=0, ip="10.0.0.7", port=30000)
-    vllm_protocol.check_transport([sglang, ENGINE], BackendType.GLOO)
-    vllm_protocol.check_transport([sglang], BackendType.NCCL)
-    with pytest.raises(EngineIncompatible) as refused:
-        vllm_protocol.check_transport([sglang, ENGINE], BackendType.NCCL)
-    assert refused.value.member == "rollout_3" and "gloo" in str(refused.value)
+
+def test_only_an_engine_on_dcss_plugin_backend_is_joined_and_a_mismatch_says_what_to_start() -> None:
+    vllm_protocol.check_backend(ENGINE, _server_info({"backend": "dcs"}))
+    for transfer, shown in (({"backend": "nccl"}, "'nccl'"), (None, "none (no --weight-transfer-config)")):
+        with pytest.raises(VLLMBackendMismatch) as refused:
+            vllm_protocol.check_backend(ENGINE, _server_info(transfer))
+        message = str(refused.value)
+        assert isinstance(refused.value, EngineIncompatible) and refused.value.member == "rollout_3"
+        assert f"weight-transfer backend {shown}" in message
+        assert (
+            "pip install plugins/vllm-dcs" in message and '--weight-transfer-config \'{"backend": "dcs"}\'' in message
+        )
+    for payload in ({}, {"vllm_config": "VllmConfig(...)"}, []):  # text format or no config: not judged as dcs
+        with pytest.raises(EngineIncompatible):
+            vllm_protocol.check_backend(ENGINE, payload)

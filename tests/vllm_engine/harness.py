@@ -29,7 +29,8 @@ NEWEST = VERSIONS[-1]
 
 
 def installed(version: str = NEWEST) -> bool:
-    return (VLLM_ROOT / version / ".installed").exists() and (VLLM_ROOT / "deps" / ".installed").exists()
+    dirs = (VLLM_ROOT / version, VLLM_ROOT / "deps", VLLM_ROOT / "plugins")
+    return all((d / ".installed").exists() for d in dirs)
 
 
 class VLLMEngine:
@@ -46,7 +47,7 @@ class VLLMEngine:
         tp: int = 1,
         api_key: str | None = None,
         dev_mode: bool = True,
-        backend: str | None = "gloo",
+        backend: str | None = "dcs",
         port: int | None = None,
     ) -> None:
         self.log_path, self.version, self.tp, self.api_key = log_path, version, tp, api_key

@@ -4,15 +4,18 @@
 
 Layout (git-ignored): ROOT/<version>/ holds `vllm==<version>` (the wheel's compiled CUDA extensions are there but
 never load: `vllm._C` fails to import on a CPU-only torch and vLLM carries on without it), ROOT/deps/ the pure-Python
-or CPU packages its HTTP app, RL router, config, worker and weight-transfer modules import. Everything is
+or CPU packages its HTTP app, RL router, config, worker and weight-transfer modules import, ROOT/plugins/ DCS's vLLM
+plugin (`pip install plugins/vllm-dcs`, as a user installs it next to vLLM: vLLM finds it through its
+`vllm.general_plugins` entry point; the harness registers no engine itself). Everything is
 `pip install --no-deps --target`, so the project's .venv (torch, fastapi, transformers, ...) is never changed and
-nothing pulls a CUDA wheel. A finished directory carries a stamp naming what was installed; an unchanged one is
-skipped.
+nothing pulls a CUDA wheel. A finished directory carries a stamp naming what was installed (for the plugin: a
+sha256 of its files); an unchanged one is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 import sys
 import time
@@ -31,18 +34,35 @@ NEEDED = (
 """What vLLM's imports need beyond the project's .venv (found by importing the modules the harness runs)."""
 
 
-def pip_target(target: Path, requirements: list[str]) -> None:
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "vllm-dcs"
+"""DCS's vLLM plugin (its own distribution: backend "dcs" through a `vllm.general_plugins` entry point)."""
+
+
+def pip_target(target: Path, requirements: list[str], *options: str) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target)]
-    subprocess.run([*cmd, *requirements], check=True)
+    subprocess.run([*cmd, *options, *requirements], check=True)
 
 
-def _install(target: Path, requirements: list[str]) -> None:
+def _install(target: Path, requirements: list[str], content: str | None = None, *options: str) -> None:
     stamp = target / ".installed"
-    content = "\n".join(requirements) + "\n"
+    content = content or "\n".join(requirements) + "\n"
     if stamp.exists() and stamp.read_text() == content:
         return
-    pip_target(target, requirements)
+    pip_target(target, requirements, *options)
     stamp.write_text(content)
+
+
+def plugin_stamp(source: Path = PLUGIN) -> str:
+    """What the plugin's stamp says: a sha256 of its files, so an edited plugin is installed again."""
+    digest = hashlib.sha256()
+    for path in sorted([source / "pyproject.toml", *source.glob("vllm_dcs/*.py")]):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
+    return f"{source.name} {digest.hexdigest()}\n"
+
+
+def install_plugin(target: Path, source: Path = PLUGIN) -> None:
+    """`pip install plugins/vllm-dcs` into `target` (no build isolation: the project's setuptools builds it)."""
+    _install(target, [str(source)], plugin_stamp(source), "--no-build-isolation")
 
 
 def main() -> None:
@@ -55,6 +75,7 @@ def main() -> None:
     for version in args.versions:
         _install(root / version, [f"vllm=={version}"])
     _install(root / "deps", list(NEEDED))
+    install_plugin(root / "plugins")
     print(f"vLLM {', '.join(args.versions)} ready under {root} ({time.perf_counter() - started:.0f}s)")
 
 

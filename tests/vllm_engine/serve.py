@@ -1,13 +1,14 @@
 """Serve one vLLM engine on CPU: vLLM's own CLI parser and HTTP app, the harness's engine client and workers.
 
     python -m tests.vllm_engine.serve --vllm-dir .vllm/0.33.0 -- --model /any/dir --port 8100 \
-        --tensor-parallel-size 2 --weight-transfer-config '{"backend": "gloo"}' [--api-key KEY]
+        --tensor-parallel-size 2 --weight-transfer-config '{"backend": "dcs"}' [--api-key KEY]
 
 Everything after `--` goes to vLLM's `make_arg_parser` (the flags of `vllm serve`). The app is vLLM's
 `build_app` (every router it registers, the dev-mode RL router only when VLLM_SERVER_DEV_MODE=1, its exception
 handlers, CORS and API-key middleware); `app.state.engine_client` is `client.HarnessEngineClient`. One route is
 the harness's own, for tests only: `GET /harness/weights` -> {name: {dtype, shape, hex}} of the full tensors
-(TP shards joined).
+(TP shards joined). vLLM's general plugins (DCS's, installed under .vllm/plugins) are loaded as `vllm serve`
+loads them, and `app.state.vllm_config` is set as vLLM's `init_app_state` sets it (dev mode's `/server_info`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def main() -> None:
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER)
     ours = parser.parse_args()
     vllm_dir = Path(ours.vllm_dir).resolve()
-    paths = [str(vllm_dir), str(vllm_dir.parent / "deps"), str(Path(__file__).resolve().parents[2])]
+    repo = str(Path(__file__).resolve().parents[2])
+    paths = [str(vllm_dir), str(vllm_dir.parent / "deps"), str(vllm_dir.parent / "plugins"), repo]
     sys.path[:0] = paths
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -37,11 +39,13 @@ def main() -> None:
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.entrypoints.launchers.app import build_app
+    from vllm.plugins import load_general_plugins
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from tests.vllm_engine.client import make_client
     from tests.vllm_engine.shapes import SHARDED
 
+    load_general_plugins()  # as `vllm serve`'s engine-config step does (vllm/engine/arg_utils.py)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(args_list)
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
@@ -53,6 +57,7 @@ def main() -> None:
     client = make_client(config, backend, ours.sink_model)
     app = build_app(args, supported_tasks=())
     app.state.engine_client = client
+    app.state.vllm_config = config
     app.state.log_stats = False
 
     @app.get("/harness/weights")

@@ -30,12 +30,12 @@ def build_worker(tp_rank: int, tp_size: int, backend: str | None, sink: bool = F
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
     from vllm.v1.worker.gpu_worker import Worker
 
-    from tests.vllm_engine import gloo_engine
     from tests.vllm_engine.tiny_model import SinkModel, TinyModel
 
-    gloo_engine.register()
+    load_general_plugins()  # as vLLM's WorkerWrapperBase does: DCS's engine comes from its installed plugin
     transfer = WeightTransferConfig(backend=backend) if backend else None
     config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp_size), weight_transfer_config=transfer)
     config.parallel_config.rank = tp_rank
