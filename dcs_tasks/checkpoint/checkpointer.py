@@ -43,6 +43,7 @@ from dcs_tasks.checkpoint.format.layout import (
 )
 from dcs_tasks.checkpoint.pending import CheckpointInfo, PendingCheckpoint, RestoredCheckpoint
 from dcs_tasks.checkpoint.restore import reader, restoring, sharded
+from dcs_tasks.checkpoint.restore.device import DeviceRestorer
 from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
@@ -83,6 +84,7 @@ class Checkpointer:
         copy_threads: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        device_restorer: DeviceRestorer | None = None,
     ) -> None:
         validate_run_name(run)
         validate_step(rank, "rank")
@@ -122,6 +124,8 @@ class Checkpointer:
         )
         self._copier = HostCopier(copy_threads)
         self._device = cuda.DeviceStager()  # one side stream per device, reused by every save
+        # restores into device tensors (restore.device: a ring of page-locked chunks on a side stream)
+        self._device_restorer = device_restorer or DeviceRestorer()
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
         self._layouts = dispatch.Layouts(self.config)  # one layout per state shape (incremental saves)
         self._pending: list[PendingCheckpoint] = []
@@ -506,7 +510,7 @@ class Checkpointer:
     ) -> RestoredCheckpoint:
         """One copy of a step, opened, planned and read for this rank (`source`: which copy, and so how)."""
         plan = restoring.plan(opener(), self.rank, self.world_size, into, strict)
-        loaded = restoring.read(plan, verify, source)
+        loaded = restoring.read(plan, verify, source, self._device_restorer)
         record_load(loaded.seconds, loaded.nbytes)
         return RestoredCheckpoint(step=loaded.step, state=loaded.state, metadata=loaded.metadata)
 

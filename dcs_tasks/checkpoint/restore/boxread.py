@@ -34,6 +34,7 @@ and verified with the file checksums, as `reader.load_tensors` does; so are piec
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,7 +260,16 @@ def needed_runs(
     return list(zip(firsts, ends, strict=True))
 
 
-def fill_box(cat: Catalog, name: str, box: Box, dest: torch.Tensor, source: RangeReader) -> None:
+Put = Callable[[torch.Tensor, torch.Tensor], None]
+"""put(dest, part): write `part` (host memory) into `dest` (a slice of a target); `device.Uploader.put` for device
+targets (page-locked, on a side stream), `Tensor.copy_` otherwise."""
+
+
+def _copy(dest: torch.Tensor, part: torch.Tensor) -> None:
+    dest.copy_(part)
+
+
+def fill_box(cat: Catalog, name: str, box: Box, dest: torch.Tensor, source: RangeReader, put: Put = _copy) -> None:
     """Copy the global elements [lo, hi) of `name` into `dest` (shaped hi - lo) from every overlapping piece."""
     lo, hi = box
     for piece in cat.pieces[name]:
@@ -275,7 +285,7 @@ def fill_box(cat: Catalog, name: str, box: Box, dest: torch.Tensor, source: Rang
             tuple(y - o for y, o in zip(b, piece.offset, strict=True)),
         )
         with torch.no_grad():
-            dest[tuple(slice(x - c, y - c) for x, y, c in zip(a, b, lo, strict=True))].copy_(part)
+            put(dest[tuple(slice(x - c, y - c) for x, y, c in zip(a, b, lo, strict=True))], part)
 
 
 def _size(box: Box) -> tuple[int, ...]:
@@ -321,12 +331,13 @@ def plan_targets(
 
 
 def restore_step(
-    shards: StepShards, rank: int, world_size: int, into: Any, verify: bool, strict: bool
+    shards: StepShards, rank: int, world_size: int, into: Any, verify: bool, strict: bool, put: Put = _copy
 ) -> tuple[Any, int]:
     """(the restored state, data bytes read) for rank `rank` of `world_size`. Without `into`, DTensors come
     back as whole plain tensors, `sharding=` tensors as this rank's part, the rest from the local source rank.
     With `into`, its tensors are filled in place (DTensors: their local shard); the state returned is the
-    checkpoint's structure over them, or `into` itself when not `strict`."""
+    checkpoint's structure over them, or `into` itself when not `strict`. `put` writes each piece into its target
+    (device targets: `device.Uploader.put`)."""
     local = local_source(shards, rank)
     cat = catalog(shards, local)
     source = RangeReader(verify)
@@ -335,7 +346,7 @@ def restore_step(
         return unflatten_state(structure, _read_all(cat, rank, world_size, source)), source.bytes_read
     flat = flatten_state(into)
     for name, (box, dest) in plan_targets(cat, flat, rank, world_size, strict).items():
-        fill_box(cat, name, box, dest, source)
+        fill_box(cat, name, box, dest, source, put)
     if not strict:
         return into, source.bytes_read
     originals = {name: flat.dtensors[name].source if name in flat.dtensors else t for name, t in flat.tensors.items()}

@@ -27,14 +27,20 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dcs_tasks.checkpoint.format.layout import Manifest
 from dcs_tasks.checkpoint.restore import boxread, reader, sharded
+from dcs_tasks.checkpoint.restore.lend import Unmappable
 from dcs_tasks.checkpoint.state.structure import flatten_state, unflatten_state
 from dcs_tasks.checkpoint.store.ledger.steps import StepShards
+from dcs_tasks.checkpoint.store.reads.stepcheck import check_files
+from dcs_tasks.checkpoint.store.tiers.seal import read_seals
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
-from dcs_tasks.storage import Location
+from dcs_tasks.storage import Location, store_of
+
+if TYPE_CHECKING:
+    from dcs_tasks.checkpoint.restore.device import DeviceRestorer
 
 R = TypeVar("R")
 Opener = Callable[[], StepShards]
@@ -92,11 +98,20 @@ def plan(shards: StepShards, rank: int, world_size: int, into: Any = None, stric
     return RestorePlan(shards, Kind.RESHARD, rank, world_size, local, into, strict, reshard)
 
 
-def read(p: RestorePlan, verify: bool = True, source: reader.Source = reader.Source.STORAGE) -> Loaded:
+def read(
+    p: RestorePlan,
+    verify: bool = True,
+    source: reader.Source = reader.Source.STORAGE,
+    device: DeviceRestorer | None = None,
+) -> Loaded:
     """Carry out `p`. `source`: which copy is read, and so how (`reader.Source`: a step in this host's memory
-    tier is lent or copied from a mapping, its sealed files not hashed again). Raises CorruptCheckpoint (a file
-    or chunk fails its checks), StateMismatch (`into` does not fit; checked before anything is read into it)."""
+    tier is lent or copied from a mapping, its sealed files not hashed again). When `into` holds device (CUDA)
+    tensors every kind goes through `device` (`restore.device`: page-locked chunks on a side stream). Raises
+    CorruptCheckpoint (a file or chunk fails its checks), StateMismatch (`into` does not fit; checked before
+    anything is read into it)."""
     started = time.perf_counter()
+    if device is not None and device.wants(p.into):
+        return _read_to_device(p, verify, source, device, started)
     shards, manifest = p.shards, p.shards.manifests[p.local]
     if p.kind is Kind.RANGES:
         state, nbytes = boxread.restore_step(shards, p.rank, p.world_size, p.into, verify, p.strict)
@@ -118,6 +133,49 @@ def read(p: RestorePlan, verify: bool = True, source: reader.Source = reader.Sou
                 tensors = sharded.fill(targets, tensors)
             nbytes = sum(shards.manifests[src].total_bytes for src in p.reshard.sources)
         state = unflatten_state(manifest.structure, tensors)
+    return Loaded(shards.step, state, dict(manifest.metadata), nbytes, time.perf_counter() - started)
+
+
+def _read_to_device(
+    p: RestorePlan, verify: bool, source: reader.Source, device: DeviceRestorer, started: float
+) -> Loaded:
+    """`read` for an `into` holding device tensors: one uploader (ring and side streams) for every kind."""
+    from dcs_tasks.checkpoint.restore.device import load_mapped, load_whole, put_all
+
+    shards, manifest = p.shards, p.shards.manifests[p.local]
+    uploader = device.uploader()
+    if p.kind is Kind.RANGES:
+        try:
+            state, nbytes = boxread.restore_step(shards, p.rank, p.world_size, p.into, verify, p.strict, uploader.put)
+        finally:
+            uploader.finish()
+        return Loaded(shards.step, state, dict(manifest.metadata), nbytes, time.perf_counter() - started)
+    targets = flatten_state(p.into).tensors
+    if p.kind is Kind.WHOLE:
+        reader.check_targets(manifest, targets)
+        step_dir = shards.dirs[p.local]
+        check_files(step_dir, manifest)
+        local = store_of(step_dir).local_path(step_dir) if source is not reader.Source.STORAGE else None
+        seals = read_seals(local) if source is reader.Source.SEALED and local is not None else {}
+        try:
+            if local is None:
+                raise Unmappable("not a memory-tier step")
+            load_mapped(local, manifest, targets, verify, seals, uploader)
+        except Unmappable:
+            load_whole(step_dir, manifest, targets, verify, uploader)
+        nbytes = manifest.total_bytes
+    else:
+        assert p.reshard is not None
+        loaded = {
+            src: reader.load_tensors(shards.dirs[src], shards.manifests[src], verify=verify, source=source)
+            for src in p.reshard.sources
+        }
+        tensors = sharded.assemble(p.reshard, shards, loaded)
+        shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        reader.check_targets(shapes, targets, note=" (resharded for this rank)")
+        put_all(uploader, targets, tensors)
+        nbytes = sum(shards.manifests[src].total_bytes for src in p.reshard.sources)
+    state = unflatten_state(manifest.structure, dict(targets))
     return Loaded(shards.step, state, dict(manifest.metadata), nbytes, time.perf_counter() - started)
 
 
