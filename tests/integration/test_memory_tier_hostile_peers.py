@@ -1,6 +1,8 @@
 """Hostile peers of the memory tier against real `dcs worker`s (their peer servers) over real sockets: a holder of
 the shared token who pushes steps of a run and rank it does not hold, pushes more than the budget or huge
-manifests, trickles a transfer, and a local user without the token who keeps connections open unauthenticated."""
+manifests, trickles a transfer, and a local user without the token who keeps connections open unauthenticated.
+Host a's steps, which the hostile pushes replay, are committed in its memory by an in-process committer (`inline`,
+the worker's code); the peer servers under attack are real workers'."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import PeerError, PeerRefused
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
-from tests.checkpoint_support import assert_same_state, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, assert_same_state, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
 from tests.integration.test_checkpoint_memory_tier import TOKEN, host_config, memory_steps
 from tests.unit.test_peerwire import make_step
@@ -99,26 +101,29 @@ def test_a_token_holder_cannot_push_steps_of_a_run_and_rank_it_does_not_hold(
 
 
 def two_hosts(dcs_config: DCSConfig, tmp_path: Path, b_bytes: int) -> tuple[DCSConfig, DCSConfig, list[WorkerProcess]]:
-    """Host a (holds the steps it commits; no peer copies of its own) and host b (a memory tier of `b_bytes`)."""
+    """Host a (holds the steps it commits, by `committed_steps_of_a`; no peer copies of its own) and host b (a
+    memory tier of `b_bytes`, served by its real worker)."""
     a = host_config(dcs_config, tmp_path, "hosta", memory_replicas=0, memory_keep_last=8, memory_tier_bytes=256 * MiB)
     b = host_config(dcs_config, tmp_path, "hostb", memory_replicas=0, memory_tier_bytes=b_bytes)
-    return a, b, [start_worker(a, tmp_path, name="worker-a"), start_worker(b, tmp_path, name="worker-b")]
+    return a, b, [start_worker(b, tmp_path, name="worker-b")]
 
 
-def committed_steps_of_a(a: DCSConfig, count: int, width: int) -> list[tuple[Path, str]]:
-    """`count` steps host a's trainer committed in its memory: (step directory, rel)."""
-    with Checkpointer("budget", a) as ckpt:
+def committed_steps_of_a(a: DCSConfig, inline: Inline, count: int, width: int) -> list[tuple[Path, str]]:
+    """`count` steps host a's trainer committed in its memory (by an in-process committer): (step directory, rel)."""
+    with Checkpointer("budget", a, celery_app=inline(a)) as ckpt:
         for step in range(1, count + 1):
             ckpt.save(training_state(seed=step, width=width), step=step).wait(timeout=120)
     root = Path(a.memory_dir)
     return [(root / "budget" / ps.step_dir_name(s), f"budget/{ps.step_dir_name(s)}") for s in range(1, count + 1)]
 
 
-def test_pushes_never_take_the_memory_tier_over_its_budget(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_pushes_never_take_the_memory_tier_over_its_budget(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     budget = 8 * MiB
     a, b, workers = two_hosts(dcs_config, tmp_path, budget)
     try:
-        steps = committed_steps_of_a(a, 4, 512)  # ~3.2 MB each
+        steps = committed_steps_of_a(a, inline, 4, 512)  # ~3.2 MB each
         address = peer_address(b, "hostb")
         refused, held = 0, []
         for step_dir, rel in steps:  # host a's real steps, pushed as fast as they go
@@ -174,10 +179,12 @@ def test_huge_manifests_are_refused_unread(dcs_config: DCSConfig, tmp_path: Path
         worker.discard()
 
 
-def test_a_trickling_transfer_is_cut_off_and_leaves_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_a_trickling_transfer_is_cut_off_and_leaves_nothing(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     a, b, workers = two_hosts(dcs_config, tmp_path, 64 * MiB)
     try:
-        ((step_dir, rel),) = committed_steps_of_a(a, 1, 256)
+        ((step_dir, rel),) = committed_steps_of_a(a, inline, 1, 256)
         address = peer_address(b, "hostb")
         ch = pc.client_session(address, TOKEN, 60)
         ch.send({"op": "put", "rel": rel})
