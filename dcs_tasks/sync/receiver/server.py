@@ -33,6 +33,7 @@ from dcs_tasks.backends.fusion import ALIGNMENT, SGLANG_ALIGNMENT, FusionLayout
 from dcs_tasks.errors import DCSError
 from dcs_tasks.jsonbody import StrictJSONRoute
 from dcs_tasks.metrics import get_metrics
+from dcs_tasks.sync.colocated_receive import add_frame_route
 from dcs_tasks.sync.engine_protocol import SUPPORTED_VERSIONS
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.receiving import WeightReceiver
@@ -139,6 +140,7 @@ def create_receiver_app(receiver: WeightReceiver, pause_gc: bool = True) -> Fast
     _group_routes(app, receiver)
     _session_routes(app, receiver, state)
     _update_route(app, receiver, state, pause_gc)
+    add_frame_route(app, receiver, lambda: state.session)  # colocated updates (dcs_tasks/sync/colocated_receive.py)
     _info_routes(app, receiver, state)
     return app
 

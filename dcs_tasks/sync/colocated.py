@@ -1,0 +1,388 @@
+"""Colocated updates: a trainer and rollout engines on the same host and device, weights by handle.
+
+Topology. An engine is colocated with a trainer rank when its registration says so:
+`metadata["colocated"] = {"trainer_rank": R, "device": "cuda:0" | "cpu", "host_id": ID}` (`colocation_metadata`;
+`dcs receiver --colocated-with R`). `host_id` is the machine's boot id (/proc/sys/kernel/random/boot_id), so a
+trainer never takes an engine on another machine that claims the same device for a colocated one. A malformed
+entry is refused with `ColocationInvalid` naming the engine; an entry for another trainer rank, another host or
+another device is a remote engine for this trainer. Everything else about the engine (its protocol family,
+tp_size) comes from the engine, as for remote ones.
+
+Transport. The trainer packs each bucket (SGLang's flattened layout) into one of two reused buckets it owns
+(`BucketPool`): on CUDA a device tensor shared by CUDA IPC handle, on CPU a tensor in torch's shared-memory file
+(`/dev/shm/torch_*`); no byte goes through the host or a process group. Each engine gets the bucket by handle
+in its own protocol:
+- SGLang: `POST /update_weights_from_tensor` with `load_format="flattened_bucket"` and, per TP rank, SGLang's
+  `MultiprocessingSerializer` payload (torch's ForkingPickler reductions; metadata entries as
+  `types.SimpleNamespace`, which SGLang's `SafeUnpickler` allows and its loader reads by attribute). The engine
+  unpickles it: that is SGLang's protocol, and it runs only on a trainer the engine's API key trusts.
+- `dcs receiver`: `POST /update_weights_from_ipc_frame` with DCS's frame (`dcs_tasks/sync/ipcframe.py`: JSON,
+  fixed fields; the receiver never unpickles).
+A bucket is released when every engine answered its request. An engine that has not answered within
+`release_seconds` is marked failed (`ColocatedEngineFailed` names it), its request is abandoned, and the
+bucket it may still hold is dropped and a fresh one allocated: on CPU the trainer unmaps its file (the engine
+keeps only its own mapping); on CUDA the trainer zeroes the block's IPC reference count (a file torch created
+in this process) and calls `torch.cuda.ipc_collect()`, so the block returns to the trainer's allocator instead
+of waiting in torch's limbo for an engine that never lets go. Nothing an engine answers is used as an address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import mmap
+import os
+import re
+import time
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+
+from dcs_tasks.backends.fusion import SGLANG_ALIGNMENT, FusionLayout, pack_into, plan_buckets, sglang_layout
+from dcs_tasks.engine_http import EngineHTTP, EngineHTTPError
+from dcs_tasks.errors import ConfigError, WeightSyncError
+from dcs_tasks.sync.ipcframe import CudaRef, IpcFrame, ShmRef, frame_for
+from dcs_tasks.tensors import TensorSpec
+
+log = logging.getLogger(__name__)
+
+MAX_TRAINER_RANK = 65535
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda:[0-9]{1,3})$")
+HOST_ID_PATTERN = re.compile(r"^[0-9a-f-]{8,64}$")
+FRAME_ROUTE = "/update_weights_from_ipc_frame"
+SGLANG_ROUTE = "/update_weights_from_tensor"
+REF_COUNTER_FILE_BYTES = 8 * 10000  # torch's CUDA IPC ref-counter files (c10 ipc_ref_counter_file_size entries)
+
+
+class ColocationInvalid(ConfigError):
+    """An engine's `metadata["colocated"]` that is not `{"trainer_rank", "device", "host_id"}` within bounds."""
+
+
+class ColocatedEngineFailed(WeightSyncError):
+    """A colocated engine refused a bucket, or did not answer (release it) within the deadline."""
+
+
+@dataclass(frozen=True)
+class Colocation:
+    trainer_rank: int
+    device: str
+    host_id: str
+
+
+def host_id() -> str:
+    """This machine's boot id: the same for every process of one boot of one machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # no procfs: the host name, spelled as an id
+        return os.uname().nodename.encode().hex()[:64]
+
+
+def colocation_metadata(trainer_rank: int, device: str) -> dict[str, Any]:
+    """The registration metadata entry saying this engine shares `device` with trainer rank `trainer_rank`."""
+    entry = {"trainer_rank": trainer_rank, "device": device, "host_id": host_id()}
+    colocation_of({"colocated": entry}, "this engine")
+    return {"colocated": entry}
+
+
+def colocation_of(metadata: Mapping[str, Any], engine: str) -> Colocation | None:
+    """The engine's colocation (None: it has none, it is remote); ColocationInvalid naming `engine` when the
+    entry is there but malformed."""
+    entry = metadata.get("colocated")
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or set(entry) != {"trainer_rank", "device", "host_id"}:
+        raise ColocationInvalid(
+            f"{engine}: metadata['colocated'] must be {{'trainer_rank', 'device', 'host_id'}}, got {entry!r:.200}"
+        )
+    rank, device, host = entry["trainer_rank"], entry["device"], entry["host_id"]
+    if type(rank) is not int or not 0 <= rank <= MAX_TRAINER_RANK:
+        raise ColocationInvalid(f"{engine}: colocated trainer_rank must be an integer in [0, {MAX_TRAINER_RANK}]")
+    if not isinstance(device, str) or not DEVICE_PATTERN.match(device):
+        raise ColocationInvalid(f"{engine}: colocated device must be 'cpu' or 'cuda:N', got {device!r:.40}")
+    if not isinstance(host, str) or not HOST_ID_PATTERN.match(host):
+        raise ColocationInvalid(f"{engine}: colocated host_id must be a boot id, got {host!r:.80}")
+    return Colocation(rank, device, host)
+
+
+def is_colocated(metadata: Mapping[str, Any], engine: str, trainer_rank: int, device: torch.device) -> bool:
+    """Whether this trainer rank on `device` reaches the engine by handle (same rank, device and host)."""
+    where = colocation_of(metadata, engine)
+    if where is None:
+        return False
+    here = "cpu" if device.type == "cpu" else f"cuda:{device.index if device.index is not None else 0}"
+    return where.trainer_rank == trainer_rank and where.device == here and where.host_id == host_id()
+
+
+# --- the trainer's buckets ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    tensor: torch.Tensor
+    generation: int
+    shm: ShmRef | None = None
+    cuda: CudaRef | None = None
+    storage_meta: tuple[Any, ...] = ()  # what torch's sharing gave (CPU: manager, name, size)
+
+
+class BucketPool:
+    """Two reused buckets of `bucket_bytes` on `device`, shared once each (a reallocation shares anew).
+    `drop(k)` forgets slot k (an engine kept it past its deadline) and allocates a fresh one."""
+
+    SLOTS = 2
+
+    def __init__(self, device: torch.device, bucket_bytes: int) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"colocated updates need a cpu or cuda device, not {device}")
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.slots: list[_Slot] = [self._new(0) for _ in range(self.SLOTS)]
+        self.dropped = 0
+
+    def _new(self, generation: int) -> _Slot:
+        tensor = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+        storage = tensor.untyped_storage()
+        if self.device.type == "cpu":
+            manager, name, size = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+            shm_name = name.decode() if isinstance(name, bytes) else name
+            return _Slot(tensor, generation, shm=ShmRef(shm_name, 64), storage_meta=(manager, name, size))
+        (dev, handle, size, offset, ref, ref_offset, event, _sync) = storage._share_cuda_()  # type: ignore[attr-defined]
+        cuda = CudaRef(int(dev), bytes(handle), int(size), int(offset), bytes(ref), int(ref_offset), bytes(event))
+        return _Slot(tensor, generation, cuda=cuda)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() for s in self.slots)
+
+    def drop(self, k: int) -> None:
+        """Forget slot k's memory (an engine may still hold it) and allocate a fresh bucket in its place."""
+        old = self.slots[k]
+        self.slots[k] = self._new(old.generation + 1)
+        self.dropped += 1
+        if old.cuda is not None:
+            _unpin_cuda(old.cuda)
+        del old
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()
+
+
+def _unpin_cuda(ref: CudaRef) -> None:
+    """Zero the IPC reference count of a block this process shared, so that torch frees it once the trainer's
+    own tensor is gone (otherwise torch keeps it in limbo until every engine that opened it closed it)."""
+    name = ref.ref_counter.decode(errors="replace")
+    if not re.fullmatch(r"/torch_[0-9_]+", name):
+        return
+    try:
+        fd = os.open("/dev/shm" + name, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        where = 64 + ref.ref_counter_offset * 8  # RefcountedMapAllocator's header, then int64 counters
+        if where + 8 <= size:
+            with mmap.mmap(fd, size) as m:
+                m[where : where + 8] = (0).to_bytes(8, "little")
+    finally:
+        os.close(fd)
+
+
+# --- SGLang's payload ---------------------------------------------------------------------------------------
+
+
+def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    """torch's file_system reduction of a CPU storage (torch.multiprocessing.reductions.reduce_storage), whatever
+    the process's sharing strategy: the engine opens the file by name, an unrelated process can."""
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    metadata = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+    storage._shared_incref()  # type: ignore[attr-defined]
+    return (rebuild_storage_filename, (type(storage), *metadata))
+
+
+def sglang_payload(view: torch.Tensor, layout: FusionLayout) -> str:
+    """One TP rank's `serialized_named_tensors` entry for `load_format="flattened_bucket"` (base64)."""
+    import torch.multiprocessing
+
+    metadata = [
+        types.SimpleNamespace(
+            name=spec.name,
+            shape=torch.Size(spec.shape),
+            dtype=spec.torch_dtype,
+            start_idx=offset,
+            end_idx=offset + spec.nbytes,
+            numel=spec.nbytes,
+        )
+        for spec, offset in zip(layout.specs, layout.offsets, strict=True)
+    ]
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    if view.device.type == "cpu":
+        pickler.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage  # type: ignore[index]
+    pickler.dump({"flattened_tensor": view, "metadata": metadata})
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# --- targets and the update -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ColocatedEngine:
+    """One colocated engine of an update: its node id, URL, protocol family ("sglang", "dcs") and TP size."""
+
+    node_id: str
+    url: str
+    kind: str
+    tp_size: int = 1
+    failed: str | None = None
+
+
+@dataclass
+class ColocatedReport:
+    bytes: int = 0
+    buckets: int = 0
+    pack_seconds: float = 0.0
+    load_seconds: float = 0.0
+    total_seconds: float = 0.0
+    dropped_buckets: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "buckets": self.buckets,
+            "pack_seconds": self.pack_seconds,
+            "load_seconds": self.load_seconds,
+            "total_seconds": self.total_seconds,
+            "dropped_buckets": self.dropped_buckets,
+            "gb_per_s": self.bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0,
+        }
+
+
+class ColocatedSender:
+    """Pushes state dicts to colocated engines by handle (see the module docstring). One per trainer rank and
+    device; keeps its two buckets between updates."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        bucket_size_bytes: int,
+        http: EngineHTTP,
+        release_seconds: float = 60.0,
+        call_seconds: float = 30.0,
+    ) -> None:
+        self.device = device
+        self.bucket_size_bytes = bucket_size_bytes
+        self.http = http
+        self.release_seconds = release_seconds
+        self.call_seconds = call_seconds
+        self._pool: BucketPool | None = None
+
+    def plan(self, state: Mapping[str, torch.Tensor]) -> list[FusionLayout]:
+        specs = [TensorSpec.of(name, t) for name, t in state.items()]
+        layouts = plan_buckets(specs, self.bucket_size_bytes, SGLANG_ALIGNMENT)
+        return [sglang_layout(layout.specs) for layout in layouts]
+
+    def pool(self, need: int) -> BucketPool:
+        if self._pool is None or self._pool.bucket_bytes < need:
+            self._pool = BucketPool(self.device, max(need, 1))
+        return self._pool
+
+    async def _call(self, engine: ColocatedEngine, path: str, body: Any, timeout: float) -> None:
+        try:
+            answer = await self.http.request("POST", engine.url + path, timeout, json_body=body)
+        except EngineHTTPError as exc:
+            raise ColocatedEngineFailed(f"{engine.node_id} at {engine.url}{path}: {exc}") from None
+        if not answer.is_success:
+            raise ColocatedEngineFailed(f"{engine.node_id} at {engine.url}{path}: {answer.status} {answer.text:.300}")
+
+    async def _session(self, engines: Sequence[ColocatedEngine], path: str, body: Any) -> None:
+        async def one(engine: ColocatedEngine) -> None:
+            if engine.failed is None:
+                try:
+                    await self._call(engine, path, body, self.call_seconds)
+                except ColocatedEngineFailed as exc:
+                    engine.failed = str(exc)
+
+        await asyncio.gather(*(one(e) for e in engines))
+
+    def _body(self, engine: ColocatedEngine, frame: IpcFrame, view: torch.Tensor, layout: FusionLayout) -> Any:
+        if engine.kind == "dcs":
+            return json.loads(frame.encode())
+        payload = sglang_payload(view, layout)
+        body: dict[str, Any] = {
+            "serialized_named_tensors": [payload] * engine.tp_size,
+            "load_format": "flattened_bucket",
+            "flush_cache": frame.last,
+        }
+        if frame.last:
+            body["weight_version"] = str(frame.weight_version)
+        return body
+
+    async def update(
+        self, state: Mapping[str, torch.Tensor], engines: Sequence[ColocatedEngine], weight_version: int
+    ) -> ColocatedReport:
+        """One update into `engines`: pause, begin, every bucket by handle, end, continue. An engine that fails
+        is left out of the rest of the update and named in the report's `failed` (and the error raised at the
+        end, `ColocatedEngineFailed`); the others complete."""
+        started = time.perf_counter()
+        report = ColocatedReport()
+        layouts = self.plan(state)
+        pool = self.pool(max((lay.total_bytes for lay in layouts), default=1))
+        await self._session(engines, "/pause_generation", {"mode": "retract"})
+        await self._session(engines, "/begin_weight_update", {})
+        for k, layout in enumerate(layouts):
+            slot_k = k % BucketPool.SLOTS
+            slot = pool.slots[slot_k]
+            t0 = time.perf_counter()
+            tensors = {spec.name: state[spec.name].detach().to(self.device) for spec in layout.specs}
+            view = await asyncio.to_thread(pack_into, slot.tensor, layout, tensors)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            report.pack_seconds += time.perf_counter() - t0
+            last = k == len(layouts) - 1
+            kind = "shm" if slot.shm is not None else "cuda"
+            frame = frame_for(kind, slot_k, slot.generation, layout, weight_version, last, slot.shm, slot.cuda)
+            t0 = time.perf_counter()
+            held = await self._deliver(engines, frame, view, layout)
+            report.load_seconds += time.perf_counter() - t0
+            if held:  # an engine may still hold this bucket: it gets no more of the trainer's memory
+                pool.drop(slot_k)
+                report.dropped_buckets += 1
+            report.bytes += layout.payload_bytes
+            report.buckets += 1
+        await self._session(engines, "/end_weight_update", {})
+        await self._session(engines, "/continue_generation", {})
+        report.total_seconds = time.perf_counter() - started
+        report.failed = {e.node_id: e.failed for e in engines if e.failed is not None}
+        if report.failed:
+            raise ColocatedEngineFailed(
+                f"colocated update v{weight_version} failed on {'; '.join(report.failed.values())}"
+            )
+        return report
+
+    async def _deliver(
+        self, engines: Sequence[ColocatedEngine], frame: IpcFrame, view: torch.Tensor, layout: FusionLayout
+    ) -> bool:
+        """Send one bucket to every live engine; True when one did not answer within the deadline (it may
+        still hold the bucket)."""
+        held = False
+
+        async def one(engine: ColocatedEngine) -> None:
+            nonlocal held
+            path = FRAME_ROUTE if engine.kind == "dcs" else SGLANG_ROUTE
+            try:
+                await self._call(engine, path, self._body(engine, frame, view, layout), self.release_seconds)
+            except ColocatedEngineFailed as exc:
+                engine.failed = str(exc)
+                held = True  # a refusal may come after the engine opened the handle: treat it as held
+
+        await asyncio.gather(*(one(e) for e in engines if e.failed is None))
+        return held
