@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def main() -> None:
     trainer = RecordingTrainer(model=tiny_model(), args=training, train_dataset=dataset(), callbacks=callbacks)
     trainer.losses = args.losses
     trainer.train(resume_from_checkpoint=dcs.resume_from_checkpoint() if args.resume else None)
-    committed = [step for step, _ in step_dirs(Path(config.checkpoint_dir) / args.run)]
+    committed = [step for step, _ in step_dirs(Path(os.environ["DCS_CHECKPOINT_DIR"]) / args.run)]
     committer.close()
     print(json.dumps({"done": trainer.state.global_step, "committed": committed}))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ def main() -> None:
     model = TinyModule()
     model.losses = args.losses
     trainer.fit(model, ckpt_path="last" if args.resume else None)  # its teardown waits for the saves
-    committed = [step for step, _ in step_dirs(Path(config.checkpoint_dir) / args.run)]
+    committed = [step for step, _ in step_dirs(Path(os.environ["DCS_CHECKPOINT_DIR"]) / args.run)]
     committer.close()
     print(json.dumps({"done": trainer.global_step, "committed": committed}))
 

@@ -25,8 +25,12 @@ pytestmark = [pytest.mark.integration]
 RUN_TIMEOUT = 300.0
 
 
+def run_dir(config: DCSConfig, run: str) -> Path:
+    return Path(config.to_env()["DCS_CHECKPOINT_DIR"]) / run
+
+
 def committed(config: DCSConfig, run: str) -> list[int]:
-    return [step for step, _ in step_dirs(Path(config.checkpoint_dir) / run)]
+    return [step for step, _ in step_dirs(run_dir(config, run))]
 
 
 def losses_of(path: Path) -> dict[int, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.config import DCSConfig
-from dcs_tasks.errors import StagingError
-from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint
+from dcs_tasks.errors import CheckpointNotFound, StagingError
+from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint, write_marker
 from tests.checkpoint_support import ckpt_config
 from tests.helpers.procs import REPO, WorkerProcess, child_env
 from tests.helpers.waiting import wait_until
@@ -32,8 +33,12 @@ pytestmark = [pytest.mark.integration]
 RUN_TIMEOUT = 240.0
 
 
+def run_dir(config: DCSConfig, run: str) -> Path:
+    return Path(config.to_env()["DCS_CHECKPOINT_DIR"]) / run
+
+
 def committed(config: DCSConfig, run: str) -> list[int]:
-    return [step for step, _ in step_dirs(Path(config.checkpoint_dir) / run)]
+    return [step for step, _ in step_dirs(run_dir(config, run))]
 
 
 def losses_of(path: Path) -> dict[int, str]:
@@ -141,7 +146,8 @@ def test_top_k_removals_take_markers_and_dcs_retention_prunes_steps_with_a_worke
         trained = TinyModule()
         fit(io, tmp_path / "ckpts", trained, 40, every_n_train_steps=10, save_last=True)  # save_top_k=1
         assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=40.ckpt", "last.ckpt"]
-        assert committed(config, "lit-topk") == [30, 40]  # the worker's retention after step 40's commit
+        # the worker's retention, which follows step 40's commit
+        wait_until(lambda: committed(config, "lit-topk") == [30, 40], 30, "retention to keep steps 30 and 40")
 
         loaded = io.load_checkpoint(tmp_path / "ckpts" / "epoch=0-step=40.ckpt")
         assert loaded["global_step"] == 40 and loaded["pytorch-lightning_version"] == L.__version__
@@ -166,4 +172,27 @@ def test_a_file_that_is_not_a_dcs_marker_is_refused_on_load_and_left_on_remove(
         io.load_checkpoint(plain)
     io.remove_checkpoint(plain)
     assert plain.exists()
+    io.teardown()
+
+
+def test_last_resumes_from_the_newest_step_that_commits_and_verifies(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Any
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    io = DCSCheckpointIO("lit-last", config, celery_app=inline(config))
+    ckpts = tmp_path / "ckpts"
+    fit(io, ckpts, TinyModule(), 30, every_n_train_steps=10, save_last=True, save_top_k=-1)
+    assert committed(config, "lit-last") == [10, 20, 30]
+    step_30 = run_dir(config, "lit-last") / "step-000000030"
+    shutil.rmtree(step_30)  # as if the process died after step 30's save, before its commit
+    write_marker(ckpts / "last.ckpt", "lit-last", 30)
+    assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == 20
+    with pytest.raises(CheckpointNotFound, match="step=30"):
+        io.load_checkpoint(ckpts / "epoch=0-step=30.ckpt")  # an explicit step is that step or an error
+
+    tensors = next(p for p in (run_dir(config, "lit-last") / "step-000000020").iterdir() if p.suffix == ".safetensors")
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit in step 20's last tensor
+    tensors.write_bytes(bytes(data))
+    assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == 10  # 20 fails its checksum
     io.teardown()
