@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,7 @@ from dcs_tasks.checkpoint.restore import reader, restoring, sharded
 from dcs_tasks.checkpoint.restore.device import DeviceRestorer
 from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
-from dcs_tasks.checkpoint.save.staging import BufferLease, StagingBuffer, StagingPool, copy_into
+from dcs_tasks.checkpoint.save.staging import BufferLease, Reservation, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.state import dtensor_meta
 from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
 from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger, StepStatus
@@ -85,6 +85,7 @@ class Checkpointer:
         rank: int = 0,
         world_size: int = 1,
         device_restorer: DeviceRestorer | None = None,
+        device_stager: cuda.DeviceStager | None = None,
     ) -> None:
         validate_run_name(run)
         validate_step(rank, "rank")
@@ -123,7 +124,9 @@ class Checkpointer:
             prefix=staging_prefix(self.config.namespace, self._shard_run),
         )
         self._copier = HostCopier(copy_threads)
-        self._device = cuda.DeviceStager()  # one side stream per device, reused by every save
+        self._device = device_stager or cuda.DeviceStager()  # one side stream per device, reused by every save
+        self._reserving: Future[None] | None = None  # a background registration of the staging buffers
+        self.reservation: Reservation | None = None  # what the last reserve() took
         # restores into device tensors (restore.device: a ring of page-locked chunks on a side stream)
         self._device_restorer = device_restorer or DeviceRestorer()
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
@@ -137,8 +140,7 @@ class Checkpointer:
         self._created_at = time.time()  # flush failures recorded before this checkpointer are not its saves'
         exiting.track(self, self._pool)  # staging files removed at exit and on SIGTERM, close() or not
         if size_hint_bytes:
-            self._pool.reserve(size_hint_bytes)
-            self._gauges.memory(self._pool.mapped_bytes())
+            self._reserve_bytes(size_hint_bytes, background=True)
 
     # --- save -----------------------------------------------------------------------------------
     def save(
@@ -175,9 +177,9 @@ class Checkpointer:
         not change the saved tensors until it is done: `pending.wait_staged()`, `wait_staged()` for every save,
         or `guard(optimizer)`, which makes each `optimizer.step()` wait for it first. The step is opened in the
         ledger before `save` returns (so a step already committed or in flight still raises here); a failed
-        copy fails the save (`wait()` raises CheckpointFailed). DTensor states, states holding CUDA tensors (the
-        overlapped device copy has not been run on a GPU yet) and `async_io=False` stage at once, as without
-        `overlap`."""
+        copy fails the save (`wait()` raises CheckpointFailed). CUDA tensors are copied on a side stream queued
+        before `save` returns, after the work already queued on the current stream (`save.cuda`): the state at
+        the call is what commits. DTensor states and `async_io=False` stage at once, as without `overlap`."""
         started = time.perf_counter()
         step = validate_step(step)
         self._reap()
@@ -200,15 +202,16 @@ class Checkpointer:
                 skipped=True,
             )
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
-        overlap = overlap and not flat.dtensors and self.config.async_io and not cuda.has_cuda_tensors(flat.tensors)
+        overlap = overlap and not flat.dtensors and self.config.async_io
         staged: threading.Event | None = None  # None: staged before save returns
         try:
             with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
                 if overlap:  # the ledger first, the copy and the hand-off on the dispatcher thread
                     staged = threading.Event()
                     ref = self._begin(step, layout, flat, metadata or {}, dims, None, in_memory)
+                    queued = self._queue_device_copies(lease.buffer, layout, flat)
                     sending = self._dispatcher.submit(
-                        self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged
+                        self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged, queued
                     )
                 else:
                     self._stage(lease.buffer, layout, flat)
@@ -279,11 +282,18 @@ class Checkpointer:
         durable: bool,
         in_memory: bool,
         staged: threading.Event,
+        queued: cuda.Copies | BaseException | None = None,
     ) -> None:
-        """An overlapped save's work on the dispatcher thread: the copy into staging, then `_send`. A failed copy
-        abandons the step in the ledger and ends the lease (no task went out)."""
+        """An overlapped save's work on the dispatcher thread: the copy into staging (device states: waiting for
+        the copies `save` queued, `queued`), then `_send`. A failed copy abandons the step in the ledger and ends
+        the lease (no task went out)."""
         try:
-            self._stage(lease.buffer, layout, flat)
+            if isinstance(queued, BaseException):
+                raise queued
+            if queued is not None:
+                queued.wait()
+            else:
+                self._stage(lease.buffer, layout, flat)
         except Exception as exc:
             reason = f"copying step {ref.step} into staging failed: {type(exc).__name__}: {exc}"
             with contextlib.suppress(redis.RedisError):
@@ -321,10 +331,46 @@ class Checkpointer:
         """This checkpointer's staging buffers, for inspection (path, capacity, `pinned`); do not write them."""
         return self._pool.buffers
 
-    def reserve(self, state: Any) -> None:
-        """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop)."""
-        self._pool.reserve(self._layout(self._flatten(state)).nbytes)
+    def reserve(self, state: Any, background: bool = False) -> Reservation:
+        """Pre-allocate and pre-fault staging for `state`'s layout now (e.g. before the training loop) and, where
+        CUDA is used (`pinned_memory`), register the buffers with it, so the first save does neither. With
+        `background`, the registration runs on a thread (`Reservation.wait()`; a save waits for it first).
+        Returns what it took (`Reservation`: seconds to allocate, seconds to register, when done)."""
+        return self._reserve_bytes(self._layout(self._flatten(state)).nbytes, background)
+
+    def _reserve_bytes(self, nbytes: int, background: bool) -> Reservation:
+        self._wait_reserved()
+        started = time.perf_counter()
+        self._pool.reserve(nbytes)
         self._gauges.memory(self._pool.mapped_bytes())
+        reservation = Reservation(nbytes, time.perf_counter() - started)
+        self.reservation = reservation
+        if self.config.pinned_memory and self._device.available:
+            buffers = [b for b in self._pool.buffers if b.capacity]
+            if background:
+                self._reserving = self._dispatcher.submit(reservation.register, self._device, buffers)
+            else:
+                reservation.register(self._device, buffers)
+        return reservation
+
+    def _wait_reserved(self) -> None:
+        reserving, self._reserving = self._reserving, None
+        if reserving is not None:
+            reserving.result()
+
+    def _queue_device_copies(
+        self, buf: StagingBuffer, layout: Layout, flat: FlatState
+    ) -> cuda.Copies | BaseException | None:
+        """An overlapped save of a device state: its copies queued now, at the call (None: not a device state;
+        the exception when queueing failed, which fails this save only)."""
+        if not self._device.handles(flat.tensors):
+            return None
+        try:
+            self._wait_reserved()
+            buf.write_headers(layout)
+            return self._device.enqueue(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
+        except Exception as exc:
+            return exc
 
     def _flatten(self, state: Any) -> FlatState:
         """The flat state this rank writes: DTensor shards another rank writes are left out of `tensors`
@@ -400,7 +446,8 @@ class Checkpointer:
 
     def _stage(self, buf: StagingBuffer, layout: Layout, flat: FlatState) -> None:
         buf.write_headers(layout)
-        if torch.cuda.is_available() and cuda.has_cuda_tensors(flat.tensors):
+        if self._device.handles(flat.tensors):
+            self._wait_reserved()
             self._device.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
         else:
             copy_into(buf, layout, flat.tensors, copier=self._copier)

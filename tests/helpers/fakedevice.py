@@ -9,6 +9,7 @@ with (`violations`), and that they come from page-locked memory (`unpinned`).
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,20 +25,26 @@ def _digest(t: torch.Tensor) -> str:
 class FakeStream:
     """Queued work that runs only when waited for."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, gate: threading.Event | None = None) -> None:
         self.device = device
         self.queue: deque[Callable[[], None]] = deque()
         self.ran = 0  # operations run so far
         self.queued = 0
+        self.gate = gate  # while clear, nothing runs (a copy still in flight on the "device")
+        self._lock = threading.Lock()
 
     def enqueue(self, op: Callable[[], None]) -> None:
         self.queue.append(op)
         self.queued += 1
 
     def run_until(self, upto: int) -> None:
-        while self.ran < upto:
-            self.queue.popleft()()
-            self.ran += 1
+        if self.gate is not None and self.ran < upto and not self.gate.wait(30):
+            raise TimeoutError("the test never let the fake stream run")
+        with self._lock:
+            while self.ran < upto:
+                op = self.queue.popleft()
+                self.ran += 1
+                op()
 
     # the torch.cuda.Stream surface `save.cuda.DeviceStager` uses
     def wait_stream(self, other: Any) -> None:
@@ -82,8 +89,13 @@ class RecordingPinner:
 class FakeCopier:
     """`DeviceCopier` over CPU tensors: the storages of `device_tensors` are the "device"."""
 
-    def __init__(self, device_tensors: Iterable[torch.Tensor] = (), refuse_pinning: bool = False) -> None:
+    def __init__(
+        self, device_tensors: Iterable[torch.Tensor] = (), refuse_pinning: bool = False, fail_copies: bool = False
+    ) -> None:
         self.pinner = RecordingPinner(refuse=refuse_pinning)
+        self.gate = threading.Event()  # set: streams run when waited for; `hold()` clears it
+        self.gate.set()
+        self.fail_copies = fail_copies  # a copy raises when it runs (as a device fault surfaces at the event)
         self._device: set[int] = set()
         self.claim(device_tensors)
         self._pinned: list[torch.Tensor] = []
@@ -118,8 +130,19 @@ class FakeCopier:
         self.claim([t])
         return t
 
+    def hold(self) -> None:
+        """Queued copies do not run (waiters block) until `release()`."""
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def pending(self) -> int:
+        """Copies queued that have not run yet."""
+        return sum(s.queued - s.ran for s in self.streams.values())
+
     def stream(self, device: torch.device) -> FakeStream:
-        return self.streams.setdefault(str(device), FakeStream(device))
+        return self.streams.setdefault(str(device), FakeStream(device, self.gate))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
         host = not self.on_device(src)  # a device source is written by earlier copies of the stream: in order
@@ -129,6 +152,8 @@ class FakeCopier:
         self.copies += 1
 
         def run() -> None:
+            if self.fail_copies:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
             if host and _digest(src) != queued:
                 self.violations.append(f"source at 0x{src.data_ptr():x} changed before its copy ran")
             with torch.no_grad():

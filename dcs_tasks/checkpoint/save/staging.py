@@ -20,8 +20,10 @@ import enum
 import mmap
 import os
 import threading
+import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -244,6 +246,40 @@ class BufferLease:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             self.release()
+
+
+@dataclass
+class Reservation:
+    """What `Checkpointer.reserve()` (or `size_hint_bytes`) took: staging for `nbytes` allocated and pre-faulted in
+    `alloc_seconds`; where CUDA is used, each buffer registered as page-locked memory in `pin_seconds` (None until
+    done, or when nothing was registered), `pinned` when every buffer was."""
+
+    nbytes: int
+    alloc_seconds: float
+    pin_seconds: float | None = None
+    pinned: bool = False
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def register(self, pin: Callable[[StagingBuffer], bool], buffers: list[StagingBuffer]) -> None:
+        started = time.perf_counter()
+        try:
+            self.pinned = all([pin(b) for b in buffers])
+        finally:
+            self.pin_seconds = time.perf_counter() - started
+            self._done.set()
+
+    @property
+    def seconds(self) -> float:
+        """Allocation plus registration (so far)."""
+        return self.alloc_seconds + (self.pin_seconds or 0.0)
+
+    def unregistered(self) -> None:
+        """Nothing to register (no CUDA, or `pinned_memory` off): `wait()` returns at once."""
+        self._done.set()
+
+    def wait(self, timeout: float = 600.0) -> bool:
+        """Block until the registration ended (True), at most `timeout` seconds; True at once when none runs."""
+        return self._done.wait(timeout)
 
 
 def _raw_bytes_are_values(src: torch.Tensor) -> bool:
