@@ -12,8 +12,6 @@ import json
 import os
 import pickle
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 from tests.checkpoint_support import assert_same_state, ckpt_config, dcs_ckpt
 from tests.helpers.ports import free_port
+from tests.helpers.preloaded import python_module
 from tests.helpers.procs import REPO
 
 pytestmark = pytest.mark.integration
@@ -113,16 +112,16 @@ def test_import_dcp_saved_by_two_gloo_ranks(dcs_config: DCSConfig, tmp_path: Pat
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    # the ranks are forked from the forkserver that imported torch (tests/helpers/preloaded.py)
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(r), port, str(source)],
-            env=env,
-            stdout=logs[r].open("w"),
-            stderr=subprocess.STDOUT,
-        )
+        python_module("tests.helpers.code_main", RANK_SCRIPT, str(r), port, str(source), log=logs[r], env=env)
         for r in range(2)
     ]
-    codes = [p.wait(timeout=120) for p in procs]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     assert sorted(p.name for p in source.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 

@@ -1,0 +1,13 @@
+"""`python -c CODE ARGS` as a module, so a test can fork it from the preloaded forkserver
+(`tests.helpers.preloaded.python_module("tests.helpers.code_main", CODE, *ARGS, log=...)`) instead of paying
+torch's import in a fresh interpreter: CODE runs as `__main__` with `sys.argv == ["-c", *ARGS]`, as under
+`python -c`. Only for processes the test starts, waits for and kills: a forked child exits without running the
+interpreter's exit handlers (atexit, finalizers) the way a fresh `python -c` does."""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    code, sys.argv = sys.argv[1], ["-c", *sys.argv[2:]]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
