@@ -8,7 +8,7 @@ State (built in code, nothing downloaded): a Llama from a `LlamaConfig` (`--hidd
   ints      int64 token ids (uniform in the vocabulary: real text is skewed and compresses better) and int32
             per-token document indices (`--int-mb` MiB together)
 Part 1 (`codec`, one worker file per category, in this process): each category's first `--file-mb` MiB is
-staged in tmpfs and persisted by the worker's own writer (`compression.write_region`: probe, streaming
+staged in tmpfs and persisted by the worker's own writer (`zwrite.write_region`: probe, streaming
 hash + zstd, temp, fsync, rename) at each `--levels` level with `--threads` zstd threads, and plain
 (`stream_region`, O_DIRECT); then read back verified by restore's reader (`fileread.read_many`, page cache
 evicted first). Throughputs count the uncompressed bytes.
@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache
 from dcs_tasks import Checkpointer
-from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.format.compression import CompressionSpec
 from dcs_tasks.checkpoint.store.reads import fileread
+from dcs_tasks.checkpoint.store.writes.zwrite import write_region
 from dcs_tasks.config import CheckpointCompression, DCSConfig
 
 MiB = 1 << 20

@@ -33,10 +33,10 @@ from bench.harness import Run, start_redis, start_worker, stop
 from bench.save import drop_cache, make_state, nbytes
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import make_celery
-from dcs_tasks.checkpoint.format.fsio import fsync_dir
 from dcs_tasks.checkpoint.replicating import copy_step
 from dcs_tasks.checkpoint.restore.reader import load_manifest
 from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
+from dcs_tasks.checkpoint.store.writes.durable import fsync_dir
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

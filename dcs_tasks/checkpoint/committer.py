@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format.compression import CompressionSpec, compress_into, probe_saving, write_region
+from dcs_tasks.checkpoint.format.compression import CompressionSpec, probe_saving
 from dcs_tasks.checkpoint.format.layout import (
     MANIFEST_NAME,
     FileEntry,
@@ -36,6 +36,7 @@ from dcs_tasks.checkpoint.format.layout import (
 from dcs_tasks.checkpoint.format.validate import check_manifest
 from dcs_tasks.checkpoint.store.ledger import incremental
 from dcs_tasks.checkpoint.store.ledger.latest import move_latest
+from dcs_tasks.checkpoint.store.writes.zwrite import compress_into, write_region
 from dcs_tasks.errors import CheckpointFailed
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.objpath import MAX_FOLDER_OBJECTS

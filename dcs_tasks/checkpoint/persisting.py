@@ -38,7 +38,6 @@ import redis
 
 from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step
-from dcs_tasks.checkpoint.format.fsio import NotPublished
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest
 from dcs_tasks.checkpoint.store.ledger import incremental, objlocks
 from dcs_tasks.checkpoint.store.ledger.stepledger import (
@@ -52,6 +51,7 @@ from dcs_tasks.checkpoint.store.ledger.stepledger import (
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
 from dcs_tasks.checkpoint.store.tiers import memdir as tiers
 from dcs_tasks.checkpoint.store.tiers import seal
+from dcs_tasks.checkpoint.store.writes.durable import NotPublished
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
 from dcs_tasks.config import DCSConfig

@@ -35,9 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks.checkpoint import persisting
-from dcs_tasks.checkpoint.format.fsio import (
-    stream_region,
-)
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, FileEntry, Manifest, new_hasher
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES
 from dcs_tasks.checkpoint.persisting import Context
@@ -47,6 +44,9 @@ from dcs_tasks.checkpoint.store.ledger.retention import apply_retention, regular
 from dcs_tasks.checkpoint.store.payloads import ReplicateRequest, RetentionPolicy
 from dcs_tasks.checkpoint.store.reads.landing import anonymous
 from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_small
+from dcs_tasks.checkpoint.store.writes.durable import (
+    stream_region,
+)
 from dcs_tasks.checkpoint.telemetry import record_replica
 from dcs_tasks.checkpoint.trust import checkpoint_root, replica_root, trusted_step_dir
 from dcs_tasks.config import DCSConfig

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from dcs_tasks.checkpoint.format.fsio import durable_file, write_all, write_bytes_durably
 from dcs_tasks.checkpoint.format.layout import DATA_ALIGN, Layout, Manifest, TensorSlot, TensorSpec, plan_layout
 from dcs_tasks.checkpoint.restore.reader import load_manifest, load_tensors, step_dirs
 from dcs_tasks.checkpoint.restore.sharded import (
@@ -48,6 +47,7 @@ from dcs_tasks.checkpoint.restore.sharded import (
 from dcs_tasks.checkpoint.store.reads import objread
 from dcs_tasks.checkpoint.store.reads.fileread import Target, read_scatter
 from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_small
+from dcs_tasks.checkpoint.store.writes.durable import durable_file, write_all, write_bytes_durably
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
 from dcs_tasks.storage import Location

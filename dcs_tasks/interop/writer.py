@@ -2,7 +2,7 @@
 
 The same path a save takes, run in the calling process: `flatten_state` and `plan_layout` give the files'
 bytes; the step is opened in the Redis ledger (`StepLedger.begin`: refused when the step is committed or
-another save of it is in flight), each file is claimed, written by `fsio.stream_region` (the persist
+another save of it is in flight), each file is claimed, written by `durable.stream_region` (the persist
 writer, `dcs_tasks.checkpoint.committer.write_file`: on files a temp name, O_DIRECT where allowed, xxh3_128
 on the same pass, fsync, rename, directory fsync; in an object store a multipart upload) from a memfd holding
 just that file, and recorded; then the commit is claimed and the step published exactly as the worker's
@@ -24,7 +24,6 @@ import torch
 from dcs_tasks import storage
 from dcs_tasks.checkpoint import committer
 from dcs_tasks.checkpoint.committer import ObjectLock, committed, publish_step, remove_partial_step
-from dcs_tasks.checkpoint.format.fsio import write_all
 from dcs_tasks.checkpoint.format.layout import (
     FileEntry,
     FileLayout,
@@ -39,6 +38,7 @@ from dcs_tasks.checkpoint.state.structure import flatten_state
 from dcs_tasks.checkpoint.store.ledger import objlocks
 from dcs_tasks.checkpoint.store.ledger.stepledger import FileOutcome, StepLedger, StepStatus, Verdict, file_entry_json
 from dcs_tasks.checkpoint.store.payloads import validate_run_name, validate_step
+from dcs_tasks.checkpoint.store.writes.durable import write_all
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed
 from dcs_tasks.keys import Keys

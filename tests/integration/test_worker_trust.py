@@ -18,9 +18,9 @@ from celery.result import AsyncResult
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
-from dcs_tasks.checkpoint.format.fsio import file_checksum
 from dcs_tasks.checkpoint.format.layout import FileEntry, ManifestDraft
 from dcs_tasks.checkpoint.store.ledger.stepledger import FileOutcome, StepLedger, StepStatus, file_entry_json
+from dcs_tasks.checkpoint.store.writes.durable import file_checksum
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, SettingsMismatch
 from dcs_tasks.keys import Keys

@@ -14,9 +14,10 @@ import torch
 import zstandard
 
 from dcs_tasks.checkpoint.format import compression, validate
-from dcs_tasks.checkpoint.format.compression import CompressionSpec, write_region
+from dcs_tasks.checkpoint.format.compression import CompressionSpec
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.store.reads import fileread, stepcheck, zread
+from dcs_tasks.checkpoint.store.reads import fileread, stepcheck, zdecode, zread
+from dcs_tasks.checkpoint.store.writes.zwrite import write_region
 from dcs_tasks.errors import CorruptCheckpoint
 
 ZSTD = CompressionSpec(codec="zstd", level=3, min_saving=0.05)
@@ -150,7 +151,7 @@ def test_a_frame_holding_more_than_the_manifest_size_is_refused_without_decompre
         _expect_corrupt(path, entry, reason)
         fd = os.open(path, os.O_RDONLY)
         try:
-            decoder = compression.Decoder(fd, path, entry)
+            decoder = zdecode.Decoder(fd, path, entry)
             decoder.read(claim)  # at most `size` bytes come out, then the frame must end
             with pytest.raises(CorruptCheckpoint, match=f"decompresses to more than the manifest's {claim} bytes"):
                 decoder.finish()
@@ -253,7 +254,7 @@ def test_the_header_of_a_compressed_file_is_checked_by_decompressing_only_the_he
     (tmp_path / (NAME + ".zst")).write_bytes(blob)
     fd = stepcheck.open_regular(tmp_path / (NAME + ".zst"))
     try:
-        parsed, start = stepcheck.read_header(fd, tmp_path, entry.size, compression.Decoder(fd, tmp_path, entry).read)
+        parsed, start = stepcheck.read_header(fd, tmp_path, entry.size, zdecode.Decoder(fd, tmp_path, entry).read)
     finally:
         os.close(fd)
     assert start == 8 + len(header) and parsed["w"]["shape"] == [2]

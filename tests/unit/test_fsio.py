@@ -1,5 +1,5 @@
-"""Durable writes (`dcs_tasks.checkpoint.format.fsio`): a final name only ever shows complete bytes, even when two
-writers with the same tag overlap (a redelivered Celery task keeps its task id, which is the tag)."""
+"""Durable writes (`dcs_tasks.checkpoint.store.writes.durable`): a final name only ever shows complete bytes, even
+when two writers with the same tag overlap (a redelivered Celery task keeps its task id, which is the tag)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dcs_tasks.checkpoint.format.fsio import TEMP_GLOB, durable_file, write_all, write_bytes_durably
+from dcs_tasks.checkpoint.store.writes.durable import TEMP_GLOB, durable_file, write_all, write_bytes_durably
 
 DATA = bytes(range(256)) * 1024  # 256 KiB
 CHUNK = 64 * 1024
@@ -53,18 +53,18 @@ def test_a_file_system_that_refuses_o_direct_after_creating_the_file_gets_buffer
 ) -> None:
     """Linux creates the file, then answers EINVAL, when a file system has no direct I/O (FUSE, older tmpfs):
     the temp name (opened O_EXCL) already exists when the writer falls back to buffered mode."""
-    from dcs_tasks.checkpoint.format import fsio
+    from dcs_tasks.checkpoint.store.writes import durable
 
     real_open = os.open
 
     def open_like_a_file_system_without_direct_io(path: Any, flags: int, mode: int = 0o777) -> int:
-        if flags & fsio.O_DIRECT:
-            os.close(real_open(path, flags & ~fsio.O_DIRECT, mode))
+        if flags & durable.O_DIRECT:
+            os.close(real_open(path, flags & ~durable.O_DIRECT, mode))
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(fsio, "O_DIRECT", os.O_DIRECT)
-    monkeypatch.setattr(fsio.os, "open", open_like_a_file_system_without_direct_io)
+    monkeypatch.setattr(durable, "O_DIRECT", os.O_DIRECT)
+    monkeypatch.setattr(durable.os, "open", open_like_a_file_system_without_direct_io)
     final = tmp_path / "model-00001-of-00001.safetensors"
     with durable_file(final, "task-1", direct=True) as fd:
         write_all(fd, memoryview(DATA))

@@ -104,8 +104,8 @@ def test_rel_names_a_rank_and_a_step_or_nothing() -> None:
 
 
 def test_a_step_that_leaves_gives_its_files_to_the_recycle_pool_and_a_writer_overwrites_one(tmp_path: Path) -> None:
-    from dcs_tasks.checkpoint.format.fsio import stream_region
     from dcs_tasks.checkpoint.format.layout import new_hasher
+    from dcs_tasks.checkpoint.store.writes.durable import stream_region
 
     root = tmp_path / "memory"
     step_dir = root / "run" / "step-000000001"
@@ -138,9 +138,9 @@ def test_a_mapped_file_is_never_recycled_nor_overwritten_in_place(tmp_path: Path
     """A restore from memory lends the tmpfs pages (`lend.map_many`): while it maps a file, a leaving step
     deletes that file instead of recycling it, and a writer handed a recycled file a reader maps writes a new
     one; the reader's bytes never change."""
-    from dcs_tasks.checkpoint.format.fsio import stream_region
     from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
     from dcs_tasks.checkpoint.restore import lend
+    from dcs_tasks.checkpoint.store.writes.durable import stream_region
 
     def entry_of(path: Path) -> FileEntry:
         hasher = new_hasher()

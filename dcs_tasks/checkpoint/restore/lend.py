@@ -5,7 +5,7 @@ filled on every core); with `into=` (`copy_sealed`) the mappings are copied into
 `memmove` on every core. A file that matches its seal (`store/tiers/seal.py`: hashed on arrival, unchanged since) is
 not hashed again; any other is hashed after mapping (`nogil`: without the GIL, one file per core), so what was
 checked is what the tensors hold. Each mapping holds a shared `flock` on its file for as long as it lives, and
-the memory tier neither recycles nor overwrites a locked file (`fsio.try_lock`). Files that cannot be lent
+the memory tier neither recycles nor overwrites a locked file (`durable.try_lock`). Files that cannot be lent
 (compressed, being overwritten, replaced while opened) raise Unmappable: the caller reads them (`fileread`).
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from dcs_tasks.checkpoint.format import nogil
-from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
 from dcs_tasks.checkpoint.save.copier import HostCopier
 from dcs_tasks.checkpoint.store.reads.fileread import O_NOFOLLOW, checked_size
 from dcs_tasks.checkpoint.store.reads.landing import Target, anonymous
 from dcs_tasks.checkpoint.store.tiers.seal import Stamp
+from dcs_tasks.checkpoint.store.writes.durable import try_lock
 from dcs_tasks.errors import CorruptCheckpoint
 
 POPULATE_BYTES = 64 * 1024 * 1024  # one page-table fill of a lent file (pieces fill on several cores at once)
@@ -170,7 +170,7 @@ def map_many(
     whose open descriptor matches its seal (`seals`, file name -> stamp: `seal.read_seals`) was hashed on arrival
     and is not hashed again. Writes to the tensors copy the touched pages (the file stays as committed); the
     file's pages live as long as the mapping, and the memory tier neither recycles nor overwrites a mapped file
-    (`fsio.try_lock`): once the step leaves memory its file is only deleted. Raises Unmappable (read the step with
+    (`durable.try_lock`): once the step leaves memory its file is only deleted. Raises Unmappable (read the step with
     `read_many`) or CorruptCheckpoint."""
     if any(entry.compression for _, entry in files):
         raise Unmappable("compressed files are decoded, not mapped")

@@ -33,7 +33,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format.fsio import write_all
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR, Manifest, new_hasher, rank_dir_name
 from dcs_tasks.checkpoint.format.layout import step_dir_name as step_dir_name
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES as _VALIDATE_MANIFEST_BYTES
@@ -42,6 +41,7 @@ from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peers.channel import MAX_MESSAGE, Channel, short
 from dcs_tasks.checkpoint.store.reads.stepcheck import check_files
 from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, Stamp, seal_bytes, seal_fd
+from dcs_tasks.checkpoint.store.writes.durable import write_all
 from dcs_tasks.errors import CorruptCheckpoint, PeerCorrupt, PeerRefused, PeerUnavailable
 from dcs_tasks.storage.fs import read_exactly
 

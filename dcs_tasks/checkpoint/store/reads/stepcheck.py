@@ -9,7 +9,7 @@
   consistent and inside the file: `read_header`) lists exactly the manifest's tensors of that file at the same
   places. Costs one open and one small header read per file: no data bytes are read. A compressed file must
   have its `stored_size`, a zstd frame header recording exactly its `size`, and its header is read by
-  decompressing only the header's bytes (`compression.Decoder`). An incremental reference's step directory
+  decompressing only the header's bytes (`zdecode.Decoder`). An incremental reference's step directory
   must be a real directory (lstat: not a symlink), and the referenced file there is checked like any other.
 Every failure is `CorruptCheckpoint` naming the file and the reason.
 """
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dcs_tasks.checkpoint.format.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntry, Manifest, TensorEntry
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, MAX_REASON, check_header_entry, check_manifest
+from dcs_tasks.checkpoint.store.reads.zdecode import Decoder, check_frame
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, ObjectPath, store_of
 from dcs_tasks.storage.factory import is_object

@@ -7,7 +7,7 @@ thread of its own (zstd releases the GIL; up to `IO_THREADS` files at once), seq
 destination (the file's fresh mapping for `read_many`, the caller's tensors and a scratch buffer for the
 gaps for `read_scatter`) and are hashed there, so the uncompressed bytes are checked against the same
 xxh3_128 checksum as a plain file's. The file's size, frame header and bounds are checked first
-(`compression.check_frame`, `Decoder`: never more than the manifest's `size` bytes are produced). Every
+(`zdecode.check_frame`, `Decoder`: never more than the manifest's `size` bytes are produced). Every
 failure is CorruptCheckpoint naming the file; nothing is still being written when a function returns or
 raises. fileread hands its own plain-file readers in (`raw`); this module imports only what they land in
 (`landing`), never fileread.
@@ -21,11 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format.compression import Decoder, check_frame
 from dcs_tasks.checkpoint.format.iosizes import READ_CHUNK_BYTES, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
 from dcs_tasks.checkpoint.store.reads.landing import Progress, Target, TargetIndex, anonymous
 from dcs_tasks.checkpoint.store.reads.stepcheck import open_stored
+from dcs_tasks.checkpoint.store.reads.zdecode import Decoder, check_frame
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import ObjectPath
 

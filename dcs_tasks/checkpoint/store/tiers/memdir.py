@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcs_tasks import hostdirs
-from dcs_tasks.checkpoint.format.fsio import try_lock
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, is_peer_copy
+from dcs_tasks.checkpoint.store.writes.durable import try_lock
 from dcs_tasks.config import DCSConfig
 
 RECYCLE_DIR = ".recycle"  # files of steps that left memory, overwritten by the next steps (`take_recycled`)
@@ -154,7 +154,7 @@ def remove_step(step: MemoryStep, root: Path | None = None, room: int = 0) -> No
 
 
 def _recycle(path: Path, to: Path) -> bool:
-    """Move a leaving step's file into the recycle pool, unless a restore maps it (`fsio.try_lock`): such a
+    """Move a leaving step's file into the recycle pool, unless a restore maps it (`durable.try_lock`): such a
     file is only deleted, so the reader's pages keep their bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcs_tasks.checkpoint.format.fsio import write_bytes_durably
+from dcs_tasks.checkpoint.store.writes.durable import write_bytes_durably
 
 log = logging.getLogger(__name__)
 
