@@ -18,7 +18,8 @@ the saves in flight and raises `CheckpointFailed` naming the steps that did not 
 lays it out in a local folder the way the `Trainer` reads a checkpoint on resume (`model.safetensors`,
 `optimizer.pt`, `scheduler.pt`, `rng_state.pth`, `trainer_state.json`), so the `Trainer`'s own resume runs
 unchanged: weights, optimizer, scheduler, RNG, global step, and the batches already seen in the epoch skipped. The
-folder is a temporary one unless `directory` is given; it costs one local write of the model and optimizer.
+folder is a temporary one, removed at the end of training, unless `directory` is given; it costs one local write of
+the model and optimizer.
 
 Not covered: a `Trainer` under DeepSpeed or FSDP (they write their own sharded checkpoints), `save_strategy="best"`
 (decided after the callbacks run), several processes (rank 0 saves its own state only), mixed-precision scaler
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +81,7 @@ class DCSCallback(TrainerCallback):
         self._celery_app = celery_app
         self._checkpointer: Checkpointer | None = None
         self._saved: set[int] = set()  # steps this callback saved
+        self._made: list[Path] = []  # temporary resume folders, removed by close()
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -106,6 +109,9 @@ class DCSCallback(TrainerCallback):
         """Wait for the saves in flight (at most `visibility_timeout_seconds`) and close the checkpointer; raises
         CheckpointFailed naming the steps that failed or did not commit."""
         checkpointer, self._checkpointer = self._checkpointer, None
+        made, self._made = self._made, []
+        for folder in made:  # the Trainer has read it by the end of training
+            shutil.rmtree(folder, ignore_errors=True)
         if checkpointer is None:
             return
         closed = checkpointer.close()
@@ -128,15 +134,20 @@ class DCSCallback(TrainerCallback):
 
     def resume_from_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> str | None:
         """The newest committed step that verifies, laid out as a `Trainer` checkpoint folder in `directory`
-        (default: a new temporary directory); None when the run has no committed step. For
-        `trainer.train(resume_from_checkpoint=...)`. Raises CorruptCheckpoint when no committed step verifies."""
+        (default: a new temporary directory, removed by `close()` at the end of training); None when the run has
+        no committed step. For `trainer.train(resume_from_checkpoint=...)`. Raises CorruptCheckpoint when no
+        committed step verifies."""
         try:
             restored = self.checkpointer.restore()
         except CheckpointNotFound:
             if self.checkpointer.list():
                 raise
             return None
-        folder = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"dcs-{self.run}-"))
+        if directory is None:
+            folder = Path(tempfile.mkdtemp(prefix=f"dcs-{self.run}-"))
+            self._made.append(folder)
+        else:
+            folder = Path(directory)
         write_folder(restored.state, folder, restored.step)
         log.info("resuming from DCS step %d of run %r (laid out in %s)", restored.step, self.run, folder)
         return str(folder)

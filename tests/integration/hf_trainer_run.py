@@ -108,10 +108,12 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = RecordingTrainer(model=tiny_model(), args=training, train_dataset=dataset(), callbacks=callbacks)
     trainer.losses = args.losses
-    trainer.train(resume_from_checkpoint=dcs.resume_from_checkpoint() if args.resume else None)
+    resume = dcs.resume_from_checkpoint() if args.resume else None
+    trainer.train(resume_from_checkpoint=resume)
     committed = [step for step, _ in step_dirs(Path(os.environ["DCS_CHECKPOINT_DIR"]) / args.run)]
     committer.close()
-    print(json.dumps({"done": trainer.state.global_step, "committed": committed}))
+    left = resume is not None and Path(resume).exists()  # the temporary resume folder, after training
+    print(json.dumps({"done": trainer.state.global_step, "committed": committed, "resume_folder_left": left}))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,11 @@ def test_a_run_killed_mid_training_resumes_from_dcs_with_the_losses_of_an_uninte
     whole = start_run(config, tmp_path, "hf-whole", "whole")
     killed = start_run(config, tmp_path, "hf-killed", "killed", "--pause-at", "25")
     try:
-        assert finish(whole, tmp_path / "whole.log") == {"done": 40, "committed": [10, 20, 30, 40]}
+        assert finish(whole, tmp_path / "whole.log") == {
+            "done": 40,
+            "committed": [10, 20, 30, 40],
+            "resume_folder_left": False,
+        }
         wait_until(lambda: paused(killed, tmp_path / "killed.losses"), RUN_TIMEOUT, "the run to reach step 25")
         wait_until(lambda: 20 in committed(config, "hf-killed"), 60, "step 20 to commit")
     finally:
@@ -85,7 +89,11 @@ def test_a_run_killed_mid_training_resumes_from_dcs_with_the_losses_of_an_uninte
 
     (tmp_path / "killed.losses").rename(tmp_path / "before-kill.losses")
     resumed = start_run(config, tmp_path, "hf-killed", "killed", "--resume")
-    assert finish(resumed, tmp_path / "killed.log") == {"done": 40, "committed": [10, 20, 30, 40]}
+    assert finish(resumed, tmp_path / "killed.log") == {
+        "done": 40,
+        "committed": [10, 20, 30, 40],
+        "resume_folder_left": False,
+    }
 
     reference = losses_of(tmp_path / "whole.losses")
     before, after = losses_of(tmp_path / "before-kill.losses"), losses_of(tmp_path / "killed.losses")
