@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -169,6 +170,9 @@ class BucketPool:
         self.dropped += 1
         if old.cuda is not None:
             _unpin_cuda(old.cuda)
+        if old.shm is not None:  # engines that mapped it keep their mapping; none can open it any more
+            with contextlib.suppress(OSError):
+                os.unlink("/dev/shm" + old.shm.name)
         del old
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()
@@ -241,6 +245,8 @@ class ColocatedEngine:
     url: str
     kind: str
     tp_size: int = 1
+    sessions: bool = True  # SGLang 0.5.21+ and `dcs receiver`: /begin_weight_update and /end_weight_update
+    pause_mode: str = "retract"  # SGLang 0.5.20: "abort" (dcs_tasks/sync/engine_protocol.py says which)
     failed: str | None = None
 
 
@@ -305,9 +311,15 @@ class ColocatedSender:
 
     async def _session(self, engines: Sequence[ColocatedEngine], path: str, body: Any) -> None:
         async def one(engine: ColocatedEngine) -> None:
+            if path.endswith("_weight_update") and not engine.sessions:
+                return
+            if path == "/pause_generation":
+                body_here = {"mode": engine.pause_mode}
+            else:
+                body_here = body
             if engine.failed is None:
                 try:
-                    await self._call(engine, path, body, self.call_seconds)
+                    await self._call(engine, path, body_here, self.call_seconds)
                 except ColocatedEngineFailed as exc:
                     engine.failed = str(exc)
 
@@ -316,9 +328,10 @@ class ColocatedSender:
     def _body(self, engine: ColocatedEngine, frame: IpcFrame, view: torch.Tensor, layout: FusionLayout) -> Any:
         if engine.kind == "dcs":
             return json.loads(frame.encode())
-        payload = sglang_payload(view, layout)
+        # one payload per TP rank, each pickled on its own: torch counts one reference per pickle, released by the
+        # one unpickle of it (a payload unpickled twice would release the trainer's own reference)
         body: dict[str, Any] = {
-            "serialized_named_tensors": [payload] * engine.tp_size,
+            "serialized_named_tensors": [sglang_payload(view, layout) for _ in range(engine.tp_size)],
             "load_format": "flattened_bucket",
             "flush_cache": frame.last,
         }

@@ -128,6 +128,8 @@ def _tp_worker_class() -> type:
         "update_weights_from_distributed",
         "get_weights_by_name",
         "weight_update_runners",
+        "update_weights_from_tensor",  # colocated updates (0.5.20)
+        "deserialize_own_rank",  # colocated updates (0.5.21+)
     )
     attrs = {name: getattr(TpModelWorker, name) for name in methods if hasattr(TpModelWorker, name)}
     return type("HarnessTpWorker", (), attrs)
@@ -222,6 +224,7 @@ class HarnessScheduler:
             "InitWeightsUpdateGroupReqInput": wu.init_weights_update_group,
             "DestroyWeightsUpdateGroupReqInput": wu.destroy_weights_update_group,
             "UpdateWeightsFromDistributedReqInput": wu.update_weights_from_distributed,
+            "UpdateWeightsFromTensorReqInput": wu.update_weights_from_tensor,  # colocated updates (by handle)
             "GetWeightsByNameReqInput": wu.get_weights_by_name,
             "BeginWeightUpdateReqInput": getattr(wu, "begin_weight_update", None),
             "EndWeightUpdateReqInput": getattr(wu, "end_weight_update", None),
