@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,8 @@ from tests.checkpoint_support import (
     training_state,
     wait_until,
 )
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import python_module
+from tests.helpers.procs import child_env
 from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.integration
@@ -147,12 +146,12 @@ TRAINER = textwrap.dedent(
 def test_a_killed_trainer_restores_from_its_hosts_memory(dcs_config: DCSConfig, tmp_path: Path) -> None:
     config = memory_config(dcs_config, tmp_path, storage_every_steps=1000)
     worker = start_worker(config, tmp_path)
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER], env=child_env(config), cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+    # the trainer is forked from the forkserver that imported torch (tests/helpers/preloaded.py)
+    log = tmp_path / "trainer.log"
+    trainer = python_module("tests.helpers.code_main", TRAINER, log=log, env=child_env(config))
     try:
-        assert trainer.stdout is not None
-        assert trainer.stdout.readline().strip() == "saved"
+        wait_until(lambda: "saved" in trainer.output() or trainer.poll() is not None, 120, "the trainer's 3 saves")
+        assert trainer.poll() is None and "saved" in trainer.output().splitlines(), trainer.output()
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=30)
         assert storage_steps(config, "killed") == []  # nothing reached storage: memory only
