@@ -11,8 +11,10 @@ optimizer's and the LR scheduler's states, the RNG states (Python, NumPy, torch 
 (as JSON). The save returns once the tensors are copied into staging; a `dcs worker` writes, checksums and commits
 them. It then clears the `Trainer`'s `should_save`, so no `checkpoint-N` folder is written
 (`keep_hf_checkpoints=True` lets the `Trainer` write its folders too). A state value DCS cannot store raises
-`StagingError` naming its key, and nothing is saved. At the end of training (`on_train_end`) the callback waits for
-the saves in flight and raises `CheckpointFailed` naming the steps that did not commit.
+`StagingError` naming its key, and nothing is saved. A step the run already held when the callback first saved (a run
+resumed from an older step, e.g. after the newest failed to verify) is kept as it is, with a warning. At the end of
+training (`on_train_end`) the callback waits for the saves in flight and raises `CheckpointFailed` naming the steps
+that did not commit.
 
 `resume_from_checkpoint()` restores the newest committed step whose files verify (falling back to older ones) and
 lays it out in a local folder the way the `Trainer` reads a checkpoint on resume (`model.safetensors`,
@@ -82,6 +84,7 @@ class DCSCallback(TrainerCallback):
         self._checkpointer: Checkpointer | None = None
         self._saved: set[int] = set()  # steps this callback saved
         self._made: list[Path] = []  # temporary resume folders, removed by close()
+        self._held: set[int] | None = None  # steps the run held when this callback first saved
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -110,6 +113,8 @@ class DCSCallback(TrainerCallback):
         CheckpointFailed naming the steps that failed or did not commit."""
         checkpointer, self._checkpointer = self._checkpointer, None
         made, self._made = self._made, []
+        self._saved.clear()
+        self._held = None
         for folder in made:  # the Trainer has read it by the end of training
             shutil.rmtree(folder, ignore_errors=True)
         if checkpointer is None:
@@ -125,9 +130,15 @@ class DCSCallback(TrainerCallback):
         if not control.should_save or not state.is_world_process_zero:
             return control
         step = state.global_step
-        if step not in self._saved:  # the last step's on_step_end and the epoch's end can both ask for one
+        if self._held is None:
+            self._held = {info.step for info in self.checkpointer.list()}
+        if step in self._held and step not in self._saved:
+            log.warning(
+                "step %d of DCS run %r is already committed (an earlier process saved it): kept", step, self.run
+            )
+        elif step not in self._saved:  # the last step's on_step_end and the epoch's end can both ask for one
             self.checkpointer.save(training_state(state, kwargs), step=step, metadata={"framework": "transformers"})
-            self._saved.add(step)
+        self._saved.add(step)
         if not self.keep_hf_checkpoints:
             control.should_save = False
         return control

@@ -18,10 +18,12 @@ files verify (falling back to older ones), not necessarily the step the marker w
 after a save and before its commit resumes from the step before. Any other marker restores its own step.
 
 Lightning saves `last.ckpt` and a top-k checkpoint at the same global step one after the other: the first is stored,
-the second only gets its marker. `remove_checkpoint` removes the marker; the DCS steps themselves are kept or
-deleted by DCS retention (`keep_last`, `keep_every`: the argument `keep_last` here or `DCS_KEEP_LAST`), which never
-deletes the newest intact step. `teardown` (the end of `fit`) waits for the saves in flight and raises
-`CheckpointFailed` naming the steps that did not commit.
+the second only gets its marker. A step the run already held when this plugin first saved (a run resumed from an
+older step, e.g. after the newest failed to verify) is kept as it is, with a warning, and not saved again.
+`remove_checkpoint` removes the marker; the DCS steps themselves are kept or deleted by DCS retention (`keep_last`,
+`keep_every`: the argument `keep_last` here or `DCS_KEEP_LAST`), which never deletes the newest intact step.
+`teardown` (the end of `fit`) waits for the saves in flight and raises `CheckpointFailed` naming the steps that did
+not commit.
 
 Only the `lightning` package's classes are supported (`lightning.pytorch.Trainer`; the `pytorch_lightning`
 namespace has its own `CheckpointIO` class). Strategies that write their own sharded checkpoints (FSDP, DeepSpeed)
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from dcs_tasks.checkpoint import Checkpointer, PendingCheckpoint
+from dcs_tasks.checkpoint import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CheckpointFailed, CheckpointNotFound
 
@@ -88,7 +90,8 @@ class DCSCheckpointIO(CheckpointIO):
         self.config = config
         self._celery_app = celery_app
         self._checkpointer: Checkpointer | None = None
-        self._saved: dict[int, PendingCheckpoint] = {}  # steps this plugin stored since its last teardown
+        self._saved: set[int] = set()  # steps stored (or found committed) since the last teardown
+        self._held: set[int] | None = None  # steps the run held when this plugin first saved
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -105,9 +108,16 @@ class DCSCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"a Lightning checkpoint's 'global_step' must be an integer >= 0, got {step!r}")
-        if step not in self._saved:
+        if self._held is None:
+            self._held = {info.step for info in self.checkpointer.list()}
+        if step in self._held and step not in self._saved:
+            log.warning(
+                "step %d of DCS run %r is already committed (an earlier process saved it): kept", step, self.run
+            )
+        elif step not in self._saved:
             metadata = {"framework": "lightning", "path": os.fspath(path)}
-            self._saved[step] = self.checkpointer.save(checkpoint, step=step, metadata=metadata)
+            self.checkpointer.save(checkpoint, step=step, metadata=metadata)
+        self._saved.add(step)
         write_marker(Path(path), self.run, step)
 
     def load_checkpoint(
@@ -150,6 +160,7 @@ class DCSCheckpointIO(CheckpointIO):
         CheckpointFailed naming the steps that failed or did not commit."""
         checkpointer, self._checkpointer = self._checkpointer, None
         self._saved.clear()
+        self._held = None
         if checkpointer is None:
             return
         closed = checkpointer.close()

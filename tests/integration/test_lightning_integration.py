@@ -108,7 +108,9 @@ class Unstorable(TinyModule):
         checkpoint["sampler"] = {"seed": 3, "generator": object()}
 
 
-def fit(io: Any, dirpath: Path, model: L.LightningModule, max_steps: int, **checkpointing: Any) -> L.Trainer:
+def fit(
+    io: Any, dirpath: Path, model: L.LightningModule, max_steps: int, ckpt_path: str | None = None, **checkpointing: Any
+) -> L.Trainer:
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -119,7 +121,7 @@ def fit(io: Any, dirpath: Path, model: L.LightningModule, max_steps: int, **chec
         enable_model_summary=False,
         default_root_dir=dirpath.parent,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -195,4 +197,22 @@ def test_last_resumes_from_the_newest_step_that_commits_and_verifies(
     data[-1] ^= 0xFF  # a flipped bit in step 20's last tensor
     tensors.write_bytes(bytes(data))
     assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == 10  # 20 fails its checksum
+    io.teardown()
+
+
+def test_a_run_resumed_past_a_corrupt_step_keeps_it_and_saves_the_next(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path)
+    io = DCSCheckpointIO("lit-past", config, celery_app=inline(config))
+    ckpts = tmp_path / "ckpts"
+    fit(io, ckpts, TinyModule(), 20, every_n_train_steps=10, save_last=True)
+    tensors = next(p for p in (run_dir(config, "lit-past") / "step-000000020").iterdir() if p.suffix == ".safetensors")
+    tensors.write_bytes(tensors.read_bytes()[:-1] + b"\0")  # step 20 no longer verifies
+
+    resumed = fit(io, ckpts, TinyModule(), 30, "last", every_n_train_steps=10, save_last=True)
+    assert resumed.global_step == 30
+    assert "step 20 of DCS run 'lit-past' is already committed" in caplog.text  # kept, not saved again
+    assert committed(config, "lit-past") == [10, 20, 30]
+    assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == 30
     io.teardown()
