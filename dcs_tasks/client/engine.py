@@ -34,6 +34,7 @@ from dcs_tasks.sync.actor_fwd import (
     wait_for_sources,
 )
 from dcs_tasks.sync.bootstrap_client import GroupBootstrapper, check_backend, send_teardown
+from dcs_tasks.sync.colocated import ColocatedUpdater
 from dcs_tasks.sync.gcpause import paused_gc
 from dcs_tasks.sync.receiving import WeightReceiver
 from dcs_tasks.sync.rollout import RolloutUpdater
@@ -99,6 +100,7 @@ class CheckpointEngineClient:
         self._api: CoordinatorAPI | None = None
         self._beats: NodeLiveness | None = None
         self._rollout: RolloutUpdater | None = None
+        self._colocated: ColocatedUpdater | None = None  # engines colocated with this rank (by handle)
         self._fwd_sender: ActorFwdSender | None = None
         self._fwd_receiver: ActorFwdReceiver | None = None
         self._bootstrapper: GroupBootstrapper | None = None
@@ -224,6 +226,7 @@ class CheckpointEngineClient:
         self._rollout = RolloutUpdater(
             self._api, self._bootstrapper, sender(True), cfg.comm_timeout_seconds, self.rollout_role, cfg.token()
         )
+        self._colocated = ColocatedUpdater.beside(self._rollout, self.rank or 0, backend.device, cfg.token())
         pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
         self._fwd_sender = ActorFwdSender(self._api, sender(False), pp_rank)
 
@@ -238,6 +241,8 @@ class CheckpointEngineClient:
             self._beats = None
         if self._rollout is not None:
             await self._rollout.aclose()
+        if self._colocated is not None:
+            await self._colocated.aclose()
         await self._release_pp_port()
         if self._backend is not None:
             self._backend.close()
@@ -278,6 +283,10 @@ class CheckpointEngineClient:
                 with paused_gc(self.config.sync_pause_gc):
                     if not actor_fwd_only and self._rollout is not None:
                         reports["rollout"] = await self._rollout.update(state, quant)
+                        if self._colocated is not None:  # one update: remote engines, then colocated ones
+                            colocated = await self._colocated.update_after(self._rollout, state)
+                            if colocated is not None:
+                                reports["colocated"] = colocated
                     if not rollout_only and self._fwd_sender is not None and self._fwd_sender.spec is not None:
                         reports["actor_fwd"] = await self._fwd_sender.update(state, quant)
         except WeightSyncError as exc:

@@ -49,7 +49,9 @@ import torch
 from dcs_tasks.backends.fusion import SGLANG_ALIGNMENT, FusionLayout, pack_into, plan_buckets, sglang_layout
 from dcs_tasks.engine_http import EngineHTTP, EngineHTTPError
 from dcs_tasks.errors import ConfigError, WeightSyncError
+from dcs_tasks.sync.engine_protocol import auth_headers, engine_info
 from dcs_tasks.sync.ipcframe import CudaRef, IpcFrame, ShmRef, frame_for
+from dcs_tasks.sync.wire import EngineEndpoint
 from dcs_tasks.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -399,3 +401,116 @@ class ColocatedSender:
 
         await asyncio.gather(*(one(e) for e in engines if e.failed is None))
         return held
+
+
+# --- the trainer's colocated part of a rollout update ---------------------------------------------------------
+
+
+class ColocatedUpdater:
+    """The colocated part of a rollout update: reads the topology, takes the engines colocated with this trainer
+    rank and device (`is_colocated`), learns each one's protocol once (`GET /server_info`: a `dcs receiver` says
+    `launch_command: "dcs receiver"`; SGLang's version gives sessions and pause mode) and pushes by handle.
+    The remote engines of the same update go through the process group as before (`RolloutUpdater` leaves out
+    what `is_colocated` takes)."""
+
+    def __init__(
+        self,
+        api: Any,
+        rollout_role: str,
+        trainer_rank: int,
+        device: torch.device,
+        bucket_size_bytes: int,
+        token: str | None,
+        timeout_seconds: float,
+    ) -> None:
+        self.api = api
+        self.rollout_role = rollout_role
+        self.trainer_rank = trainer_rank
+        self.device = device
+        self.http = EngineHTTP(auth_headers(token))
+        self.sender = ColocatedSender(device, bucket_size_bytes, self.http, timeout_seconds, timeout_seconds)
+        self.timeout_seconds = timeout_seconds
+        self._known: dict[tuple[str, str], ColocatedEngine] = {}  # (node id, instance) -> engine facts
+        self.last_version = 0
+
+    def takes(self, node: Any) -> bool:
+        """Whether `node` (a rollout registration) is this trainer's to update by handle."""
+        return is_colocated(node.metadata, f"rollout_{node.rank}", self.trainer_rank, self.device)
+
+    async def engines(self) -> list[ColocatedEngine]:
+        topology = await self.api.topology(self.rollout_role)
+        out: list[ColocatedEngine] = []
+        for node in sorted(topology.nodes.get(self.rollout_role, {}).values(), key=lambda n: n.rank or 0):
+            if not self.takes(node):
+                continue
+            node_id = f"rollout_{node.rank}"
+            key = (node_id, str(node.metadata.get("instance", "")))
+            known = self._known.get(key)
+            if known is None:
+                known = await self._learn(node_id, f"http://{node.ip}:{node.port}")
+                self._known[key] = known
+            out.append(ColocatedEngine(known.node_id, known.url, known.kind, known.tp_size, known.sessions,
+                                       known.pause_mode))  # fmt: skip
+        return out
+
+    async def _learn(self, node_id: str, url: str) -> ColocatedEngine:
+        try:
+            answer = await self.http.request("GET", url + "/server_info", self.timeout_seconds)
+            payload = answer.json() if answer.is_success else None
+        except (EngineHTTPError, ValueError) as exc:
+            raise ColocatedEngineFailed(f"{node_id} at {url}: /server_info: {exc}") from None
+        if isinstance(payload, dict) and payload.get("launch_command") == "dcs receiver":
+            return ColocatedEngine(node_id, url, "dcs")
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        rank = int(node_id.rsplit("_", 1)[1])
+        info = engine_info(EngineEndpoint(rank=rank, ip=host, port=int(port)), payload)
+        if self.device.type == "cuda" and info.tp_size > 1:
+            raise ColocatedEngineFailed(
+                f"{node_id} at {url} runs with tp_size={info.tp_size}: a colocated engine shares one device with "
+                "its trainer rank (TP 1); register TP engines without `colocated`"
+            )
+        return ColocatedEngine(node_id, url, "sglang", info.tp_size, info.sessions, info.pause_mode)
+
+    async def update(self, state: Mapping[str, torch.Tensor], weight_version: int) -> ColocatedReport | None:
+        """Push `state` as `weight_version` into this trainer's colocated engines; None when it has none."""
+        engines = await self.engines()
+        if not engines:
+            return None
+        return await self.sender.update(state, engines, weight_version)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @classmethod
+    def beside(cls, rollout: Any, trainer_rank: int, device: torch.device, token: str | None) -> ColocatedUpdater:
+        """The colocated updater of a trainer whose remote engines `rollout` (a `RolloutUpdater`) updates: same
+        coordinator, role, bucket size and timeout; `rollout` leaves out the engines this one takes."""
+        updater = cls(
+            rollout.api,
+            rollout.rollout_role,
+            trainer_rank,
+            device,
+            rollout.sender.bucket_size_bytes,
+            token,
+            rollout.engines._timeout,
+        )
+        rollout.is_colocated = updater.takes
+        return updater
+
+    async def update_after(self, rollout: Any, state: Mapping[str, torch.Tensor]) -> Any:
+        """The colocated part of the update `rollout` just made (the same version; the next one when it had no
+        remote engine, which `rollout` then counts as its own); an `UpdateReport`, or None without colocated
+        engines."""
+        from dcs_tasks.sync.sender import RolloutDetails, SendReport, UpdateReport
+
+        engines = await self.engines()
+        if not engines:
+            return None
+        version = rollout.weight_version if rollout.weight_version > self.last_version else rollout.weight_version + 1
+        r = await self.sender.update(state, engines, version)
+        self.last_version = version
+        rollout.weight_version = version
+        sent = SendReport("fused", r.bytes, len(state), r.buckets, 0, r.pack_seconds, r.load_seconds, r.total_seconds)
+        details = RolloutDetails(engines=len(engines), weight_version=version, total_seconds=r.total_seconds,
+                                 phases={"dropped_buckets": r.dropped_buckets})  # fmt: skip
+        return UpdateReport(sent, details)

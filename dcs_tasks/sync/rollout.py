@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -199,6 +199,8 @@ class RolloutUpdater:
         self.weight_version = 0
         self.group: ActiveGroup | None = None
         self.engines = EngineAPI(token, timeout_seconds)
+        # engines a colocated update takes (dcs_tasks/sync/colocated.py) are left out of the group
+        self.is_colocated: Callable[[Any], bool] = lambda node: False
 
     async def aclose(self) -> None:
         await self._drop_group()
@@ -206,7 +208,7 @@ class RolloutUpdater:
 
     async def endpoints(self) -> list[EngineEndpoint]:
         topology = await self.api.topology(self.rollout_role)
-        nodes = topology.nodes.get(self.rollout_role, {}).values()
+        nodes = [node for node in topology.nodes.get(self.rollout_role, {}).values() if not self.is_colocated(node)]
         return sorted((endpoint_of(node) for node in nodes), key=lambda e: e.rank)
 
     async def update(self, state: Mapping[str, torch.Tensor], quant: QuantizationConfig | None = None) -> UpdateReport:

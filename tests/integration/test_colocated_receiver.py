@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,10 +22,10 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.engine_http import EngineHTTP
 from dcs_tasks.sync.colocated import ColocatedEngine, ColocatedEngineFailed, ColocatedSender
 from dcs_tasks.sync.receiving import tensor_sha256
-from tests.distributed.sync_stack import ReceiverProcess, auth_headers
+from tests.distributed.sync_stack import ReceiverProcess, actor_client, auth_headers, sync_stack
 from tests.helpers.procs import CoordinatorProcess
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 TOKEN = "colocated-test-token-51c2"
 
@@ -177,3 +178,46 @@ def test_an_engine_that_never_releases_is_failed_and_its_bucket_dropped(
         assert receiver_state(receiver) == (2, digest(model(4))), "the live engine of the same update completed"
 
     asyncio.run(run())
+
+
+class ColocatedReceiverProcess(ReceiverProcess):
+    """`dcs receiver ... --colocated-with RANK`: registered as colocated with that trainer rank (on CPU)."""
+
+    def __init__(self, *args: Any, trainer_rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trainer_rank = trainer_rank
+
+    def spawn(self, *args: str, **kwargs: Any) -> None:
+        super().spawn(*args, "--colocated-with", str(self.trainer_rank), "--colocated-device", "cpu", **kwargs)
+
+
+def test_one_update_mixes_a_remote_and_a_colocated_receiver(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    """The trainer's `update_weights_for_rollout` broadcasts to the remote receiver through the group and hands
+    the colocated one its buckets by handle, with the same version; the colocated one never joins the group."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8))
+    with sync_stack(dcs_config, tmp_path, receivers=1) as stack:
+        colocated = ColocatedReceiverProcess(stack.config, stack.url, 1, tmp_path / "receiver-colocated.log")
+        colocated.start()
+        stack.receivers.append(colocated)
+        remote = stack.receivers[0]
+
+        async def run() -> list[dict[str, Any]]:
+            out = []
+            async with actor_client(stack, model, "tiny") as client:
+                for _ in range(2):
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(torch.randn_like(p))
+                    out.append(await client.update_weights_for_rollout(rollout_only=True))
+                    want = digest({k: v.detach() for k, v in model.state_dict().items()})
+                    version = out[-1]["rollout"]["weight_version"]
+                    assert receiver_state(remote) == (version, want)
+                    assert receiver_state(colocated) == (version, want)
+            return out
+
+        metrics = asyncio.run(run())
+    assert [m["rollout"]["weight_version"] for m in metrics] == [1, 2]
+    assert [m["colocated"]["weight_version"] for m in metrics] == [1, 2]
+    assert all(m["rollout"]["engines"] == 1 and m["colocated"]["engines"] == 1 for m in metrics)
+    size = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    assert metrics[0]["colocated"]["bytes"] == size

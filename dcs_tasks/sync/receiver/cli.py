@@ -60,6 +60,15 @@ def register(sub: Any) -> None:
         "coordinator)",
     )
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
+    parser.add_argument(
+        "--colocated-with",
+        type=int,
+        default=None,
+        metavar="TRAINER_RANK",
+        help="this receiver shares its host and device with that trainer rank: updates arrive by handle "
+        "(shared memory / CUDA IPC), not over a process group (dcs_tasks/sync/colocated.py)",
+    )
+    parser.add_argument("--colocated-device", default="cpu", help="the shared device: cpu or cuda:N (default cpu)")
     parser.set_defaults(func=run)
 
 
@@ -101,11 +110,21 @@ class ReceiverServer(uvicorn.Server):
             captured.clear()
 
 
+def colocated_metadata(args: argparse.Namespace) -> dict[str, Any]:
+    """`--colocated-with`'s registration entry (none without it); ColocationInvalid when out of bounds."""
+    if getattr(args, "colocated_with", None) is None:
+        return {}
+    from dcs_tasks.sync.colocated import colocation_metadata
+
+    return colocation_metadata(args.colocated_with, args.colocated_device)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a client gone mid-answer is EPIPE on its connection, not death
     config = DCSConfig(coordinator_url=args.coordinator_url)
     try:
+        colocated_metadata(args)
         advertise = advertised_host(args.host, args.advertise_host or config.advertise_address, config.base_url)
     except ConfigError as exc:
         print(f"dcs receiver: {exc}", file=sys.stderr)
@@ -125,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         port=sock.getsockname()[1],
         # the trainer reads tp_size and version from GET /server_info, as for a real SGLang engine; the instance
         # token tells it a receiver restarted at the same address is not the group member it replaced
-        metadata={"instance": new_instance()},
+        metadata={"instance": new_instance()} | colocated_metadata(args),
     )
     asyncio.run(serve(config, info, sock))
     return 0
