@@ -1,6 +1,7 @@
 """Metrics recorded where the work happens (docs/operations.md, "Metrics"), read the way Prometheus reads
 them: over HTTP from a real `dcs worker` (prefork, multiprocess mode) and from a trainer's own endpoint.
-Also: a save that committed and was since removed by retention still waits successfully."""
+Also: a save that committed and was since removed by retention still waits successfully (saved through an
+in-process committer, `inline`: the trainer's handle is under test, not the worker)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.celery_app import TaskName, make_celery, node_queue
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.metrics import get_metrics
-from tests.checkpoint_support import ckpt_config, start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, ckpt_config, start_worker, training_state, wait_until
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess, WorkerProcess
 
@@ -175,24 +176,22 @@ def _non_loopback_address() -> str:
     return address
 
 
-def test_wait_on_a_save_retention_removed_returns_what_it_committed(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_wait_on_a_save_retention_removed_returns_what_it_committed(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
     config = ckpt_config(dcs_config, tmp_path, keep_last=2)
-    worker = start_worker(config, tmp_path)
-    try:
-        with Checkpointer("retained", config) as ckpt:
-            pendings = [ckpt.save(training_state(seed=s, width=32), step=s, metadata={"s": s}) for s in range(6)]
-            pendings[-1].wait(60)
-            wait_until(lambda: [i.step for i in ckpt.list()] == [4, 5], 60, "retention to keep the newest 2")
-            infos = [p.wait(60) for p in pendings]  # every save committed: none may raise
-        assert [i.step for i in infos] == list(range(6))
-        assert [i.removed for i in infos] == [True] * 4 + [False] * 2
-        assert all(i.metadata == {"s": i.step} and i.files >= 1 for i in infos)
-        # the same tensors every step: the ledger's bytes are the step's; they differ only by header bytes when
-        # the layout moves tensors seen changing into files of their own (incremental saves)
-        sizes = [i.nbytes for i in infos]
-        assert min(sizes) > 0 and max(sizes) - min(sizes) <= 4096, sizes
-    finally:
-        worker.discard()
+    with Checkpointer("retained", config, celery_app=inline(config)) as ckpt:
+        pendings = [ckpt.save(training_state(seed=s, width=32), step=s, metadata={"s": s}) for s in range(6)]
+        pendings[-1].wait(60)
+        wait_until(lambda: [i.step for i in ckpt.list()] == [4, 5], 60, "retention to keep the newest 2")
+        infos = [p.wait(60) for p in pendings]  # every save committed: none may raise
+    assert [i.step for i in infos] == list(range(6))
+    assert [i.removed for i in infos] == [True] * 4 + [False] * 2
+    assert all(i.metadata == {"s": i.step} and i.files >= 1 for i in infos)
+    # the same tensors every step: the ledger's bytes are the step's; they differ only by header bytes when
+    # the layout moves tensors seen changing into files of their own (incremental saves)
+    sizes = [i.nbytes for i in infos]
+    assert min(sizes) > 0 and max(sizes) - min(sizes) <= 4096, sizes
 
 
 def test_the_grafana_dashboard_uses_only_exported_metrics(
