@@ -42,7 +42,7 @@ def state(seed: int) -> dict[str, Any]:
 def device_targets(like: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Zeroed targets of `like`'s shapes ("model/t" strided), and the tensors the fake runtime calls device ones."""
     t = torch.zeros(96, 64).t()  # shape (64, 96), not contiguous
-    into = {
+    into: dict[str, Any] = {
         "model": {
             "w": torch.zeros(300, 257, dtype=torch.bfloat16),
             "t": t,

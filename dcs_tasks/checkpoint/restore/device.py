@@ -67,8 +67,10 @@ class Event(Protocol):
 class DeviceCopier(Protocol):
     """What the pipeline asks of a device runtime."""
 
-    pinner: HostPinner
-    """Registers host memory in place (a memory-tier mapping: read-only)."""
+    @property
+    def pinner(self) -> HostPinner:
+        """Registers host memory in place (a memory-tier mapping: read-only)."""
+        ...
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a device tensor this copier fills (the restore takes this path)."""
