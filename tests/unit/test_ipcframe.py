@@ -1,0 +1,127 @@
+"""DCS's colocated-update frame (dcs_tasks/sync/ipcframe.py) and the topology's colocation entry
+(dcs_tasks/sync/colocated.py): what a receiver or a trainer refuses, by name, before touching any memory."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from dcs_tasks.backends.fusion import pack_into, sglang_layout
+from dcs_tasks.sync.colocated import (
+    BucketPool,
+    ColocationInvalid,
+    colocation_metadata,
+    colocation_of,
+    host_id,
+    is_colocated,
+)
+from dcs_tasks.sync.ipcframe import MAX_FRAME_BYTES, IpcFrameInvalid, decode, frame_for, open_bucket
+from dcs_tasks.tensors import TensorSpec
+
+
+def good() -> dict[str, Any]:
+    return {
+        "format": "dcs-ipc-frame", "v": 1, "kind": "shm", "bucket": 0, "generation": 0, "nbytes": 24,
+        "names": ["w", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[2, 2], [4]], "weight_version": 3,
+        "last": False, "shm": {"name": "/torch_1_2_3", "offset": 64}, "cuda": None,
+    }  # fmt: skip
+
+
+def test_a_well_formed_frame_decodes_to_its_layout() -> None:
+    frame = decode(json.dumps(good()))
+    assert frame.layout().names == ["w", "b"] and frame.layout().offsets == (0, 16)
+    assert decode(frame.encode()) == frame
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"pickle": "gASV"}, "unknown fields ['pickle']"),
+        ({"format": "pickle"}, "this receiver reads dcs-ipc-frame v1"),
+        ({"kind": "fd"}, "kind must be 'shm' or 'cuda'"),
+        ({"nbytes": 25}, "nbytes=25, its tensors take 24"),
+        ({"nbytes": -1}, "'nbytes' must be an integer"),
+        ({"bucket": True}, "'bucket' must be an integer"),
+        ({"dtypes": ["float32", "object"]}, "frame tensors"),
+        ({"shapes": [[2, 2], [-4]]}, "non-negative integers"),
+        ({"names": ["w"]}, "same length"),
+        ({"last": 1}, "'last' must be a boolean"),
+        ({"shm": {"name": "/../../etc/passwd", "offset": 0}}, "not a torch shared-memory file name"),
+        ({"shm": {"name": "/torch_1_2_3", "offset": 0, "addr": 1}}, "unknown fields ['addr']"),
+        ({"cuda": {"device": 0}}, "a shm frame has cuda: null"),
+        ({"weight_version": 0}, "'weight_version' must be an integer"),
+    ],
+)
+def test_a_frame_that_is_not_dcs_s_is_refused_by_name(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(IpcFrameInvalid, match=re.escape(message)):
+        decode(json.dumps(good() | change))
+
+
+def test_oversized_or_non_json_frames_are_refused_before_parsing() -> None:
+    with pytest.raises(IpcFrameInvalid, match="over"):
+        decode(b" " * (MAX_FRAME_BYTES + 1))
+    with pytest.raises(IpcFrameInvalid, match="not JSON"):
+        decode(b"\x80\x04\x95")  # a pickle's first bytes
+
+
+def test_a_cuda_frame_is_checked_field_by_field() -> None:
+    cuda = {"device": 0, "handle": "zz", "storage_bytes": 64, "storage_offset": 0, "ref_counter": "",
+            "ref_counter_offset": 0, "event": ""}  # fmt: skip
+    with pytest.raises(IpcFrameInvalid, match=r"cuda\.handle must be hex"):
+        decode(json.dumps(good() | {"kind": "cuda", "shm": None, "cuda": cuda}))
+
+
+def _read_in_child(raw: bytes, out: Any) -> None:
+    frame = decode(raw)
+    with open_bucket(frame) as view:
+        out.put(bytes(view.numpy()))
+
+
+def test_another_process_reads_the_trainer_s_bucket_through_the_frame() -> None:
+    state = {"w": torch.randn(3, 5), "b": torch.arange(6, dtype=torch.int16)}
+    layout = sglang_layout([TensorSpec.of(k, v) for k, v in state.items()])
+    pool = BucketPool(torch.device("cpu"), layout.total_bytes)
+    view = pack_into(pool.slots[0].tensor, layout, state)
+    frame = frame_for("shm", 0, 0, layout, 1, True, shm=pool.slots[0].shm)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(frame.encode(), out))
+    child.start()
+    try:
+        assert out.get(timeout=120) == bytes(view.numpy())
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_colocation_entries_are_validated_and_bounded() -> None:
+    entry = colocation_metadata(2, "cpu")["colocated"]
+    assert colocation_of({"colocated": entry}, "rollout_0") is not None
+    assert colocation_of({}, "rollout_0") is None
+    for bad in (
+        entry | {"trainer_rank": -1},
+        entry | {"trainer_rank": 1 << 20},
+        entry | {"trainer_rank": "0"},
+        entry | {"device": "cuda:0; rm"},
+        entry | {"host_id": "x" * 200},
+        entry | {"extra": 1},
+        "rank 0",
+    ):
+        with pytest.raises(ColocationInvalid, match="rollout_7"):
+            colocation_of({"colocated": bad}, "rollout_7")
+
+
+def test_only_the_same_rank_device_and_host_are_colocated() -> None:
+    cpu = torch.device("cpu")
+    meta = colocation_metadata(0, "cpu")
+    assert is_colocated(meta, "e", 0, cpu)
+    assert not is_colocated(meta, "e", 1, cpu)
+    assert not is_colocated(colocation_metadata(0, "cuda:0"), "e", 0, cpu)
+    elsewhere = {"colocated": meta["colocated"] | {"host_id": "0" * 36 if host_id() != "0" * 36 else "1" * 36}}
+    assert not is_colocated(elsewhere, "e", 0, cpu), "another machine claiming the same device is remote"
+    assert not is_colocated({}, "e", 0, cpu)
