@@ -253,25 +253,35 @@ def _dcp(summary: dict[str, Any], what: str, ours: float) -> tuple[str, str, boo
     return "; ".join(took), ", ".join(faster), beat and bool(took)
 
 
+def round_wins(rounds: dict[str, list[Any]], ours: str, name: str, theirs: str) -> tuple[int, int] | None:
+    """(rounds in which DCS's `ours` figure beat contender `name`'s `theirs`, rounds both ran): each round runs
+    every contender once, in turn, so round i of one is measured beside round i of the other."""
+    pairs = [(d, c) for d, c in zip(rounds["dcs"], rounds[name], strict=True) if isinstance(c, dict)]
+    return (sum(d[ours] < c[theirs] for d, c in pairs), len(pairs)) if pairs else None
+
+
 def rows(summary: dict[str, Any]) -> list[Row]:
     """docs/benchmarks.md's rows: durable save, restore and restore `into=` through S3 against the best plain
     transfer of the same bytes (s3transfer or obstore, whichever was faster) and DCP's S3 writers/readers
-    (s3torchconnector, s3fs: each where it ran)."""
+    (s3torchconnector, s3fs: each where it ran). The durable save's target also asks DCS to beat DCP +
+    s3torchconnector in at least 4 of every 5 rounds (`round_wins`), not only in the medians."""
     dcs = summary["dcs"]
     up, plain_up = _best_plain(summary, "upload")
     down, plain_down = _best_plain(summary, "download")
     durable, restore, restore_into = up / dcs["durable_s"], down / dcs["restore_s"], down / dcs["restore_into_s"]
     save_took, save_faster, save_beat = _dcp(summary, "save_s", dcs["durable_s"])
     load_took, load_faster, load_beat = _dcp(summary, "load_into_s", dcs["restore_into_s"])
+    wins = summary.get("dcs_durable_rounds_won_vs_dcp_s3torchconnector")
+    won = "" if not wins else f"; faster than DCP + s3torchconnector in {wins[0]} of {wins[1]} rounds"
     return [
         Row(
             what=f"S3 durable save, {summary['bytes'] / 2**30:.3g} GiB in {summary['files']} files",
             ours=f"{dcs['durable_s']:.2f} s (stall {dcs['stall_s'] * 1e3:.0f} ms)",
             compared=plain_up + (f"; {save_took}" if save_took else ""),
             ratio=durable,
-            ratio_text=f"{durable:.2f}x the best upload" + (f"; {save_faster}" if save_faster else ""),
-            target=">= 0.9x the plain transfer, faster than DCP",
-            met=durable >= 0.9 and save_beat,
+            ratio_text=f"{durable:.2f}x the best upload" + (f"; {save_faster}" if save_faster else "") + won,
+            target=">= 0.95x the plain transfer, faster than DCP (s3torchconnector: in 4 of 5 rounds)",
+            met=durable >= 0.95 and save_beat and bool(wins) and wins[0] * 5 >= wins[1] * 4,
         ),
         Row(
             what="S3 restore, verified, into new memory",
@@ -279,8 +289,8 @@ def rows(summary: dict[str, Any]) -> list[Row]:
             compared=plain_down,
             ratio=restore,
             ratio_text=f"{restore:.2f}x the best download",
-            target=">= 0.9x the plain transfer",
-            met=restore >= 0.9,
+            target=">= 1.0x the plain transfer",
+            met=restore >= 1.0,
         ),
         Row(
             what="S3 restore into= existing tensors, verified",
@@ -288,8 +298,8 @@ def rows(summary: dict[str, Any]) -> list[Row]:
             compared=plain_down + (f"; {load_took}" if load_took else ""),
             ratio=restore_into,
             ratio_text=f"{restore_into:.2f}x the best download" + (f"; {load_faster} faster" if load_faster else ""),
-            target=">= 0.9x the plain transfer, faster than DCP",
-            met=restore_into >= 0.9 and load_beat,
+            target=">= 1.0x the plain transfer, faster than DCP",
+            met=restore_into >= 1.0 and load_beat,
         ),
     ]
 
@@ -312,7 +322,7 @@ def main() -> None:
     parser.add_argument("--part-mb", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--file-mb", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the save target counts them)")
     parser.add_argument("--processes", type=int, default=2, help="`dcs worker` processes (files persisted at once)")
     args = parser.parse_args()
     if not os.environ.get("AWS_ENDPOINT_URL"):
@@ -404,6 +414,9 @@ def main() -> None:
             summary[f"dcs_restore_into_vs_{name}_load"] = figures["load_into_s"] / dcs["restore_into_s"]
         else:
             summary[name] = next(r for r in got if isinstance(r, str))
+    wins = round_wins(rounds, "durable_s", "dcp_s3torchconnector", "save_s")
+    if wins is not None:
+        summary["dcs_durable_rounds_won_vs_dcp_s3torchconnector"] = list(wins)
     record = {
         "command": " ".join(["python", *sys.argv]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
