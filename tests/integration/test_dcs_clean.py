@@ -21,8 +21,10 @@ import pytest
 
 from dcs_tasks.config import DCSConfig
 from tests.helpers.ports import free_port
+from tests.helpers.preloaded import python_module
 from tests.helpers.procs import REPO, WorkerProcess, child_env
 from tests.helpers.shm import shm_dir
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -72,19 +74,20 @@ def test_dcs_clean_removes_what_a_killed_stack_left_and_says_how_much(dcs_config
         }
     )
     worker = WorkerProcess(config, tmp_path / "worker.log", env={"TMPDIR": str(tmp)}).start()
+    # the trainers are forked from the forkserver that imported torch (tests/helpers/preloaded.py)
     trainer, running = (
-        subprocess.Popen(
-            [sys.executable, "-c", TRAINER.replace("leftovers", run)],
+        python_module(
+            "tests.helpers.code_main",
+            TRAINER.replace("leftovers", run),
+            log=tmp_path / f"trainer-{run}.log",
             env=child_env(config),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            text=True,
         )
         for run in ("leftovers", "running")
     )
     try:
         for proc in (trainer, running):
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"
+            wait_until(lambda: "saved" in proc.output() or proc.poll() is not None, 120, "the trainer's 4 saves")  # noqa: B023
+            assert proc.poll() is None and "saved" in proc.output().splitlines(), proc.output()
         trainer.send_signal(signal.SIGKILL)  # `running` goes on: its staging buffer is its own
         trainer.wait(30)
         live_buffers = sorted(runtime.rglob(f"*-running-{running.pid}-*.stage"))
