@@ -164,7 +164,7 @@ def end_to_end(
                 results[mode.value] = _save_and_restore(config, state, repeats)
             finally:
                 stop(worker)
-                shutil.rmtree(config.staging_dir, ignore_errors=True)
+                shutil.rmtree(config.host.staging_dir, ignore_errors=True)
     finally:
         stop(redis)
     return results
@@ -172,7 +172,7 @@ def end_to_end(
 
 def _save_and_restore(config: DCSConfig, state: dict[str, Any], repeats: int) -> dict[str, Any]:
     durable, stalls = [], []
-    run = f"bench-{config.checkpoint_compression.value}"
+    run = f"bench-{config.checkpoint.compression.value}"
     with Checkpointer(run, config) as ckpt:
         ckpt.reserve(state)
         for step in range(repeats + 1):
@@ -182,7 +182,7 @@ def _save_and_restore(config: DCSConfig, state: dict[str, Any], repeats: int) ->
             if step:  # step 0 is the warm-up
                 durable.append(time.perf_counter() - start)
                 stalls.append(pending.stall_seconds)
-        step_dir = Path(config.checkpoint_dir) / run / f"step-{repeats:09d}"
+        step_dir = Path(config.checkpoint.dir) / run / f"step-{repeats:09d}"
         restores = []
         for _ in range(repeats):
             drop_cache(step_dir)

@@ -121,7 +121,7 @@ class DCSSaver(Saver):
             pending.wait(timeout=600)
         self.pending.clear()
         if self.storage_every is not None and self.last_durable is not None:
-            manifest = Path(self.ckpt.config.checkpoint_dir) / self.ckpt.run / step_dir_name(self.last_durable)
+            manifest = Path(self.ckpt.config.checkpoint.dir) / self.ckpt.run / step_dir_name(self.last_durable)
             wait_until(lambda: (manifest / MANIFEST_NAME).exists(), 600, f"{manifest} in storage")
 
     def close(self) -> None:

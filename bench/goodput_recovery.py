@@ -163,14 +163,14 @@ def peer_recovery(
     with Checkpointer(run, config_a) as ckpt_a:
         ckpt_a.save(trainer.state(), step=step).wait(timeout=600)
     client = sync_client(config_a)
-    book = stepplaces.Places(client, Keys(config_a.namespace))
+    book = stepplaces.Places(client, Keys(config_a.redis.namespace))
     wanted = {stepplaces.peer_place(host) for _, host, _ in peers}
     wait_until(
         lambda: wanted <= book.read(run).get((step, 0), set()), 600, f"peer copies {sorted(wanted)} of step {step}"
     )
     stack.stop_worker("bench-peer-a")
     config_c = stack.config("bench-peer-c", **memory_settings(args, state_bytes, shm / "memory-c"))
-    memory_c = Path(config_c.memory_dir)
+    memory_c = Path(config_c.host.memory_dir)
     into = trainer.state()
     out: dict[str, Any] = {}
     with Checkpointer(run, config_c) as ckpt_c:

@@ -15,7 +15,7 @@ from typing import Any
 from bench import harness
 from bench.goodput_loop import tree_cpu_seconds, wait_until
 from bench.harness import free_port, start_worker, stop, wait_for_port
-from dcs_tasks.config import DCSConfig
+from dcs_tasks.config import SETTINGS, DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
 
@@ -169,7 +169,7 @@ def start_worker_in(netns: str, config: DCSConfig, log_path: Path, concurrency: 
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=harness.REPO, start_new_session=True)
     client = sync_client(config)
-    key = Keys(config.namespace).worker_presence(node_queue(config.host_name))
+    key = Keys(config.redis.namespace).worker_presence(node_queue(config.host_name))
     try:
         wait_until(lambda: bool(client.exists(key)) or proc.poll() is not None, 60, f"worker {config.host_name}")
     except TimeoutError:
@@ -182,7 +182,7 @@ def start_worker_in(netns: str, config: DCSConfig, log_path: Path, concurrency: 
 
 def memory_tier_missing() -> str | None:
     """Why the memory tier cannot be measured in this tree (None: it can)."""
-    missing = [name for name in MEMORY_SETTINGS if name not in DCSConfig.model_fields]
+    missing = [name for name in MEMORY_SETTINGS if name not in SETTINGS]
     return f"DCSConfig has no {', '.join(missing)}: the memory tier is not in this tree" if missing else None
 
 

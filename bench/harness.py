@@ -182,7 +182,7 @@ def start_worker(config: DCSConfig, log_path: Path, concurrency: int, timeout: f
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO, start_new_session=True)
     client = sync_client(config)
-    key = Keys(config.namespace).worker_presence(node_queue(config.host_name))
+    key = Keys(config.redis.namespace).worker_presence(node_queue(config.host_name))
     deadline = time.monotonic() + timeout
     while not client.exists(key):
         if proc.poll() is not None or time.monotonic() > deadline:

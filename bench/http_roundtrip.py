@@ -75,11 +75,11 @@ def serve(port: int) -> None:
     sock.bind(("127.0.0.1", port))
 
     async def main() -> None:
-        backend = DeviceDirectBackend(config.backend_type, info, timeout_seconds=30, group_init_timeout_seconds=30)
+        backend = DeviceDirectBackend(config.sync.backend_type, info, timeout_seconds=30, group_init_timeout_seconds=30)
         app = create_receiver_app(WeightReceiver(backend))
-        secure_receiver_app(app, config.token(), config.receiver_max_body_bytes)
+        secure_receiver_app(app, config.token(), config.receiver.max_body_bytes)
         options = guarded_server_options(
-            config.receiver_request_read_timeout_seconds, config.receiver_keep_alive_seconds
+            config.receiver.request_read_timeout_seconds, config.receiver.keep_alive_seconds
         )
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))

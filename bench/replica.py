@@ -60,7 +60,7 @@ def through_worker(state: dict[str, torch.Tensor], root: Path, repeats: int) -> 
     )
     worker = start_worker(config, root / "worker.log", concurrency=2)
     app = make_celery(config)
-    ledger = StepLedger(sync_client(config), Keys(config.namespace))
+    ledger = StepLedger(sync_client(config), Keys(config.redis.namespace))
     seconds = []
     try:
         with Checkpointer("bench", config, size_hint_bytes=nbytes(state) + 64 * MiB) as ckpt:
@@ -73,7 +73,7 @@ def through_worker(state: dict[str, torch.Tensor], root: Path, repeats: int) -> 
         app.close()
         stop(worker)
         stop(redis)
-        shutil.rmtree(config.staging_dir, ignore_errors=True)
+        shutil.rmtree(config.host.staging_dir, ignore_errors=True)
     return seconds, Path(info.path)
 
 

@@ -261,14 +261,14 @@ def ours(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int,
                     stalls.append(pending.stall_seconds)
                     durable.append(time.perf_counter() - start)
                     paired.append(pending.stall_seconds / limit)
-            restore = cold_median(lambda: ckpt.restore(step=repeats), config.checkpoint_dir, repeats)
+            restore = cold_median(lambda: ckpt.restore(step=repeats), config.checkpoint.dir, repeats)
             into = {k: torch.zeros_like(v) for k, v in state.items()}  # resident, like dcp.load's template
-            restore_into = cold_median(lambda: ckpt.restore(step=repeats, into=into), config.checkpoint_dir, repeats)
+            restore_into = cold_median(lambda: ckpt.restore(step=repeats, into=into), config.checkpoint.dir, repeats)
             assert all(torch.equal(into[k], state[k]) for k in state)  # the last save's bytes
     finally:
         stop(worker)
         stop(redis)
-        shutil.rmtree(config.staging_dir, ignore_errors=True)
+        shutil.rmtree(config.host.staging_dir, ignore_errors=True)
     return {
         "stall_s": statistics.median(stalls),
         "stall_vs_memcpy_paired": statistics.median(paired),

@@ -259,9 +259,9 @@ def processes(
         coordinator, port = start_coordinator(config, tmp / "coordinator.log")
         stack.callback(stop, coordinator)
         config = config.model_copy(update={"coordinator_url": f"http://127.0.0.1:{port}"})
-        url, env, dcs = str(config.coordinator_url), _env(config), [sys.executable, "-m", "dcs_tasks.cli.main"]
+        url, env, dcs = str(config.coordinator.url), _env(config), [sys.executable, "-m", "dcs_tasks.cli.main"]
         worker = _spawn(stack, [*dcs, "worker", "--concurrency=8", "--pool=threads"], env, tmp / "worker.log")
-        presence = Keys(config.namespace).worker_presence(node_queue(config.host_name))
+        presence = Keys(config.redis.namespace).worker_presence(node_queue(config.host_name))
         client = redis.Redis.from_url(redis_url)
         _wait("dcs worker", lambda: bool(client.exists(presence)), worker, tmp / "worker.log", 60)
         for rank in range(2):
@@ -286,7 +286,7 @@ def start_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> list[str]:
         cmd = [sys.executable, "-m", "tests.sglang_engine.serve", "--sglang-dir", str(SGLANG_DIR)]
         cmd += ["--port", str(port), "--tp", "1", "--work-dir", str(work)]
         engines.append((port, _spawn(stack, cmd, env, work / "engine.log"), work / "engine.log"))
-    url, dcs = str(config.coordinator_url), [sys.executable, "-m", "dcs_tasks.cli.main"]
+    url, dcs = str(config.coordinator.url), [sys.executable, "-m", "dcs_tasks.cli.main"]
     for rank, (port, proc, log) in enumerate(engines):
         health = f"http://127.0.0.1:{port}/health"
         _wait(f"SGLang engine {rank}", lambda h=health: httpx.get(h, timeout=2).status_code == 200, proc, log, 900)
@@ -313,7 +313,7 @@ def start_vllm_engines(stack: ExitStack, config: DCSConfig, tmp: Path) -> list[s
         cmd += ["--model", str(work / "model"), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--weight-transfer-config", '{"backend": "dcs"}']
         engines.append((port, _spawn(stack, cmd, env, work / "engine.log"), work / "engine.log"))
-    url, dcs = str(config.coordinator_url), [sys.executable, "-m", "dcs_tasks.cli.main"]
+    url, dcs = str(config.coordinator.url), [sys.executable, "-m", "dcs_tasks.cli.main"]
     for rank, (port, proc, log) in enumerate(engines):
         health = f"http://127.0.0.1:{port}/health"
         _wait(f"vLLM engine {rank}", lambda h=health: httpx.get(h, timeout=2).status_code == 200, proc, log, 900)
@@ -483,11 +483,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, list[float
     phases: dict[str, dict[str, list[float]]] = {name: {key: [] for key in PHASES} for name in pushes}
     with processes(config, tmp, args.sglang, engine_urls, args.vllm, vllm_urls) as config:
         state = make_state(args.size_mb, args.tensors)
-        floor = SGLangFloor(engine_urls, state, config.bucket_size_bytes) if args.sglang else None
-        vfloor = VLLMFloor(vllm_urls, state, config.bucket_size_bytes) if args.vllm else None
+        floor = SGLangFloor(engine_urls, state, config.sync.bucket_size_bytes) if args.sglang else None
+        vfloor = VLLMFloor(vllm_urls, state, config.sync.bucket_size_bytes) if args.vllm else None
         clients = {
             name: CheckpointEngineClient(
-                coordinator_url=config.coordinator_url, role="actor", rank=rank, model=state, model_name="bench",
+                coordinator_url=config.coordinator.url, role="actor", rank=rank, model=state, model_name="bench",
                 config=config, rollout_role={"dcs": "rollout", "sglang": SGLANG_ROLE, "vllm": VLLM_ROLE}[name],
             )
             for rank, name in enumerate(pushes)

@@ -60,7 +60,7 @@ def make_redis(config: DCSConfig) -> aioredis.Redis:
 
 def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics: RequestMetrics) -> Services:
     client = make_redis(config)
-    keys = Keys(config.namespace)
+    keys = Keys(config.redis.namespace)
     notifier = AppendNotifier(client, keys.weight_meta_channel())
     return Services(
         config=config,
@@ -69,17 +69,17 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
             client,
             keys,
             topology_config,
-            config.heartbeat_timeout_seconds,
-            identity_required=config.node_identity_required,
-            unbeaten_retention_seconds=config.unbeaten_node_retention_seconds,
-            heartbeat_interval_seconds=config.heartbeat_interval_seconds,
+            config.heartbeat.timeout_seconds,
+            identity_required=config.coordinator.node_identity_required,
+            unbeaten_retention_seconds=config.coordinator.unbeaten_node_retention_seconds,
+            heartbeat_interval_seconds=config.heartbeat.interval_seconds,
         ),
         weight_meta=WeightMetaStore(
             client,
             keys,
             notifier,
-            config.weight_meta_max_entries,
-            ReadLimits(config.weight_meta_read_max_entries, config.weight_meta_read_max_bytes),
+            config.coordinator.weight_meta_max_entries,
+            ReadLimits(config.coordinator.weight_meta_read_max_entries, config.coordinator.weight_meta_read_max_bytes),
         ),
         request_metrics=metrics,
     )
@@ -88,7 +88,7 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
     """503 for any Redis failure: unreachable (connection, timeout, loading) or a refused command."""
     config: DCSConfig = request.app.state.config
-    where = f"Redis at {redis_location(config.redis_url)}"
+    where = f"Redis at {redis_location(config.redis.url)}"
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         what = f"{where} is unreachable or busy ({type(exc).__name__}: {exc})"
     else:
@@ -122,9 +122,9 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = _build_services(config, topo_config, metrics)
         app.state.services = services
-        retention = config.dead_node_retention_seconds
+        retention = config.coordinator.dead_node_retention_seconds
         interval = sweep_interval(
-            config.heartbeat_timeout_seconds, min(retention, config.unbeaten_node_retention_seconds)
+            config.heartbeat.timeout_seconds, min(retention, config.coordinator.unbeaten_node_retention_seconds)
         )
         sweeper = DeadNodeSweeper(services.topology, retention, interval)
         services.weight_meta.notifier.start()
@@ -146,7 +146,7 @@ def create_app(config: DCSConfig, topology_config: TopologyConfig | None = None)
     # added last = outermost: metrics see every answer, auth runs before the body is read; the hot paths are
     # served innermost, behind every check (coordinator.hotpaths)
     app.add_middleware(HotPaths)
-    app.add_middleware(BodyLimitASGI, max_bytes=config.max_body_bytes, setting="DCS_MAX_BODY_BYTES")
+    app.add_middleware(BodyLimitASGI, max_bytes=config.coordinator.max_body_bytes, setting="DCS_MAX_BODY_BYTES")
     app.add_middleware(BrowserGuardMiddleware)
     token = config.token()
     if token:

@@ -38,15 +38,15 @@ def configure_logging(config: DCSConfig, level: str) -> None:
 def uvicorn_options(config: DCSConfig, log_level: str) -> dict[str, Any]:
     """Keyword arguments of `uvicorn.run` for the coordinator: bind address, the slow-client bounds."""
     return {
-        "host": config.coordinator_host,
-        "port": config.coordinator_port,
+        "host": config.coordinator.host,
+        "port": config.coordinator.port,
         "log_level": log_level,
         "log_config": None,  # keep the root handler set up by `configure_logging` (it scrubs secrets)
         "access_log": False,
         "timeout_graceful_shutdown": 5,
         **guarded_server_options(
-            config.coordinator_request_read_timeout_seconds,
-            config.coordinator_keep_alive_seconds,
-            config.coordinator_max_header_bytes,
+            config.coordinator.request_read_timeout_seconds,
+            config.coordinator.keep_alive_seconds,
+            config.coordinator.max_header_bytes,
         ),
     }

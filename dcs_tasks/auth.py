@@ -1,6 +1,6 @@
 """Bearer-token authentication shared by DCS HTTP servers (the coordinator and `dcs receiver`).
 
-One shared secret (`DCSConfig.auth_token`, `DCS_AUTH_TOKEN`) authenticates every call: clients send
+One shared secret (`DCSConfig.auth.token`, `DCS_AUTH_TOKEN`) authenticates every call: clients send
 `Authorization: Bearer <token>`. `bearer_token_matches` is the one comparison (constant time, scheme
 case-insensitive as RFC 6750 and SGLang's `--api-key` check have it); `BearerAuthASGI` is a pure ASGI
 middleware around it whose public paths and 401 body are the server's choice: the coordinator's are

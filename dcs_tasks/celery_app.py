@@ -44,8 +44,8 @@ def node_queue(host_name: str) -> str:
 
 def celery_settings(config: DCSConfig) -> dict[str, Any]:
     """The Celery configuration mapping for `config` (pure; no connection is made)."""
-    visibility = int(config.visibility_timeout_seconds)
-    transport = {"visibility_timeout": visibility, "socket_timeout": config.redis_socket_timeout_seconds}
+    visibility = int(config.task.visibility_timeout_seconds)
+    transport = {"visibility_timeout": visibility, "socket_timeout": config.redis.socket_timeout_seconds}
     # kombu scans for unacked messages of dead workers every interval * throttle seconds (default 10 * 10):
     # scan every 10 s, so a task of a worker killed with -9 returns ~visibility_timeout after it was taken
     broker_transport = {**transport, "unacked_restore_throttle": 1}
@@ -67,8 +67,8 @@ def celery_settings(config: DCSConfig) -> dict[str, Any]:
         "broker_transport_options": broker_transport,
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": visibility,
-        "task_soft_time_limit": config.task_soft_time_limit_seconds,
-        "task_time_limit": config.task_time_limit_seconds,
+        "task_soft_time_limit": config.task.soft_time_limit_seconds,
+        "task_time_limit": config.task.time_limit_seconds,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
@@ -82,8 +82,8 @@ def celery_settings(config: DCSConfig) -> dict[str, Any]:
         "task_default_routing_key": CONTROL_QUEUE,
         "worker_hijack_root_logger": False,
         "broker_heartbeat": 0,
-        "redis_socket_timeout": config.redis_socket_timeout_seconds,
-        "redis_socket_connect_timeout": config.redis_socket_timeout_seconds,
+        "redis_socket_timeout": config.redis.socket_timeout_seconds,
+        "redis_socket_connect_timeout": config.redis.socket_timeout_seconds,
         "redis_retry_on_timeout": True,
     }
 
@@ -97,12 +97,12 @@ def worker_queues(config: DCSConfig) -> list[Queue]:
 
 def check_visibility_timeout(config: DCSConfig) -> None:
     """Refuse settings under which Redis would redeliver a task that is still running (celery#5935)."""
-    backoff = config.retry_backoff_max_seconds * max(config.max_retries, 1)
-    needed = config.task_time_limit_seconds + backoff
-    if config.visibility_timeout_seconds <= needed:
+    backoff = config.task.retry_backoff_max_seconds * max(config.task.max_retries, 1)
+    needed = config.task.time_limit_seconds + backoff
+    if config.task.visibility_timeout_seconds <= needed:
         raise ConfigError(
-            f"visibility_timeout_seconds={config.visibility_timeout_seconds:g} must exceed the task time limit "
-            f"plus retry backoff ({config.task_time_limit_seconds:g} + {backoff:g} = {needed:g}); raise "
+            f"visibility_timeout_seconds={config.task.visibility_timeout_seconds:g} must exceed the task time limit "
+            f"plus retry backoff ({config.task.time_limit_seconds:g} + {backoff:g} = {needed:g}); raise "
             "DCS_VISIBILITY_TIMEOUT_SECONDS or lower DCS_TASK_TIME_LIMIT_SECONDS"
         )
 

@@ -89,9 +89,9 @@ class AgentUnusable(DCSError):
 
 def agent_socket_path(config: DCSConfig) -> Path:
     """Where this host's agent listens for processes configured like `config`."""
-    if config.host_agent_socket is not None:
-        return config.host_agent_socket
-    scope = "\n".join((config.base_url, config.redis_url, config.namespace, config.host_name))
+    if config.host.agent_socket is not None:
+        return config.host.agent_socket
+    scope = "\n".join((config.base_url, config.redis.url, config.redis.namespace, config.host_name))
     return hostdirs.runtime_path(config) / f"agent-{hashlib.sha256(scope.encode()).hexdigest()[:16]}.sock"
 
 
@@ -151,13 +151,13 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 def renew_period(config: DCSConfig) -> float:
-    return min(RENEW_CAP_S, config.heartbeat_interval_seconds / 2)
+    return min(RENEW_CAP_S, config.heartbeat.interval_seconds / 2)
 
 
 def answer_timeout(config: DCSConfig) -> float:
     """How long a process waits for the agent's answer to a renewal before beating itself: well inside the
     heartbeat timeout, so a frozen worker does not take its nodes down with it."""
-    return min(5.0, max(0.25, config.heartbeat_timeout_seconds / 4))
+    return min(5.0, max(0.25, config.heartbeat.timeout_seconds / 4))
 
 
 class AgentHello(BaseModel):
@@ -305,10 +305,10 @@ class NodeLiveness:
         self.api = api
         self.config = config
         self.info = info
-        self.interval = config.heartbeat_interval_seconds
+        self.interval = config.heartbeat.interval_seconds
         self.renew_every = renew_period(config)
         self.lease_s = lease_s if lease_s is not None else LEASE_RENEWALS * self.renew_every
-        self.path: Path | None = agent_socket_path(config) if config.host_agent else None
+        self.path: Path | None = agent_socket_path(config) if config.host.agent else None
         self.lost: RankConflict | None = None
         self.renewals = 0
         self.fallbacks = 0  # times the agent stopped answering and the node beat per node
@@ -331,7 +331,7 @@ class NodeLiveness:
         holds it: the coordinator frees the rank one heartbeat timeout after the last beat, and an agent keeps
         beating a frozen predecessor (alive, its event loop not turning, its agent link open) for up to its
         lease after its last renewal."""
-        return self.config.heartbeat_timeout_seconds + self.interval + self.lease_s
+        return self.config.heartbeat.timeout_seconds + self.interval + self.lease_s
 
     # --- registration --------------------------------------------------------------------------------
     async def register(self, wait_for_rank_s: float = 0.0) -> RegisterResponse:
@@ -370,7 +370,7 @@ class NodeLiveness:
             identity=self.api.identity_of(self.info.role_name, self.info.rank) if self.info.rank is not None else "",
         )
         # a registration waits for the coordinator (the agent retries it while unavailable)
-        wait = self.config.request_timeout_seconds + self.api.retry_for_s + 5 if op == "register" else None
+        wait = self.config.coordinator.request_timeout_seconds + self.api.retry_for_s + 5 if op == "register" else None
         try:
             answer = await link.ask(encode(hello), wait)
             if not answer.ok:

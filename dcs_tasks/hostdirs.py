@@ -53,8 +53,8 @@ _LOOSE_BITS = stat.S_IRWXG | stat.S_IRWXO
 def allowed_uids(config: DCSConfig) -> frozenset[int]:
     """The uids whose directories and agent sockets this process trusts: its own, and `host_trusted_uid`."""
     uids = {os.geteuid()}
-    if config.host_trusted_uid is not None:
-        uids.add(config.host_trusted_uid)
+    if config.host.trusted_uid is not None:
+        uids.add(config.host.trusted_uid)
     return frozenset(uids)
 
 
@@ -105,7 +105,7 @@ def ensure_private_dir(path: Path, allowed_uids: Iterable[int] | None = None) ->
 
 def runtime_path(config: DCSConfig) -> Path:
     """Where the runtime directory is, unchecked (a name to build paths from; check before use)."""
-    return config.runtime_dir if config.runtime_dir is not None else config.default_runtime_dir()
+    return config.host.runtime_dir if config.host.runtime_dir is not None else config.default_runtime_dir()
 
 
 def private_root(config: DCSConfig, create: bool = False) -> Path:
@@ -134,12 +134,12 @@ def _dir(config: DCSConfig, configured: Path | None, name: str, create: bool) ->
 
 def staging_dir(config: DCSConfig, create: bool = False) -> Path:
     """The staging buffers' directory: `staging_dir`, default `<runtime_dir>/staging`."""
-    return _dir(config, config.staging_dir, "staging", create)
+    return _dir(config, config.host.staging_dir, "staging", create)
 
 
 def memory_dir(config: DCSConfig, create: bool = False) -> Path:
     """The memory tier's directory: `memory_dir`, default `<runtime_dir>/memory`."""
-    return _dir(config, config.memory_dir, "memory", create)
+    return _dir(config, config.host.memory_dir, "memory", create)
 
 
 def check_socket(path: Path, allowed_uids: Iterable[int] | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""The one place DCS turns `DCSConfig.redis_url` into Redis clients and Celery broker/backend settings.
+"""The one place DCS turns `DCSConfig.redis.url` into Redis clients and Celery broker/backend settings.
 
 Two URL forms are accepted:
 
@@ -53,12 +53,12 @@ def _auth(target: SentinelTarget) -> dict[str, Any]:
 def sync_client(config: DCSConfig, *, socket_timeout: float | None = None, **options: Any) -> redis.Redis:
     """A blocking client with decoded responses, every call bounded by the socket timeout. With a Sentinel
     URL it always talks to the current master (a failover is followed on the next connection)."""
-    timeout = socket_timeout or config.redis_socket_timeout_seconds
+    timeout = socket_timeout or config.redis.socket_timeout_seconds
     kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **options}
     kwargs.setdefault("decode_responses", True)
-    if not is_sentinel(config.redis_url):
-        return redis.Redis.from_url(config.redis_url, **kwargs)
-    target = parse_sentinel_url(config.redis_url)
+    if not is_sentinel(config.redis.url):
+        return redis.Redis.from_url(config.redis.url, **kwargs)
+    target = parse_sentinel_url(config.redis.url)
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
     client: redis.Redis = sentinel.master_for(target.master_name, **_auth(target), **kwargs)
     return client
@@ -72,20 +72,20 @@ def async_client(config: DCSConfig) -> aioredis.Redis:
     """The coordinator's asyncio client: decoded responses, every call bounded by the socket timeout, a
     blocking pool of DCS_REDIS_MAX_CONNECTIONS (a call waits up to DCS_REDIS_POOL_TIMEOUT_SECONDS for a free
     connection, then ConnectionError), two quick retries. Sentinel URLs follow the current master."""
-    timeout = config.redis_socket_timeout_seconds
+    timeout = config.redis.socket_timeout_seconds
     kwargs: dict[str, Any] = {
-        "max_connections": config.redis_max_connections,
-        "timeout": config.redis_pool_timeout_seconds,
+        "max_connections": config.redis.max_connections,
+        "timeout": config.redis.pool_timeout_seconds,
         "decode_responses": True,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
         "health_check_interval": 30,
     }
-    if not is_sentinel(config.redis_url):
-        pool = aioredis.BlockingConnectionPool.from_url(config.redis_url, **kwargs)
+    if not is_sentinel(config.redis.url):
+        pool = aioredis.BlockingConnectionPool.from_url(config.redis.url, **kwargs)
         return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
-    target = parse_sentinel_url(config.redis_url)
+    target = parse_sentinel_url(config.redis.url)
     sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
     client: aioredis.Redis = sentinel.master_for(  # the client owns (and closes) its pool
         target.master_name, connection_pool_class=_BlockingSentinelPool, **_auth(target), **kwargs
@@ -95,7 +95,7 @@ def async_client(config: DCSConfig) -> aioredis.Redis:
 
 def celery_urls(config: DCSConfig) -> dict[str, Any]:
     """`broker_url`, `result_backend` and the transport options they need (merged into Celery's settings)."""
-    url = config.redis_url
+    url = config.redis.url
     if not is_sentinel(url):
         return {"broker_url": url, "result_backend": url, "transport_options": {}}
     target = parse_sentinel_url(url)
@@ -108,7 +108,7 @@ def celery_urls(config: DCSConfig) -> dict[str, Any]:
     ]
     options = {
         "master_name": target.master_name,
-        "sentinel_kwargs": _sentinel_kwargs(target, config.redis_socket_timeout_seconds),
+        "sentinel_kwargs": _sentinel_kwargs(target, config.redis.socket_timeout_seconds),
     }
     joined = ";".join(chunks)
     return {"broker_url": joined, "result_backend": joined, "transport_options": options}

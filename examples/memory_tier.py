@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25)
     args = parser.parse_args(argv)
     config = DCSConfig()
-    if config.memory_tier_bytes == 0:
+    if config.memory.budget_bytes == 0:
         print("the memory tier is off: set DCS_MEMORY_TIER_BYTES for `dcs up` and this shell")
         return 2
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="s3-example")
     args = parser.parse_args(argv)
     config = DCSConfig()
-    if not isinstance(config.checkpoint_dir, ObjectURL):
-        print(f"DCS_CHECKPOINT_DIR is {config.checkpoint_dir}, not an s3://bucket/prefix URL")
+    if not isinstance(config.checkpoint.dir, ObjectURL):
+        print(f"DCS_CHECKPOINT_DIR is {config.checkpoint.dir}, not an s3://bucket/prefix URL")
         return 2
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 16))

@@ -87,8 +87,8 @@ def start_worker(config: DCSConfig, tmp_path: Path, name: str = "worker", concur
 def dcs_ckpt(config: DCSConfig, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """`dcs ckpt ARGS --dir <checkpoint_dir>` as a user runs it (a process of its own with the user's environment,
     forked from the preloaded forkserver); it never ends in a traceback."""
-    workdir = Path(config.checkpoint_dir).parent / "dcs-ckpt-output"
-    argv = ("ckpt", *args, "--dir", str(config.checkpoint_dir))
+    workdir = Path(config.checkpoint.dir).parent / "dcs-ckpt-output"
+    argv = ("ckpt", *args, "--dir", str(config.checkpoint.dir))
     done = run_module("dcs_tasks.cli.main", *argv, workdir=workdir, env=child_env(config), timeout=timeout)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done

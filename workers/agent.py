@@ -88,7 +88,7 @@ class HostAgent:
     def __init__(self, config: DCSConfig) -> None:
         self.config = config
         self.path: Path = agent_socket_path(config)
-        self.interval = config.heartbeat_interval_seconds
+        self.interval = config.heartbeat.interval_seconds
         self.token = config.token()
         self.leases: dict[tuple[str, int], Lease] = {}
         self.batches = 0  # POST /heartbeats sent
@@ -192,11 +192,11 @@ class HostAgent:
         self._pending = asyncio.Queue()
         cfg = self.config
         self._api = CoordinatorAPI(
-            cfg.base_url, self.token, timeout=cfg.request_timeout_seconds, retry_for_s=AGENT_RETRY_FOR_S
+            cfg.base_url, self.token, timeout=cfg.coordinator.request_timeout_seconds, retry_for_s=AGENT_RETRY_FOR_S
         )
         server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_MESSAGE_BYTES)
         # only this uid (and root) reach the private directory; with a trusted uid, that user's processes connect
-        os.chmod(self.path, 0o666 if self.config.host_trusted_uid is not None else 0o600)
+        os.chmod(self.path, 0o666 if self.config.host.trusted_uid is not None else 0o600)
         self._fds.update(s.fileno() for s in server.sockets)
         tasks = [asyncio.create_task(self._registrar()), asyncio.create_task(self._beat_loop())]
         self._ready.set()
@@ -418,9 +418,9 @@ _agent: HostAgent | None = None
 
 
 def start_host_agent(config: DCSConfig) -> HostAgent | None:
-    """Start this worker's host agent when `config.host_agent` (idempotent)."""
+    """Start this worker's host agent when `config.host.agent` (idempotent)."""
     global _agent
-    if not config.host_agent or _agent is not None:
+    if not config.host.agent or _agent is not None:
         return _agent
     agent = HostAgent(config)
     if agent.start():

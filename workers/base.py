@@ -1,7 +1,7 @@
 """`DCSTask`: the Celery task base class with the reliability rules of docs/reliability.md.
 
 - Redelivery cap: acks_late + reject_on_worker_lost redeliver a task whose process died (kill -9, OOM).
-  Each start increments a Redis counter per (task id, retry number); past `config.max_redeliveries`
+  Each start increments a Redis counter per (task id, retry number); past `config.task.max_redeliveries`
   the task fails with `RedeliveryLimitExceeded` instead of looping.
 - Retries: OSError, ConnectionError, TimeoutError (and redis connection/timeout errors) are retried with
   exponential backoff and jitter (`retry_delay_seconds` doubling, capped at `retry_backoff_max_seconds`,
@@ -79,16 +79,16 @@ class DCSTask(Task):
             raise
         except RETRYABLE as exc:
             config = runtime().config
-            if self.request.called_directly or self.request.retries >= config.max_retries:
+            if self.request.called_directly or self.request.retries >= config.task.max_retries:
                 raise
             countdown = backoff_seconds(
-                self.request.retries, config.retry_delay_seconds, config.retry_backoff_max_seconds
+                self.request.retries, config.task.retry_delay_seconds, config.task.retry_backoff_max_seconds
             )
             log.warning(
                 "%s[%s] retry %d in %.2fs: %s", self.name, self.request.id, self.request.retries + 1, countdown, exc
             )
             get_metrics().record_error(RETRY_ERROR)
-            raise self.retry(exc=exc, countdown=countdown, max_retries=config.max_retries) from exc
+            raise self.retry(exc=exc, countdown=countdown, max_retries=config.task.max_retries) from exc
 
     def _count_delivery(self) -> None:
         if self.request.called_directly or not self.request.id:
@@ -97,12 +97,12 @@ class DCSTask(Task):
         key = rt.keys.task_deliveries(f"{self.request.id}:{self.request.retries}")
         pipe = rt.redis.pipeline()
         pipe.incr(key)
-        pipe.expire(key, int(rt.config.visibility_timeout_seconds * 2))
+        pipe.expire(key, int(rt.config.task.visibility_timeout_seconds * 2))
         count = int(pipe.execute()[0])
-        if count > rt.config.max_redeliveries:
+        if count > rt.config.task.max_redeliveries:
             raise RedeliveryLimitExceeded(
                 f"task {self.name}[{self.request.id}] was delivered {count} times (cap "
-                f"{rt.config.max_redeliveries}): its worker process keeps dying while running it"
+                f"{rt.config.task.max_redeliveries}): its worker process keeps dying while running it"
             )
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency:
         argv.append(f"--concurrency={args.concurrency}")
     restart.lifecycle["max_restarts"] = args.max_restarts
-    restart.lifecycle["stuck_stop_seconds"] = config.worker_stuck_stop_seconds
+    restart.lifecycle["stuck_stop_seconds"] = config.task.worker_stuck_stop_seconds
     signals.worker_ready.connect(restart.on_ready, weak=False)
     signals.worker_shutting_down.connect(restart.on_shutdown_requested, weak=False)
     app.Worker = app.subclass_with_self(restart.SelfRestartingWorker)  # its stop after a crash is bounded
@@ -95,7 +95,7 @@ def _private_dirs(config: DCSConfig) -> bool:
     try:
         hostdirs.private_root(config, create=True)
         hostdirs.staging_dir(config, create=True)
-        if config.memory_tier_bytes > 0:
+        if config.memory.budget_bytes > 0:
             hostdirs.memory_dir(config, create=True)
     except UnsafeHostDirectory as exc:
         print(f"dcs worker: {exc}", file=sys.stderr, flush=True)

@@ -38,16 +38,16 @@ class _PeerService:
         self.server = transfer.PeerServer(
             memdir.memory_root(config, create=True),
             token,
-            config.peer_host,
-            config.peer_port,
-            max_step_bytes=config.memory_tier_bytes,
+            config.peer.host,
+            config.peer.port,
+            max_step_bytes=config.memory.budget_bytes,
             accept_put=owners.PutCheck(client, runtime().keys, config.host_name),
             room=lambda: memdir.room(config),
-            timeout=config.peer_timeout_seconds,
-            handshake_seconds=config.peer_handshake_seconds,
-            per_source=config.peer_connections_per_source,
-            min_rate=config.peer_min_bytes_per_second,
-            max_manifest_bytes=config.peer_max_manifest_bytes,
+            timeout=config.peer.timeout_seconds,
+            handshake_seconds=config.peer.handshake_seconds,
+            per_source=config.peer.connections_per_source,
+            min_rate=config.peer.min_bytes_per_second,
+            max_manifest_bytes=config.peer.max_manifest_bytes,
         )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._register_loop, name="dcs-peer-register", daemon=True)
@@ -63,9 +63,9 @@ class _PeerService:
         config = self.config
         peer = peerchoice.Peer(
             host=config.host_name,
-            address=config.peer_advertise_host or self.address[0],
+            address=config.peer.advertise_host or self.address[0],
             port=self.address[1],
-            domain=config.failure_domain or config.host_name,
+            domain=config.memory.failure_domain or config.host_name,
             seen=time.time(),
         )
         peerchoice.register_peer(self.client, runtime().keys, peer)
@@ -91,7 +91,7 @@ class _PeerService:
             except redis.RedisError as exc:
                 log.warning("memory tier: places of run %r not restored: %s", run, exc)
         if held and not self.thread.is_alive():  # at start
-            log.info("memory tier: %d committed steps found in %s", len(held), self.config.memory_dir)
+            log.info("memory tier: %d committed steps found in %s", len(held), self.config.host.memory_dir)
 
     def _register_loop(self) -> None:
         """Re-register every few seconds, and apply eviction to the whole memory root (peer copies arrive without

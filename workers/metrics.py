@@ -9,7 +9,7 @@ samples; it is removed when the worker exits (`remove_own_dir`), and those of wo
 exiting (kill -9) are removed by the next worker's start (`remove_stale_dirs`) or `dcs clean`. A re-exec'd
 worker (workers/restart.py) replaces its own directory by a fresh one. Every prefork child then writes its
 samples there; `mark_dead` (on child exit) drops the gauges of a dead child; `start_exporter` serves the
-aggregate of all processes on `config.metrics_port`, after creating every family a worker records
+aggregate of all processes on `config.metrics.port`, after creating every family a worker records
 (`dcs_errors_total` with each worker error type at 0 included), so a scrape lists them before the first save
 or failure (docs/operations.md, "Metrics").
 """
@@ -37,7 +37,7 @@ WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "checkpoint_rep
 def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
     """Set the multiprocess directory (None when metrics are disabled): the operator's, wiped, or a fresh private
     one of this worker process tree's, removed at its exit (module docstring)."""
-    if not config.enable_metrics:
+    if not config.metrics.enable_metrics:
         return None
     given = os.environ.get(ENV)
     if given and given != os.environ.get(OWNED_ENV):  # the operator's: used as it is, emptied
@@ -49,7 +49,7 @@ def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
         shutil.rmtree(given, ignore_errors=True)
     base = Path(tempfile.gettempdir())
     remove_stale_dirs(base)
-    prefix = f"{metricsdir.PREFIX}{config.namespace}-{config.host_name}-{os.getpid()}-"
+    prefix = f"{metricsdir.PREFIX}{config.redis.namespace}-{config.host_name}-{os.getpid()}-"
     directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # 0700, a name nobody else holds
     os.environ[ENV] = os.environ[OWNED_ENV] = str(directory)
     atexit.register(remove_own_dir, directory, os.getpid())
@@ -83,7 +83,7 @@ def mark_dead(pid: int) -> None:
 
 def start_exporter(config: DCSConfig) -> None:
     """Serve every worker process's metrics on `metrics_host`:`metrics_port` (a busy port only logs a warning)."""
-    if not (config.enable_metrics and os.environ.get(ENV) and config.metrics_port):
+    if not (config.metrics.enable_metrics and os.environ.get(ENV) and config.metrics.port):
         return
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -92,9 +92,9 @@ def start_exporter(config: DCSConfig) -> None:
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     try:
-        start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+        start_http_server(config.metrics.port, addr=config.metrics.host, registry=registry)
     except OSError as exc:
-        log.warning("worker metrics not exported: port %d unavailable (%s)", config.metrics_port, exc)
+        log.warning("worker metrics not exported: port %d unavailable (%s)", config.metrics.port, exc)
 
 
 def create_worker_families() -> None:

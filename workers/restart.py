@@ -9,7 +9,7 @@ takes back the tasks the old one left unacknowledged (workers/recovery.py).
 That stop is a warm shutdown, and Celery's own comment says a silent broker can wedge it. In CI a worker
 logged the unrecoverable error during a Sentinel failover and then neither consumed nor exited for over
 45 s. `SelfRestartingWorker` bounds that: when a stop begins without a shutdown signal, a watchdog thread
-re-execs the process after `DCSConfig.worker_stuck_stop_seconds` (15 s by default) unless it has exited (or
+re-execs the process after `DCSConfig.task.worker_stuck_stop_seconds` (15 s by default) unless it has exited (or
 re-exec'd) by then, killing the pool's child processes first (their tasks are late-ack: they are delivered
 again; tasks are idempotent). A shutdown asked for meanwhile makes it exit(1) at the bound instead.
 """

@@ -22,7 +22,7 @@ class Runtime:
     redis: redis.Redis = field(init=False)
 
     def __post_init__(self) -> None:
-        self.keys = Keys(self.config.namespace)
+        self.keys = Keys(self.config.redis.namespace)
         self.redis = sync_client(self.config, health_check_interval=10)  # Sentinel URLs follow the master
 
 

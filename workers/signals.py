@@ -52,7 +52,7 @@ def _on_child_exit(pid: int | None = None, **_: Any) -> None:
 def _prewarm_object_store(**_: Any) -> None:
     """With an object-store root, load the S3 client before the first task needs it (parent and each child)."""
     config = runtime().config
-    if any(isinstance(root, ObjectURL) for root in (config.checkpoint_dir, config.replica_dir)):
+    if any(isinstance(root, ObjectURL) for root in (config.checkpoint.dir, config.checkpoint.replica_dir)):
         try:
             prewarm(s3_settings(config))
         except Exception as exc:  # a task that needs the client reports the problem with its context

@@ -69,7 +69,7 @@ def join_engine(self: DCSTask, payload: dict[str, Any]) -> dict[str, Any]:
     request = parse_payload(JoinRequest, payload, self.name)
     rt = runtime()
     # a join holds a pool slot while it waits: never longer than this host's own settings allow
-    longest = min(rt.config.group_init_timeout_seconds, rt.config.group_init_timeout_max_seconds)
+    longest = min(rt.config.sync.group_init_timeout_seconds, rt.config.sync.group_init_timeout_max_seconds)
     if request.timeout_seconds > longest:
         request = request.model_copy(update={"timeout_seconds": longest})
     token = rt.config.token()  # this host's DCS_AUTH_TOKEN: sent as the engine's API key, never in payloads

@@ -241,7 +241,9 @@ async def register_batch(body: RegisterBatchRequest, services: ServicesDep) -> R
     metadata breaks a limit (422 naming the node's index)."""
     config = services.config
     for i, node in enumerate(body.nodes):
-        problem = metadata_problem(node.metadata, config.metadata_max_depth, config.metadata_max_bytes)
+        problem = metadata_problem(
+            node.metadata, config.coordinator.metadata_max_depth, config.coordinator.metadata_max_bytes
+        )
         if problem is not None:
             raise HTTPException(status_code=422, detail=f"invalid request: body.nodes.{i}.{problem}")
     try:
@@ -271,7 +273,9 @@ async def register(body: RegisterRequest, services: ServicesDep) -> RegisterResp
     `metadata` is bounded in nesting depth and JSON bytes (DCS_METADATA_MAX_DEPTH, DCS_METADATA_MAX_BYTES;
     422 naming the limit), so every stored record stays readable."""
     config = services.config
-    problem = metadata_problem(body.metadata, config.metadata_max_depth, config.metadata_max_bytes)
+    problem = metadata_problem(
+        body.metadata, config.coordinator.metadata_max_depth, config.coordinator.metadata_max_bytes
+    )
     if problem is not None:
         raise HTTPException(status_code=422, detail=f"invalid request: body.{problem}")
     try:

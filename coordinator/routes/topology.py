@@ -117,6 +117,6 @@ async def debug_topology(services: ServicesDep) -> DebugTopologyResponse:
         roles=snap.roles,
         role_mappings=services.topology.config.role_mappings,
         nodes=nodes,
-        heartbeat_timeout_seconds=services.config.heartbeat_timeout_seconds,
+        heartbeat_timeout_seconds=services.config.heartbeat.timeout_seconds,
         weight_meta_entries=await services.weight_meta.length(),
     )

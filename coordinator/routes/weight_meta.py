@@ -34,7 +34,7 @@ async def send_weight_meta(
     """Append one entry; 413 when its JSON is over DCS_WEIGHT_META_ENTRY_MAX_BYTES. With `Idempotency-Key`,
     a retry of the same append (its first answer lost) answers the same index and appends nothing."""
     entry = body.model_dump_json(exclude_none=True)  # an unversioned entry is stored as older releases wrote it
-    limit = services.config.weight_meta_entry_max_bytes
+    limit = services.config.coordinator.weight_meta_entry_max_bytes
     if len(entry.encode()) > limit:
         detail = (
             f"weight-meta entry is {len(entry.encode())} bytes of JSON; the limit is {limit} bytes "

@@ -159,7 +159,7 @@ class DeviceDirectBackend(CommBackend):
         """The original design's point-to-point send: one fused message when `TensorFusion.should_fuse` says so
         (more than one tensor and >= `fusion_threshold_bytes` in total), else one message per tensor, in dict
         order, each the tensor's bytes. `recv` decides the same way from its specs, so both ends need the same
-        threshold (`DCSConfig.tensor_fusion_threshold`)."""
+        threshold (`DCSConfig.sync.tensor_fusion_threshold`)."""
         group = self._group(request.group_name or "")
         tensors = dict(request.tensor_dict)
         if self._fusion.should_fuse(tensors):

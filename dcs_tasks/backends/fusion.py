@@ -135,7 +135,7 @@ class TensorFusion:
     """The original design's fusion API: fuse small tensors into one buffer to cut per-message overhead.
 
     `should_fuse` follows the original design: more than one tensor and at least `threshold_bytes` in total.
-    `DeviceDirectBackend.send`/`recv` (point-to-point) ask it, with `DCSConfig.tensor_fusion_threshold`, whether
+    `DeviceDirectBackend.send`/`recv` (point-to-point) ask it, with `DCSConfig.sync.tensor_fusion_threshold`, whether
     a tensor dict travels as one fused message or one message per tensor. Weight updates do not: they always
     travel in fused buckets of `bucket_size_bytes` (`plan_buckets`).
     """

@@ -77,7 +77,7 @@ def replica_request(ctx: Context, req: CommitRequest) -> ReplicateRequest | None
     (logged and counted: the commit stands, the replica is best effort; `dcs ckpt list` shows the step as
     primary only)."""
     config, ref = ctx.config, req.ref
-    if config.replica_dir is None:
+    if config.checkpoint.replica_dir is None:
         return None
     try:
         root, replica = checkpoint_root(config), replica_root(config)

@@ -59,17 +59,17 @@ def _resolved(path: Path) -> str:
 
 def effective(config: DCSConfig, worker: str = "") -> WorkerSettings:
     """The settings `config` makes this process use, as the other side compares them."""
-    root = config.checkpoint_dir  # the configured value: a URL of an object store, or a directory to resolve
+    root = config.checkpoint.dir  # the configured value: a URL of an object store, or a directory to resolve
     url = root if isinstance(root, ObjectURL) else None
     return WorkerSettings(
         worker=worker,
         checkpoint_dir=_resolved(root) if url is None else str(url),
-        s3_endpoint_url=None if url is None else endpoint_without_credentials(config.s3_endpoint_url),
-        staging_dir=_resolved(config.staging_dir),
-        memory_tier_bytes=config.memory_tier_bytes,
-        memory_dir=_resolved(config.memory_dir) if config.memory_tier_bytes > 0 else "",
-        storage_every_steps=config.storage_every_steps,
-        storage_every_seconds=config.storage_every_seconds,
+        s3_endpoint_url=None if url is None else endpoint_without_credentials(config.s3.endpoint_url),
+        staging_dir=_resolved(config.host.staging_dir),
+        memory_tier_bytes=config.memory.budget_bytes,
+        memory_dir=_resolved(config.host.memory_dir) if config.memory.budget_bytes > 0 else "",
+        storage_every_steps=config.memory.storage_every_steps,
+        storage_every_seconds=config.memory.storage_every_seconds,
     )
 
 

@@ -113,15 +113,15 @@ class Checkpointer:
             if self.memory_run_root is None
             else (self.memory_run_root / sharded.rank_dir_name(rank) if multi else self.memory_run_root)
         )
-        self._keys = Keys(self.config.namespace)
+        self._keys = Keys(self.config.redis.namespace)
         self._redis = sync_client(self.config)  # a Sentinel URL follows the current master
         agreement.require_agreement(self.config, self._redis, self._keys, celery_app)
         self._ledger = StepLedger(self._redis, self._keys)
         self._app = celery_app or make_celery(self.config)
         self._pool = StagingPool(
             hostdirs.staging_dir(self.config, create=True),  # private to this uid (UnsafeHostDirectory)
-            self.config.staging_buffers,
-            prefix=staging_prefix(self.config.namespace, self._shard_run),
+            self.config.staging.buffers,
+            prefix=staging_prefix(self.config.redis.namespace, self._shard_run),
         )
         self._copier = HostCopier(copy_threads)
         self._device = device_stager or cuda.DeviceStager()  # one side stream per device, reused by every save
@@ -202,7 +202,7 @@ class Checkpointer:
                 skipped=True,
             )
         durable, in_memory = self._tier_of(step, layout.nbytes, durable)
-        overlap = overlap and not flat.dtensors and self.config.async_io
+        overlap = overlap and not flat.dtensors and self.config.checkpoint.async_io
         staged: threading.Event | None = None  # None: staged before save returns
         try:
             with lease:  # handed back if staging, the ledger or the hand-off to the dispatcher raises
@@ -236,8 +236,8 @@ class Checkpointer:
         self._gauges.memory(self._pool.mapped_bytes())
         self._gauges.pending(len(self._pending))
         record_stall(stall, layout.data_bytes)
-        if not self.config.async_io:  # synchronous mode: durable and committed before save() returns
-            pending.wait(timeout=self.config.visibility_timeout_seconds)
+        if not self.config.checkpoint.async_io:  # synchronous mode: durable and committed before save() returns
+            pending.wait(timeout=self.config.task.visibility_timeout_seconds)
         return pending
 
     def _failed_at_once(self, step: int, exc: StorageUnavailable, started: float) -> PendingCheckpoint:
@@ -259,7 +259,7 @@ class Checkpointer:
         """Block until every save of this checkpointer has copied its tensors (see `save(overlap=True)`); after
         this the saved tensors may change. Raises DCSTimeoutError after `timeout` seconds (None: default
         `task_time_limit_seconds`)."""
-        limit = self.config.task_time_limit_seconds if timeout is None else timeout
+        limit = self.config.task.time_limit_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         for pending in list(self._pending):
             pending.wait_staged(max(0.0, deadline - time.monotonic()))
@@ -309,15 +309,15 @@ class Checkpointer:
         if not self._memory:
             return True, False
         if durable is None:
-            every = self.config.storage_every_seconds
-            durable = step % self.config.storage_every_steps == 0 or (
+            every = self.config.memory.storage_every_seconds
+            durable = step % self.config.memory.storage_every_steps == 0 or (
                 every > 0 and time.monotonic() - self._last_durable >= every
             )
         in_memory = memdir.fits(self.config, nbytes)
         if not in_memory:
             log.warning(
                 "memory tier full (%d bytes budget): step %d of %r goes to storage only",
-                self.config.memory_tier_bytes,
+                self.config.memory.budget_bytes,
                 step,
                 self._shard_run,
             )
@@ -345,7 +345,7 @@ class Checkpointer:
         self._gauges.memory(self._pool.mapped_bytes())
         reservation = Reservation(nbytes, time.perf_counter() - started)
         self.reservation = reservation
-        if self.config.pinned_memory and self._device.available:
+        if self.config.staging.pinned_memory and self._device.available:
             buffers = [b for b in self._pool.buffers if b.capacity]
             if background:
                 self._reserving = self._dispatcher.submit(reservation.register, self._device, buffers)
@@ -368,7 +368,7 @@ class Checkpointer:
         try:
             self._wait_reserved()
             buf.write_headers(layout)
-            return self._device.enqueue(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
+            return self._device.enqueue(buf, layout, flat.tensors, pinned=self.config.staging.pinned_memory)
         except Exception as exc:
             return exc
 
@@ -390,17 +390,17 @@ class Checkpointer:
         return self._layouts.of(flat)
 
     def _acquire(self, nbytes: int, timeout: float | None) -> BufferLease | None:
-        limit = self.config.task_time_limit_seconds if timeout is None else timeout
+        limit = self.config.task.time_limit_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         delay = 0.001
         while True:
             self._reap()
             lease = self._pool.lease(nbytes)
-            if lease is not None or self.config.staging_policy is StagingPolicy.SKIP:
+            if lease is not None or self.config.staging.policy is StagingPolicy.SKIP:
                 return lease
             if time.monotonic() >= deadline:
                 raise StagingError(
-                    f"all {self.config.staging_buffers} staging buffers are still being persisted after {limit}s"
+                    f"all {self.config.staging.buffers} staging buffers are still being persisted after {limit}s"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
@@ -448,7 +448,7 @@ class Checkpointer:
         buf.write_headers(layout)
         if self._device.handles(flat.tensors):
             self._wait_reserved()
-            self._device.copy_from_device(buf, layout, flat.tensors, pinned=self.config.pinned_memory)
+            self._device.copy_from_device(buf, layout, flat.tensors, pinned=self.config.staging.pinned_memory)
         else:
             copy_into(buf, layout, flat.tensors, copier=self._copier)
 
@@ -550,7 +550,7 @@ class Checkpointer:
         `memory_restore_verify` is "hash"; anything else as storage."""
         if location != stepplaces.MEMORY:
             return reader.Source.STORAGE
-        return reader.Source.SEALED if self.config.memory_restore_verify == "seal" else reader.Source.MEMORY
+        return reader.Source.SEALED if self.config.memory.restore_verify == "seal" else reader.Source.MEMORY
 
     def _read(
         self, opener: restoring.Opener, into: Any, verify: bool, strict: bool, source: reader.Source
@@ -582,7 +582,7 @@ class Checkpointer:
         raises SaveFailed once everything is closed. Closing again returns the same answer at once."""
         if self._closed is not None:
             return self._closed
-        limit = self.config.visibility_timeout_seconds if timeout is None else timeout
+        limit = self.config.task.visibility_timeout_seconds if timeout is None else timeout
         deadline = time.monotonic() + limit
         while (self._pool.in_flight() or self._unfinished()) and time.monotonic() < deadline:
             self._reap()

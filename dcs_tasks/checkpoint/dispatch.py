@@ -74,7 +74,7 @@ def open_step(
     verdict = ledger.begin(shard_run, step, ref.token, files, draft, abandoned_after)
     if verdict is Verdict.COMMITTED:  # the ledger has it, yet neither directory holds it (checked above)
         raise RunNameTaken(
-            f"step {step} of run {run!r} is recorded as committed in Redis (namespace {config.namespace!r}), but "
+            f"step {step} of run {run!r} is recorded as committed in Redis (namespace {config.redis.namespace!r}), but "
             f"{step_dir} holds no such step: the run name was used before under another checkpoint directory (or "
             "that run's files were removed). To start fresh, give this run a new name, or run with another "
             f"DCS_NAMESPACE; to continue the old run, use its DCS_CHECKPOINT_DIR (`dcs ckpt list --run {run} "
@@ -102,7 +102,7 @@ def send_persist_tasks(
     is abandoned in the ledger and CheckpointFailed says why; the lease ends here only when no task went out (a
     sent task may still read the buffer; the pending save ends it once the step is FAILED)."""
     queue = node_queue(config.host_name)
-    retention = RetentionPolicy(keep_last=config.keep_last, keep_every=config.keep_every)
+    retention = RetentionPolicy(keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every)
     sent = 0
     try:
         compression = None if in_memory else compression_spec(config)
@@ -114,7 +114,7 @@ def send_persist_tasks(
                 offset=f.offset,
                 length=f.size,
                 retention=retention,
-                incremental=config.incremental_saves and not in_memory,  # memory steps stand alone
+                incremental=config.checkpoint.incremental_saves and not in_memory,  # memory steps stand alone
                 compression=compression,
                 durable=durable,
             )
@@ -131,13 +131,13 @@ def send_persist_tasks(
 
 def compression_spec(config: DCSConfig) -> CompressionSpec | None:
     """What the workers are asked to do with each file of a save (they compress; the trainer never does)."""
-    codec = CheckpointCompression(config.checkpoint_compression)  # model_copy(update=...) does not validate
+    codec = CheckpointCompression(config.checkpoint.compression)  # model_copy(update=...) does not validate
     if codec is CheckpointCompression.NONE:
         return None
     return CompressionSpec(
         codec=codec.value,
-        level=config.checkpoint_compression_level,
-        min_saving=config.checkpoint_compression_min_saving,
+        level=config.checkpoint.compression_level,
+        min_saving=config.checkpoint.compression_min_saving,
     )
 
 
@@ -151,11 +151,11 @@ class Layouts:
         self._moving: set[str] = set()
 
     def of(self, flat: FlatState) -> Layout:
-        moving = self._moving_tensors(flat.tensors) if self._config.incremental_saves else frozenset()
+        moving = self._moving_tensors(flat.tensors) if self._config.checkpoint.incremental_saves else frozenset()
         key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in flat.tensors.items()), moving)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = plan_layout(specs_of(flat.tensors), self._config.file_shard_bytes, moving)
+            layout = plan_layout(specs_of(flat.tensors), self._config.checkpoint.file_shard_bytes, moving)
             self._layouts = {key: layout}
         return layout
 

@@ -130,7 +130,9 @@ class FailureLog:
             log.error("checkpoint step %d of run %r failed: %s", failure.step, failure.run, failure.reason)
         if len(self._kept) < MAX_KEPT:
             self._kept.append(failure)
-        policy = SaveFailurePolicy(self._config.save_failure_policy)  # model_copy(update=...) does not validate
+        policy = SaveFailurePolicy(
+            self._config.checkpoint.save_failure_policy
+        )  # model_copy(update=...) does not validate
         if not failure.transient and policy is SaveFailurePolicy.RAISE:
             self._unraised.append((failure, pending))
 

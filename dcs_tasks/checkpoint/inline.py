@@ -59,7 +59,7 @@ class InlineCommitter:
 
     def __init__(self, config: DCSConfig, threads: int = 2) -> None:
         self.config = config
-        self.keys = Keys(config.namespace)
+        self.keys = Keys(config.redis.namespace)
         self.redis: redis.Redis = sync_client(config)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dcs-inline")
         self._lock = threading.Lock()

@@ -187,7 +187,9 @@ def reusable(ctx: Context, req: PersistRequest, staging: Path, step_dir: Locatio
     file before anything is written), else None. A few samples are compared first, so a file whose bytes all
     changed is not hashed twice (once here, once while it is written). The worker's
     `incremental_full_every` bounds how many steps one stored file serves (`incremental.candidate`)."""
-    entry = incremental.candidate(step_dir, req.file_name, req.length, full_every=ctx.config.incremental_full_every)
+    entry = incremental.candidate(
+        step_dir, req.file_name, req.length, full_every=ctx.config.checkpoint.incremental_full_every
+    )
     if entry is None:
         return None
     fd = _open_staging(ctx, staging)
@@ -283,8 +285,8 @@ def write_file(
             paths.step_dir / req.file_name,
             task_id,
             compression=req.compression,
-            threads=config.checkpoint_compression_threads,
-            throttle=config.persist_throttle_bytes_per_second,
+            threads=config.checkpoint.compression_threads,
+            throttle=config.checkpoint.persist_throttle_bytes_per_second,
             publish=still_open,
             recycled=recycled,
         )

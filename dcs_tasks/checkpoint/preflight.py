@@ -72,10 +72,10 @@ def _held_bytes(root: Path) -> int:
 
 def memory_capacity(config: DCSConfig) -> Finding | None:
     """The memory tier's budget against its file system's room (None when the tier is off)."""
-    budget = config.memory_tier_bytes
+    budget = config.memory.budget_bytes
     if budget <= 0:
         return None
-    where = Path(config.memory_dir)
+    where = Path(config.host.memory_dir)
     try:
         stats = os.statvfs(_existing(where))
     except OSError as exc:
@@ -113,9 +113,9 @@ def _probe_directory(root: Path) -> str:
 
 def root_writable(config: DCSConfig) -> Finding | None:
     """A directory checkpoint root can be written by this process (None for an object store)."""
-    if isinstance(config.checkpoint_dir, ObjectURL):
+    if isinstance(config.checkpoint.dir, ObjectURL):
         return None
-    root = Path(os.path.abspath(config.checkpoint_dir))
+    root = Path(os.path.abspath(config.checkpoint.dir))
     failure = _probe_directory(root)
     if not failure:
         return Finding("checkpoint root writable", f"{root} (uid {os.getuid()})")
@@ -141,7 +141,7 @@ def _probe_store(url: ObjectURL, config: DCSConfig, write: bool) -> None:
 
 def object_store(config: DCSConfig, write: bool = False) -> Finding | None:
     """An `s3://` checkpoint root answers with these credentials (None for a directory root)."""
-    url = config.checkpoint_dir
+    url = config.checkpoint.dir
     if not isinstance(url, ObjectURL):
         return None
     what = "list, put and delete" if write else "list"

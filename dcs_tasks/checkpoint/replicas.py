@@ -31,9 +31,9 @@ MEMORY = "memory"  # the memory tier (dcs_tasks.checkpoint.store.tiers.MEMORY)
 def run_roots(config: DCSConfig, run: str) -> list[tuple[str, Location]]:
     """(location, run directory) for the primary root and, when `replica_dir` is set, the replica root (each a
     directory or an object-store prefix: `dcs_tasks.storage`)."""
-    roots: list[tuple[str, Location]] = [(PRIMARY, (storage.root(config.checkpoint_dir, config) / run).resolve())]
-    if config.replica_dir is not None:
-        roots.append((REPLICA, (storage.root(config.replica_dir, config) / run).resolve()))
+    roots: list[tuple[str, Location]] = [(PRIMARY, (storage.root(config.checkpoint.dir, config) / run).resolve())]
+    if config.checkpoint.replica_dir is not None:
+        roots.append((REPLICA, (storage.root(config.checkpoint.replica_dir, config) / run).resolve()))
     return roots
 
 

@@ -80,7 +80,7 @@ def replicate(ctx: Context, req: ReplicateRequest, task_id: str) -> ReplicaResul
     copied = 0
     if not complete(dst_dir, manifest):
         try:
-            copied = copy_step(src_dir, dst_dir, manifest, task_id, config.persist_throttle_bytes_per_second)
+            copied = copy_step(src_dir, dst_dir, manifest, task_id, config.checkpoint.persist_throttle_bytes_per_second)
         except OSError as exc:
             if exc.errno in UNWRITABLE:
                 raise ReplicaFailed(f"replica of step {req.step} of run {req.run!r} cannot be written: {exc}") from exc

@@ -150,16 +150,20 @@ def serve_trainer_metrics(config: DCSConfig | None = None) -> MetricsServer | No
         if not os.environ.get(TRAINER_PORT_ENV):
             return _server
         config = DCSConfig()  # the trainer's settings as its Checkpointer would read them
-    if not (config.enable_metrics and config.trainer_metrics_port):
+    if not (config.metrics.enable_metrics and config.metrics.trainer_metrics_port):
         return _server
     with _lock:
         if _server is None:
             from dcs_tasks.checkpoint.pending import IN_FLIGHT
 
             try:
-                _server = serve_metrics(config.metrics_host, config.trainer_metrics_port, before=IN_FLIGHT.refresh)
+                _server = serve_metrics(
+                    config.metrics.host, config.metrics.trainer_metrics_port, before=IN_FLIGHT.refresh
+                )
             except OSError as exc:
-                log.warning("trainer metrics not served: port %d unavailable (%s)", config.trainer_metrics_port, exc)
+                log.warning(
+                    "trainer metrics not served: port %d unavailable (%s)", config.metrics.trainer_metrics_port, exc
+                )
         return _server
 
 

@@ -63,7 +63,7 @@ def record_commit(ctx: Context, step_dir: str, run: str, step: int, durable: boo
     config = ctx.config
     base, rank = stepplaces.base_and_rank(run)
     memory = is_memory_step(config, step_dir)
-    flush, copy = memory and durable, memory and config.memory_replicas > 0
+    flush, copy = memory and durable, memory and config.memory.replicas > 0
     place = stepplaces.mem_place(config.host_name) if memory else stepplaces.STORAGE
     marks = [m for m, on in ((stepplaces.FLUSHING, flush), (stepplaces.COPYING, copy)) if on]
     try:
@@ -97,7 +97,9 @@ def flush(ctx: Context, req: MemoryStepRequest, task_id: str) -> dict[str, Any]:
     manifest = primary_manifest(src)  # ReplicaFailed when the memory step is gone or corrupt
     copied = 0
     if not complete(dst, manifest):
-        copied = copy_step(src, dst, manifest, task_id, config.persist_throttle_bytes_per_second, read_back=False)
+        copied = copy_step(
+            src, dst, manifest, task_id, config.checkpoint.persist_throttle_bytes_per_second, read_back=False
+        )
     deleted = publish_copy(ctx, dst, ref.run, ref.step, req.retention, task_id)
     base, rank = stepplaces.base_and_rank(ref.run)
     book = stepplaces.Places(ctx.redis, ctx.keys)
@@ -129,7 +131,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
     if not token:
         raise ReplicaFailed("memory_replicas needs auth_token (peer copies are authenticated with it)")
     host = config.host_name
-    domain = config.failure_domain or host
+    domain = config.memory.failure_domain or host
     candidates = {h: p for h, p in peerchoice.peers(ctx.redis, ctx.keys).items() if h != host}
     ordered = peerchoice.choose_peers(host, domain, candidates, len(candidates))
     base, rank = stepplaces.base_and_rank(ref.run)
@@ -137,7 +139,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
     done: list[str] = []
     failures: list[str] = []
     for peer in ordered:
-        if len(done) >= config.memory_replicas:
+        if len(done) >= config.memory.replicas:
             break
         try:
             transfer.push_step(
@@ -145,9 +147,9 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
                 token,
                 src,
                 rel,
-                timeout=config.peer_timeout_seconds,
-                min_rate=config.peer_min_bytes_per_second,
-                max_manifest_bytes=config.peer_max_manifest_bytes,
+                timeout=config.peer.timeout_seconds,
+                min_rate=config.peer.min_bytes_per_second,
+                max_manifest_bytes=config.peer.max_manifest_bytes,
             )
         except CheckpointError as exc:
             failures.append(f"{peer.host}: {exc}")
@@ -155,7 +157,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
             continue
         book.record(base, ref.step, rank, stepplaces.peer_place(peer.host))
         done.append(peer.host)
-    if len(done) >= config.memory_replicas:
+    if len(done) >= config.memory.replicas:
         book.record(base, ref.step, rank, stepplaces.REPLICATED)
     else:
         record_error("checkpoint_peer_copy")
@@ -164,7 +166,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
             ref.step,
             ref.run,
             len(done),
-            config.memory_replicas,
+            config.memory.replicas,
             "; ".join(failures) or "no eligible peer in another failure domain",
         )
-    return {"step": ref.step, "peers": done, "failures": failures, "replicated": len(done) >= config.memory_replicas}
+    return {"step": ref.step, "peers": done, "failures": failures, "replicated": len(done) >= config.memory.replicas}

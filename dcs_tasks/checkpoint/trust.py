@@ -57,12 +57,12 @@ def _root(value: StorageRoot, config: DCSConfig) -> Location:
 
 
 def checkpoint_root(config: DCSConfig) -> Location:
-    return _root(config.checkpoint_dir, config)
+    return _root(config.checkpoint.dir, config)
 
 
 def replica_root(config: DCSConfig) -> Location | None:
     """The resolved replica root, or None when replicas are off."""
-    return None if config.replica_dir is None else _root(config.replica_dir, config)
+    return None if config.checkpoint.replica_dir is None else _root(config.checkpoint.replica_dir, config)
 
 
 def roots_of(config: DCSConfig, replica: bool) -> list[Location]:
@@ -142,7 +142,7 @@ def trusted_step_dir(
 def trusted_save_dir(step_dir: str, run: str, step: int, config: DCSConfig) -> Location:
     """`trusted_step_dir` for a save's step (persist, commit): under the checkpoint root, or, with the memory tier
     on, under `memory_dir` (`dcs_tasks.checkpoint.store.tiers`)."""
-    if config.memory_tier_bytes > 0 and not step_dir.startswith("s3://"):
+    if config.memory.budget_bytes > 0 and not step_dir.startswith("s3://"):
         memory = _resolve(hostdirs.memory_dir(config))  # checked private (UnsafeHostDirectory) when it exists
         if _resolve(_clean(step_dir, "step directory")).is_relative_to(memory):
             return trusted_step_dir(step_dir, run, step, config, root=memory)
@@ -155,7 +155,7 @@ def trusted_staging_path(staging_path: str, run: str, config: DCSConfig) -> Path
     given = _clean(staging_path, "staging file")
     if _resolve(given.parent) != staging_dir:
         raise UntrustedPath(f"staging file {staging_path[:256]!r} is not in the staging directory {str(staging_dir)!r}")
-    if not staging_name_pattern(staging_prefix(config.namespace, run)).fullmatch(given.name):
+    if not staging_name_pattern(staging_prefix(config.redis.namespace, run)).fullmatch(given.name):
         raise UntrustedPath(f"staging file {staging_path[:256]!r} is not a staging buffer of run {run!r}")
     path = staging_dir / given.name
     if path.is_symlink():

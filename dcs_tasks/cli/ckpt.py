@@ -126,7 +126,7 @@ def _run_root(args: argparse.Namespace) -> Location:
     from dcs_tasks import storage
 
     config = DCSConfig()
-    root = storage.parse_root(args.dir) if args.dir is not None else config.checkpoint_dir
+    root = storage.parse_root(args.dir) if args.dir is not None else config.checkpoint.dir
     return storage.root(root, config) / args.run
 
 
@@ -145,13 +145,13 @@ def _locations(args: argparse.Namespace) -> list[tuple[str, Location]]:
 
     found = [(PRIMARY, _run_dir(args))]
     config = DCSConfig()
-    if config.memory_tier_bytes > 0:  # this host's memory tier, read first by restore
+    if config.memory.budget_bytes > 0:  # this host's memory tier, read first by restore
         from dcs_tasks.checkpoint.store.tiers.memdir import memory_root
         from dcs_tasks.checkpoint.store.tiers.stepplaces import MEMORY
 
         run = memory_root(config) / args.run
         found.insert(0, (MEMORY, run / rank_dir_name(args.rank) if args.rank is not None else run))
-    replica = storage.parse_root(args.replica_dir) if args.replica_dir is not None else config.replica_dir
+    replica = storage.parse_root(args.replica_dir) if args.replica_dir is not None else config.checkpoint.replica_dir
     if replica is not None:
         run = storage.root(replica, config) / args.run
         found.append((REPLICA, run / rank_dir_name(args.rank) if args.rank is not None else run))
@@ -169,7 +169,7 @@ def _where(locations: list[str]) -> str:
 def _recorded(args: argparse.Namespace) -> dict[int, str]:
     """Memory tier on: step -> the places Redis records for it (`dcs_tasks.checkpoint.store.tiers`), rank by rank."""
     config = DCSConfig()
-    if config.memory_tier_bytes <= 0:
+    if config.memory.budget_bytes <= 0:
         return {}
     import redis
 
@@ -179,7 +179,7 @@ def _recorded(args: argparse.Namespace) -> dict[int, str]:
 
     client = sync_client(config)
     try:
-        found = Places(client, Keys(config.namespace)).read(args.run)
+        found = Places(client, Keys(config.redis.namespace)).read(args.run)
     except redis.RedisError as exc:
         print(f"dcs ckpt list: where steps live is unknown (Redis: {exc})", file=sys.stderr)
         return {}
@@ -330,7 +330,8 @@ def _gc(args: argparse.Namespace) -> int:
 
     config = DCSConfig()
     policy = RetentionPolicy(
-        keep_last=args.keep_last or config.keep_last, keep_every=args.keep_every or config.keep_every
+        keep_last=args.keep_last or config.checkpoint.keep_last,
+        keep_every=args.keep_every or config.checkpoint.keep_every,
     )
     if not policy.active:
         print("nothing to do: give --keep-last (or set DCS_KEEP_LAST)", file=sys.stderr)
@@ -360,7 +361,7 @@ def _object_lock(config: DCSConfig) -> Any:
     from dcs_tasks.redisconn import sync_client
 
     client = sync_client(config, socket_timeout=5)
-    return lambda where: objlocks.run_lock(client, Keys(config.namespace), where, "refs")
+    return lambda where: objlocks.run_lock(client, Keys(config.redis.namespace), where, "refs")
 
 
 def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:
@@ -373,7 +374,7 @@ def _in_flight(config: DCSConfig, run: str) -> tuple[set[int], Any]:
     from dcs_tasks.redisconn import sync_client
 
     client = sync_client(config, socket_timeout=2, decode_responses=False)
-    book = StepLedger(client, Keys(config.namespace))
+    book = StepLedger(client, Keys(config.redis.namespace))
     try:
         steps = book.in_flight_steps(run)
     except redis.RedisError as exc:

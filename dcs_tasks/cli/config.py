@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from dcs_tasks.cli.readers import read_by
-from dcs_tasks.config import MASK, DCSConfig, mask_url_credentials
+from dcs_tasks.config import AREAS, MASK, SETTINGS, DCSConfig, Setting, mask_url_credentials
 
 
 def register(sub: Any) -> None:
@@ -36,30 +36,51 @@ def _shown(value: Any) -> str:
     return mask_url_credentials(text)
 
 
-def rows(config: DCSConfig) -> list[tuple[str, str, str, str, str]]:
-    """(field, env var, type, default, effective value) for every setting."""
+def _type_name(annotation: Any) -> str:
+    name = getattr(annotation, "__name__", None) or str(annotation)
+    return name.replace("typing.", "").replace("pydantic.types.SecretStr", "secret").replace("pathlib.", "")
+
+
+def rows(config: DCSConfig) -> list[tuple[Setting, str, str, str]]:
+    """(setting, type, default, effective value) for every setting, area by area."""
     out = []
-    for name, field in DCSConfig.model_fields.items():
-        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation)
-        annotation = (
-            annotation.replace("typing.", "").replace("pydantic.types.SecretStr", "secret").replace("pathlib.", "")
-        )
-        default = field.get_default(call_default_factory=True)
-        out.append((name, f"DCS_{name.upper()}", annotation, _shown(default), _shown(getattr(config, name))))
+    for setting in SETTINGS.values():
+        default = setting.info.get_default(call_default_factory=True)
+        out.append((setting, _type_name(setting.info.annotation), _shown(default), _shown(config.value(setting.flat))))
     return out
+
+
+def markdown(config: DCSConfig) -> list[str]:
+    """docs/configuration.md's reference: one table per area of `DCSConfig`, headed by the area's attribute."""
+    lines: list[str] = []
+    for area, model in AREAS.items():
+        lines += [
+            "",
+            f"## `{area}`",
+            "",
+            f"`DCSConfig.{area}` ({model.__name__}): {' '.join((model.__doc__ or '').split())}",
+            "",
+        ]
+        lines.append("| setting | environment | read by | type | default | description |")
+        lines.append("| --- | --- | --- | --- | --- | --- |")
+        for setting, kind, default, _ in rows(config):
+            if setting.area != area:
+                continue
+            doc = " ".join((setting.info.description or "").split()).replace("|", "\\|")
+            lines.append(
+                f"| `{area}.{setting.field}` | `{setting.env}` | {read_by(setting.flat)} | {kind.replace('|', 'or')} "
+                f"| `{default}` | {doc} |"
+            )
+    return lines[1:]
 
 
 def run(args: argparse.Namespace) -> int:
     config = DCSConfig()  # invalid settings: `dcs` prints one line each, without the values (dcs_tasks.cli.main)
     if args.markdown:
-        print("| setting | environment | read by | type | default | description |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for name, env, kind, default, _ in rows(config):
-            doc = " ".join((DCSConfig.model_fields[name].description or "").split()).replace("|", "\\|")
-            print(f"| `{name}` | `{env}` | {read_by(name)} | {kind.replace('|', 'or')} | `{default}` | {doc} |")
+        print("\n".join(markdown(config)))
         return 0
-    width = max(len(env) for _, env, *_ in rows(config))
-    for _, env, _, default, value in rows(config):
+    width = max(len(setting.env) for setting, *_ in rows(config))
+    for setting, _, default, value in rows(config):
         marker = "" if value == default else "   (default " + default + ")"
-        print(f"{env:<{width}}  {value}{marker}")
+        print(f"{setting.env:<{width}}  {value}{marker}")
     return 0

@@ -33,13 +33,13 @@ def register(sub: Any) -> None:
 
 def _redis_findings(config: DCSConfig) -> list[preflight.Finding]:
     """Redis answers; a worker serves this host; its settings agree with `config`."""
-    shown = mask_url_credentials(config.redis_url)
+    shown = mask_url_credentials(config.redis.url)
     queue = node_queue(config.host_name)
-    client = sync_client(config, socket_timeout=min(REDIS_TIMEOUT_SECONDS, config.redis_socket_timeout_seconds))
+    client = sync_client(config, socket_timeout=min(REDIS_TIMEOUT_SECONDS, config.redis.socket_timeout_seconds))
     try:
         client.ping()
-        present = bool(client.exists(Keys(config.namespace).worker_presence(queue)))
-        theirs = agreement.read_published(client, Keys(config.namespace), queue)
+        present = bool(client.exists(Keys(config.redis.namespace).worker_presence(queue)))
+        theirs = agreement.read_published(client, Keys(config.redis.namespace), queue)
     except redis.RedisError as exc:
         fix = "check DCS_REDIS_URL (after `dcs up`: `set -a; . .dcs-run/dcs.env; set +a`) and that Redis runs"
         reason = config.scrub(str(exc)).rstrip(".")[:200]

@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             advertise_ip=ip,
             advertise_port=port,
-            interval=config.heartbeat_interval_seconds,
-            down_after=args.down_after if args.down_after is not None else config.heartbeat_timeout_seconds,
+            interval=config.heartbeat.interval_seconds,
+            down_after=args.down_after if args.down_after is not None else config.heartbeat.timeout_seconds,
             wait_timeout=args.wait_timeout,
             health_timeout=args.health_timeout,
             unhealthy_after=args.unhealthy_after,
@@ -140,8 +140,8 @@ async def _attach(
     """Run the attachment until SIGTERM/SIGINT (then unregister and return) or a named error."""
     loop = asyncio.get_running_loop()
     async with (
-        CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds) as api,
-        EngineProbe(engine_url, settings.rank, api_key, config.request_timeout_seconds, kind) as engine,
+        CoordinatorAPI(config.base_url, config.token(), timeout=config.coordinator.request_timeout_seconds) as api,
+        EngineProbe(engine_url, settings.rank, api_key, config.coordinator.request_timeout_seconds, kind) as engine,
     ):
         task = asyncio.create_task(EngineAttachment(api, engine, settings, config).run())
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workdir: Path = args.workdir.resolve()
     config = DCSConfig()
-    started_with = set(config.model_fields_set)  # the DCS_* settings of this environment
-    if "checkpoint_dir" not in config.model_fields_set:
+    started_with = config.given()  # the DCS_* settings of this environment (flat names)
+    if "checkpoint_dir" not in started_with:
         config = config.model_copy(update={"checkpoint_dir": workdir / "checkpoints"})
     stack = LocalStack(
         config,
@@ -104,14 +104,14 @@ def write_env_file(path: Path, stack: LocalStack, started_with: Iterable[str] = 
 
 def print_summary(stack: LocalStack, env_file: Path, started_with: Iterable[str] = ()) -> None:
     print(f"  coordinator  {stack.coordinator_url}   (GET /healthz, /health, /topology with the token)")
-    print(f"  redis        {mask_url_credentials(stack.config.redis_url)}")
+    print(f"  redis        {mask_url_credentials(stack.config.redis.url)}")
     print(f"  worker       1 (`dcs worker --pool=threads`), node queue dcs.node.{stack.config.host_name}")
     for rank, url in enumerate(stack.receiver_urls):
         print(f"  receiver     rollout rank {rank} at {url}")
     if stack.flower_url:
         print(f"  flower       {stack.flower_url}   (user dcs, password: DCS_AUTH_TOKEN)")
-    if stack.config.enable_metrics and stack.config.metrics_port:
-        print(f"  metrics      http://{stack.config.metrics_host}:{stack.config.metrics_port}/metrics (worker)")
+    if stack.config.metrics.enable_metrics and stack.config.metrics.port:
+        print(f"  metrics      http://{stack.config.metrics.host}:{stack.config.metrics.port}/metrics (worker)")
     print("a trainer on this host needs (full values, token included, in the 0600 file below):")
     for name, value in trainer_env(stack, started_with).items():
         shown = "***" if name == "DCS_AUTH_TOKEN" else mask_url_credentials(value)

@@ -85,7 +85,7 @@ class CheckpointEngineClient:
         self.quantization_config = quantization_config
         self.lock = lock
         # ip: the address registered and used as weight-sync master; default: the one that routes to the coordinator
-        address = ip or self.config.advertise_address or route_address(self.config.base_url)
+        address = ip or self.config.sync.advertise_address or route_address(self.config.base_url)
         self.role_info = RoleInfo(
             role_name=role,
             rank=rank,
@@ -160,15 +160,15 @@ class CheckpointEngineClient:
         first, before anything is registered or any engine is asked to join."""
         cfg = self.config
         self.backend_type = check_backend(self.backend_type, self.role_info.device_id)
-        configure_comm_interface(self.role_info.ip, cfg.comm_ifname)  # before any gloo/NCCL group is built
-        self._api = CoordinatorAPI(cfg.base_url, cfg.token(), timeout=cfg.request_timeout_seconds)
+        configure_comm_interface(self.role_info.ip, cfg.sync.comm_ifname)  # before any gloo/NCCL group is built
+        self._api = CoordinatorAPI(cfg.base_url, cfg.token(), timeout=cfg.coordinator.request_timeout_seconds)
         self._backend = DeviceDirectBackend(
             self.backend_type,
             self.role_info,
-            cfg.comm_timeout_seconds,
-            cfg.group_init_timeout_seconds,
+            cfg.sync.comm_timeout_seconds,
+            cfg.sync.group_init_timeout_seconds,
             self.role_info.device_id,
-            fusion_threshold_bytes=cfg.tensor_fusion_threshold,
+            fusion_threshold_bytes=cfg.sync.tensor_fusion_threshold,
         )
         celery = make_celery(cfg)
         prefix = f"{self.model_name}-{self.role}{self.rank if self.rank is not None else ''}"
@@ -213,7 +213,7 @@ class CheckpointEngineClient:
         if self.role in RECEIVING_ROLES:
             receiver = WeightReceiver(self._backend, self._backend.device)
             model = self.model if isinstance(self.model, torch.nn.Module) else None
-            self._fwd_receiver = ActorFwdReceiver(self._api, receiver, cfg.comm_timeout_seconds, model)
+            self._fwd_receiver = ActorFwdReceiver(self._api, receiver, cfg.sync.comm_timeout_seconds, model)
             return
         backend = self._backend
 
@@ -221,10 +221,10 @@ class CheckpointEngineClient:
             # SGLang takes one bucket per request, each answered before the next is sent: fewer, fuller buckets
             # beat sending big tensors alone from their own memory (512 MiB, 2 receivers: 0.59 s against 1.20 s)
             alone = None if sglang else ALONE_BYTES
-            return BucketSender(backend, backend.device, cfg.bucket_size_bytes, alone_bytes=alone, sglang=sglang)
+            return BucketSender(backend, backend.device, cfg.sync.bucket_size_bytes, alone_bytes=alone, sglang=sglang)
 
         self._rollout = RolloutUpdater(
-            self._api, self._bootstrapper, sender(True), cfg.comm_timeout_seconds, self.rollout_role, cfg.token()
+            self._api, self._bootstrapper, sender(True), cfg.sync.comm_timeout_seconds, self.rollout_role, cfg.token()
         )
         self._colocated = ColocatedUpdater.beside(self._rollout, self.rank or 0, backend.device, cfg.token())
         pp_rank = int(self.role_info.metadata.get("pp_rank", 0))
@@ -279,8 +279,8 @@ class CheckpointEngineClient:
         started = time.perf_counter()
         reports: dict[str, UpdateReport] = {}
         try:
-            async with _held(self.lock, self.config.comm_timeout_seconds):
-                with paused_gc(self.config.sync_pause_gc):
+            async with _held(self.lock, self.config.sync.comm_timeout_seconds):
+                with paused_gc(self.config.sync.pause_gc):
                     if not actor_fwd_only and self._rollout is not None:
                         reports["rollout"] = await self._rollout.update(state, quant)
                         if self._colocated is not None:  # one update: remote engines, then colocated ones
@@ -306,12 +306,12 @@ class CheckpointEngineClient:
         them, at most `wait_timeout_s` (default `group_init_timeout_seconds`), then raises `ActorWaitTimeout`.
         An actor whose stage has no source raises `SyncPreconditionError` saying what metadata to set."""
         api = self._require_api()
-        need_ref = needs_ref_update(rollout_id, self.config.ref_update_interval)
+        need_ref = needs_ref_update(rollout_id, self.config.sync.ref_update_interval)
         if self.role == "reference" and not need_ref:
             return False
         assert self.rank is not None
         if self._fwd_receiver is not None:
-            timeout = self.config.group_init_timeout_seconds if wait_timeout_s is None else wait_timeout_s
+            timeout = self.config.sync.group_init_timeout_seconds if wait_timeout_s is None else wait_timeout_s
             ranks = await wait_for_sources(api, self.role, self.rank, need_ref, timeout)
             await self._fwd_receiver.init_groups(ranks, stage_specs(ranks, rollout_id, self.backend_type))
             return True
@@ -327,7 +327,7 @@ class CheckpointEngineClient:
         if self._fwd_receiver is None:
             raise WeightSyncError(f"recv_weight is for actor_fwd / reference nodes, not {self.role}")
         started = time.perf_counter()
-        with paused_gc(self.config.sync_pause_gc):
+        with paused_gc(self.config.sync.pause_gc):
             version = await self._fwd_receiver.recv_weight()
         _record_recv(self._fwd_receiver.receiver.weights, time.perf_counter() - started)
         return version

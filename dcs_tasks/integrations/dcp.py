@@ -302,7 +302,7 @@ class DCSStorageWriter(StorageWriter):
                 if isinstance(exc, UnstorableItem):
                     raise
                 raise UnstorableItem(_named_key(str(exc), flat), str(exc)) from exc
-        limit = self.config.task_time_limit_seconds if self._timeout is None else self._timeout
+        limit = self.config.task.time_limit_seconds if self._timeout is None else self._timeout
         pending.wait(timeout=limit)
         return results
 

@@ -47,30 +47,30 @@ from dcs_tasks.storage import Location, ObjectPath, store_of
 
 
 def write_step(state: Any, *, run: str, step: int, config: DCSConfig, metadata: dict[str, Any]) -> Location:
-    """Commit `state` as step `step` of `run` under `config.checkpoint_dir`; returns the step directory.
+    """Commit `state` as step `step` of `run` under `config.checkpoint.dir`; returns the step directory.
     CheckpointError when the name or step is invalid, the run is multi-rank, or the step exists or is in
     flight; StagingError (naming the path) for a value a checkpoint cannot hold; CheckpointFailed otherwise."""
     validate_run_name(run)
     validate_step(step)
-    run_root = storage.root(config.checkpoint_dir, config) / run
+    run_root = storage.root(config.checkpoint.dir, config) / run
     if rank_dirs(run_root):
         raise CheckpointError(f"run {run!r} is a multi-rank run: an import writes a single-rank step")
     step_dir = run_root / step_dir_name(step)
     if committed(step_dir):
         raise CheckpointError(f"step {step} of run {run!r} is already committed in {step_dir}")
     flat = flatten_state(state)
-    layout = plan_layout(specs_of(flat.tensors), config.file_shard_bytes)
+    layout = plan_layout(specs_of(flat.tensors), config.checkpoint.file_shard_bytes)
     draft = draft_of(run, step, layout, flat.structure, metadata)
     token = uuid.uuid4().hex
     client = sync_client(config, decode_responses=False)
     try:
-        ledger = StepLedger(client, Keys(config.namespace))
+        ledger = StepLedger(client, Keys(config.redis.namespace))
         verdict = ledger.begin(run, step, token, len(layout.files), draft, config.abandoned_save_seconds())
         if verdict is Verdict.COMMITTED:
             raise CheckpointError(f"step {step} of run {run!r} is already committed")
         if verdict is Verdict.BUSY:
             raise CheckpointError(f"step {step} of run {run!r} is being saved right now")
-        keys = Keys(config.namespace)
+        keys = Keys(config.redis.namespace)
 
         def object_lock(where: ObjectPath, purpose: str) -> contextlib.AbstractContextManager[None]:
             return objlocks.run_lock(client, keys, where, purpose)

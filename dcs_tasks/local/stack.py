@@ -137,7 +137,7 @@ class LocalStack:
             "coordinator_port": port,
             "coordinator_url": f"http://{LOOPBACK}:{port}",
         }
-        if base.enable_metrics and base.metrics_port:
+        if base.metrics.enable_metrics and base.metrics.port:
             update["metrics_port"] = free_port()  # the default 9090 may be taken by anything else
         self.config = base.model_copy(update=update)
         self.flower_port = flower_port or (free_port() if self.want_flower else 0)
@@ -225,13 +225,13 @@ class LocalStack:
         from dcs_tasks.config import mask_url_credentials
         from dcs_tasks.redisconn import sync_client
 
-        timeout = min(REDIS_CHECK_SECONDS, self.config.redis_socket_timeout_seconds)
+        timeout = min(REDIS_CHECK_SECONDS, self.config.redis.socket_timeout_seconds)
         client = sync_client(self.config, socket_timeout=timeout)
         try:
             client.ping()
         except redis.RedisError as exc:
             raise LocalStackError(
-                f"Redis at {mask_url_credentials(self.config.redis_url)} does not answer "
+                f"Redis at {mask_url_credentials(self.config.redis.url)} does not answer "
                 f"({self.config.scrub(str(exc))[:200]}). That URL comes from DCS_REDIS_URL in this environment "
                 "(a dcs.env of an earlier `dcs up` sourced in this shell points at a Redis that stopped with it): "
                 "unset it (`unset $(compgen -v DCS_)` clears every DCS_ setting) to let `dcs up` start its own "
@@ -284,7 +284,9 @@ class LocalStack:
 
         client = sync_client(self.config, socket_timeout=2)
         try:
-            return bool(client.exists(Keys(self.config.namespace).worker_presence(node_queue(self.config.host_name))))
+            return bool(
+                client.exists(Keys(self.config.redis.namespace).worker_presence(node_queue(self.config.host_name)))
+            )
         finally:
             client.close()
 

@@ -43,20 +43,20 @@ def store_of(loc: Location) -> Store[Any]:
 
 def s3_settings(config: DCSConfig) -> S3Settings:
     return S3Settings(
-        endpoint_url=config.s3_endpoint_url,
-        region=config.s3_region,
-        addressing_style=config.s3_addressing_style,
-        part_bytes=config.s3_part_bytes,
-        concurrency=config.s3_concurrency,
-        read_concurrency=config.s3_read_concurrency,
-        max_attempts=config.s3_max_attempts,
-        connect_timeout=config.s3_connect_timeout_seconds,
-        read_timeout=config.s3_read_timeout_seconds,
+        endpoint_url=config.s3.endpoint_url,
+        region=config.s3.region,
+        addressing_style=config.s3.addressing_style,
+        part_bytes=config.s3.part_bytes,
+        concurrency=config.s3.concurrency,
+        read_concurrency=config.s3.read_concurrency,
+        max_attempts=config.s3.max_attempts,
+        connect_timeout=config.s3.connect_timeout_seconds,
+        read_timeout=config.s3.read_timeout_seconds,
     )
 
 
 def open_root(value: StorageRoot, config: DCSConfig) -> Location:
-    """The location of a configured root (`config.checkpoint_dir` or `replica_dir`), parsed by `parse_root`."""
+    """The location of a configured root (`config.checkpoint.dir` or `replica_dir`), parsed by `parse_root`."""
     if isinstance(value, ObjectURL):
         return ObjectPath(S3Store(value, s3_settings(config)), value.prefix)
     return Path(value)

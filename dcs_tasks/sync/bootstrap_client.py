@@ -82,21 +82,21 @@ class GroupBootstrapper:
         check_backend(self.backend.backend_type, self.backend.device_id)  # before any join is sent; not retried
         self.check_reachable(plan.engines)
         last: WeightSyncError | None = None
-        for attempt in range(self.config.max_retries + 1):
+        for attempt in range(self.config.task.max_retries + 1):
             try:
                 return await self._form_once(plan)
             except (GroupInitError, PortAllocationError) as exc:
                 last = exc
-                if attempt == self.config.max_retries:
+                if attempt == self.config.task.max_retries:
                     break  # no wait after the last attempt
                 delay = backoff_delay(
-                    attempt, self.config.retry_delay_seconds, self.config.retry_backoff_max_seconds, "none"
+                    attempt, self.config.task.retry_delay_seconds, self.config.task.retry_backoff_max_seconds, "none"
                 )
                 log.warning("group formation attempt %d failed (%s); retrying in %.1fs", attempt + 1, exc, delay)
                 await asyncio.sleep(delay)
         assert last is not None
         kind = type(last)
-        raise kind(f"group formation failed after {self.config.max_retries + 1} attempts: {last}", last.member)
+        raise kind(f"group formation failed after {self.config.task.max_retries + 1} attempts: {last}", last.member)
 
     async def _form_once(self, plan: GroupPlan) -> ActiveGroup:
         request_id = uuid.uuid4().hex  # one per attempt: every delivery of it forms the same group
@@ -118,7 +118,7 @@ class GroupBootstrapper:
             0,
             self.backend.backend_type,
         )
-        timeout = self.config.group_init_timeout_seconds + 10
+        timeout = self.config.sync.group_init_timeout_seconds + 10
         joins = ResultSet([self.celery.AsyncResult(i) for i in result.join_task_ids])
         both: tuple[Any, Any] = await asyncio.gather(
             asyncio.to_thread(self.backend.create_group, spec),
@@ -169,7 +169,7 @@ class GroupBootstrapper:
         no worker runs it in time or the broker is unreachable. It expires when this wait does: a delivery that
         comes later (a killed worker's task, restored) is dropped by the worker, not run for a trainer that gave
         up. Besides `form_group`, the client reserves a pp stage's master port with it (a group without engines)."""
-        timeout = self.config.group_init_timeout_seconds
+        timeout = self.config.sync.group_init_timeout_seconds
         try:
             queue = node_queue(self.config.host_name)
             sent = self.celery.send_task(name.value, args=[payload], queue=queue, task_id=task_id, expires=timeout)

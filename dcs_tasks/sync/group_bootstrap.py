@@ -80,7 +80,7 @@ def bootstrap(
     for engine in request.plan.engines:
         task_id = join_id(request_id, engine.node_id)
         if not join_sent(client, keys, group, engine.node_id):  # sent by a delivery before this one
-            send(task_id, _join_request(request, engine, group, port, config.group_init_timeout_seconds))
+            send(task_id, _join_request(request, engine, group, port, config.sync.group_init_timeout_seconds))
             mark_join_sent(client, keys, group, engine.node_id, task_id)
         join_ids.append(task_id)
     if not request.plan.engines:
@@ -113,7 +113,7 @@ def bootstrap_ttl(config: DCSConfig) -> int:
     """Seconds a bootstrap's epoch, join claims and (until READY) its port reservation live: twice the
     visibility timeout, so they outlive every redelivery of the task (a redelivery comes at the latest one
     visibility timeout after the delivery that died)."""
-    return int(config.visibility_timeout_seconds * 2)
+    return int(config.task.visibility_timeout_seconds * 2)
 
 
 def port_binds(address: str, port: int) -> bool:
@@ -129,7 +129,7 @@ def port_binds(address: str, port: int) -> bool:
 def reserve_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str, group_name: str) -> int:
     """Reserve and return a free master port on this host; PortAllocationError if the range is exhausted."""
     host = config.host_name
-    for port in range(config.comm_base_port, config.comm_max_port + 1):
+    for port in range(config.sync.comm_base_port, config.sync.comm_max_port + 1):
         key = keys.port_reservation(host, port)
         if not client.set(key, group_name, nx=True, ex=PORT_RESERVATION_TTL_SECONDS):
             continue
@@ -190,7 +190,7 @@ def group_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str,
     A recorded port is re-checked for binding only while `port_checked` is "0" (the delivery that reserved it
     died before checking). Once checked it is returned as is: the trainer may already be listening on it."""
     record = keys.group(group_name)
-    for _ in range(config.comm_max_port - config.comm_base_port + 2):
+    for _ in range(config.sync.comm_max_port - config.sync.comm_base_port + 2):
         recorded, checked = client.hmget(record, ["master_port", "port_checked"])
         if recorded is None:
             return _reserve_into(client, keys, config, address, group_name, ttl)
@@ -207,7 +207,7 @@ def group_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str,
 def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: str, group_name: str, ttl: int) -> int:
     """`reserve_port`, recording the port in the group's record in the same Lua script that reserves it."""
     host, record = config.host_name, keys.group(group_name)
-    for port in range(config.comm_base_port, config.comm_max_port + 1):
+    for port in range(config.sync.comm_base_port, config.sync.comm_max_port + 1):
         key = keys.port_reservation(host, port)
         got = int(scripts.RESERVE_PORT(client, [key, record], [group_name, port, ttl]))
         if got > 0:  # another delivery of this request recorded one meanwhile
@@ -223,7 +223,7 @@ def _reserve_into(client: redis.Redis, keys: Keys, config: DCSConfig, address: s
 
 def _exhausted(config: DCSConfig, address: str) -> PortAllocationError:
     return PortAllocationError(
-        f"no free master port in {config.comm_base_port}-{config.comm_max_port} on host {config.host_name} "
+        f"no free master port in {config.sync.comm_base_port}-{config.sync.comm_max_port} on host {config.host_name} "
         f"({address}): every port is reserved in Redis or bound; destroy idle groups or widen "
         "DCS_COMM_BASE_PORT/DCS_COMM_MAX_PORT"
     )

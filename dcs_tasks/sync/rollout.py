@@ -337,10 +337,12 @@ class RolloutUpdater:
         engine or a refused API key raises at once."""
         config = self.bootstrapper.config
         last: WeightSyncError | None = None
-        for attempt in range(config.max_retries + 1):
+        for attempt in range(config.task.max_retries + 1):
             if attempt:
                 await asyncio.sleep(
-                    backoff_delay(attempt - 1, config.retry_delay_seconds, config.retry_backoff_max_seconds, "none")
+                    backoff_delay(
+                        attempt - 1, config.task.retry_delay_seconds, config.task.retry_backoff_max_seconds, "none"
+                    )
                 )
             try:
                 return await all_or_first_error(*(self.engines.probe(e, PROBE_TIMEOUT_SECONDS) for e in endpoints))
@@ -349,7 +351,9 @@ class RolloutUpdater:
             except WeightSyncError as exc:
                 last = exc
         assert last is not None
-        raise GroupInitError(f"group formation failed after {config.max_retries + 1} attempts: {last}", last.member)
+        raise GroupInitError(
+            f"group formation failed after {config.task.max_retries + 1} attempts: {last}", last.member
+        )
 
     async def _drop_group(self) -> None:
         group, self.group = self.group, None

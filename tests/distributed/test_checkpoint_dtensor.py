@@ -243,7 +243,7 @@ def holders(config: DCSConfig, run: str, step: int, world: int) -> dict[str, lis
     """Tensor name -> the saving ranks whose manifest of `step` holds it."""
     found: dict[str, list[int]] = {}
     for r in range(world):
-        path = Path(config.checkpoint_dir) / run / f"rank-{r:05d}" / f"step-{step:09d}" / "manifest.json"
+        path = Path(config.checkpoint.dir) / run / f"rank-{r:05d}" / f"step-{step:09d}" / "manifest.json"
         for name in json.loads(path.read_text())["tensors"]:
             found.setdefault(name, []).append(r)
     return found
@@ -293,7 +293,7 @@ def test_an_unchanged_dtensor_step_refers_to_the_earlier_files_and_restores_thro
     job = {"action": "save", "run": "same", "mesh": [4], "layout": "fsdp", "steps": [10, 20], "data_step": 10}
     run_group(config, tmp_path, "save", 4, **job)
     for r in range(4):
-        manifest = Path(config.checkpoint_dir) / "same" / f"rank-{r:05d}" / "step-000000020" / "manifest.json"
+        manifest = Path(config.checkpoint.dir) / "same" / f"rank-{r:05d}" / "step-000000020" / "manifest.json"
         files = json.loads(manifest.read_text())["files"]
         assert files and all(f.get("source_step") == 10 for f in files), (r, files)
     # the newest step (20, all references) restored on 3 ranks as Shard(0) and Shard(1): chunk reads follow them
@@ -337,7 +337,7 @@ def test_a_rank_killed_mid_save_leaves_the_step_out(config: DCSConfig, tmp_path:
 
 def test_a_flipped_byte_fails_only_reads_of_its_chunk(config: DCSConfig, tmp_path: Path) -> None:
     run_group(config, tmp_path, "save", 2, action="save", run="flip", mesh=[2], layout="fsdp", steps=[10, 20])
-    step_dir = Path(config.checkpoint_dir) / "flip" / "rank-00001" / "step-000000020"
+    step_dir = Path(config.checkpoint.dir) / "flip" / "rank-00001" / "step-000000020"
     entry = json.loads((step_dir / "manifest.json").read_text())["tensors"]["model/w"]
     with (step_dir / entry["file"]).open("r+b") as f:  # a byte in chunk 1 of rank 1's shard of w
         f.seek(entry["offsets"][0] + SUM_CHUNK_BYTES + 5)

@@ -113,7 +113,7 @@ def run_group(config: DCSConfig, tmp_path: Path, tag: str, world: int, action: s
 def test_saved_at_4_ranks_loads_resharded_at_2(dcs_config: DCSConfig, tmp_path: Path) -> None:
     config = ckpt_config(dcs_config, tmp_path)
     run_group(config, tmp_path, "save", 4, "save")
-    run_dir = Path(config.checkpoint_dir) / "dcp"
+    run_dir = Path(config.checkpoint.dir) / "dcp"
     manifests = [
         json.loads((run_dir / f"rank-{r:05d}" / "step-000000040" / "manifest.json").read_text()) for r in range(4)
     ]

@@ -93,8 +93,8 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
             "retry_delay_seconds": 0.2,
         }
     )
-    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-    keys = Keys(config.namespace)
+    client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+    keys = Keys(config.redis.namespace)
     host = config.host_name
     coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
     config = config.model_copy(update={"coordinator_url": coordinator.url})
@@ -174,8 +174,8 @@ def _request(request_id: str, engines: int = 2) -> BootstrapRequest:
 def test_a_bootstrap_delivered_again_returns_the_same_group_and_sends_no_join_twice(dcs_config: DCSConfig) -> None:
     base = free_port_block(4)
     config = dcs_config.model_copy(update={"comm_base_port": base, "comm_max_port": base + 3})
-    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-    keys, host = Keys(config.namespace), config.host_name
+    client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+    keys, host = Keys(config.redis.namespace), config.host_name
     sent: list[tuple[str, JoinRequest]] = []
 
     def send(task_id: str, join: JoinRequest) -> None:
@@ -202,8 +202,8 @@ def test_a_delivery_killed_before_checking_its_port_leaves_it_to_the_next(
 ) -> None:
     base = free_port_block(3)
     config = dcs_config.model_copy(update={"comm_base_port": base, "comm_max_port": base + 2})
-    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-    keys, host = Keys(config.namespace), config.host_name
+    client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+    keys, host = Keys(config.redis.namespace), config.host_name
     sent: list[JoinRequest] = []
 
     def killed(address: str, port: int) -> bool:
@@ -225,8 +225,8 @@ def test_a_delivery_killed_before_checking_its_port_leaves_it_to_the_next(
 def test_destroy_ends_the_lifecycle_once_and_a_failed_bootstrap_is_destroyed(dcs_config: DCSConfig) -> None:
     base = free_port_block(2)
     config = dcs_config.model_copy(update={"comm_base_port": base, "comm_max_port": base + 1})
-    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-    keys, host = Keys(config.namespace), config.host_name
+    client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+    keys, host = Keys(config.redis.namespace), config.host_name
     group = bootstrap(client, keys, config, _request("req-1", engines=1), "req-1", lambda *_: None)
     record = keys.group(group.group_name)
     assert client.hget(record, "status") == "bootstrapping"
@@ -251,8 +251,8 @@ async def test_a_bootstrap_the_trainer_gave_up_on_is_dropped_not_run(dcs_config:
     """No worker while the trainer waits: its bootstrap expires with the wait, so the worker started later
     drops it (no epoch drawn, no port reserved, no join sent) instead of forming a group nobody uses."""
     config = dcs_config.model_copy(update={"group_init_timeout_seconds": 3.0, "max_retries": 0})
-    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-    keys, host = Keys(config.namespace), config.host_name
+    client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+    keys, host = Keys(config.redis.namespace), config.host_name
     coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
     config = config.model_copy(update={"coordinator_url": coordinator.url})
     receiver = ReceiverProcess(config, coordinator.url, 0, tmp_path / "receiver.log")

@@ -177,9 +177,9 @@ def _alive(pid: int) -> bool:
 
 def _presence(ckpt: Checkpointer) -> bool:
     """Whether a live worker announces itself on this host's node queue (what `save()` checks first)."""
-    client = redis.Redis.from_url(ckpt.config.redis_url)
+    client = redis.Redis.from_url(ckpt.config.redis.url)
     try:
-        return bool(client.exists(Keys(ckpt.config.namespace).worker_presence(node_queue(ckpt.config.host_name))))
+        return bool(client.exists(Keys(ckpt.config.redis.namespace).worker_presence(node_queue(ckpt.config.host_name))))
     except redis.RedisError:
         return False
     finally:

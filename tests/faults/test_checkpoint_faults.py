@@ -71,13 +71,13 @@ def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tm
     try:
         with Checkpointer("dup", config) as ckpt:
             info = ckpt.save(training_state(), step=3).wait(60)
-            token = StepLedger(make_redis(config), Keys(config.namespace)).read("dup", 3).token
+            token = StepLedger(make_redis(config), Keys(config.redis.namespace)).read("dup", 3).token
             before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in info.path.iterdir()}
             manifest = load_manifest(info.path)
             for tok in (token, "0" * 32):  # a duplicate of this save, and a stale task of another attempt
                 ref = StepRef(run="dup", step=3, token=tok, step_dir=str(info.path))
                 for f in manifest.files:
-                    gone = str(Path(config.staging_dir) / f"dcs-{config.namespace}-dup-1-0123abcd-0.stage")
+                    gone = str(Path(config.host.staging_dir) / f"dcs-{config.redis.namespace}-dup-1-0123abcd-0.stage")
                     req = PersistRequest(ref=ref, file_name=f.name, staging_path=gone, offset=0, length=f.size)
                     answer = app.send_task(TaskName.PERSIST.value, args=[req.model_dump(mode="json")], queue=queue)
                     assert answer.get(timeout=30) in ("done", "stale")
@@ -92,7 +92,7 @@ def test_duplicate_and_stale_deliveries_change_nothing(dcs_config: DCSConfig, tm
 
 
 def make_redis(config: DCSConfig) -> redis.Redis:
-    return redis.Redis.from_url(config.redis_url, decode_responses=True)
+    return redis.Redis.from_url(config.redis.url, decode_responses=True)
 
 
 def _draft(run: str, step: int, created_at: float) -> Any:
@@ -106,7 +106,7 @@ def test_a_save_whose_trainer_died_before_sending_is_taken_over_later(dcs_config
     finish it: a re-save of that step is refused while such an attempt could still be alive, and takes it
     over once it cannot (it was stuck for the 7-day ledger TTL before)."""
     config = ckpt_config(dcs_config, tmp_path)
-    book = StepLedger(make_redis(config), Keys(config.namespace))
+    book = StepLedger(make_redis(config), Keys(config.redis.namespace))
     age = config.abandoned_save_seconds()
     assert book.begin("died", 5, "a" * 32, 1, _draft("died", 5, time.time() - 60), age).value == "write"
     assert book.begin("died", 6, "b" * 32, 1, _draft("died", 6, time.time() - age - 60), age).value == "write"
@@ -125,7 +125,7 @@ def test_a_save_whose_trainer_died_before_sending_is_taken_over_later(dcs_config
 def test_an_abandoned_attempt_fails_and_frees_its_step(dcs_config: DCSConfig) -> None:
     """What the trainer does when it cannot send every persist task: the step fails with the reason and can
     be saved again at once; a stale token cannot abandon a newer attempt."""
-    book = StepLedger(make_redis(dcs_config), Keys(dcs_config.namespace))
+    book = StepLedger(make_redis(dcs_config), Keys(dcs_config.redis.namespace))
     age = dcs_config.abandoned_save_seconds()
     assert book.begin("send", 1, "a" * 32, 2, _draft("send", 1, time.time()), age).value == "write"
     assert book.abandon("send", 1, "z" * 32, "not mine").value == "stale"

@@ -49,7 +49,7 @@ def test_kill_9_mid_replication_is_redelivered_and_no_half_copy_is_a_step(
     verify_step(target, manifest)
     assert sorted(p.name for p in target.iterdir()) == sorted([*(f.name for f in manifest.files), "manifest.json"])
     assert read_latest(replica / "crash") == 1
-    shutil.rmtree(Path(config.checkpoint_dir) / "crash" / step_dir_name(1))
+    shutil.rmtree(Path(config.checkpoint.dir) / "crash" / step_dir_name(1))
     with Checkpointer("crash", config) as ckpt:
         restored = ckpt.restore()
     assert restored.location == "replica"

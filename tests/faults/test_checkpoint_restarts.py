@@ -49,7 +49,7 @@ def test_sigterm_mid_write_then_new_worker_completes_the_save(dcs_config: DCSCon
 def test_kill_9_of_the_whole_worker_then_new_worker_completes_the_save(dcs_config: DCSConfig, tmp_path: Path) -> None:
     # default visibility timeout (600 s): the replacement takes back the dead worker's unacked tasks at start-up
     config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=MiB)
-    assert config.visibility_timeout_seconds >= 600
+    assert config.task.visibility_timeout_seconds >= 600
     state = training_state(width=400)
     worker = start_worker(config, tmp_path, name="first")
     with Checkpointer("dead", config) as ckpt:
@@ -79,7 +79,7 @@ def test_close_before_the_save_is_durable_keeps_its_staging_and_the_save_commits
     try:
         ckpt = Checkpointer("last", config)
         pending = ckpt.save(state, step=7)
-        staged = list(Path(config.staging_dir).glob("dcs-*last*"))
+        staged = list(Path(config.host.staging_dir).glob("dcs-*last*"))
         assert staged, "the save was staged in /dev/shm"
         assert ckpt.close(timeout=0.2) == (7,)
         assert all(p.exists() for p in staged), "close() deleted staging a worker still needs"

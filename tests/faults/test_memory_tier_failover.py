@@ -35,7 +35,7 @@ def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
 
 
 def _incoming(config: DCSConfig) -> list[Path]:
-    root = Path(config.memory_dir)
+    root = Path(config.host.memory_dir)
     return list(root.rglob(f"{stepfiles.INCOMING_PREFIX}*")) if root.is_dir() else []
 
 

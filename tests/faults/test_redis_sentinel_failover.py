@@ -107,7 +107,7 @@ def _commits_written(config: DCSConfig) -> list[int]:
 def _diagnostics(config: DCSConfig, worker: WorkerProcess) -> str:
     """What a failed wait after the failover needs to be understood: the ledger, the queues and the worker's log."""
     client = sync_client(config)
-    book = StepLedger(client, Keys(config.namespace))
+    book = StepLedger(client, Keys(config.redis.namespace))
     ledger = {step: getattr(book.read("ha", step), "status", None) for step in (1, 2, 3)}
     queues = {key: client.llen(key) for key in client.scan_iter("dcs.*") if client.type(key) == "list"}
     unacked = client.hlen("unacked") if client.exists("unacked") else 0
@@ -169,7 +169,7 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         # topology and the committed ledger survived on the promoted replica
         topo = await _topology(api, timeout=15)
         assert sorted(topo.nodes["actor"]) == [0, 1]
-        book = StepLedger(sync_client(ha_config), Keys(ha_config.namespace))
+        book = StepLedger(sync_client(ha_config), Keys(ha_config.redis.namespace))
         assert book.read("ha", 1).status is StepStatus.COMMITTED
         step2_after_failover = book.read("ha", 2).status  # None: the save's begin was lost with the old master
 
@@ -193,7 +193,9 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
         def worker_present() -> bool:
             client = sync_client(ha_config, socket_timeout=2)
             try:
-                return bool(client.exists(Keys(ha_config.namespace).worker_presence(node_queue(ha_config.host_name))))
+                return bool(
+                    client.exists(Keys(ha_config.redis.namespace).worker_presence(node_queue(ha_config.host_name)))
+                )
             finally:
                 client.close()
 
@@ -212,7 +214,7 @@ async def test_master_killed_mid_save_failover_keeps_state_and_everything_resume
     if outcome != "DCSTimeoutError":  # a timed-out save may still commit later, once
         assert (2 in committed) == (outcome == "committed"), (outcome, committed)
     for step in committed:  # each committed step has its manifest, written by exactly one commit task
-        assert (Path(ha_config.checkpoint_dir) / "ha" / step_dir_name(step) / "manifest.json").is_file()
+        assert (Path(ha_config.checkpoint.dir) / "ha" / step_dir_name(step) / "manifest.json").is_file()
     written = _commits_written(ha_config)
     assert len(written) == len(set(written)), (written, worker.log_tail())  # no step committed twice
     assert set(written) <= set(committed), (written, committed)
@@ -247,7 +249,7 @@ async def test_password_protected_sentinel_deployment_serves_every_dcs_client(tm
             with Checkpointer("pw", config) as ckpt:
                 info = await asyncio.to_thread(lambda: ckpt.save(training_state(), step=1).wait(30))
             assert info.step == 1
-            assert cluster.master().exists(Keys(config.namespace).worker_presence("dcs.node.testhost"))
+            assert cluster.master().exists(Keys(config.redis.namespace).worker_presence("dcs.node.testhost"))
         finally:
             await asyncio.to_thread(worker.terminate)
             coordinator.stop()

@@ -109,7 +109,7 @@ class WorkerProcess(DcsProcess):
 
     def wait_ready(self, timeout: float) -> None:
         client = sync_client(self.config)  # a plain or a Sentinel URL
-        key = Keys(self.config.namespace).worker_presence(node_queue(self.config.host_name))
+        key = Keys(self.config.redis.namespace).worker_presence(node_queue(self.config.host_name))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

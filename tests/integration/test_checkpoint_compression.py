@@ -76,7 +76,7 @@ def config(golden: Path, tmp_path: Path) -> DCSConfig:
 
 
 def step_dir(config: DCSConfig, step: int) -> Path:
-    return Path(config.checkpoint_dir) / RUN / f"step-{step:09d}"
+    return Path(config.checkpoint.dir) / RUN / f"step-{step:09d}"
 
 
 def test_compressed_steps_restore_bit_exact_everywhere(config: DCSConfig, tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ def config(golden: Golden, tmp_path: Path) -> DCSConfig:
 
 
 def step_dir(config: DCSConfig, step: int, run: str = RUN, rank: int | None = None) -> Path:
-    run_dir = Path(config.checkpoint_dir) / run
+    run_dir = Path(config.checkpoint.dir) / run
     if rank is not None:
         run_dir = run_dir / f"rank-{rank:05d}"
     return run_dir / f"step-{step:09d}"
@@ -328,15 +328,15 @@ def test_gc_does_not_follow_a_symlinked_run_directory(config: DCSConfig, tmp_pat
     it in one line and deletes nothing there, as the worker's retention does."""
     run = MULTI if rank is not None else RUN
     outside = tmp_path / "outside-run"
-    shutil.move(Path(config.checkpoint_dir) / run, outside)
-    (Path(config.checkpoint_dir) / run).symlink_to(outside)
+    shutil.move(Path(config.checkpoint.dir) / run, outside)
+    (Path(config.checkpoint.dir) / run).symlink_to(outside)
     before = sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))
     extra = ("--rank", str(rank)) if rank is not None else ()
     done = dcs_ckpt(config, "gc", "--run", run, "--keep-last", "1", *extra)
     assert done.returncode == 2 and "is a symlink: not followed" in done.stderr, done.stdout + done.stderr
     assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
     with pytest.raises(UntrustedPath, match="is a symlink"):
-        apply_retention(Path(config.checkpoint_dir) / run, RetentionPolicy(keep_last=1), set())
+        apply_retention(Path(config.checkpoint.dir) / run, RetentionPolicy(keep_last=1), set())
     assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
 
 

@@ -66,11 +66,11 @@ def test_import_dcp_single_process_restores_bit_exact(dcs_config: DCSConfig, tmp
     done = dcs_ckpt(config, "import", "--run", "fromdcp", "--step", "5", "--from", str(source), "--format", "dcp")
     assert done.returncode == 0, done.stderr
     assert dcs_ckpt(config, "verify", "--run", "fromdcp").stdout.strip() == "step 5: ok"
-    run_dir = Path(config.checkpoint_dir) / "fromdcp"
+    run_dir = Path(config.checkpoint.dir) / "fromdcp"
     assert (run_dir / "latest").read_text().strip() == "step-000000005"
     client = sync_client(config)
     try:
-        assert StepLedger(client, Keys(config.namespace)).read("fromdcp", 5).status is StepStatus.COMMITTED
+        assert StepLedger(client, Keys(config.redis.namespace)).read("fromdcp", 5).status is StepStatus.COMMITTED
     finally:
         client.close()
     with Checkpointer("fromdcp", config) as ckpt:
@@ -215,7 +215,7 @@ def test_import_refuses_hostile_dcp_metadata(dcs_config: DCSConfig, tmp_path: Pa
     (good / ".metadata").write_bytes(pickle.dumps(metadata))
     done = dcs_ckpt(config, "import", "--run", "evil", "--step", "1", "--from", str(good), "--format", "dcp")
     assert done.returncode == 1 and "'../evil/__0_0.distcp', not a file here" in done.stderr
-    assert not (Path(config.checkpoint_dir) / "evil").exists()
+    assert not (Path(config.checkpoint.dir) / "evil").exists()
 
 
 def test_import_refuses_hostile_hf_dirs(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_import_refuses_hostile_hf_dirs(dcs_config: DCSConfig, tmp_path: Path) -
     assert done.returncode == 1 and "header length" in done.stderr
     done = dcs_ckpt(config, "import", "--run", "h", "--step", "1", "--from", str(tmp_path / "nope"), "--format", "hf")
     assert done.returncode == 1 and "is not a directory" in done.stderr
-    assert not (Path(config.checkpoint_dir) / "h").exists()
+    assert not (Path(config.checkpoint.dir) / "h").exists()
 
 
 def test_list_of_a_run_that_does_not_exist_is_an_error(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -285,19 +285,19 @@ def test_import_obeys_the_ledger_and_needs_redis(dcs_config: DCSConfig, tmp_path
     client = sync_client(config)
     try:
         draft = ManifestDraft(run="busy", step=2, tensors={}, structure={"k": "v", "v": None}, created_at=time.time())
-        ledger = StepLedger(client, Keys(config.namespace))
+        ledger = StepLedger(client, Keys(config.redis.namespace))
         assert ledger.begin("busy", 2, "trainer-token", 1, draft, abandoned_after=600).value == "write"
         done = dcs_ckpt(config, "import", "--run", "busy", "--step", "2", "--from", str(source), "--format", "dcp")
         assert done.returncode == 1 and "step 2 of run 'busy' is being saved right now" in done.stderr
         assert ledger.read("busy", 2).token == "trainer-token"  # the trainer's attempt is untouched
     finally:
         client.close()
-    assert not (Path(config.checkpoint_dir) / "busy" / "step-000000002").exists()
+    assert not (Path(config.checkpoint.dir) / "busy" / "step-000000002").exists()
 
     offline = config.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
     done = dcs_ckpt(offline, "import", "--run", "off", "--step", "1", "--from", str(source), "--format", "dcp")
     assert done.returncode == 1 and "needs the Redis ledger" in done.stderr
-    assert not (Path(config.checkpoint_dir) / "off").exists()
+    assert not (Path(config.checkpoint.dir) / "off").exists()
 
 
 def test_a_failed_import_is_failed_in_the_ledger_and_can_be_retried(dcs_config: DCSConfig, tmp_path: Path) -> None:
@@ -305,7 +305,7 @@ def test_a_failed_import_is_failed_in_the_ledger_and_can_be_retried(dcs_config: 
     source = tmp_path / "dcp"
     state = {"model": {"w": torch.arange(6.0)}, "step": 4}
     dcp.save(state, checkpoint_id=str(source), no_dist=True)
-    blocker = Path(config.checkpoint_dir) / "retry" / "step-000000004"
+    blocker = Path(config.checkpoint.dir) / "retry" / "step-000000004"
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a directory")  # the step's files cannot be written: the import fails mid-way
     args = ("import", "--run", "retry", "--step", "4", "--from", str(source), "--format", "dcp")
@@ -313,7 +313,7 @@ def test_a_failed_import_is_failed_in_the_ledger_and_can_be_retried(dcs_config: 
     assert done.returncode == 1 and "Not a directory" in done.stderr
     client = sync_client(config)
     try:
-        failed = StepLedger(client, Keys(config.namespace)).read("retry", 4)
+        failed = StepLedger(client, Keys(config.redis.namespace)).read("retry", 4)
         assert failed.status is StepStatus.FAILED and "import failed" in failed.reason
     finally:
         client.close()
@@ -376,5 +376,5 @@ def test_a_sparse_hf_file_is_imported_without_growing_shared_memory(
         sampler.join()
     assert code == 0
     assert peak[0] < 16 << 20, f"the import held {peak[0] >> 20} MiB of shared memory"
-    step_dir = Path(config.checkpoint_dir) / "sparse" / "step-000000001"
+    step_dir = Path(config.checkpoint.dir) / "sparse" / "step-000000001"
     assert (step_dir / "manifest.json").is_file() and not [p for p in step_dir.iterdir() if p.name.startswith("tmp")]

@@ -89,7 +89,7 @@ def test_frozen_files_are_written_once_and_every_reader_follows_the_reference(
         assert_same_state(saved[4], ckpt.restore(into=finetune_state()).state)
     with Checkpointer("full", config.model_copy(update={"incremental_saves": False}), celery_app=committer) as ckpt:
         save_steps(ckpt, state, range(1, 4))
-    run_dir = config.checkpoint_dir / "ft"
+    run_dir = config.checkpoint.dir / "ft"
     # save 1: no earlier step; save 2: the adapters were seen changing, so the layout moved them apart
     assert all(f.source_step is None for s in (1, 2) for f in manifest_of(run_dir, s).files)
     for step in (3, 4):
@@ -104,7 +104,7 @@ def test_frozen_files_are_written_once_and_every_reader_follows_the_reference(
         assert all(refs[f] is None for f in refs if f not in frozen)
         on_disk = sum(p.stat().st_size for p in (run_dir / f"step-{step:09d}").glob("*.safetensors"))
         assert on_disk < 0.15 * manifest.total_bytes, (on_disk, manifest.total_bytes)
-    assert all(f.source_step is None for s in (1, 2, 3) for f in manifest_of(config.checkpoint_dir / "full", s).files)
+    assert all(f.source_step is None for s in (1, 2, 3) for f in manifest_of(config.checkpoint.dir / "full", s).files)
     done = dcs_ckpt(config, "verify", "--run", "ft")
     assert done.returncode == 0 and "step 4: ok" in done.stdout, done.stderr
     listed = dcs_ckpt(config, "list", "--run", "ft").stdout
@@ -132,7 +132,7 @@ def test_two_ranks_save_incrementally_and_restore_at_one(served: DCSConfig, comm
     with Checkpointer("mr", config) as single:
         assert_same_state(states[0], single.restore().state)
     for rank in range(2):
-        manifest = manifest_of(config.checkpoint_dir / "mr" / f"rank-{rank:05d}", 3)
+        manifest = manifest_of(config.checkpoint.dir / "mr" / f"rank-{rank:05d}", 3)
         assert {f.source_step for f in manifest.files} == {None, 2}
 
 
@@ -150,7 +150,7 @@ def test_a_corrupt_or_missing_shared_file_fails_every_step_using_it(
     config = served
     with Checkpointer("bad", config, celery_app=committer) as ckpt:
         saved = save_steps(ckpt, finetune_state(), range(1, 5))
-        run_dir = config.checkpoint_dir / "bad"
+        run_dir = config.checkpoint.dir / "bad"
         shared = next(f for f in manifest_of(run_dir, 4).files if f.source_step == 2)
         held = run_dir / "step-000000002" / shared.name
         _flip_byte(held, shared.size - 1)
@@ -170,7 +170,7 @@ def test_a_corrupt_or_missing_shared_file_fails_every_step_using_it(
 def test_retention_keeps_what_kept_steps_use_across_kill_9(dcs_config: DCSConfig, tmp_path: Path) -> None:
     config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=MiB, keep_last=1)
     worker = start_worker(config, tmp_path, concurrency=1)
-    run_dir = config.checkpoint_dir / "keep"
+    run_dir = config.checkpoint.dir / "keep"
     state = finetune_state()
     try:
         with Checkpointer("keep", config) as ckpt:

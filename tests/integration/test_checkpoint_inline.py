@@ -73,7 +73,7 @@ def test_an_inline_committer_replicates_and_prunes_the_replica(dcs_config: DCSCo
             replica_run = tmp_path / "replica" / "copied"
             assert [s for s, _ in step_dirs(replica_run)] == [2, 3]
             assert (replica_run / "latest").read_text().strip() == "step-000000003"
-            shutil.rmtree(Path(config.checkpoint_dir) / "copied" / "step-000000003")
+            shutil.rmtree(Path(config.checkpoint.dir) / "copied" / "step-000000003")
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (3, "replica")
             assert_same_state(state, restored.state)
@@ -101,9 +101,9 @@ def test_an_inline_committer_keeps_steps_in_memory_flushes_every_nth_and_replica
         with Checkpointer("tiered", config, celery_app=inline) as ckpt:
             for step, state in states.items():
                 info = ckpt.save(state, step=step).wait(timeout=30)
-                assert info.path == Path(config.memory_dir) / "tiered" / f"step-{step:09d}"
+                assert info.path == Path(config.host.memory_dir) / "tiered" / f"step-{step:09d}"
             inline.drain(timeout=60)  # the flush of step 2 and its replica
-            assert [s for s, _ in step_dirs(Path(config.checkpoint_dir) / "tiered")] == [2]
+            assert [s for s, _ in step_dirs(Path(config.checkpoint.dir) / "tiered")] == [2]
             assert [s for s, _ in step_dirs(tmp_path / "replica" / "tiered")] == [2]
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (3, "memory")

@@ -42,7 +42,7 @@ def client(dcs_config: DCSConfig) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def keys(dcs_config: DCSConfig) -> Keys:
-    return Keys(dcs_config.namespace)
+    return Keys(dcs_config.redis.namespace)
 
 
 @pytest.fixture

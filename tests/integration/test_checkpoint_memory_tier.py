@@ -57,19 +57,19 @@ def memory_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConfi
 
 
 def memory_steps(config: DCSConfig, run: str, rank: int | None = None) -> list[int]:
-    run_dir = Path(config.memory_dir) / run
+    run_dir = Path(config.host.memory_dir) / run
     return [s for s, _ in step_dirs(run_dir / rank_dir_name(rank) if rank is not None else run_dir)]
 
 
 def storage_steps(config: DCSConfig, run: str, rank: int | None = None) -> list[int]:
-    run_dir = Path(config.checkpoint_dir) / run
+    run_dir = Path(config.checkpoint.dir) / run
     return [s for s, _ in step_dirs(run_dir / rank_dir_name(rank) if rank is not None else run_dir)]
 
 
 def places(config: DCSConfig, run: str) -> dict[tuple[int, int], set[str]]:
     client = sync_client(config)
     try:
-        return stepplaces.Places(client, Keys(config.namespace)).read(run)
+        return stepplaces.Places(client, Keys(config.redis.namespace)).read(run)
     finally:
         client.close()
 
@@ -88,12 +88,12 @@ def test_steps_commit_in_memory_and_every_nth_reaches_storage(
                 info = pendings[step].wait(timeout=120)
                 assert step in memory_steps(config, "mem")  # restorable from memory once the save completes
                 # what completed is the memory copy (a durable step's storage copy may not be there yet)
-                assert info.path == Path(config.memory_dir) / "mem" / step_dir_name(step) and not info.removed
+                assert info.path == Path(config.host.memory_dir) / "mem" / step_dir_name(step) and not info.removed
             wait_until(lambda: storage_steps(config, "mem") == [4, 8], 120, "steps 4 and 8 in storage")
             # the newest two stay; older ones leave once step 8, newer and in storage, covers them
             wait_until(lambda: memory_steps(config, "mem") == [7, 8], 60, "memory to hold steps 7 and 8")
             info = pendings[4].wait(timeout=10)  # gone from memory: its storage copy answers
-            assert info.path == Path(config.checkpoint_dir) / "mem" / step_dir_name(4) and not info.removed
+            assert info.path == Path(config.checkpoint.dir) / "mem" / step_dir_name(4) and not info.removed
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (8, "memory")
             assert_same_state(restored.state, states[8])
@@ -177,7 +177,7 @@ def test_a_restarted_worker_finds_its_memory_steps_again(dcs_config: DCSConfig, 
                 ckpt.save(state, step=step).wait(timeout=120)
         worker.kill()  # kill -9: tmpfs keeps the steps
         client = sync_client(config)
-        client.delete(Keys(config.namespace).step_places("restart"))  # Redis lost where they live
+        client.delete(Keys(config.redis.namespace).step_places("restart"))  # Redis lost where they live
         client.close()
         worker = start_worker(config, tmp_path, name="worker2")
         wait_until(lambda: (2, 0) in places(config, "restart"), 60, "the restarted worker to record step 2 again")
@@ -264,7 +264,7 @@ def host_config(base: DCSConfig, tmp_path: Path, host: str, **overrides: Any) ->
 def registered(config: DCSConfig) -> set[str]:
     client = sync_client(config)
     try:
-        return set(peerchoice.peers(client, Keys(config.namespace)))
+        return set(peerchoice.peers(client, Keys(config.redis.namespace)))
     finally:
         client.close()
 
@@ -334,7 +334,7 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
             ckpt.save(states[1], step=1).wait(timeout=120)
             restored = ckpt.restore()
             assert (restored.step, restored.location) == (1, "memory")
-            assert str(Path(config.memory_dir) / "lent" / "step-000000001") in _mapped_files()
+            assert str(Path(config.host.memory_dir) / "lent" / "step-000000001") in _mapped_files()
             assert_same_state(restored.state, states[1])
             weight = restored.state["model"]["0.weight"]
             before = weight.clone()
@@ -400,7 +400,7 @@ def test_a_sealed_memory_step_is_not_hashed_again_and_any_later_change_is_still_
         with Checkpointer("sealed", config, celery_app=committer) as ckpt:
             for step, state in states.items():
                 ckpt.save(state, step=step).wait(timeout=120)
-            step_dir = Path(config.memory_dir) / "sealed" / "step-000000002"
+            step_dir = Path(config.host.memory_dir) / "sealed" / "step-000000002"
             files = sorted(p.name for p in step_dir.glob("*.safetensors"))
             assert len(files) > 1 and sorted(read_seals(step_dir)) == files
             assert all((step_dir / name).stat().st_mode & 0o777 == 0o444 for name in files)
@@ -430,7 +430,7 @@ def test_memory_restore_verify_hash_hashes_every_file_and_a_bad_seal_record_only
     try:
         with Checkpointer("hashed", config, celery_app=committer) as ckpt:
             ckpt.save(state, step=1).wait(timeout=120)
-        step_dir = Path(config.memory_dir) / "hashed" / "step-000000001"
+        step_dir = Path(config.host.memory_dir) / "hashed" / "step-000000001"
         files = sorted(p.name for p in step_dir.glob("*.safetensors"))
         hashed = _count_hashes(monkeypatch)
         with Checkpointer(

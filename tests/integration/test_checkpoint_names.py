@@ -99,7 +99,7 @@ def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
     dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path)
-    staging = Path(config.staging_dir)
+    staging = Path(config.host.staging_dir)
     for run in BAD_RUNS:
         with pytest.raises(CheckpointError, match="run name"):
             Checkpointer(run, config)
@@ -108,16 +108,16 @@ def test_checkpointer_refuses_bad_runs_and_steps_before_touching_anything(
         with pytest.raises(CheckpointError):
             Checkpointer("exp", config, **kwargs)
     committer = inline(config)
-    client = redis.Redis.from_url(config.redis_url)
+    client = redis.Redis.from_url(config.redis.url)
     try:
         with Checkpointer("exp", config, celery_app=committer) as ckpt:
             state = training_state()
             for step in BAD_STEPS:
                 with pytest.raises(CheckpointError, match=rf"step must be an integer >= 0, not .*{step!r}"):
                     ckpt.save(state, step=step)
-            keys = Keys(config.namespace)
+            keys = Keys(config.redis.namespace)
             assert not client.exists(keys.ckpt_inflight("exp"), *(keys.ckpt_state("exp", s) for s in (-1, 0, 1)))
-            assert not (Path(config.checkpoint_dir) / "exp").exists()
+            assert not (Path(config.checkpoint.dir) / "exp").exists()
             ckpt.save(state, step=0).wait(60)
             assert_same_state(state, ckpt.restore().state)
     finally:

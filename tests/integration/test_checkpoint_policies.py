@@ -50,7 +50,7 @@ def test_skip_policy_returns_a_skipped_handle_and_memory_stays_bounded(
             third.wait(60)
             assert [i.step for i in ckpt.list()] == [1, 3]
             assert ckpt.staging_buffers[0].view.data_ptr() == buf_ptr  # type: ignore[union-attr]  # reused, not reallocated
-            assert len(list(Path(config.staging_dir).glob("*.stage"))) == 1
+            assert len(list(Path(config.host.staging_dir).glob("*.stage"))) == 1
     finally:
         committer.close()
 
@@ -84,8 +84,8 @@ def test_a_save_whose_tasks_cannot_be_sent_fails_and_hands_its_buffer_back_once(
     broker = RedisServer(tmp_path / "broker", appendonly=False)  # not started yet: nothing listens on its port
     app = make_celery(config.model_copy(update={"redis_url": broker.url}))
     app.conf.update(task_publish_retry=False, result_backend=None)
-    presence = Keys(config.namespace).worker_presence(node_queue(config.host_name))
-    client = redis.Redis.from_url(config.redis_url)
+    presence = Keys(config.redis.namespace).worker_presence(node_queue(config.host_name))
+    client = redis.Redis.from_url(config.redis.url)
     client.set(presence, "1", ex=300)  # the persist tasks are never consumed: no worker is needed
     state = training_state()
     try:
@@ -127,7 +127,7 @@ def test_retention_keeps_last_and_every_nth(dcs_config: DCSConfig, tmp_path: Pat
 
 
 def _dcs(config: DCSConfig, *args: str) -> subprocess.CompletedProcess[str]:
-    workdir = Path(config.checkpoint_dir).parent / "cli-output"
+    workdir = Path(config.checkpoint.dir).parent / "cli-output"
     return run_module("dcs_tasks.cli.main", "ckpt", *args, workdir=workdir, env=child_env(config), timeout=120)
 
 
@@ -140,7 +140,7 @@ def test_cli_list_verify_inspect_gc(dcs_config: DCSConfig, tmp_path: Path, inlin
                 info = ckpt.save(training_state(seed=step), step=step, metadata={"s": step}).wait(60)
     finally:
         committer.close()
-    root = str(config.checkpoint_dir)
+    root = str(config.checkpoint.dir)
     listing = _dcs(config, "list", "--run", "cli", "--dir", root)
     assert listing.returncode == 0 and "20" in listing.stdout and "latest" in listing.stdout
     assert _dcs(config, "verify", "--run", "cli", "--dir", root).returncode == 0

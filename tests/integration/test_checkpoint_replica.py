@@ -45,25 +45,25 @@ def replica_config(base: DCSConfig, tmp_path: Path, **overrides: Any) -> DCSConf
 
 
 def replica_steps(config: DCSConfig, run: str) -> list[int]:
-    assert config.replica_dir is not None
-    return [s for s, _ in step_dirs(Path(config.replica_dir) / run)]
+    assert config.checkpoint.replica_dir is not None
+    return [s for s, _ in step_dirs(Path(config.checkpoint.replica_dir) / run)]
 
 
 def primary_steps(config: DCSConfig, run: str) -> list[int]:
-    return [s for s, _ in step_dirs(Path(config.checkpoint_dir) / run)]
+    return [s for s, _ in step_dirs(Path(config.checkpoint.dir) / run)]
 
 
 def save_and_replicate(ckpt: Checkpointer, config: DCSConfig, state: Any, step: int) -> Path:
     """Save `step`, wait for its commit and its replica; the replica's step directory."""
     ckpt.save(state, step=step).wait(timeout=120)
     wait_until(lambda: step in replica_steps(config, ckpt.run), 120, f"the replica of step {step}")
-    assert config.replica_dir is not None
-    return Path(config.replica_dir) / ckpt.run / step_dir_name(step)
+    assert config.checkpoint.replica_dir is not None
+    return Path(config.checkpoint.replica_dir) / ckpt.run / step_dir_name(step)
 
 
 def listing(config: DCSConfig, run: str) -> dict[int, str]:
     """step -> the rest of its `dcs ckpt list` line."""
-    done = dcs_ckpt(config, "list", "--run", run, "--replica-dir", str(config.replica_dir))
+    done = dcs_ckpt(config, "list", "--run", run, "--replica-dir", str(config.checkpoint.replica_dir))
     assert done.returncode == 0, done.stderr
     return {int(line.split()[0]): line for line in done.stdout.splitlines() if line.strip()}
 
@@ -78,7 +78,7 @@ def test_primary_step_deleted_restores_bit_exact_from_the_replica(
         with Checkpointer("rep", config, celery_app=committer) as ckpt:
             save_and_replicate(ckpt, config, first, 1)
             replica_dir = save_and_replicate(ckpt, config, second, 2)
-            primary_dir = Path(config.checkpoint_dir) / "rep" / step_dir_name(2)
+            primary_dir = Path(config.checkpoint.dir) / "rep" / step_dir_name(2)
             manifest = load_manifest(replica_dir)
             verify_step(replica_dir, manifest)
             for f in manifest.files:  # the same bytes as the primary's, wherever each lies (step 1 too)
@@ -114,11 +114,11 @@ def test_corrupt_primary_file_restores_the_same_step_from_the_replica(
             save_and_replicate(ckpt, config, second, 2)
     finally:
         committer.close()
-    victim = sorted((Path(config.checkpoint_dir) / "flip" / step_dir_name(2)).glob("*.safetensors"))[-1]
+    victim = sorted((Path(config.checkpoint.dir) / "flip" / step_dir_name(2)).glob("*.safetensors"))[-1]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40  # same size: only the checksum tells
     victim.write_bytes(bytes(data))
-    verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.replica_dir))
+    verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.checkpoint.replica_dir))
     assert verified.returncode == 1 and "step 2 (primary): BAD" in verified.stderr and victim.name in verified.stderr
     assert "step 2 (replica): ok" in verified.stdout
     with Checkpointer("flip", config) as ckpt, warnings.catch_warnings(record=True) as seen:
@@ -130,7 +130,7 @@ def test_corrupt_primary_file_restores_the_same_step_from_the_replica(
             "primary copy of step 2 is corrupt" in str(w.message) and victim.name in str(w.message) for w in seen
         )
     # the verified restore healed the primary file from the replica's bytes
-    verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.replica_dir))
+    verified = dcs_ckpt(config, "verify", "--run", "flip", "--replica-dir", str(config.checkpoint.replica_dir))
     assert verified.returncode == 0 and "step 2 (primary): ok" in verified.stdout, verified.stdout + verified.stderr
 
 
@@ -145,7 +145,7 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
     worker = WorkerProcess(config, tmp_path / "worker.log", env=prom).start()
     state = training_state(seed=4, width=256)
     app = make_celery(config)
-    ledger = StepLedger(sync_client(config), Keys(config.namespace))
+    ledger = StepLedger(sync_client(config), Keys(config.redis.namespace))
     try:
         with Checkpointer("ro", config) as ckpt:
             info = ckpt.save(state, step=1).wait(timeout=120)  # the commit and the trainer's save succeed
@@ -157,7 +157,7 @@ def test_unwritable_replica_fails_the_replica_task_never_the_commit(dcs_config: 
             assert "ReplicaFailed" in worker.log_tail(20000)
             assert value(scrape(port), "dcs_errors_total", error_type="checkpoint_replica") == 1.0
             name = step_dir_name(1)  # outside the replica root: elsewhere, and the primary root itself
-            for hostile in (tmp_path / "elsewhere" / "ro" / name, Path(config.checkpoint_dir) / "ro" / name):
+            for hostile in (tmp_path / "elsewhere" / "ro" / name, Path(config.checkpoint.dir) / "ro" / name):
                 body = {"run": "ro", "step": 1, "step_dir": str(info.path), "replica_step_dir": str(hostile)}
                 sent = app.send_task(TaskName.REPLICATE.value, args=[body], queue=node_queue(config.host_name))
                 wait_until(lambda sent=sent: sent.state == "FAILURE", 60, "the hostile replicate task to fail")
@@ -183,7 +183,9 @@ def test_retention_prunes_the_primary_and_the_replica(dcs_config: DCSConfig, tmp
             wait_until(lambda: replica_steps(config, "keep") == [3, 4], 60, "replica retention")
     finally:
         committer.close()
-    gc = dcs_ckpt(config, "gc", "--run", "keep", "--keep-last", "1", "--replica-dir", str(config.replica_dir))
+    gc = dcs_ckpt(
+        config, "gc", "--run", "keep", "--keep-last", "1", "--replica-dir", str(config.checkpoint.replica_dir)
+    )
     assert gc.returncode == 0 and "primary: deleted steps: [3]" in gc.stdout, gc.stdout
     assert "replica: deleted steps: [3]" in gc.stdout
     assert primary_steps(config, "keep") == [4] and replica_steps(config, "keep") == [4]
@@ -199,14 +201,14 @@ def test_multi_rank_step_replicated_per_rank_and_restored_whole_from_the_replica
         for rank in range(2):
             with Checkpointer("ranks", config, rank=rank, world_size=2, celery_app=committer) as ckpt:
                 ckpt.save(parts[rank], step=7, sharding={"w": 0}).wait(timeout=120)
-        assert config.replica_dir is not None
-        replica_root = Path(config.replica_dir) / "ranks"
+        assert config.checkpoint.replica_dir is not None
+        replica_root = Path(config.checkpoint.replica_dir) / "ranks"
         for rank in range(2):
             wait_until(lambda r=rank: bool(step_dirs(replica_root / f"rank-{r:05d}")), 120, f"rank {rank} replica")
     finally:
         committer.close()
     assert "both" in listing(config, "ranks")[7]
-    shutil.rmtree(Path(config.checkpoint_dir) / "ranks" / "rank-00001" / step_dir_name(7))
+    shutil.rmtree(Path(config.checkpoint.dir) / "ranks" / "rank-00001" / step_dir_name(7))
     with Checkpointer("ranks", config) as whole:
         restored = whole.restore()
     assert restored.step == 7 and restored.location == "replica" and restored.path == replica_root
@@ -227,7 +229,7 @@ def test_a_restore_heals_a_damaged_shared_primary_file_from_the_replica(
         with Checkpointer("heal", config, celery_app=committer) as ckpt:
             for step in (1, 2):
                 save_and_replicate(ckpt, config, state, step)
-            shared = next((Path(config.checkpoint_dir) / "heal" / "step-000000001").glob("*.safetensors"))
+            shared = next((Path(config.checkpoint.dir) / "heal" / "step-000000001").glob("*.safetensors"))
             good = shared.read_bytes()
             data = bytearray(good)
             data[-1] ^= 0xFF

@@ -83,5 +83,5 @@ def test_a_partial_target_after_resharding(config: DCSConfig, committer: InlineC
     with Checkpointer("split", config, rank=1, world_size=3, celery_app=committer) as ckpt:
         assert ckpt.restore(into=target, strict=False).state is target
     assert torch.equal(target["model"]["w"], torch.tensor_split(full, 3)[1])
-    step = sharded.complete_steps(Path(config.checkpoint_dir) / "split")[7]
+    step = sharded.complete_steps(Path(config.checkpoint.dir) / "split")[7]
     assert torch.equal(boxread.read_flat(step)["model/w"], full)  # as one trainer sees it (export)

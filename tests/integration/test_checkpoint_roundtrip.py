@@ -71,7 +71,7 @@ def test_a_step_committed_on_disk_is_never_saved_again_even_when_the_ledger_forg
     with Checkpointer("kept", config, celery_app=inline(config)) as ckpt:
         info = ckpt.save(training_state(seed=1), step=5).wait(timeout=60)
         files = {p.name: p.read_bytes() for p in Path(info.path).iterdir()}
-        redis.Redis.from_url(config.redis_url).delete(Keys(config.namespace).ckpt_state("kept", 5))
+        redis.Redis.from_url(config.redis.url).delete(Keys(config.redis.namespace).ckpt_state("kept", 5))
         with pytest.raises(CheckpointError, match="already committed"):
             ckpt.save(training_state(seed=2), step=5)
         assert {p.name: p.read_bytes() for p in Path(info.path).iterdir()} == files

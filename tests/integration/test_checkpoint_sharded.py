@@ -51,8 +51,8 @@ SHARDING = {"model/w": 0, "model/col": 1}
 
 
 def dcs_ckpt(config: DCSConfig, *args: str) -> str:
-    argv = ("ckpt", *args, "--dir", str(config.checkpoint_dir))
-    workdir = Path(config.checkpoint_dir).parent / "cli-output"
+    argv = ("ckpt", *args, "--dir", str(config.checkpoint.dir))
+    workdir = Path(config.checkpoint.dir).parent / "cli-output"
     done = run_module("dcs_tasks.cli.main", *argv, workdir=workdir, env=child_env(config), timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -121,7 +121,7 @@ def test_a_corrupt_shard_falls_back_to_the_previous_complete_step(
 ) -> None:
     save_all(committer, "corrupt", 10, range(SAVED_WORLD))
     save_all(committer, "corrupt", 20, range(SAVED_WORLD))
-    shard = next((Path(config.checkpoint_dir) / "corrupt" / "rank-00002" / "step-000000020").glob("*.safetensors"))
+    shard = next((Path(config.checkpoint.dir) / "corrupt" / "rank-00002" / "step-000000020").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -158,7 +158,7 @@ def test_a_single_trainer_checkpoint_reshards_too(config: DCSConfig, committer: 
     """Train on one process, resume on two: the plain layout reads as a complete 1-rank run."""
     with Checkpointer("solo", config, celery_app=committer) as ckpt:
         ckpt.save(rank_state(10, 0, 1), 10, sharding=SHARDING).wait(timeout=60)
-    assert (Path(config.checkpoint_dir) / "solo" / "step-000000010" / "manifest.json").is_file()
+    assert (Path(config.checkpoint.dir) / "solo" / "step-000000010" / "manifest.json").is_file()
     for rank in range(2):
         with Checkpointer("solo", config, rank=rank, world_size=2) as ckpt:
             restored = ckpt.restore()
@@ -174,7 +174,7 @@ def test_retention_never_deletes_the_newest_step_every_rank_committed(
 
     save_all(committer, "keep", 10, range(SAVED_WORLD))
     save_all(committer, "keep", 20, range(SAVED_WORLD - 1))  # rank 3 is behind
-    rank0 = Path(config.checkpoint_dir) / "keep" / "rank-00000"
+    rank0 = Path(config.checkpoint.dir) / "keep" / "rank-00000"
     keep_last_1 = RetentionPolicy(keep_last=1)
     assert apply_retention(rank0, keep_last_1, set()) == []  # step 10 is the only restorable step
     with Checkpointer("keep", config, rank=0, world_size=2) as ckpt:

@@ -37,7 +37,7 @@ time.sleep(120)
 
 
 def _staging_files(config: DCSConfig) -> list[Path]:
-    return sorted(Path(config.staging_dir).glob("*.stage"))  # set by ckpt_config
+    return sorted(Path(config.host.staging_dir).glob("*.stage"))  # set by ckpt_config
 
 
 def _trainer(config: DCSConfig, how: str) -> subprocess.Popen[str]:

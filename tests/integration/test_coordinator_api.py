@@ -240,7 +240,7 @@ async def test_weight_meta_log_is_bounded_and_indices_stay_absolute(
         api = coord.api
         for meta in metas[:5]:
             await api.send_weight_meta(meta)
-        assert redis_server.client().llen(Keys(dcs_config.namespace).weight_meta()) == 3
+        assert redis_server.client().llen(Keys(dcs_config.redis.namespace).weight_meta()) == 3
         behind = await api.recv_weight_meta(0)
         assert (behind.first_index, behind.entries, behind.next_index) == (2, metas[2:5], 5)
         current = await api.recv_weight_meta(4)

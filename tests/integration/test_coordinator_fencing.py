@@ -104,13 +104,15 @@ async def test_registrations_that_never_beat_leave_soon_and_do_not_slow_topology
         await coord.api.heartbeat("actor", 0)
         flooded = await topology_seconds()
         assert flooded < 3 * baseline + 0.05, (baseline, flooded)
-        r = redis.Redis.from_url(config.redis_url)
-        keys = Keys(config.namespace)
+        r = redis.Redis.from_url(config.redis.url)
+        keys = Keys(config.redis.namespace)
         deadline = time.monotonic() + 20  # gone after timeout + 1 s (sweeps every 0.5 s), not after an hour
         while r.hlen(keys.role_nodes("flood")) and time.monotonic() < deadline:
             await coord.api.heartbeat("actor", 0)
             await asyncio.sleep(0.2)
         assert r.hlen(keys.role_nodes("flood")) == 0 and r.zcard(keys.node_unbeaten()) == 0
         assert (await coord.api.topology()).nodes["actor"][0].port == 7000 and live.rank == 0
-        assert config.dead_node_retention_seconds == 3600.0  # the nodes that did beat keep the long retention
+        assert (
+            config.coordinator.dead_node_retention_seconds == 3600.0
+        )  # the nodes that did beat keep the long retention
         r.close()

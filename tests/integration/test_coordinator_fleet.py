@@ -38,19 +38,19 @@ def node(rank: int | None, port: int, role: str = "actor") -> RoleInfo:
 
 
 def raw_redis(config: DCSConfig) -> redis.Redis:
-    return redis.Redis.from_url(config.redis_url, decode_responses=True)
+    return redis.Redis.from_url(config.redis.url, decode_responses=True)
 
 
 async def test_batch_beats_answer_per_node_like_single_beats(
     coord: InProcessCoordinator, dcs_config: DCSConfig
 ) -> None:
-    api, keys, r = coord.api, Keys(dcs_config.namespace), raw_redis(dcs_config)
+    api, keys, r = coord.api, Keys(dcs_config.redis.namespace), raw_redis(dcs_config)
     answers = await api.register_many([node(0, 7000), node(1, 7001), node(2, 7002)])
     assert [a.rank for a in answers] == [0, 1, 2] and answers[1].identity == "10.0.0.1:7001"
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
     # a beat rewrites the last-beat record once it is older than half the TTL less 1.5 intervals (0.25 s here)
-    await asyncio.sleep(0.5 * dcs_config.heartbeat_timeout_seconds - 1.5 * dcs_config.heartbeat_interval_seconds + 0.05)
+    await asyncio.sleep(0.5 * dcs_config.heartbeat.timeout_seconds - 1.5 * dcs_config.heartbeat.interval_seconds + 0.05)
     r.delete(keys.heartbeat("actor", 2))  # rank 2's node is presumed dead: another node may take its rank
     other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
     assert other.json()["rank"] == 2  # our client's identity for rank 2 (7002) is now fenced out
@@ -64,7 +64,7 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     answer = await coord.authed.post("/heartbeats", json={"beats": unknown})
     assert answer.json()["results"] == [nf, nf]
     ttl = r.pttl(keys.heartbeat("actor", 0))
-    assert 0.5 * dcs_config.heartbeat_timeout_seconds * 1000 < ttl <= dcs_config.heartbeat_timeout_seconds * 1000
+    assert 0.5 * dcs_config.heartbeat.timeout_seconds * 1000 < ttl <= dcs_config.heartbeat.timeout_seconds * 1000
     assert (r.zscore(keys.node_beats(), "actor:1") or 0) > (before or 0)  # the dead-node sweep sees the beat
     assert r.get(keys.heartbeat("actor", 9)) is None
     r.close()
@@ -103,7 +103,7 @@ async def test_registering_many_nodes_does_not_scan_the_role(dcs_config: DCSConf
     """Each registration finds its identity's rank in O(1): no HGETALL of the owners hash (the old script
     scanned every owner on each registration, so N registrations cost O(N^2) and 10,000 took ~30 s)."""
     client = make_redis(dcs_config)
-    topology = TopologyManager(client, Keys(dcs_config.namespace), TopologyConfig(), 5.0)
+    topology = TopologyManager(client, Keys(dcs_config.redis.namespace), TopologyConfig(), 5.0)
     r = raw_redis(dcs_config)
     await topology.register_many([node(None, 8000 + i) for i in range(300)])
     r.config_resetstat()
@@ -121,7 +121,7 @@ async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs
     """The smallest free rank (unregistered, or its node dead) is found without checking every rank below it:
     before, each rank-less registration scanned the role, and 5,000 of them took 16 s of Redis."""
     client = make_redis(dcs_config)
-    keys = Keys(dcs_config.namespace)
+    keys = Keys(dcs_config.redis.namespace)
     topology = TopologyManager(client, keys, TopologyConfig(), 60.0)  # nobody expires while the test runs
     r = raw_redis(dcs_config)
     await topology.register_many([node(None, 8000 + i) for i in range(300)])
@@ -143,7 +143,7 @@ async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs
 
 async def test_identity_index_follows_takeovers_unregister_sweep_and_old_records(dcs_config: DCSConfig) -> None:
     client = make_redis(dcs_config)
-    keys = Keys(dcs_config.namespace)
+    keys = Keys(dcs_config.redis.namespace)
     topology = TopologyManager(client, keys, TopologyConfig(), 0.2)
     r = raw_redis(dcs_config)
     await topology.register(node(None, 9000))  # rank 0
@@ -179,7 +179,7 @@ async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(
     gone = await coord.authed.delete("/unregister", params={"role": "actor", "rank": 1}, headers=fenced)
     assert gone.status_code == 200  # the node (whose client still holds its identity) re-registers with its rank
     with raw_redis(dcs_config) as r:  # rank 2's node presumed dead (its TTL ran out): another node takes the rank
-        r.delete(Keys(dcs_config.namespace).heartbeat("actor", 2))
+        r.delete(Keys(dcs_config.redis.namespace).heartbeat("actor", 2))
     taken = await coord.http.post("/register", json=node(2, 7999).model_dump())
     assert taken.status_code == 200
     loop.start()
@@ -215,8 +215,8 @@ def test_beats_at_the_heartbeat_interval_reuse_one_connection(dcs_config: DCSCon
     (the client lets it go in between), so a node's beats do not reconnect every time (before: both were 5 s,
     the same as the interval, and every beat paid a new connection)."""
     defaults = DCSConfig()
-    assert defaults.heartbeat_interval_seconds < KEEPALIVE_EXPIRY_S < defaults.coordinator_keep_alive_seconds
-    config = dcs_config.model_copy(update={"coordinator_keep_alive_seconds": defaults.coordinator_keep_alive_seconds})
+    assert defaults.heartbeat.interval_seconds < KEEPALIVE_EXPIRY_S < defaults.coordinator.keep_alive_seconds
+    config = dcs_config.model_copy(update={"coordinator_keep_alive_seconds": defaults.coordinator.keep_alive_seconds})
     coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
     try:
         with socket.create_connection(("127.0.0.1", coordinator.port), timeout=10) as sock:
@@ -224,7 +224,7 @@ def test_beats_at_the_heartbeat_interval_reuse_one_connection(dcs_config: DCSCon
             for _ in range(2):
                 sock.sendall(request)
                 assert read_response(sock).startswith(b"HTTP/1.1 200"), "the connection was closed"
-                time.sleep(defaults.heartbeat_interval_seconds + 0.5)
+                time.sleep(defaults.heartbeat.interval_seconds + 0.5)
     finally:
         coordinator.stop()
 
@@ -232,7 +232,7 @@ def test_beats_at_the_heartbeat_interval_reuse_one_connection(dcs_config: DCSCon
 async def test_a_batch_beat_replaces_a_heartbeat_key_of_the_wrong_type(
     coord: InProcessCoordinator, dcs_config: DCSConfig
 ) -> None:
-    api, keys, r = coord.api, Keys(dcs_config.namespace), raw_redis(dcs_config)
+    api, keys, r = coord.api, Keys(dcs_config.redis.namespace), raw_redis(dcs_config)
     await api.register_many([node(0, 7000), node(1, 7001)])
     r.delete(keys.heartbeat("actor", 0))
     r.hset(keys.heartbeat("actor", 0), "planted", "by someone with Redis access")

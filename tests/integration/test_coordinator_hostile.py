@@ -83,7 +83,7 @@ def _corrupt(redis_server: RedisServer, keys: Keys) -> None:
 async def test_corrupt_records_are_skipped_by_every_read_and_reported_in_health(
     coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
 ) -> None:
-    api, keys = coord.api, Keys(dcs_config.namespace)
+    api, keys = coord.api, Keys(dcs_config.redis.namespace)
     await api.register(RoleInfo(role_name="actor", rank=0, port=10))
     await api.register(RoleInfo(role_name="actor", rank=1, port=11))
     await api.register(RoleInfo(role_name="rollout", rank=0, port=20))
@@ -191,7 +191,7 @@ async def test_a_role_is_removed_when_its_last_node_unregisters(coord: InProcess
 async def test_roles_left_without_nodes_by_older_data_are_pruned(
     coord: InProcessCoordinator, redis_server: RedisServer, dcs_config: DCSConfig
 ) -> None:
-    keys = Keys(dcs_config.namespace)
+    keys = Keys(dcs_config.redis.namespace)
     await coord.api.register(RoleInfo(role_name="live", rank=0, port=1))
     redis_server.client().zadd(keys.roles(), {f"gone{i}": 100 + i for i in range(1200)})  # no node records
     topology = coord.app.state.services.topology

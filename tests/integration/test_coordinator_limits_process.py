@@ -174,7 +174,7 @@ async def test_a_corrupt_record_in_redis_leaves_a_real_coordinator_answering(
         async with CoordinatorAPI(coordinator.url, timeout=10) as api:
             await api.register(RoleInfo(role_name="actor", rank=0, port=1))
             await api.register(RoleInfo(role_name="rollout", rank=0, port=2))
-            redis_server.client().hset(Keys(dcs_config.namespace).role_nodes("actor"), "1", "{not json")
+            redis_server.client().hset(Keys(dcs_config.redis.namespace).role_nodes("actor"), "1", "{not json")
             assert sorted((await api.topology()).nodes["actor"]) == [0]
             assert (await api.peer("actor", 0)).port == 2
             assert (await api.health()).unreadable_records == 1
@@ -195,7 +195,7 @@ def test_request_heads_are_bounded_at_16_kib_as_documented(dcs_config: DCSConfig
     head still arriving). Now DCS_COORDINATOR_MAX_HEADER_BYTES (16 KiB) holds however it arrives: 431."""
     coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
     try:
-        assert dcs_config.coordinator_max_header_bytes == 16 * 1024
+        assert dcs_config.coordinator.max_header_bytes == 16 * 1024
         assert _answer_to_head(coordinator.port, 16 * 1024) == b"HTTP/1.1 200 OK"
         assert _answer_to_head(coordinator.port, 16 * 1024 + 1) == b"HTTP/1.1 431 Request Header Fields Too Large"
         assert _answer_to_head(coordinator.port, 64 * 1024) == b"HTTP/1.1 431 Request Header Fields Too Large"

@@ -64,7 +64,7 @@ async def test_two_coordinators_on_one_redis_answer_alike(
             assert sorted(r.rank for r in answers) == list(range(20))
             assert await a.topology() == await b.topology()
             assert await a.global_rank("rollout", 7) == await b.global_rank("rollout", 7) == 7
-            client = redis.Redis.from_url(dcs_config.redis_url)
+            client = redis.Redis.from_url(dcs_config.redis.url)
             client.config_resetstat()
             waiter = asyncio.create_task(b.recv_weight_meta(0, wait_timeout_s=10))
             await eventually(lambda: _script_calls(client) >= 1, 15, "B's first (empty) read")  # B now waits
@@ -198,7 +198,7 @@ async def test_an_unexpected_failure_answers_500_as_json_naming_it_without_secre
 
     @app.get("/boom")
     async def boom() -> None:
-        raise RuntimeError(f"failed with {config.redis_url.replace('//', '//u:pw-in-url@')} and tok-in-a-bug")
+        raise RuntimeError(f"failed with {config.redis.url.replace('//', '//u:pw-in-url@')} and tok-in-a-bug")
 
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as http:

@@ -127,7 +127,7 @@ async def test_long_poll_survives_a_redis_restart(
 ) -> None:
     redis_server.restart()
     client = redis_server.client()
-    channel = Keys(dcs_config.namespace).weight_meta_channel()
+    channel = Keys(dcs_config.redis.namespace).weight_meta_channel()
     await eventually(lambda: dict(client.pubsub_numsub(channel)).get(channel, 0) >= 1, 15, "the resubscription")
     waiter = asyncio.create_task(coord.api.recv_weight_meta(0, wait_timeout_s=10))
     await eventually(lambda: _script_calls(client) >= 1, 15, "the long-poll's first (empty) read")  # now waiting
@@ -189,7 +189,7 @@ async def test_a_command_redis_refuses_is_503_naming_the_reason(
     from dcs_tasks.keys import Keys
 
     # (a wrong-typed topology record is skipped instead: see test_coordinator_hostile.py)
-    redis_server.client().set(Keys(dcs_config.namespace).weight_meta(), "not a list")
+    redis_server.client().set(Keys(dcs_config.redis.namespace).weight_meta(), "not a list")
     response = await coord.http.get("/recv_weight_meta")
     assert response.status_code == 503
     detail = response.json()["detail"]

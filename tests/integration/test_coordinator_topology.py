@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 async def manager(dcs_config: DCSConfig) -> AsyncIterator[TopologyManager]:
     client = make_redis(dcs_config)
     mappings = {"actor": "rollout", "critic": "actor"}
-    yield TopologyManager(client, Keys(dcs_config.namespace), TopologyConfig(role_mappings=mappings), 5.0)
+    yield TopologyManager(client, Keys(dcs_config.redis.namespace), TopologyConfig(role_mappings=mappings), 5.0)
     await client.aclose()
 
 
@@ -58,7 +58,7 @@ async def test_a_retried_weight_meta_append_is_stored_once(dcs_config: DCSConfig
     from dcs_tasks.models import WeightMeta
 
     client = make_redis(dcs_config)
-    keys = Keys(dcs_config.namespace)
+    keys = Keys(dcs_config.redis.namespace)
     store = WeightMetaStore(client, keys, AppendNotifier(client, keys.weight_meta_channel()))
     try:
         meta = WeightMeta(names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g")

@@ -62,7 +62,7 @@ async def poll(http: httpx.AsyncClient, index: int, wait_s: float) -> httpx.Resp
 async def test_one_append_answers_300_long_polls_with_one_shared_read(
     coord: InProcessCoordinator, dcs_config: DCSConfig
 ) -> None:
-    r = redis.Redis.from_url(dcs_config.redis_url, decode_responses=True)
+    r = redis.Redis.from_url(dcs_config.redis.url, decode_responses=True)
     await coord.api.send_weight_meta(meta("before"))
     polls = [asyncio.create_task(poll(coord.http, 1, 30.0)) for _ in range(POLLS)]
     await _reads_settled(r)  # every poll read index 1 (empty) and waits for the append
@@ -112,7 +112,7 @@ async def test_a_failed_shared_read_fails_every_request_in_it_and_the_next_read_
 ) -> None:
     store: WeightMetaStore = coord.app.state.services.weight_meta
     await store.append(meta("a"))
-    r = redis.Redis.from_url(dcs_config.redis_url, decode_responses=True)
+    r = redis.Redis.from_url(dcs_config.redis.url, decode_responses=True)
     r.set(store.keys.weight_meta_base(), "not a number")  # the read script fails on it
     answers = await asyncio.gather(*(poll(coord.http, 0, 0.0) for _ in range(20)))
     assert {a.status_code for a in answers} == {503}

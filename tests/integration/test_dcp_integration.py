@@ -79,7 +79,7 @@ def test_dcp_save_commits_a_dcs_step_that_dcp_load_and_checkpointer_restore_read
     dcp.save(saved, storage_writer=DCSStorageWriter(ckpt, step=7))
 
     # a committed DCS step: manifest with checksums, `latest`
-    step_dir = Path(config.checkpoint_dir) / "dcp" / "step-000000007"
+    step_dir = Path(config.checkpoint.dir) / "dcp" / "step-000000007"
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert all(len(f["checksum"]) == 32 for f in manifest["files"])
     assert (step_dir.parent / "latest").read_text().strip() == "step-000000007"
@@ -151,7 +151,7 @@ def test_a_state_dcs_cannot_store_is_refused_naming_the_key_and_nothing_is_commi
     assert len(errors) == 1 and isinstance(errors[0], UnstorableItem)
     assert errors[0].key == "half_complex" and "complex32" in str(errors[0])
     assert ckpt.list() == []
-    assert not (Path(config.checkpoint_dir) / "dcp" / "step-000000005").exists()
+    assert not (Path(config.checkpoint.dir) / "dcp" / "step-000000005").exists()
 
 
 def test_a_value_over_the_blob_bound_is_refused_naming_the_key_and_nothing_is_committed(
@@ -167,7 +167,7 @@ def test_a_value_over_the_blob_bound_is_refused_naming_the_key_and_nothing_is_co
 
 def test_a_corrupt_file_fails_the_load_naming_it(config: DCSConfig, ckpt: Checkpointer) -> None:
     dcp.save({"w": torch.arange(4096.0)}, storage_writer=DCSStorageWriter(ckpt, step=3))
-    data = next((Path(config.checkpoint_dir) / "dcp" / "step-000000003").glob("*.safetensors"))
+    data = next((Path(config.checkpoint.dir) / "dcp" / "step-000000003").glob("*.safetensors"))
     raw = bytearray(data.read_bytes())
     raw[-5] ^= 0xFF
     data.write_bytes(bytes(raw))

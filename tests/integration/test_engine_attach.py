@@ -74,7 +74,7 @@ def test_attach_registers_heartbeats_and_unregisters_on_sigterm(
         node = rollout_nodes(coordinator.url, TOKEN)[3]
         assert (node.ip, node.port) == ("127.0.0.1", receiver.port)
         assert node.metadata["tp_size"] == 1 and node.metadata["engine_version"] == "0.5.23"
-        time.sleep(2 * config.heartbeat_timeout_seconds)  # alive only if the sidecar keeps beating
+        time.sleep(2 * config.heartbeat.timeout_seconds)  # alive only if the sidecar keeps beating
         assert 3 in rollout_nodes(coordinator.url, TOKEN)
         attach.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         assert attach.wait_exit(timeout=15) == 0
@@ -95,7 +95,7 @@ def test_a_dead_engine_leaves_the_topology_and_is_registered_again_when_back(
         wait_for("rollout_0 registered", _attached(coordinator, 0, receiver.port), timeout=30)
         receiver.kill()
         gone_after = wait_for("rollout_0 gone", lambda: 0 not in rollout_nodes(coordinator.url, TOKEN), 30, 0.05)
-        bound = config.heartbeat_timeout_seconds + config.heartbeat_interval_seconds
+        bound = config.heartbeat.timeout_seconds + config.heartbeat.interval_seconds
         assert gone_after <= bound + 0.5, f"gone after {gone_after:.2f}s, bound {bound}s (+0.5 s polling slack)"
         # the attach unregisters once /health has failed for --down-after (the heartbeat timeout), counted from
         # its first failed probe: up to one interval after the topology dropped the node. An engine back before
@@ -176,7 +176,7 @@ def test_an_engine_answering_503_keeps_its_heartbeats_until_unhealthy_after(
         try:
             wait_for("rollout_0 registered", _attached(coordinator, 0, engine.port), timeout=30)
             engine.health_status = 503
-            time.sleep(config.heartbeat_timeout_seconds + 2 * config.heartbeat_interval_seconds)
+            time.sleep(config.heartbeat.timeout_seconds + 2 * config.heartbeat.interval_seconds)
             assert 0 in rollout_nodes(coordinator.url, TOKEN)  # still beating: the engine answers
             wait_for("rollout_0 unregistered", lambda: 0 not in rollout_nodes(coordinator.url, TOKEN), timeout=5)
             engine.health_status = 200
@@ -200,7 +200,7 @@ def test_a_sidecar_whose_rank_a_live_engine_holds_is_refused_and_takes_nothing(
         second.start()
         assert second.wait_exit(timeout=30) == 1
         assert "RankConflict" in second.log_tail()
-        time.sleep(2 * config.heartbeat_timeout_seconds)  # the first one keeps beating
+        time.sleep(2 * config.heartbeat.timeout_seconds)  # the first one keeps beating
         assert first.running() and rollout_nodes(coordinator.url, TOKEN)[0].port == receiver.port
     finally:
         first.kill()

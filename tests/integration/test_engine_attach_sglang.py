@@ -59,12 +59,12 @@ def test_tp2_engine_is_registered_kept_alive_dropped_when_killed_back_when_resta
         instance = node.metadata.pop("instance")  # a new token per registration (restarts: see planning.py)
         assert isinstance(instance, str) and len(instance) == 32
         assert node.metadata == {"engine": "sglang", "engine_version": NEW, "tp_size": 2, "num_gpus": 2}
-        time.sleep(2 * config.heartbeat_timeout_seconds)  # alive only because the sidecar keeps beating
+        time.sleep(2 * config.heartbeat.timeout_seconds)  # alive only because the sidecar keeps beating
         assert _registered(coordinator, 1)
 
         engine.stop()  # kill -9 of the server and its scheduler processes
         gone = wait_for("rollout_1 gone", lambda: not _registered(coordinator, 1), timeout=30, poll=0.05)
-        bound = config.heartbeat_timeout_seconds + config.heartbeat_interval_seconds
+        bound = config.heartbeat.timeout_seconds + config.heartbeat.interval_seconds
         assert gone <= bound + 0.5, f"gone {gone:.2f}s after the kill; bound {bound}s (+0.5 s polling slack)"
 
         engine = SGLangEngine(NEW, tmp_path / "engine.log", tp=2, api_key=TOKEN, port=engine.port).start()

@@ -100,7 +100,7 @@ async def test_an_adopt_with_a_wrong_identity_does_not_displace_a_live_node(
         wrong = {"role_name": "receiver", "rank": 0, "ip": "127.0.0.1", "port": port + 1}
         by_identity = await asyncio.to_thread(adopt_once, path, hello(config, "adopt", wrong, "10.6.6.6:6666"))
         by_address = await asyncio.to_thread(adopt_once, path, hello(config, "adopt", wrong))
-        await asyncio.sleep(config.heartbeat_timeout_seconds + 2 * config.heartbeat_interval_seconds)
+        await asyncio.sleep(config.heartbeat.timeout_seconds + 2 * config.heartbeat.interval_seconds)
         assert liveness.lost is None, f"the live node lost its rank: {liveness.lost}; the adopt got {by_identity}"
         assert liveness.via_agent and liveness.running
         assert 0 in (await api.topology()).nodes.get("receiver", {}), "the live node left the topology"
@@ -110,7 +110,7 @@ async def test_an_adopt_with_a_wrong_identity_does_not_displace_a_live_node(
         right = {"role_name": "receiver", "rank": 0, "ip": "127.0.0.1", "port": port}
         answer = await asyncio.to_thread(adopt_once, path, hello(config, "adopt", right))
         assert answer["status"] == 409 and answer["source"] == "agent" and "renews it" in answer["detail"], answer
-        await asyncio.sleep(2 * config.heartbeat_interval_seconds)
+        await asyncio.sleep(2 * config.heartbeat.interval_seconds)
         assert liveness.lost is None and liveness.via_agent
     finally:
         await liveness.stop()

@@ -144,7 +144,7 @@ async def test_a_process_whose_agent_breaks_the_protocol_registers_and_beats_its
         answer = await liveness.register()
         assert answer.rank == 5 and answer.identity == "10.0.0.1:7005" and not liveness.via_agent
         liveness.start()
-        await asyncio.sleep(3 * config.heartbeat_timeout_seconds / 2)  # past one timeout: only its own beats hold it
+        await asyncio.sleep(3 * config.heartbeat.timeout_seconds / 2)  # past one timeout: only its own beats hold it
         assert 5 in (await api.topology()).nodes.get("actor", {})
         assert liveness.running and liveness.lost is None and not liveness.via_agent
     finally:
@@ -194,7 +194,7 @@ async def test_a_restarted_process_gets_the_rank_its_frozen_predecessor_held_wit
         answer = await second.register(wait_for_rank_s=second.predecessor_wait_s)
         waited = time.monotonic() - started
         assert answer.rank == 0 and answer.identity != held.identity and second.via_agent
-        assert waited > config.heartbeat_timeout_seconds / 2, waited  # it did wait out the predecessor's TTL
+        assert waited > config.heartbeat.timeout_seconds / 2, waited  # it did wait out the predecessor's TTL
         second.start()
         assert 0 in (await api.topology()).nodes["actor"]
     finally:

@@ -81,7 +81,7 @@ async def test_a_local_user_cannot_take_the_agents_socket(coordinated: DCSConfig
     worker = None
     try:
         worker = WorkerProcess(coordinated, tmp_path / "worker.log").start()
-        liveness = await _register_and_beat(coordinated, 0, 3 * coordinated.heartbeat_interval_seconds)
+        liveness = await _register_and_beat(coordinated, 0, 3 * coordinated.heartbeat.interval_seconds)
         assert not _sent_token(squatter), f"the token reached a socket of uid {NOBODY} at {path}"
         assert b"".join(squatter.received) == b"" and squatter.bound is False
         assert liveness.via_agent or liveness.renewals > 0, "the worker's own agent serves the host"
@@ -109,7 +109,7 @@ async def test_the_token_never_goes_to_an_agent_socket_of_another_uid(
     try:
         assert squatter.bound
         with caplog.at_level(logging.WARNING, logger="dcs_tasks.hostagent"):
-            liveness = await _register_and_beat(config, 1, 3 * config.heartbeat_interval_seconds)
+            liveness = await _register_and_beat(config, 1, 3 * config.heartbeat.interval_seconds)
         assert not _sent_token(squatter), f"the token reached a socket of uid {NOBODY}"
         assert b"".join(squatter.received) == b"", "not one byte goes to a socket of another uid"
         assert not liveness.via_agent

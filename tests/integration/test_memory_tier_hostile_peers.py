@@ -41,7 +41,7 @@ def peer_address(config: DCSConfig, host: str) -> tuple[str, int]:
         found: dict[str, peerchoice.Peer] = {}
 
         def registered() -> bool:
-            found.update(peerchoice.peers(client, Keys(config.namespace)))
+            found.update(peerchoice.peers(client, Keys(config.redis.namespace)))
             return host in found
 
         wait_until(registered, 60, f"{host}'s peer server to register")
@@ -51,7 +51,7 @@ def peer_address(config: DCSConfig, host: str) -> tuple[str, int]:
 
 
 def incoming(config: DCSConfig) -> list[Path]:
-    return sorted(Path(config.memory_dir).rglob(ps.INCOMING_PREFIX + "*"))
+    return sorted(Path(config.host.memory_dir).rglob(ps.INCOMING_PREFIX + "*"))
 
 
 def worker_peak_rss(worker: WorkerProcess) -> int:

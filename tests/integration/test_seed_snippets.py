@@ -84,15 +84,15 @@ topology_config = TopologyConfig(
 """
 
 TUNING_EXAMPLES = """
-config.tensor_fusion_threshold = 1024 * 1024  # 1MB
-config.pinned_memory = True  # 默认，推荐用于 GPU
-config.tcp_nodelay = True              # 禁用 Nagle 算法
-config.tcp_buffer_size = 65536         # 64KB 缓冲区
-config.comm_base_port = 20000          # 基础端口
-config.heartbeat_interval_seconds = 5.0   # 每 5 秒
-config.heartbeat_timeout_seconds = 30.0   # 30 秒截止
-config.max_retries = 3
-config.retry_delay_seconds = 1.0  # 指数退避
+config.sync.tensor_fusion_threshold = 1024 * 1024  # 1MB
+config.staging.pinned_memory = True  # 默认，推荐用于 GPU
+config.receiver.tcp_nodelay = True              # 禁用 Nagle 算法
+config.receiver.tcp_buffer_size = 65536         # 64KB 缓冲区
+config.sync.comm_base_port = 20000          # 基础端口
+config.heartbeat.interval_seconds = 5.0   # 每 5 秒
+config.heartbeat.timeout_seconds = 30.0   # 30 秒截止
+config.task.max_retries = 3
+config.task.retry_delay_seconds = 1.0  # 指数退避
 """
 
 METRICS_EXAMPLES = """
@@ -177,21 +177,25 @@ def test_the_config_examples_run_as_written(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.delenv(name)  # the examples describe defaults, not this shell's settings
     done = run(ROOT_IMPORTS + CONFIG_EXAMPLE)
     config = done["config"]
-    assert (config.coordinator_host, config.coordinator_port, config.tensor_fusion_threshold) == (
+    assert (config.coordinator.host, config.coordinator.port, config.sync.tensor_fusion_threshold) == (
         "0.0.0.0",
         8000,
         2**20,
     )
-    assert config.base_url == "http://127.0.0.1:8000" and str(config.checkpoint_dir) == "/checkpoints"
+    assert config.base_url == "http://127.0.0.1:8000" and str(config.checkpoint.dir) == "/checkpoints"
 
     single = run(ROOT_IMPORTS + SINGLE_NODE_EXAMPLE)
-    assert (single["config"].comm_base_port, single["config"].comm_max_port) == (20000, 20999)
+    assert (single["config"].sync.comm_base_port, single["config"].sync.comm_max_port) == (20000, 20999)
     assert single["client"].node_id == "actor_0" and single["client"].model_name == "qwen3-4B"
 
     multi = run(ROOT_IMPORTS + MULTI_NODE_EXAMPLE + TUNING_EXAMPLES)
     assert multi["topology_config"].get_peer_role("actor") == "rollout"
     tuned = multi["config"]
-    assert (tuned.comm_base_port, tuned.comm_max_port, tuned.tcp_buffer_size) == (20000, 20999, 65536)
+    assert (tuned.sync.comm_base_port, tuned.sync.comm_max_port, tuned.receiver.tcp_buffer_size) == (
+        20000,
+        20999,
+        65536,
+    )
 
 
 def test_the_metrics_examples_print_prometheus_text_and_stats(tmp_path: Path) -> None:

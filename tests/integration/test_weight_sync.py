@@ -149,15 +149,15 @@ async def test_two_groups_on_one_host_at_once_get_distinct_ports(dcs_config: DCS
         try:
             results = await asyncio.gather(*(c.update_weights_for_rollout(rollout_only=True) for c in clients))
             ports = {stack_port(stack, r["rollout"]["group_name"]) for r in results}
-            assert len(ports) == 2 and all(config.comm_base_port <= p <= config.comm_max_port for p in ports)
+            assert len(ports) == 2 and all(config.sync.comm_base_port <= p <= config.sync.comm_max_port for p in ports)
             for receiver, model in zip(stack.receivers, models, strict=True):
                 assert receiver.digest().tensors == expected_digest(model)
             assert expected_digest(models[0]) != expected_digest(models[1])
         finally:
             for client in clients:
                 await client.stop()
-        released = redis.Redis.from_url(config.redis_url)
-        keys = Keys(config.namespace)
+        released = redis.Redis.from_url(config.redis.url)
+        keys = Keys(config.redis.namespace)
         deadline = time.monotonic() + 20
         while any(released.exists(keys.port_reservation(config.host_name, p)) for p in ports):
             assert time.monotonic() < deadline, "destroy did not release the master ports"
@@ -165,15 +165,15 @@ async def test_two_groups_on_one_host_at_once_get_distinct_ports(dcs_config: DCS
 
 
 def stack_port(stack: SyncStack, group_name: str) -> int:
-    record = redis.Redis.from_url(stack.config.redis_url, decode_responses=True).hgetall(
-        Keys(stack.config.namespace).group(group_name)
+    record = redis.Redis.from_url(stack.config.redis.url, decode_responses=True).hgetall(
+        Keys(stack.config.redis.namespace).group(group_name)
     )
     return int(record["master_port"])
 
 
 def test_port_reservation_skips_reserved_and_bound_ports_then_fails_named(dcs_config: DCSConfig) -> None:
-    client = redis.Redis.from_url(dcs_config.redis_url, decode_responses=True)
-    keys = Keys(dcs_config.namespace)
+    client = redis.Redis.from_url(dcs_config.redis.url, decode_responses=True)
+    keys = Keys(dcs_config.redis.namespace)
     base = free_port_block(3)
     config = dcs_config.model_copy(update={"comm_base_port": base, "comm_max_port": base + 2})
     client.set(keys.port_reservation(config.host_name, base), "someone-else")

@@ -25,7 +25,7 @@ def test_worker_runs_a_task_from_its_node_queue(dcs_config: DCSConfig, worker: W
 def test_presence_key_disappears_after_kill(
     dcs_config: DCSConfig, redis_server: RedisServer, worker: WorkerProcess
 ) -> None:
-    key = Keys(dcs_config.namespace).worker_presence(node_queue(dcs_config.host_name))
+    key = Keys(dcs_config.redis.namespace).worker_presence(node_queue(dcs_config.host_name))
     client = redis_server.client()
     assert client.exists(key)
     worker.kill()

@@ -45,14 +45,14 @@ def test_one_stacks_worker_metrics_never_show_another_stacks_saves(dcs_config: D
     (tmp_path / "tmp").mkdir()
     other_redis = RedisServer(tmp_path / "redis-b", appendonly=False)
     other_redis.start()
-    config_a, worker_a = _stack(dcs_config, tmp_path, "worker-a", dcs_config.redis_url)
+    config_a, worker_a = _stack(dcs_config, tmp_path, "worker-a", dcs_config.redis.url)
     config_b, worker_b = _stack(dcs_config, tmp_path, "worker-b", other_redis.url)
     try:
         worker_b.start()
         worker_a.start()
         with Checkpointer("stack-a", config_a.model_copy(update={"enable_metrics": False})) as ckpt:
             ckpt.save(training_state(width=128), step=1).wait(60)
-        port_a, port_b = config_a.metrics_port, config_b.metrics_port
+        port_a, port_b = config_a.metrics.port, config_b.metrics.port
         wait_until(lambda: _count(port_a, "dcs_ckpt_commit_seconds_count") >= 1, 30, "stack A's commit metric")
         assert _count(port_b, "dcs_ckpt_persist_seconds_count") == 0  # stack B saved nothing
         assert _count(port_b, "dcs_ckpt_commit_seconds_count") == 0

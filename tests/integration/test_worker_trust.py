@@ -38,15 +38,15 @@ class Scene:
 
     def __init__(self, config: DCSConfig, tmp_path: Path, worker: WorkerProcess) -> None:
         self.config, self.worker = config, worker
-        self.root = Path(config.checkpoint_dir).resolve()
-        self.staging = Path(config.staging_dir)
+        self.root = Path(config.checkpoint.dir).resolve()
+        self.staging = Path(config.host.staging_dir)
         self.outside = tmp_path / "outside"
         self.outside.mkdir()
         self.sentinel = self.outside / "secret.txt"
         self.sentinel.write_text("do not copy me\n")
         self.sentinel_stat = (self.sentinel.read_bytes(), self.sentinel.stat().st_mtime_ns)
-        self.client = redis.Redis.from_url(config.redis_url, decode_responses=True)
-        self.keys = Keys(config.namespace)
+        self.client = redis.Redis.from_url(config.redis.url, decode_responses=True)
+        self.keys = Keys(config.redis.namespace)
         self.book = StepLedger(self.client, self.keys)
         self.app: Celery = make_celery(config)
         self.queue = node_queue(config.host_name)
@@ -89,7 +89,7 @@ def persist_payload(run: str, step: int, step_dir: str, staging: str, length: in
 @pytest.fixture
 def scene(dcs_config: DCSConfig, tmp_path: Path) -> Any:
     config = ckpt_config(dcs_config, tmp_path)
-    Path(config.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
+    Path(config.host.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
     worker = start_worker(config, tmp_path)
     try:
         yield Scene(config, tmp_path, worker)
@@ -101,12 +101,12 @@ def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Sc
     root, outside, staging = scene.root, scene.outside, scene.staging
     (root / "evil").parent.mkdir(parents=True, exist_ok=True)
     (root / "evil").symlink_to(outside, target_is_directory=True)  # a run directory that leads out
-    buffer_name = f"dcs-{scene.config.namespace}-victim-{os.getpid()}-0123abcd-0.stage"
+    buffer_name = f"dcs-{scene.config.redis.namespace}-victim-{os.getpid()}-0123abcd-0.stage"
     (staging / buffer_name).symlink_to(scene.sentinel)  # a "staging buffer" that leads out
     victim = str(root / "victim")
 
     def buf(run: str) -> str:  # a staging path that looks right (whether or not the file exists)
-        return str(staging / f"dcs-{scene.config.namespace}-{run}-1-0123abcd-0.stage")
+        return str(staging / f"dcs-{scene.config.redis.namespace}-{run}-1-0123abcd-0.stage")
 
     untrusted = "UntrustedPath"
     cases = [  # (run, step, step_dir, staging_path, error, what the message says)
@@ -201,7 +201,7 @@ def test_a_persist_into_a_step_committed_on_disk_is_refused_and_writes_nothing(s
     step_dir.mkdir(parents=True)
     (step_dir / "manifest.json").write_text('{"committed": "before"}')
     (step_dir / FILE).write_bytes(b"committed bytes")
-    staging = scene.staging / f"dcs-{scene.config.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
+    staging = scene.staging / f"dcs-{scene.config.redis.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
     staging.write_bytes(b"\x01" * 4096)
     scene.begin(run, step)
     result = scene.send(TaskName.PERSIST, persist_payload(run, step, str(step_dir), str(staging)))
@@ -220,13 +220,13 @@ def test_a_redelivery_overlapping_the_first_never_replaces_the_file_it_recorded(
     overwritten), while the second delivery is still reading it. The second must drop its copy instead of
     renaming it over the committed file: the committed bytes stay the first delivery's."""
     config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=32 * 1024)
-    Path(config.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
+    Path(config.host.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
     worker = start_worker(config, tmp_path)  # two pool processes: both deliveries run at once
     try:
         scene = Scene(config, tmp_path, worker)
         run, step = "twice", 1
         step_dir = scene.root / run / f"step-{step:09d}"
-        staging = scene.staging / f"dcs-{config.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
+        staging = scene.staging / f"dcs-{config.redis.namespace}-{run}-{os.getpid()}-0123abcd-0.stage"
         saved = bytes(range(256)) * 1024  # 256 KiB: ~8 s per delivery at 32 KiB/s
         staging.write_bytes(saved)
         scene.begin(run, step)

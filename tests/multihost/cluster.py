@@ -171,7 +171,7 @@ class Cluster:
             max_retries=2,
             **config,
         )
-        self.keys = Keys(self.config.namespace)
+        self.keys = Keys(self.config.redis.namespace)
 
     def add_host(self, name: str) -> SimulatedHost:
         host = self.network.add_host(name)

@@ -125,7 +125,7 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
     save_all(ranks_b, 20)
     for answer in ask_all(ranks_a, {"op": "save", "step": 20, "wait": None}):
         assert answer["ok"], answer
-    step_dirs = [Path(cluster.config.checkpoint_dir) / "cut" / f"rank-0000{r}" / "step-000000020" for r in (0, 1)]
+    step_dirs = [Path(cluster.config.checkpoint.dir) / "cut" / f"rank-0000{r}" / "step-000000020" for r in (0, 1)]
     wait_for(lambda: all(list(d.glob(".*.tmp")) for d in step_dirs if d.exists()) and all(map(Path.exists, step_dirs)))
     a.link_down()
     try:
@@ -181,7 +181,7 @@ def test_a_worker_on_the_wrong_host_never_reads_another_hosts_staging(cluster: C
     assert staged_runs(c) == {"wrong"} and staged_runs(a) == set()
     assert events.hosts_by_run(PERSIST) == {"wrong": {"ha"}}
     wait_for(lambda: not Path(staged["step_dir"]).exists())  # the failed step's directory is removed
-    assert not list(Path(cluster.config.checkpoint_dir).rglob("*.safetensors"))
+    assert not list(Path(cluster.config.checkpoint.dir).rglob("*.safetensors"))
 
 
 def wait_for(predicate: Any, timeout: float = 30.0) -> None:

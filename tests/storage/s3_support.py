@@ -33,7 +33,7 @@ def s3_config(
 ) -> DCSConfig:
     """The test config with `checkpoint_dir=s3://<bucket>/<root>`, small parts and few retries."""
     values: dict[str, object] = {
-        "checkpoint_dir": DCSConfig.model_validate({"checkpoint_dir": bucket.url(root)}).checkpoint_dir,
+        "checkpoint_dir": DCSConfig.model_validate({"checkpoint_dir": bucket.url(root)}).checkpoint.dir,
         "s3_endpoint_url": bucket.endpoint_url,
         "s3_addressing_style": "path",
         "s3_part_bytes": 5 * MiB,

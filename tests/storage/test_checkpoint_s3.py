@@ -191,7 +191,7 @@ def test_access_denied_maps_to_a_named_error_for_readers(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.server.other_secret_key)
     from dcs_tasks import storage
 
-    root = storage.root(config.checkpoint_dir, config)
+    root = storage.root(config.checkpoint.dir, config)
     with pytest.raises(StorageAccessDenied, match=r"403|AccessDenied"):  # a HEAD answer has no error body
         (root / "x").size()
 
@@ -286,15 +286,15 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
     from dcs_tasks import storage
     from dcs_tasks.checkpoint.restore.reader import step_dirs
 
-    s3_root = DCSConfig.model_validate({"checkpoint_dir": aws_env.url("fleet/replica")}).checkpoint_dir
+    s3_root = DCSConfig.model_validate({"checkpoint_dir": aws_env.url("fleet/replica")}).checkpoint.dir
     roots = {"checkpoint_dir": s3_root, "replica_dir": tmp_path / "replica"}
     if not primary_on_s3:
         roots = {"checkpoint_dir": tmp_path / "primary", "replica_dir": s3_root}
     config = s3_config(dcs_config, tmp_path, aws_env, **roots)
     committer = inline(config)
     state = training_state(width=400)
-    assert config.replica_dir is not None
-    replica_run = storage.root(config.replica_dir, config) / "mixed"
+    assert config.checkpoint.replica_dir is not None
+    replica_run = storage.root(config.checkpoint.replica_dir, config) / "mixed"
     with Checkpointer("mixed", config, celery_app=committer) as ckpt:
         for step in (1, 2):
             ckpt.save(state, step=step).wait(timeout=120)
@@ -302,7 +302,7 @@ def test_a_replica_of_the_other_kind_is_written_verified_and_restored_from_when_
         while [s for s, _ in step_dirs(replica_run)] != [1, 2] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [s for s, _ in step_dirs(replica_run)] == [1, 2]
-        primary_step = storage.root(config.checkpoint_dir, config) / "mixed" / "step-000000001"
+        primary_step = storage.root(config.checkpoint.dir, config) / "mixed" / "step-000000001"
         manifest = ckpt.restore(step=1)
         assert manifest.location == "primary"
         # damage the primary's stored file (step 2 refers to it): step 2 comes from the replica
@@ -373,7 +373,7 @@ def test_dcs_ckpt_import_commits_a_hugging_face_directory_into_s3_through_the_sa
         b"step-000000007\n"
     )
     other = config.model_copy(
-        update={"checkpoint_dir": DCSConfig(checkpoint_dir=aws_env.url("fleet/other")).checkpoint_dir}
+        update={"checkpoint_dir": DCSConfig(checkpoint_dir=aws_env.url("fleet/other")).checkpoint.dir}
     )
     with Checkpointer("imported", other) as ckpt:
         restored = ckpt.restore()

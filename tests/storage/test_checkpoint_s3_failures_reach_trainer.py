@@ -188,7 +188,7 @@ def test_a_memory_tier_step_whose_copy_to_s3_is_refused_is_raised_at_the_next_sa
     state = training_state()
     with Checkpointer("memflush", config) as ckpt:
         info = ckpt.save(state, step=1, durable=True).wait(timeout=60)  # committed in memory
-        assert info.path == Path(config.memory_dir) / "memflush" / "step-000000001"
+        assert info.path == Path(config.host.memory_dir) / "memflush" / "step-000000001"
 
         error = None
         for step in range(2, 40):  # each save looks for the failed copy; it comes within a few seconds

@@ -260,7 +260,7 @@ def test_hostile_keys_and_lying_manifests_are_skipped_named_and_restore_falls_ba
     # a hostile key sorting first ("./") must not break "is there anything under the run?" (was StorageError:
     # `S3Store.objects(limit=1)` counted the skipped key, so `dcs ckpt list` ended in a traceback)
     assert sorted(listed)[0] == f"{run}/./step-000000008/manifest.json"
-    run_dir = storage.root(config.checkpoint_dir, config) / "hostile"
+    run_dir = storage.root(config.checkpoint.dir, config) / "hostile"
     assert run_dir.is_dir() and run_dir.exists()
 
     # manifests that lie, at steps newer than the good one
@@ -326,7 +326,7 @@ def test_a_listing_of_thousands_of_junk_keys_still_finds_the_steps_and_listings_
         assert_same_state(states[20], ckpt.restore().state)
         assert_same_state(states[10], ckpt.restore(step=10).state)
 
-        root = storage.root(config.checkpoint_dir, config)
+        root = storage.root(config.checkpoint.dir, config)
         store = root.store
         assert sum(1 for _ in store.objects(f"{run}/", limit=2000)) > JUNK_KEYS
         with pytest.raises(StorageError, match=r"more than 1000 objects"):
@@ -423,7 +423,7 @@ def test_a_changed_secret_under_the_same_key_id_is_used_at_once(
     with the first secret it saw, so a second S3 server, or a rotated secret, was refused or silently bypassed)."""
     config = s3_config(dcs_config, tmp_path, aws_env)
     put(aws_env, f"{ROOT}/x", b"1")
-    probe = storage.root(config.checkpoint_dir, config) / "x"
+    probe = storage.root(config.checkpoint.dir, config) / "x"
     assert probe.size() == 1  # resolves and caches the right credentials in this process
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "W" + aws_env.secret_key[::-1] + "Zq")
     with pytest.raises(StorageAccessDenied) as refused:

@@ -132,7 +132,7 @@ def test_a_settings_mismatch_over_the_endpoint_names_it_without_the_password(
     another refuses to start naming both: neither the record nor the message carries the password."""
     config = s3_config(dcs_config, tmp_path, own_bucket)
     workers.append(start_worker(config, tmp_path))
-    raw = sync_client(config).get(Keys(config.namespace).worker_settings(node_queue(config.host_name)))
+    raw = sync_client(config).get(Keys(config.redis.namespace).worker_settings(node_queue(config.host_name)))
     published = raw.decode() if isinstance(raw, bytes) else str(raw)
     assert PASSWORD not in published and own_bucket.server.endpoint_url in published, published
     elsewhere = str(own_bucket.endpoint_url).replace("127.0.0.1", "localhost")

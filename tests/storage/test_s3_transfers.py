@@ -25,7 +25,7 @@ from tests.storage.s3_support import MiB, objects, open_uploads, s3_config
 
 def _root(dcs_config: DCSConfig, tmp_path: Path, bucket: S3Bucket) -> ObjectPath:
     config = s3_config(dcs_config, tmp_path, bucket)
-    location = storage.root(config.checkpoint_dir, config)
+    location = storage.root(config.checkpoint.dir, config)
     assert isinstance(location, ObjectPath)
     return location
 

@@ -37,7 +37,7 @@ def test_a_worker_with_wrong_s3_credentials_refuses_to_start_naming_access_denie
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.server.other_access_key)  # a user without rights on the bucket
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.server.other_secret_key)
     log = refused_start(config, tmp_path)
-    assert "StorageAccessDenied" in log and str(config.checkpoint_dir) in log, log
+    assert "StorageAccessDenied" in log and str(config.checkpoint.dir) in log, log
     assert "AWS_ACCESS_KEY_ID" in log, log  # the fix names the credentials to check
     assert aws_env.server.other_secret_key not in log
 
@@ -46,7 +46,7 @@ def test_a_worker_on_a_missing_bucket_refuses_to_start_naming_it(
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket
 ) -> None:
     config = s3_config(dcs_config, tmp_path, aws_env).model_copy(
-        update={"checkpoint_dir": DCSConfig(checkpoint_dir="s3://no-such-bucket-dcs/x").checkpoint_dir}
+        update={"checkpoint_dir": DCSConfig(checkpoint_dir="s3://no-such-bucket-dcs/x").checkpoint.dir}
     )
     log = refused_start(config, tmp_path)
     assert "s3://no-such-bucket-dcs" in log and ("StorageNotFound" in log or "NoSuchBucket" in log), log

@@ -59,8 +59,8 @@ def test_a_trusted_uid_may_own_the_directory(tmp_path: Path) -> None:
 def test_defaults_follow_the_runtime_dir_and_are_checked(tmp_path: Path) -> None:
     root = tmp_path / "run"
     config = DCSConfig(runtime_dir=root)
-    assert (config.staging_dir, config.memory_dir) == (root / "staging", root / "memory")
-    assert DCSConfig().runtime_dir == Path(f"/dev/shm/dcs-{os.geteuid()}")
+    assert (config.host.staging_dir, config.host.memory_dir) == (root / "staging", root / "memory")
+    assert DCSConfig().host.runtime_dir == Path(f"/dev/shm/dcs-{os.geteuid()}")
     assert hostdirs.staging_dir(config) == root / "staging" and not root.exists()  # not made unless asked
     assert hostdirs.memory_dir(config, create=True) == root / "memory"
     assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700

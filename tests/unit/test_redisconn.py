@@ -72,7 +72,7 @@ def test_a_plain_redis_url_is_passed_through_unchanged() -> None:
 
 def test_sentinel_passwords_are_masked_in_logs_and_errors() -> None:
     config = DCSConfig(redis_url=URL)
-    shown = config.scrub(f"cannot reach {config.redis_url}") + repr(config)
+    shown = config.scrub(f"cannot reach {config.redis.url}") + repr(config)
     assert "pw1" not in shown and "pw2" not in shown
     assert "sentinel://:***@10.0.0.1:26380" in shown and "sentinel_password=***" in shown
     assert redis_location(URL) == "sentinel 10.0.0.1:26380,10.0.0.2:26379,10.0.0.3:26381 master 'mymaster' db 2"

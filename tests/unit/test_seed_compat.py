@@ -29,7 +29,7 @@ def test_the_package_root_exports_what_the_original_design_imports() -> None:
     from dcs_tasks.metrics import get_metrics as metrics_get
 
     assert CheckpointEngineClient is Engine and BackendType is ConfigBackendType and get_metrics is metrics_get
-    assert BackendType.NCCL.value == "nccl" and DCSConfig().backend_type is BackendType.GLOO
+    assert BackendType.NCCL.value == "nccl" and DCSConfig().sync.backend_type is BackendType.GLOO
     assert RoleInfo(role_name="actor", rank=0).node_id == "actor_0"
     assert TopologyConfig(role_mappings={"actor": "rollout"}).get_peer_role("actor") == "rollout"
     assert set(ROOT_NAMES) <= set(dcs_tasks.__all__) and set(ROOT_NAMES) <= set(dir(dcs_tasks))
@@ -50,11 +50,11 @@ def test_comm_base_port_alone_gives_a_range_of_1000_ports() -> None:
     from dcs_tasks import DCSConfig
 
     config = DCSConfig(comm_base_port=20000)
-    assert (config.comm_base_port, config.comm_max_port) == (20000, 20999)
-    config.comm_base_port = 30000  # the original design's tuning snippet assigns it
-    assert config.comm_max_port == 30999
-    assert DCSConfig().model_copy(update={"comm_base_port": 40000}).comm_max_port == 40999
-    assert DCSConfig(comm_base_port=65000).comm_max_port == 65535  # capped at the last port
+    assert (config.sync.comm_base_port, config.sync.comm_max_port) == (20000, 20999)
+    config.sync.comm_base_port = 30000  # the original design's tuning snippet assigns it
+    assert config.sync.comm_max_port == 30999
+    assert DCSConfig().model_copy(update={"comm_base_port": 40000}).sync.comm_max_port == 40999
+    assert DCSConfig(comm_base_port=65000).sync.comm_max_port == 65535  # capped at the last port
     assert DCSConfig(comm_base_port=20000).to_env()["DCS_COMM_MAX_PORT"] == "20999"  # a child gets the same range
 
 
@@ -62,8 +62,8 @@ def test_an_explicit_comm_max_port_is_kept_and_checked() -> None:
     from dcs_tasks import DCSConfig
 
     config = DCSConfig(comm_max_port=12005)
-    config.comm_base_port = 12000
-    assert config.comm_max_port == 12005
+    config.sync.comm_base_port = 12000
+    assert config.sync.comm_max_port == 12005
     with pytest.raises(ValidationError, match="comm port range is empty: 20000-11999"):
         DCSConfig(comm_base_port=20000, comm_max_port=11999)
 

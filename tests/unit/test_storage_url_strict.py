@@ -63,7 +63,7 @@ def test_a_mistyped_url_in_the_environment_is_refused_by_name(value: str, monkey
 )
 def test_exact_urls_and_plain_paths_are_taken(value: str, expected: object) -> None:
     assert parse_root(value) == expected
-    assert DCSConfig(checkpoint_dir=value).checkpoint_dir == expected
+    assert DCSConfig(checkpoint_dir=value).checkpoint.dir == expected
 
 
 def test_dcs_config_exits_2_naming_the_setting_and_the_right_form() -> None:

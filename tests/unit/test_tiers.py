@@ -212,17 +212,17 @@ def test_over_budget_peer_copies_leave_first_whatever_their_age_and_leave_no_dir
     config = dcs_config.model_copy(update={"memory_dir": root, "memory_tier_bytes": 3 * size, "node_name": ME})
     client = sync_client(config)
     try:
-        eviction.evict(config, client, Keys(config.namespace))
+        eviction.evict(config, client, Keys(config.redis.namespace))
     finally:
         client.close()
     assert sorted(p.name for p in (root / "mine").iterdir()) == ["step-000000001", "step-000000002"]
     assert not (root / "theirs").exists()  # every copy left, and the run and rank directories with them
-    assert memdir.used_bytes(root) <= config.memory_tier_bytes
+    assert memdir.used_bytes(root) <= config.memory.budget_bytes
 
 
 def test_a_put_is_accepted_only_for_another_hosts_step_with_its_recorded_manifest(dcs_config: DCSConfig) -> None:
     client = sync_client(dcs_config)
-    keys = Keys(dcs_config.namespace)
+    keys = Keys(dcs_config.redis.namespace)
     try:
         owners.Owners(client, keys).record("run", 3, 1, "hostb", b'{"manifest": 1}')
         rel = StepRel("run", 3, 1)

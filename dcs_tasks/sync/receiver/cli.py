@@ -125,17 +125,19 @@ def run(args: argparse.Namespace) -> int:
     config = DCSConfig(coordinator_url=args.coordinator_url)
     try:
         colocated_metadata(args)
-        advertise = advertised_host(args.host, args.advertise_host or config.advertise_address, config.base_url)
+        advertise = advertised_host(args.host, args.advertise_host or config.sync.advertise_address, config.base_url)
     except ConfigError as exc:
         print(f"dcs receiver: {exc}", file=sys.stderr)
         return 2
-    configure_comm_interface(advertise, config.comm_ifname)  # gloo/NCCL: not the hostname's (maybe loopback) address
+    configure_comm_interface(
+        advertise, config.sync.comm_ifname
+    )  # gloo/NCCL: not the hostname's (maybe loopback) address
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on such sockets; without it every response pays a
     # 40 ms delayed-ACK stall (uvicorn writes headers and body separately), i.e. 40 ms per bucket.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if config.tcp_nodelay else 0)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.tcp_buffer_size)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if config.receiver.tcp_nodelay else 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.receiver.tcp_buffer_size)
     sock.bind((bind_host(args.host, advertise), args.port))
     info = RoleInfo(
         role_name=args.role,
@@ -153,22 +155,22 @@ def run(args: argparse.Namespace) -> int:
 async def serve(config: DCSConfig, info: RoleInfo, sock: socket.socket) -> None:
     """Serve until SIGINT/SIGTERM, registered and heartbeating as `info` meanwhile."""
     backend = DeviceDirectBackend(
-        config.backend_type,
+        config.sync.backend_type,
         info,
-        timeout_seconds=config.comm_timeout_seconds,
-        group_init_timeout_seconds=config.group_init_timeout_seconds,
-        fusion_threshold_bytes=config.tensor_fusion_threshold,
+        timeout_seconds=config.sync.comm_timeout_seconds,
+        group_init_timeout_seconds=config.sync.group_init_timeout_seconds,
+        fusion_threshold_bytes=config.sync.tensor_fusion_threshold,
     )
     receiver = WeightReceiver(
-        backend, max_update_bytes=config.receiver_max_update_bytes, init_wait_seconds=INIT_WAIT_SECONDS
+        backend, max_update_bytes=config.receiver.max_update_bytes, init_wait_seconds=INIT_WAIT_SECONDS
     )
-    app = create_receiver_app(receiver, pause_gc=config.sync_pause_gc)
-    secure_receiver_app(app, config.token(), config.receiver_max_body_bytes)
-    options = guarded_server_options(config.receiver_request_read_timeout_seconds, config.receiver_keep_alive_seconds)
+    app = create_receiver_app(receiver, pause_gc=config.sync.pause_gc)
+    secure_receiver_app(app, config.token(), config.receiver.max_body_bytes)
+    options = guarded_server_options(config.receiver.request_read_timeout_seconds, config.receiver.keep_alive_seconds)
     server = ReceiverServer(uvicorn.Config(app, log_level="warning", lifespan="off", **options))
     # every blocking call runs in the default executor: size it so waiting inits never starve digests
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(EXECUTOR_THREADS, "dcs-receiver"))
-    api = CoordinatorAPI(config.base_url, config.token(), timeout=config.request_timeout_seconds)
+    api = CoordinatorAPI(config.base_url, config.token(), timeout=config.coordinator.request_timeout_seconds)
     beats = NodeLiveness(api, config, info)  # through the host's agent when one answers (dcs_tasks/hostagent.py)
     answer = await beats.register()
     info = info.model_copy(update={"rank": answer.rank})

@@ -47,7 +47,7 @@ from dcs_tasks.storage.fs import read_exactly
 
 # A manifest takes ~400 bytes per tensor: a 70B-parameter Llama's full state with Adam's (2,893 tensors) has a
 # 1.2 MB manifest; 4 MiB leaves room for ~10,000 tensors per rank. A step with a bigger one is not copied to
-# peers (it stays in this host's memory and reaches storage as any other); DCSConfig.peer_max_manifest_bytes.
+# peers (it stays in this host's memory and reaches storage as any other); DCSConfig.peer.max_manifest_bytes.
 MAX_MANIFEST_BYTES = min(4 * 1024 * 1024, _VALIDATE_MANIFEST_BYTES)
 MAX_FILES = 65536
 MAX_REL = 300  # characters of a rel: a run name (128) and two directory names fit with room to spare

@@ -81,7 +81,7 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
     root = memory_root(config)
     held = scan(root, run)
     # room for one more step as big as the biggest held: else the next save would not fit and go to storage
-    over = used_bytes(root) + max((s.nbytes for s in held), default=0) - config.memory_tier_bytes
+    over = used_bytes(root) + max((s.nbytes for s in held), default=0) - config.memory.budget_bytes
     book = Places(client, keys)
     removed: list[MemoryStep] = []
     host = config.host_name
@@ -91,7 +91,7 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
             break
         with contextlib.suppress(redis.RedisError):
             book.forget(s.run, s.step, s.rank, peer_place(host))
-        remove_step(s, root, config.memory_tier_bytes - used_bytes(root) - recycled_bytes(root))
+        remove_step(s, root, config.memory.budget_bytes - used_bytes(root) - recycled_bytes(root))
         _prune(root, s.path)
         over -= s.nbytes
         removed.append(s)
@@ -103,17 +103,17 @@ def evict(config: DCSConfig, client: redis.Redis, keys: Keys, run: str | None = 
         except redis.RedisError as exc:
             log.warning("memory tier: places of run %r unreadable (%s): nothing leaves memory", name, exc)
             continue
-        for s in evictable([s for s in held if s.run == name], places, host, config.memory_keep_last, over):
+        for s in evictable([s for s in held if s.run == name], places, host, config.memory.keep_last, over):
             with contextlib.suppress(redis.RedisError):
                 book.forget(name, s.step, s.rank, mem_place(host), peer_place(host))
             # the pool keeps what the budget leaves free: with storage every N steps, about N steps leave at once
             # after each flush and the next N saves overwrite their pages (new tmpfs pages cost their zeroing)
-            remove_step(s, root, config.memory_tier_bytes - used_bytes(root) - recycled_bytes(root))
+            remove_step(s, root, config.memory.budget_bytes - used_bytes(root) - recycled_bytes(root))
             _prune(root, s.path)
             over -= s.nbytes
             removed.append(s)
             log.info("memory tier: step %d of %s rank %d left memory (%d bytes)", s.step, name, s.rank, s.nbytes)
-    trim_pool(root, config.memory_tier_bytes - used_bytes(root))
+    trim_pool(root, config.memory.budget_bytes - used_bytes(root))
     return removed
 
 

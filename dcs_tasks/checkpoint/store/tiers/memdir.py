@@ -33,7 +33,7 @@ RECYCLE_MAX_FILES = 256  # files the recycle pool holds at most (its bytes: what
 
 
 def enabled(config: DCSConfig) -> bool:
-    return config.memory_tier_bytes > 0
+    return config.memory.budget_bytes > 0
 
 
 def memory_root(config: DCSConfig, create: bool = False) -> Path:
@@ -123,12 +123,12 @@ def used_bytes(root: Path) -> int:
 
 def room(config: DCSConfig) -> int:
     """Bytes the memory tier may still take (the budget less what it holds; what a peer may put)."""
-    return config.memory_tier_bytes - used_bytes(memory_root(config))
+    return config.memory.budget_bytes - used_bytes(memory_root(config))
 
 
 def fits(config: DCSConfig, nbytes: int) -> bool:
     """Whether a step of `nbytes` fits in the memory budget now (else the trainer sends it to storage)."""
-    return used_bytes(memory_root(config)) + nbytes <= config.memory_tier_bytes
+    return used_bytes(memory_root(config)) + nbytes <= config.memory.budget_bytes
 
 
 def remove_step(step: MemoryStep, root: Path | None = None, room: int = 0) -> None:

@@ -72,7 +72,7 @@ def pull_from_peers(
 
 def _list(address: tuple[str, int], token: str, run: str, host: str, config: DCSConfig) -> list[str]:
     try:
-        return transfer.list_steps(address, token, run, timeout=min(10.0, config.peer_timeout_seconds))
+        return transfer.list_steps(address, token, run, timeout=min(10.0, config.peer.timeout_seconds))
     except CheckpointError as exc:
         log.warning("memory tier: peer %s cannot list run %r: %s", host, run, exc)
         return []
@@ -93,11 +93,11 @@ def _pull(
             token,
             rel,
             root,
-            timeout=config.peer_timeout_seconds,
-            max_bytes=max(config.memory_tier_bytes, 1),
+            timeout=config.peer.timeout_seconds,
+            max_bytes=max(config.memory.budget_bytes, 1),
             accept=check,
-            min_rate=config.peer_min_bytes_per_second,
-            max_manifest_bytes=config.peer_max_manifest_bytes,
+            min_rate=config.peer.min_bytes_per_second,
+            max_manifest_bytes=config.peer.max_manifest_bytes,
         )
     except CheckpointError as exc:
         log.warning("memory tier: could not fetch %s from peer %s: %s", rel, host, exc)

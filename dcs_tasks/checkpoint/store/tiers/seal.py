@@ -10,7 +10,7 @@ faster than a cold read from storage; without it, the same restore is mostly pag
 So when a memory-tier step is committed (by `persisting.commit`, or by `transfer` once a peer's copy is
 verified), each file is made read-only (0444) and its stamp (inode, size, mtime_ns, ctime_ns) is recorded in the
 step's `seal.json`. A restore that finds the open file's `fstat` equal to its stamp and the file still not
-writable trusts the arrival hash (`DCSConfig.memory_restore_verify = "seal"`, the default); any other file, or
+writable trusts the arrival hash (`DCSConfig.memory.restore_verify = "seal"`, the default); any other file, or
 `memory_restore_verify = "hash"`, is hashed in full as before.
 
 What a seal catches: any write, truncation, chmod or replacement of the file after it was sealed, because each
