@@ -79,6 +79,15 @@ def register(sub: Any) -> None:
         default=600.0,
         help="unregister after /health has answered non-200 this long (SGLang answers 503 while busy >20 s)",
     )
+    attach.add_argument(
+        "--colocated-with",
+        type=int,
+        default=None,
+        metavar="TRAINER_RANK",
+        help="the engine shares this host and --colocated-device with that trainer rank: updates by handle "
+        "(CUDA IPC; CPU: shared memory) through update_weights_from_tensor, not a process group (SGLang only)",
+    )
+    attach.add_argument("--colocated-device", default="cuda:0", help="the shared device: cuda:N or cpu")
     attach.set_defaults(func=run)
 
 
@@ -102,6 +111,18 @@ def advertised_address(engine_url: str, advertise_url: str | None) -> tuple[str,
     return url.host, port
 
 
+def _colocated(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--colocated-with`'s registration entry; ConfigError for a vLLM engine (no colocated path for vLLM:
+    docs/weight_sync.md, Colocated engines) or an entry out of bounds."""
+    if args.colocated_with is None:
+        return None
+    if args.kind != "sglang":
+        raise ConfigError("--colocated-with is for SGLang engines: DCS has no colocated path into vLLM")
+    from dcs_tasks.sync.colocated import colocation_metadata
+
+    return colocation_metadata(args.colocated_with, args.colocated_device)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
@@ -120,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             wait_timeout=args.wait_timeout,
             health_timeout=args.health_timeout,
             unhealthy_after=args.unhealthy_after,
+            colocated=_colocated(args),
         )
         api_key = args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or config.token()
         if api_key != config.token():

@@ -68,6 +68,9 @@ class AttachSettings:
     """Longest wait for the engine to (re)start answering `/health`, and for the coordinator to register it."""
     health_timeout: float = 25.0
     """Timeout of one `/health` probe (SGLang's own generation check gives up after 20 s)."""
+    colocated: dict[str, Any] | None = None
+    """`metadata["colocated"]`'s entry (`dcs_tasks.sync.colocated.colocation_metadata`): the engine shares its
+    host and device with that trainer rank, which updates it by handle; None: a remote engine."""
 
 
 class Outage(enum.Enum):
@@ -110,7 +113,7 @@ class EngineAttachment:
         s = self.settings
         info = await self._read_engine()
         # a new instance token per registration: trainers rebuild their group for a restarted engine
-        metadata = engine_metadata(info) | {"instance": new_instance()}
+        metadata = engine_metadata(info) | {"instance": new_instance()} | (s.colocated or {})
         node = RoleInfo(role_name=s.role, rank=s.rank, ip=s.advertise_ip, port=s.advertise_port, metadata=metadata)
         answer = await self._register(node)
         self.registered = node.model_copy(update={"rank": answer.rank})

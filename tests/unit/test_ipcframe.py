@@ -125,3 +125,18 @@ def test_only_the_same_rank_device_and_host_are_colocated() -> None:
     elsewhere = {"colocated": meta["colocated"] | {"host_id": "0" * 36 if host_id() != "0" * 36 else "1" * 36}}
     assert not is_colocated(elsewhere, "e", 0, cpu), "another machine claiming the same device is remote"
     assert not is_colocated({}, "e", 0, cpu)
+
+
+def test_engine_attach_registers_colocated_sglang_engines_and_refuses_vllm() -> None:
+    import argparse
+
+    from dcs_tasks.cli.engine import _colocated
+    from dcs_tasks.errors import ConfigError
+
+    entry = _colocated(argparse.Namespace(colocated_with=3, colocated_device="cuda:1", kind="sglang"))
+    assert entry is not None and colocation_of(entry, "e") == colocation_of(colocation_metadata(3, "cuda:1"), "e")
+    assert _colocated(argparse.Namespace(colocated_with=None, colocated_device="cuda:0", kind="vllm")) is None
+    with pytest.raises(ConfigError, match="no colocated path into vLLM"):
+        _colocated(argparse.Namespace(colocated_with=0, colocated_device="cuda:0", kind="vllm"))
+    with pytest.raises(ColocationInvalid):
+        _colocated(argparse.Namespace(colocated_with=0, colocated_device="gpu0", kind="sglang"))
