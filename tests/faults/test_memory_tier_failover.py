@@ -71,8 +71,8 @@ def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: Sent
             held = memory_steps(b, "ha")
             assert held in ([], [1])
             if held:
-                copy = Path(b.memory_dir) / "ha" / "step-000000001"
-                own = Path(a.memory_dir) / "ha" / "step-000000001"
+                copy = Path(b.host.memory_dir) / "ha" / "step-000000001"
+                own = Path(a.host.memory_dir) / "ha" / "step-000000001"
                 assert all((copy / p.name).read_bytes() == p.read_bytes() for p in own.iterdir() if p.name != SEAL_NAME)
 
             # saves and peer copies go on against the promoted replica
@@ -89,7 +89,7 @@ def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: Sent
 
         # host a is lost: a replacement rank on host c restores the newest step a peer holds
         workers["a"].kill()
-        shutil.rmtree(a.memory_dir)
+        shutil.rmtree(a.host.memory_dir)
         c = host_config(base, tmp_path, "hostc", memory_tier_bytes=budget)
         with Checkpointer("ha", c) as replacement:
             restored = replacement.restore()

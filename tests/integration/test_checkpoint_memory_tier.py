@@ -286,7 +286,10 @@ def test_steps_are_copied_to_a_peer_and_a_lost_hosts_rank_restores_from_it(
                 ckpt.save(state, step=step).wait(timeout=120)
             wait_until(lambda: "replicated" in places(a, "peer").get((2, 0), set()), 120, "step 2 to replicate")
             assert places(a, "peer")[(2, 0)] == {"mem@hosta", "peer@hostb", "replicated"}
-            copy, own = Path(b.memory_dir) / "peer" / "step-000000002", Path(a.memory_dir) / "peer" / "step-000000002"
+            copy, own = (
+                Path(b.host.memory_dir) / "peer" / "step-000000002",
+                Path(a.host.memory_dir) / "peer" / "step-000000002",
+            )
             assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in own.iterdir())
             assert all((copy / p.name).read_bytes() == p.read_bytes() for p in own.iterdir() if p.name != SEAL_NAME)
             for step_dir in (own, copy):  # each host sealed its own copy once its bytes verified
@@ -302,7 +305,7 @@ def test_steps_are_copied_to_a_peer_and_a_lost_hosts_rank_restores_from_it(
         # host a is lost (its worker killed, its memory gone): a replacement rank on host c restores the newest
         # step that is complete somewhere, step 2, from host b's memory
         workers["a"].kill()
-        shutil.rmtree(a.memory_dir)
+        shutil.rmtree(a.host.memory_dir)
         c = host_config(dcs_config, tmp_path, "hostc")
         with Checkpointer("peer", c) as replacement:
             restored = replacement.restore()
@@ -478,7 +481,7 @@ def test_an_inline_committer_copies_its_memory_steps_to_a_peer_worker(
             ckpt.save(state, step=1).wait(timeout=120)
             wait_until(lambda: "replicated" in places(a, "inpeer").get((1, 0), set()), 120, "step 1 to replicate")
             assert places(a, "inpeer")[(1, 0)] == {"mem@hosta", "peer@hostb", "replicated"}
-        shutil.rmtree(a.memory_dir)  # host a is lost
+        shutil.rmtree(a.host.memory_dir)  # host a is lost
         with Checkpointer("inpeer", host_config(dcs_config, tmp_path, "hostc")) as replacement:
             restored = replacement.restore()
             assert (restored.step, restored.location) == (1, "peer:hostb")

@@ -95,7 +95,7 @@ def test_a_token_holder_cannot_push_steps_of_a_run_and_rank_it_does_not_hold(
         step_dir, rel = make_step(forged, "other", 7, (4096,), rank=3)
         with pytest.raises(PeerRefused, match="no host recorded committing it"):
             pw.push_step(address, TOKEN, step_dir, rel, timeout=10)
-        assert not (Path(a.memory_dir) / "other").exists()
+        assert not (Path(a.host.memory_dir) / "other").exists()
     finally:
         worker.discard()
 
@@ -113,7 +113,7 @@ def committed_steps_of_a(a: DCSConfig, inline: Inline, count: int, width: int) -
     with Checkpointer("budget", a, celery_app=inline(a)) as ckpt:
         for step in range(1, count + 1):
             ckpt.save(training_state(seed=step, width=width), step=step).wait(timeout=120)
-    root = Path(a.memory_dir)
+    root = Path(a.host.memory_dir)
     return [(root / "budget" / ps.step_dir_name(s), f"budget/{ps.step_dir_name(s)}") for s in range(1, count + 1)]
 
 
@@ -132,7 +132,7 @@ def test_pushes_never_take_the_memory_tier_over_its_budget(
             except PeerRefused as exc:
                 assert "no room" in str(exc)
                 refused += 1
-            held.append(memdir.used_bytes(Path(b.memory_dir)))
+            held.append(memdir.used_bytes(Path(b.host.memory_dir)))
         assert max(held) <= budget, f"host b held {held} bytes after each push, over its {budget}-byte budget"
         assert refused >= 1
         print(f"pushes: host b held at most {max(held)} bytes ({refused} of 4 refused)")
@@ -174,7 +174,7 @@ def test_huge_manifests_are_refused_unread(dcs_config: DCSConfig, tmp_path: Path
             ch.sock.close()
         print(f"16 puts announcing 20 MiB manifests: the worker's peak RSS grew {grown >> 20} MiB")
         assert grown < 64 * MiB, f"the worker grew by {grown >> 20} MiB receiving 16 manifests of 20 MiB"
-        assert incoming(b) == [] and not (Path(b.memory_dir) / "budget").exists()
+        assert incoming(b) == [] and not (Path(b.host.memory_dir) / "budget").exists()
     finally:
         worker.discard()
 
@@ -206,7 +206,7 @@ def test_a_trickling_transfer_is_cut_off_and_leaves_nothing(
         assert cut is not None and cut < 25, "a transfer at 1 byte/s was still held after 40 s"
         print(f"a transfer at 1 byte/s cut off after {cut:.1f} s")
         wait_until(lambda: incoming(b) == [], 10, "the partial copy to be removed")
-        assert not (Path(b.memory_dir) / rel).exists()
+        assert not (Path(b.host.memory_dir) / rel).exists()
     finally:
         for worker in workers:
             worker.discard()
