@@ -154,10 +154,10 @@ class BucketPool:
         tensor = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
         storage = tensor.untyped_storage()
         if self.device.type == "cpu":
-            manager, name, size = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+            manager, name, size = storage._share_filename_cpu_()
             shm_name = name.decode() if isinstance(name, bytes) else name
             return _Slot(tensor, generation, shm=ShmRef(shm_name, 64), storage_meta=(manager, name, size))
-        (dev, handle, size, offset, ref, ref_offset, event, _sync) = storage._share_cuda_()  # type: ignore[attr-defined]
+        (dev, handle, size, offset, ref, ref_offset, event, _sync) = storage._share_cuda_()
         cuda = CudaRef(int(dev), bytes(handle), int(size), int(offset), bytes(ref), int(ref_offset), bytes(event))
         return _Slot(tensor, generation, cuda=cuda)
 
@@ -208,8 +208,8 @@ def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
     the process's sharing strategy: the engine opens the file by name, an unrelated process can."""
     from torch.multiprocessing.reductions import rebuild_storage_filename
 
-    metadata = storage._share_filename_cpu_()  # type: ignore[attr-defined]
-    storage._shared_incref()  # type: ignore[attr-defined]
+    metadata = storage._share_filename_cpu_()
+    storage._shared_incref()
     return (rebuild_storage_filename, (type(storage), *metadata))
 
 
@@ -231,7 +231,7 @@ def sglang_payload(view: torch.Tensor, layout: FusionLayout) -> str:
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     if view.device.type == "cpu":
-        pickler.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage  # type: ignore[index]
+        pickler.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage
     pickler.dump({"flattened_tensor": view, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode()
 

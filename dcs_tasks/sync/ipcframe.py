@@ -284,7 +284,7 @@ def _open_cuda(ref: CudaRef, nbytes: int) -> torch.Tensor:
         raise IpcFrameInvalid(f"cuda frame: a bucket of {nbytes} bytes in a storage of {ref.storage_bytes}")
     # torch's own rebuild (torch.multiprocessing.reductions.rebuild_cuda_tensor) with the frame's fields: the
     # storage starts `storage_offset` bytes into the trainer's IPC block; the bucket is the storage's start
-    storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+    storage = torch.UntypedStorage._new_shared_cuda(
         ref.device,
         ref.handle,
         ref.storage_bytes,

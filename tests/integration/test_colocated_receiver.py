@@ -64,10 +64,6 @@ def receiver_state(proc: ReceiverProcess) -> tuple[int, dict[str, str]]:
     return d.weight_version, d.tensors
 
 
-async def push(sender: ColocatedSender, engines: list[ColocatedEngine], state: dict[str, torch.Tensor], v: int):
-    return await sender.update(state, engines, v)
-
-
 def test_colocated_updates_reach_dcs_receiver_bit_exact_with_reused_buckets(receiver: ReceiverProcess) -> None:
     async def run() -> None:
         http = EngineHTTP(headers=auth_headers(TOKEN))
