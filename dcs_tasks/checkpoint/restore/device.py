@@ -143,6 +143,9 @@ class CudaCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
+        for t in (dst, src):  # memory the caching allocator must not hand out again before this copy ran
+            if t.is_cuda:
+                t.record_stream(stream)
 
     def record(self, stream: Any) -> Event:
         event = torch.cuda.Event()

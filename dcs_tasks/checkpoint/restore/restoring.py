@@ -17,6 +17,8 @@ Reads (`plan`, then `read`). Every kind of restore goes through one `RestorePlan
 - RANGES: DTensors in the step or in `into`, or `strict=False`: only the byte ranges the targets need
   (`boxread.restore_step`, chunk-verified range reads).
 Where a `sharding=` tensor is cut for a rank is `sharded.SplitTensor.part` in both RESHARD and RANGES.
+When `into=` holds device (CUDA) tensors, every kind is carried out by `device.py` instead (page-locked ring
+slots, side-stream copies, one synchronisation); CPU targets never take that path.
 """
 
 from __future__ import annotations
