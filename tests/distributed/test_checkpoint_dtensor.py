@@ -5,12 +5,16 @@ same global tensors, `distribute_tensor` them on a DeviceMesh (torch's own shard
 `torch.chunk`'s), and save or restore through `Checkpointer`. Restoring ranks compare their local shard with
 `distribute_tensor(full)` and the gathered `full_tensor()` with the full tensor, bit for bit, and report the
 checkpoint bytes they read (DCS's counter and /proc/self/io `rchar`).
+
+One `dcs worker` serves the whole file (each test saves runs of its own names, in one Redis database and checkpoint
+directory of the module's); none of these tests looks at the worker itself, and it is discarded after the last.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import warnings
@@ -29,6 +33,8 @@ from tests.checkpoint_support import ckpt_config, start_worker
 from tests.helpers.ports import free_port
 from tests.helpers.preloaded import python_module
 from tests.helpers.procs import child_env
+from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.shm import shm_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -207,12 +213,31 @@ def _child_main(job_path: str, rank_text: str) -> None:
 # --- parent side -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def config(dcs_config: DCSConfig, tmp_path: Path) -> Iterator[DCSConfig]:
-    config = ckpt_config(dcs_config, tmp_path)
-    worker = start_worker(config, tmp_path)
-    yield config
-    worker.discard()
+@pytest.fixture(scope="module")
+def config(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DCSConfig]:
+    """The module's config (as `dcs_config` makes a test's: a database of its own on the shared redis-server, short
+    heartbeats, a private checkpoint directory) and the one worker that serves it."""
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("dtensor")
+    base = DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+    )
+    config = ckpt_config(base, tmp)
+    worker = start_worker(config, tmp)
+    try:
+        yield config
+    finally:
+        worker.discard()
+        database.flush()
+        shutil.rmtree(shm_dir(tmp), ignore_errors=True)
 
 
 def run_group(config: DCSConfig, tmp_path: Path, tag: str, world: int, **job: Any) -> dict[int, Any]:
