@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import json
 import logging
@@ -172,12 +171,27 @@ class BucketPool:
         self.dropped += 1
         if old.cuda is not None:
             _unpin_cuda(old.cuda)
-        if old.shm is not None:  # engines that mapped it keep their mapping; none can open it any more
-            with contextlib.suppress(OSError):
-                os.unlink("/dev/shm" + old.shm.name)
+        if old.shm is not None:
+            _own_only(old.shm)
         del old
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()
+
+
+def _own_only(ref: ShmRef) -> None:
+    """Set the reference count of a shared file this process created back to its own one, so that torch unlinks
+    it when the trainer's tensor goes (references handed to engines that never opened or never closed it are
+    forgotten; an engine's own mapping stays valid, its later close only counts below zero). Unlinking the file
+    here instead would make torch's own unlink fail, and abort, when the trainer's tensor is freed."""
+    try:
+        fd = os.open("/dev/shm" + ref.name, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        with mmap.mmap(fd, 8) as m:  # torch's RefcountedMapAllocator header: an atomic int refcount first
+            m[0:4] = (1).to_bytes(4, "little")
+    finally:
+        os.close(fd)
 
 
 def _unpin_cuda(ref: CudaRef) -> None:

@@ -140,3 +140,24 @@ def test_engine_attach_registers_colocated_sglang_engines_and_refuses_vllm() -> 
         _colocated(argparse.Namespace(colocated_with=0, colocated_device="cuda:0", kind="vllm"))
     with pytest.raises(ColocationInvalid):
         _colocated(argparse.Namespace(colocated_with=0, colocated_device="gpu0", kind="sglang"))
+
+
+def test_a_dropped_bucket_s_file_goes_although_an_engine_never_took_its_payload() -> None:
+    """SGLang's payload counts one reference per pickle, released by the engine's unpickle; an engine that never
+    unpickles it would keep the file (the trainer's memory) forever. Dropping the bucket forgets those."""
+    import os
+
+    from dcs_tasks.sync.colocated import sglang_payload
+
+    state = {"w": torch.randn(64)}
+    layout = sglang_layout([TensorSpec.of(k, v) for k, v in state.items()])
+    pool = BucketPool(torch.device("cpu"), layout.total_bytes)
+    view = pack_into(pool.slots[0].tensor, layout, state)
+    for _ in range(3):
+        sglang_payload(view, layout)  # handed out, never unpickled
+    shm = pool.slots[0].shm
+    assert shm is not None and os.path.exists("/dev/shm" + shm.name)
+    del view
+    pool.drop(0)
+    assert not os.path.exists("/dev/shm" + shm.name)
+    assert pool.slots[0].shm is not None and pool.slots[0].shm.name != shm.name and pool.slots[0].generation == 1
