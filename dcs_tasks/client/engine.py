@@ -282,6 +282,8 @@ class CheckpointEngineClient:
             async with _held(self.lock, self.config.sync.comm_timeout_seconds):
                 with paused_gc(self.config.sync.pause_gc):
                     if not actor_fwd_only and self._rollout is not None:
+                        if self._colocated is not None:
+                            self._colocated.begin()
                         reports["rollout"] = await self._rollout.update(state, quant)
                         if self._colocated is not None:  # one update: remote engines, then colocated ones
                             colocated = await self._colocated.update_after(self._rollout, state)

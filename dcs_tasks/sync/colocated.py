@@ -446,17 +446,32 @@ class ColocatedUpdater:
         self.timeout_seconds = timeout_seconds
         self._known: dict[tuple[str, str], ColocatedEngine] = {}  # (node id, instance) -> engine facts
         self.last_version = 0
+        self._seen: dict[int, Any] | None = None  # rank -> colocated node, from this update's topology reads
 
     def takes(self, node: Any) -> bool:
-        """Whether `node` (a rollout registration) is this trainer's to update by handle."""
-        return is_colocated(node.metadata, f"rollout_{node.rank}", self.trainer_rank, self.device)
+        """Whether `node` (a rollout registration) is this trainer's to update by handle. The nodes the remote
+        updater's topology reads ask about are kept for this update: no second read of the topology."""
+        taken = is_colocated(node.metadata, f"rollout_{node.rank}", self.trainer_rank, self.device)
+        if self._seen is None:
+            self._seen = {}
+        if taken:
+            self._seen[node.rank] = node
+        else:
+            self._seen.pop(node.rank, None)
+        return taken
+
+    def begin(self) -> None:
+        """A new update starts: forget the nodes an earlier one listed (it may have failed before using them)."""
+        self._seen = None
 
     async def engines(self) -> list[ColocatedEngine]:
-        topology = await self.api.topology(self.rollout_role)
+        seen, self._seen = self._seen, None
+        if seen is None:  # the remote updater read no topology in this update: read it here
+            topology = await self.api.topology(self.rollout_role)
+            seen = {n.rank: n for n in topology.nodes.get(self.rollout_role, {}).values() if self.takes(n)}
+            self._seen = None
         out: list[ColocatedEngine] = []
-        for node in sorted(topology.nodes.get(self.rollout_role, {}).values(), key=lambda n: n.rank or 0):
-            if not self.takes(node):
-                continue
+        for node in sorted(seen.values(), key=lambda n: n.rank or 0):
             node_id = f"rollout_{node.rank}"
             key = (node_id, str(node.metadata.get("instance", "")))
             known = self._known.get(key)
