@@ -28,8 +28,9 @@ If a file fails its checksum, CorruptCheckpoint is raised after the queued copie
 hold a mix of that step's bytes and what they held before (restore falls back to an older step, which overwrites
 every target; docs/checkpoints.md).
 
-The seam (`DeviceCopier`): streams, events, page-locked allocation, registration and the copy itself. `CudaCopier`
-is the real one; a test passes a copier that runs the same pipeline on CPU tensors (and checks its ordering).
+The seam (`save/devicecopy.py`'s `DeviceCopier`): streams, events, page-locked allocation, registration and the
+copy. `CudaCopier` is the real one; a test passes a copier that runs the same pipeline on CPU tensors (and checks
+its ordering).
 """
 
 from __future__ import annotations
@@ -44,116 +45,20 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from dcs_tasks.checkpoint.format.iosizes import DIRECT_ALIGN, O_DIRECT, O_NOFOLLOW, READ_THREADS
 from dcs_tasks.checkpoint.format.layout import FileEntry, Manifest, new_hasher
-from dcs_tasks.checkpoint.save.pinning import HostPinner, Pin
+from dcs_tasks.checkpoint.save.devicecopy import CudaCopier, DeviceCopier, Event
+from dcs_tasks.checkpoint.save.pinning import Pin
 from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, store_of
 
 SLOT_BYTES = 64 * 1024 * 1024  # one chunk of the ring: large enough for full-speed copies and reads
 RING_SLOTS = 4  # chunks in flight (read, hashed, on the link): 256 MiB of page-locked memory in all
 CACHED_ENOUGH = 0.5  # a file at least this much in the page cache is read buffered (as fileread does)
-_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: register a read-only (copy-on-write) mapping in place
-
-
-class Event(Protocol):
-    def synchronize(self) -> None: ...
-
-
-class DeviceCopier(Protocol):
-    """What the pipeline asks of a device runtime."""
-
-    @property
-    def pinner(self) -> HostPinner:
-        """Registers host memory in place (a memory-tier mapping: read-only)."""
-        ...
-
-    def on_device(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is a device tensor this copier fills (the restore takes this path)."""
-        ...
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of page-locked host memory, uint8."""
-        ...
-
-    def stream(self, device: torch.device) -> Any:
-        """The side stream of `device`, ordered after the work already queued on its current stream."""
-        ...
-
-    def empty(self, like: torch.Tensor) -> torch.Tensor:
-        """A new contiguous device tensor of `like`'s shape, dtype and device (where a strided target's bytes land)."""
-        ...
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Queue `dst.copy_(src)` on `stream` without waiting (dst a device tensor, src page-locked host bytes)."""
-        ...
-
-    def record(self, stream: Any) -> Event:
-        """An event that completes once everything queued on `stream` so far has run."""
-        ...
-
-    def synchronize(self, stream: Any) -> None:
-        """Wait for everything queued on `stream`."""
-        ...
-
-
-class ReadOnlyCudaPinner:
-    """`HostPinner` registering with `cudaHostRegisterReadOnly`: a private mapping of a sealed tmpfs file is
-    page-locked without breaking copy-on-write (the file's own pages are pinned, none copied)."""
-
-    def register(self, ptr: int, size: int) -> str | None:
-        from dcs_tasks.checkpoint.save.pinning import CudaHostPinner
-
-        return CudaHostPinner._reason(torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_READ_ONLY))
-
-    def unregister(self, ptr: int) -> str | None:
-        from dcs_tasks.checkpoint.save.pinning import CudaHostPinner
-
-        return CudaHostPinner._reason(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
-class CudaCopier:
-    """`DeviceCopier` over torch.cuda: one side stream per device, kept across restores."""
-
-    def __init__(self) -> None:
-        self.pinner: HostPinner = ReadOnlyCudaPinner()
-        self._streams: dict[int, Any] = {}
-
-    def on_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def stream(self, device: torch.device) -> Any:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        stream.wait_stream(torch.cuda.current_stream(index))
-        return stream
-
-    def empty(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        with torch.cuda.stream(stream), torch.no_grad():
-            dst.copy_(src, non_blocking=True)
-        for t in (dst, src):  # memory the caching allocator must not hand out again before this copy ran
-            if t.is_cuda:
-                t.record_stream(stream)
-
-    def record(self, stream: Any) -> Event:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def synchronize(self, stream: Any) -> None:
-        stream.synchronize()
 
 
 _default: list[DeviceCopier] = []

@@ -13,19 +13,20 @@ mapping (kept across saves, undone when the mapping goes away; a refused registr
 uses pageable memory: `pinning`). `Checkpointer.reserve()` (or `size_hint_bytes`) registers the buffers ahead, so
 the first save does not.
 
-The runtime is reached through `restore.device.DeviceCopier` (streams, events, copies): `CudaCopier` on a GPU, a
+The runtime is reached through `save/devicecopy.py`'s `DeviceCopier` (streams, events, copies): `CudaCopier` on a GPU, a
 test's CPU runtime otherwise. One `DeviceStager` per checkpointer; the copier keeps one side stream per device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dcs_tasks.checkpoint.format.layout import Layout
-from dcs_tasks.checkpoint.restore.device import CudaCopier, DeviceCopier, Event
+from dcs_tasks.checkpoint.save.devicecopy import CudaCopier, DeviceCopier, Event
 from dcs_tasks.checkpoint.save.pinning import CudaHostPinner, HostPinner
 from dcs_tasks.checkpoint.save.staging import StagingBuffer
 
@@ -49,15 +50,23 @@ class Copies:
 class DeviceStager:
     """Stages device tensors into staging buffers for one checkpointer."""
 
-    def __init__(self, pinner: HostPinner | None = None, copier: DeviceCopier | None = None) -> None:
+    def __init__(
+        self,
+        pinner: HostPinner | None = None,
+        copier: DeviceCopier | None = None,
+        new_stream: Callable[[torch.device], Any] | None = None,
+    ) -> None:
         self.pinner: HostPinner = pinner or CudaHostPinner()
+        self._cuda = CudaCopier(new_stream) if new_stream is not None else CudaCopier()
         self._copier = copier
 
     @property
     def copier(self) -> DeviceCopier:
-        if self._copier is None:
-            self._copier = CudaCopier()
-        return self._copier
+        return self._copier if self._copier is not None else self._cuda
+
+    def stream(self, device: torch.device) -> Any:
+        """The CUDA side stream on `device` (made once, then reused by every save)."""
+        return self._cuda.side_stream(device)
 
     @property
     def available(self) -> bool:
