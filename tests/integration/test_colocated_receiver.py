@@ -102,6 +102,8 @@ def test_a_frame_naming_other_memory_is_refused_and_nothing_changes(receiver: Re
     frame["shm"] = {"name": "/torch_1_1_1", "offset": 0}  # well-formed, no such file
     answer = httpx.post(f"{receiver.url}/update_weights_from_ipc_frame", json=frame, headers=h)
     assert answer.status_code == 400 and "cannot be opened" in answer.json()["message"]
+    answer = httpx.post(f"{receiver.url}/update_weights_from_ipc_frame", json=frame)  # no token
+    assert answer.status_code == 401
     frame["pickle"] = "gASV"  # an unknown field
     answer = httpx.post(f"{receiver.url}/update_weights_from_ipc_frame", json=frame, headers=h)
     assert answer.status_code == 400 and "unknown fields ['pickle']" in answer.json()["message"]
