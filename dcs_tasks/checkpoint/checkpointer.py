@@ -348,9 +348,11 @@ class Checkpointer:
         if self.config.staging.pinned_memory and self._device.available:
             buffers = [b for b in self._pool.buffers if b.capacity]
             if background:
-                self._reserving = self._dispatcher.submit(reservation.register, self._device, buffers)
+                self._reserving = self._dispatcher.submit(reservation.register, self._device.pin, buffers)
             else:
-                reservation.register(self._device, buffers)
+                reservation.register(self._device.pin, buffers)
+        else:
+            reservation.unregistered()
         return reservation
 
     def _wait_reserved(self) -> None:
