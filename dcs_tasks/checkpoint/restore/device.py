@@ -399,11 +399,13 @@ def load_mapped(
     pins: list[Pin] = []
     try:
         for f, mapping in zip(manifest.files, mappings, strict=True):
-            if f.size:
-                pin = Pin(_address(mapping), f.size)
-                if pin.register(uploader.copier.pinner):
-                    pins.append(pin)
-                _queue_mapped(mapping, manifest, f.name, targets, bool(pins) and pins[-1] is pin, uploader)
+            if not f.size:
+                continue
+            pin = Pin(_address(mapping), f.size)
+            pinned = pin.register(uploader.copier.pinner)  # False: refused, logged; this file goes through the ring
+            if pinned:
+                pins.append(pin)
+            _queue_mapped(mapping, manifest, f.name, targets, pinned, uploader)
     finally:
         uploader.finish()  # nothing reads a mapping once this returns
         for pin in pins:
