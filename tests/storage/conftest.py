@@ -87,7 +87,9 @@ def s3_server() -> Iterator[S3Server]:
         server.start()
         yield server
     finally:
-        server.stop()
+        # nothing on it is needed after the session: SIGKILL every server's process group (a graceful stop
+        # waited up to 10 s on Swift's SIGTERM handling); tests that stop or restart a server use their own
+        server.kill(everything=True)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -103,7 +105,7 @@ def own_s3_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[S3
         server.start()
         yield server
     finally:
-        server.stop()
+        server.kill(everything=True)  # the test's own stop/restart calls stay graceful; afterwards nothing is kept
 
 
 def new_bucket(server: S3Server, prefix: str, endpoint_url: str | None = None) -> S3Bucket:
