@@ -5,6 +5,7 @@ as wrong bytes or a recorded violation. Saves are persisted by the in-process co
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ def state(seed: int) -> dict[str, Any]:
 
 
 def device_targets(like: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Zeroed targets of `like`'s shapes ("model/t" strided), and the tensors the fake runtime calls device ones."""
+    """Zeroed targets of `like`'s shapes ("model/t" strided), and the tensors the fake runtime calls device ones (all
+    but "model/b": a state mixing host and device targets)."""
     t = torch.zeros(96, 64).t()  # shape (64, 96), not contiguous
     into: dict[str, Any] = {
         "model": {
@@ -52,7 +54,7 @@ def device_targets(like: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Ten
         "opt": {"m": torch.zeros(40_000), "step": torch.tensor(0)},
         "epoch": 0,
     }
-    on_device = [into["model"]["w"], t, into["model"]["b"], into["opt"]["m"], into["opt"]["step"]]
+    on_device = [into["model"]["w"], t, into["opt"]["m"], into["opt"]["step"]]  # "model/b" stays a host target
     return into, on_device
 
 
@@ -83,6 +85,26 @@ def test_a_restore_into_device_targets_goes_through_page_locked_slots_in_order(
     check_clean(copier)
     assert copier.syncs == 1  # one synchronisation for the whole restore, none per tensor
     assert copier.event_waits >= 1  # slots were reused, each only after its copies ran
+
+
+def test_a_restore_with_the_page_cache_dropped_reads_the_files_again_bit_exact(
+    dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
+    config = ckpt_config(dcs_config, tmp_path, file_shard_bytes=128 * 1024)
+    saved = state(4)
+    into, on_device = device_targets(saved)
+    copier = FakeCopier(on_device)
+    with Checkpointer("cold", config, celery_app=inline(config), device_restorer=DeviceRestorer(copier, 3, SLOT)) as c:
+        info = c.save(saved, step=1).wait(timeout=30)
+        for f in Path(info.path).glob("*.safetensors"):  # O_DIRECT where the file system takes it
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        c.restore(into=into)
+    same(saved, into)
+    check_clean(copier)
 
 
 def test_a_corrupt_newest_step_falls_back_and_the_targets_hold_the_older_one(
