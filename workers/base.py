@@ -3,10 +3,11 @@
 - Redelivery cap: acks_late + reject_on_worker_lost redeliver a task whose process died (kill -9, OOM).
   Each start increments a Redis counter per (task id, retry number); past `config.task.max_redeliveries`
   the task fails with `RedeliveryLimitExceeded` instead of looping.
-- Retries: OSError, ConnectionError, TimeoutError (and redis connection/timeout errors) are retried with
-  exponential backoff and jitter (`retry_delay_seconds` doubling, capped at `retry_backoff_max_seconds`,
-  at most `max_retries` times); validation and other errors fail at once. `NEVER_RETRY` errors (a payload
-  that is malformed or names an untrusted path) fail at once even where they are also one of those types.
+- Retries: the policy of `dcs_tasks.retrypolicy` (shared with the in-process committer): OSError,
+  ConnectionError, TimeoutError (and redis connection/timeout errors) are retried with exponential backoff and
+  jitter (`retry_delay_seconds` doubling, capped at `retry_backoff_max_seconds`, at most `max_retries` times);
+  validation and other errors fail at once. `NEVER_RETRY` errors (a payload that is malformed or names an
+  untrusted path) fail at once even where they are also one of those types.
 - `give_up(payload, reason)`: subclasses record a final failure (called once the task fails for good,
   whatever the cause), e.g. mark the checkpoint FAILED so a waiting trainer gets the reason.
 - Metrics: `dcs_errors_total{error_type="task_retry"}` per retry scheduled, `{error_type="task_failed"}` per
@@ -19,26 +20,17 @@ from __future__ import annotations
 import logging
 from typing import Any, TypeVar
 
-import redis
 from celery import Task
 from pydantic import BaseModel, ValidationError
 
-from dcs_tasks.backoff import backoff_delay
 from dcs_tasks.errors import DCSError, InvalidTaskPayload
 from dcs_tasks.metrics import get_metrics
+from dcs_tasks.retrypolicy import NEVER_RETRY, RETRYABLE, retry_delay
+from dcs_tasks.retrypolicy import backoff_seconds as backoff_seconds  # for callers of the task base
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
 
-RETRYABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    ConnectionError,
-    TimeoutError,
-    redis.ConnectionError,
-    redis.TimeoutError,
-)
-
-NEVER_RETRY: tuple[type[BaseException], ...] = (InvalidTaskPayload,)
 M = TypeVar("M", bound=BaseModel)
 RETRY_ERROR = "task_retry"
 FAILED_ERROR = "task_failed"
@@ -58,12 +50,6 @@ def parse_payload(model: type[M], payload: Any, task: str) -> M:
         raise InvalidTaskPayload(f"{task} payload refused: {problems[:2000]}") from None
 
 
-def backoff_seconds(retries: int, base: float, cap: float) -> float:
-    """Exponential backoff with equal jitter: in [d/2, d] where d = min(cap, base * 2**retries)
-    (`dcs_tasks.backoff.backoff_delay`, kept under this name for callers of the task base)."""
-    return backoff_delay(retries, base, cap, "equal")
-
-
 class DCSTask(Task):
     """Base class for DCS tasks (use `shared_task(base=DCSTask, bind=True, ...)`)."""
 
@@ -79,11 +65,9 @@ class DCSTask(Task):
             raise
         except RETRYABLE as exc:
             config = runtime().config
-            if self.request.called_directly or self.request.retries >= config.task.max_retries:
+            countdown = None if self.request.called_directly else retry_delay(exc, self.request.retries, config.task)
+            if countdown is None:
                 raise
-            countdown = backoff_seconds(
-                self.request.retries, config.task.retry_delay_seconds, config.task.retry_backoff_max_seconds
-            )
             log.warning(
                 "%s[%s] retry %d in %.2fs: %s", self.name, self.request.id, self.request.retries + 1, countdown, exc
             )

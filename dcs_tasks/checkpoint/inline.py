@@ -12,9 +12,11 @@ flight (and their flushes and replica copies) with it (the ledger then fails unf
 `abandoned_save_seconds`), while a worker's are redelivered.
 
 `send_task` takes the calls `Checkpointer` makes (the persist task's name and JSON payload, as Celery would get
-it); no retries: a persist or commit that raises fails its file or the step with the reason, as a task that
-gives up does; a flush that raises is recorded for the trainer's next save() as the worker's flush task does
-(`aftercommit.flush_failed`); a replica or peer copy that raises is logged and counted, the commit stands.
+it); a persist or commit that raises is retried with the worker's policy (`dcs_tasks.retrypolicy`: storage or
+Redis errors, backoff, `task.max_retries`, the same task id), and one that still fails fails its file or the step
+with the reason, as a task that gives up does; a flush that raises is recorded for the trainer's next save() as
+the worker's flush task does (`aftercommit.flush_failed`); a replica or peer copy that raises is logged and
+counted, the commit stands.
 
 Peer copies (`memory_replicas` > 0) are pushed from these threads to the peer servers registered in Redis by the
 `dcs worker`s of other hosts, as a worker's peer-copy task does. An inline committer runs no peer server itself:
@@ -48,6 +50,7 @@ from dcs_tasks.checkpoint.telemetry import record_error
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client
+from dcs_tasks.retrypolicy import retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,9 @@ class InlineCommitter:
     def _persist(self, payload: dict[str, Any], task_id: str) -> None:
         req = PersistRequest.model_validate(payload)
         try:
-            verdict = persisting.persist(self, req, task_id)
+            verdict = self._retrying(
+                f"persist of {req.file_name} step {req.ref.step}", persisting.persist, req, task_id
+            )
         except Exception as exc:
             log.warning("inline persist of %s step %d failed: %s", req.file_name, req.ref.step, exc)
             reason = f"persisting {req.file_name} failed: {type(exc).__name__}: {exc}"
@@ -91,7 +96,7 @@ class InlineCommitter:
     def _commit(self, req: CommitRequest, task_id: str) -> None:
         ref = req.ref
         try:
-            verdict = persisting.commit(self, req, task_id)
+            verdict = self._retrying(f"commit of {ref.run!r} step {ref.step}", persisting.commit, req, task_id)
         except Exception as exc:
             log.warning("inline commit of %s step %d failed: %s", ref.run, ref.step, exc)
             reason = f"commit failed: {type(exc).__name__}: {exc}"[:2000]
@@ -110,6 +115,24 @@ class InlineCommitter:
             ):
                 if body is not None:
                     self._submit(job, body)
+
+    def _retrying(
+        self, what: str, call: Callable[[InlineCommitter, Any, str], Verdict], req: Any, task_id: str
+    ) -> Verdict:
+        """`call(self, req, task_id)`, tried again (same task id) after the worker's backoff while it raises what
+        `dcs_tasks.retrypolicy` retries and retries are left; the last error is raised."""
+        retries = 0
+        while True:
+            try:
+                return call(self, req, task_id)
+            except Exception as exc:
+                delay = retry_delay(exc, retries, self.config.task)
+                if delay is None:
+                    raise
+                retries += 1
+                record_error("task_retry")
+                log.warning("inline %s: retry %d in %.2fs: %s: %s", what, retries, delay, type(exc).__name__, exc)
+                time.sleep(delay)
 
     def _flush(self, req: MemoryStepRequest) -> None:
         try:

@@ -2,7 +2,9 @@
 `dcs worker` processes: credentials S3 refuses to the worker end the README's own trainer with SaveFailed naming the
 refusal (it used to exit 0 with nothing saved), and an S3 outage mid-run costs the saves made while it lasts, not
 the training run: no exception from `save()`, a warning and `dcs_ckpt_save_failures_total{kind="storage_unavailable"}`,
-and the next save after the server is back commits."""
+and the next save after the server is back commits. The outage tests are the trainer's behaviour: their saves go
+through an in-process committer (`inline`, the worker's code and retry policy); the worker's own retries over a
+restart are tested with a real worker in test_checkpoint_s3_faults.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed
-from tests.checkpoint_support import start_worker, training_state, wait_until
+from tests.checkpoint_support import Inline, start_worker, training_state, wait_until
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.shm import shm_dir
 from tests.integration.readme_trainer import failures_counted, run_readme_trainer, trainer_env
@@ -83,7 +85,7 @@ def test_an_s3_outage_mid_run_fails_only_the_saves_made_during_it_and_the_next_s
     dcs_config: DCSConfig,
     tmp_path: Path,
     own_bucket: S3Bucket,
-    workers: list[WorkerProcess],
+    inline: Inline,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The S3 server stops between two saves: the save made while it is down raises nothing (it used to raise
@@ -98,11 +100,10 @@ def test_an_s3_outage_mid_run_fails_only_the_saves_made_during_it_and_the_next_s
         s3_connect_timeout_seconds=1.0,
         max_retries=1,
     )
-    workers.append(start_worker(config, tmp_path))
     state = training_state()
     before = failures_counted("storage_unavailable")
     caplog.set_level(logging.WARNING)
-    with Checkpointer("outage", config) as ckpt:
+    with Checkpointer("outage", config, celery_app=inline(config)) as ckpt:
         ckpt.save(state, step=1).wait(timeout=60)
         own_bucket.server.stop()
         started = time.monotonic()
@@ -127,15 +128,18 @@ def test_an_s3_outage_mid_run_fails_only_the_saves_made_during_it_and_the_next_s
     ]
 
 
-def test_an_upload_the_worker_gives_up_on_while_s3_is_down_is_warned_not_raised(
+def test_an_upload_the_committer_gives_up_on_while_s3_is_down_is_warned_not_raised(
     dcs_config: DCSConfig,
     tmp_path: Path,
     own_bucket: S3Bucket,
-    workers: list[WorkerProcess],
+    inline: Inline,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The server stops while the worker uploads a step (throttled: about 4 s) and stays down until the worker gives
-    up on it (StorageUnavailable after its retries): the step fails in the ledger, and the trainer's next save, once
-    the server is back, raises nothing for it (storage was down, nothing to fix) and commits; close() lists it."""
+    """The server stops while the committer uploads a step (throttled: about 4 s) and stays down until it gives up
+    on it (StorageUnavailable after the worker's retry policy, `dcs_tasks.retrypolicy`; an in-process committer, the
+    worker's code): the step fails in the ledger, and the trainer's next save, once the server is back, raises
+    nothing for it (storage was down, nothing to fix) and commits; close() lists it. The persist was tried again
+    `max_retries` times (1) before it gave up."""
     config = s3_config(
         dcs_config,
         tmp_path,
@@ -147,13 +151,13 @@ def test_an_upload_the_worker_gives_up_on_while_s3_is_down_is_warned_not_raised(
         s3_connect_timeout_seconds=1.0,
         max_retries=1,
     )
-    workers.append(start_worker(config, tmp_path))
     state = training_state(width=1100)  # one 14.6 MiB file
-    with Checkpointer("gaveup", config) as ckpt:
+    caplog.set_level(logging.WARNING, logger="dcs_tasks.checkpoint.inline")
+    with Checkpointer("gaveup", config, celery_app=inline(config)) as ckpt:
         lost = ckpt.save(state, step=1)
         wait_until(lambda: open_uploads(own_bucket), 30, "a multipart upload to start")
         own_bucket.server.stop()
-        wait_until(lost.done, 120, "the worker to give up on step 1")
+        wait_until(lost.done, 120, "the committer to give up on step 1")
         own_bucket.server.start()
         info = ckpt.save(state, step=2).wait(timeout=120)  # no SaveFailed for step 1: storage was down
         assert info.step == 2
@@ -162,6 +166,8 @@ def test_an_upload_the_worker_gives_up_on_while_s3_is_down_is_warned_not_raised(
     failure = closed.failures[0]
     assert failure.transient and failure.error_type == "StorageUnavailable", failure
     assert "persisting" in failure.reason, failure.reason
+    retries = [r.getMessage() for r in caplog.records if ": retry " in r.getMessage() and "step 1" in r.getMessage()]
+    assert len(retries) == 1 and "retry 1 in" in retries[0], retries
 
 
 def test_a_memory_tier_step_whose_copy_to_s3_is_refused_is_raised_at_the_next_save(
