@@ -272,7 +272,7 @@ def rows(summary: dict[str, Any]) -> list[Row]:
     save_took, save_faster, save_beat = _dcp(summary, "save_s", dcs["durable_s"])
     load_took, load_faster, load_beat = _dcp(summary, "load_into_s", dcs["restore_into_s"])
     wins = summary.get("dcs_durable_rounds_won_vs_dcp_s3torchconnector")
-    won = "" if not wins else f"; faster than DCP + s3torchconnector in {wins[0]} of {wins[1]} rounds"
+    won = "" if wins is None else f"; faster than DCP + s3torchconnector in {wins[0]} of {wins[1]} rounds"
     return [
         Row(
             what=f"S3 durable save, {summary['bytes'] / 2**30:.3g} GiB in {summary['files']} files",
@@ -281,7 +281,7 @@ def rows(summary: dict[str, Any]) -> list[Row]:
             ratio=durable,
             ratio_text=f"{durable:.2f}x the best upload" + (f"; {save_faster}" if save_faster else "") + won,
             target=">= 0.95x the plain transfer, faster than DCP (s3torchconnector: in 4 of 5 rounds)",
-            met=durable >= 0.95 and save_beat and bool(wins) and wins[0] * 5 >= wins[1] * 4,
+            met=durable >= 0.95 and save_beat and wins is not None and wins[0] * 5 >= wins[1] * 4,
         ),
         Row(
             what="S3 restore, verified, into new memory",

@@ -60,11 +60,14 @@ def _resolved(path: Path) -> str:
 def effective(config: DCSConfig, worker: str = "") -> WorkerSettings:
     """The settings `config` makes this process use, as the other side compares them."""
     root = config.checkpoint.dir  # the configured value: a URL of an object store, or a directory to resolve
-    url = root if isinstance(root, ObjectURL) else None
+    if isinstance(root, ObjectURL):
+        where, endpoint = str(root), endpoint_without_credentials(config.s3.endpoint_url)
+    else:
+        where, endpoint = _resolved(root), None
     return WorkerSettings(
         worker=worker,
-        checkpoint_dir=_resolved(root) if url is None else str(url),
-        s3_endpoint_url=None if url is None else endpoint_without_credentials(config.s3.endpoint_url),
+        checkpoint_dir=where,
+        s3_endpoint_url=endpoint,
         staging_dir=_resolved(config.host.staging_dir),
         memory_tier_bytes=config.memory.budget_bytes,
         memory_dir=_resolved(config.host.memory_dir) if config.memory.budget_bytes > 0 else "",

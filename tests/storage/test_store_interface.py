@@ -200,7 +200,7 @@ def test_copy_between_stores_is_whole_or_nothing(place: Place, tmp_path: Path) -
 def test_put_stores_a_buffer_whole_hashed_in_order_and_paced(place: Place) -> None:
     store, target = place.store, place.root / "step-000000003" / "rank-0.safetensors"
     data = pattern(11 * MiB + 4097)  # three S3 parts (5 MiB), not a multiple of the O_DIRECT alignment
-    hasher, paced = hashlib.sha256(), []
+    hasher, paced = hashlib.sha256(), list[int]()
     store.put(target, memoryview(data), "p", hasher=hasher, on_bytes=paced.append)
     assert hasher.digest() == hashlib.sha256(data).digest() and sum(paced) == len(data)
     got = bytearray(len(data))
@@ -214,10 +214,15 @@ def test_put_stores_a_buffer_whole_hashed_in_order_and_paced(place: Place) -> No
 def test_a_put_its_publish_check_refuses_leaves_the_old_bytes(place: Place) -> None:
     store, target = place.store, place.root / "rank-1.safetensors"
     store.write_small(target, b"old", "t0")
-    asked = []
+    asked = list[int]()
+
+    def refuse() -> bool:
+        asked.append(1)
+        return False
+
     for size in (100, 11 * MiB):  # one PUT / one file write; a multipart upload
         with pytest.raises(Refused):
-            store.put(target, memoryview(pattern(size)), "p", publish=lambda: asked.append(1) and False)
+            store.put(target, memoryview(pattern(size)), "p", publish=refuse)
     assert asked == [1, 1] and store.read_small(target, 100) == b"old"
     assert place.leftovers() == ([] if place.bucket else ["rank-1.safetensors"])
 
