@@ -1,6 +1,8 @@
 """Hostile checkpoint tasks pushed through the real broker to a real `dcs worker`: a payload naming a path
 outside the worker's configured roots is refused with a named error, once (never retried), fails its
-ledger step when it names one, and reads or writes nothing outside the roots; the worker keeps serving."""
+ledger step when it names one, and reads or writes nothing outside the roots; the worker keeps serving. One worker
+serves the module (`tests.helpers.module_worker`; none of these tests needs a fresh one), so each test uses runs of
+its own names under the shared root; the redelivery test starts its own (throttled) worker."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,9 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, SettingsMismatch
 from dcs_tasks.keys import Keys
 from tests.checkpoint_support import assert_same_state, ckpt_config, start_worker, training_state, wait_until
+from tests.helpers.module_worker import ModuleWorker, module_worker
 from tests.helpers.procs import WorkerProcess
+from tests.helpers.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -86,15 +91,23 @@ def persist_payload(run: str, step: int, step_dir: str, staging: str, length: in
     return {"ref": ref, "file_name": FILE, "staging_path": staging, "offset": 0, "length": length}
 
 
-@pytest.fixture
-def scene(dcs_config: DCSConfig, tmp_path: Path) -> Any:
-    config = ckpt_config(dcs_config, tmp_path)
+def _private_staging(base: DCSConfig, tmp: Path) -> DCSConfig:
+    config = ckpt_config(base, tmp)
     Path(config.host.staging_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the worker checks
-    worker = start_worker(config, tmp_path)
-    try:
-        yield Scene(config, tmp_path, worker)
-    finally:
-        worker.discard()
+    return config
+
+
+@pytest.fixture(scope="module")
+def served(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ModuleWorker]:
+    with module_worker(shared_redis, tmp_path_factory, "trust", prepare=_private_staging) as module:
+        yield module
+
+
+@pytest.fixture
+def scene(served: ModuleWorker, tmp_path: Path) -> Scene:
+    return Scene(served.config, tmp_path, served.worker)
 
 
 def test_persist_tasks_naming_paths_outside_the_roots_are_refused_once(scene: Scene) -> None:
@@ -149,13 +162,13 @@ def test_commit_and_retention_tasks_outside_the_root_change_nothing(scene: Scene
     decoy = outside / "step-000000003"  # what a commit would accept: the file it expects, at its size
     decoy.mkdir()
     (decoy / FILE).write_bytes(b"x" * 16)
-    scene.begin("victim", 3)
-    assert scene.book.claim_file("victim", 3, TOKEN, FILE, "tid").value == "write"
+    scene.begin("intruder", 3)
+    assert scene.book.claim_file("intruder", 3, TOKEN, FILE, "tid").value == "write"
     entry = file_entry_json(FileEntry(name=FILE, size=16, checksum="0" * 32))
-    assert scene.book.finish_file("victim", 3, TOKEN, FILE, FileOutcome.OK, entry).status is StepStatus.COMMITTING
-    commit = {"ref": {"run": "victim", "step": 3, "token": TOKEN, "step_dir": str(decoy)}}
+    assert scene.book.finish_file("intruder", 3, TOKEN, FILE, FileOutcome.OK, entry).status is StepStatus.COMMITTING
+    commit = {"ref": {"run": "intruder", "step": 3, "token": TOKEN, "step_dir": str(decoy)}}
     scene.refused(scene.send(TaskName.COMMIT, commit), "UntrustedPath", "outside the checkpoint root")
-    scene.failed_with("victim", 3, "UntrustedPath")
+    scene.failed_with("intruder", 3, "UntrustedPath")
 
     with Checkpointer("keep", scene.config) as ckpt:  # three committed steps, copied outside the root
         for step in (1, 2, 3):
