@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import warnings
@@ -29,12 +28,12 @@ from dcs_tasks import Checkpointer
 from dcs_tasks.checkpoint.format.layout import SUM_CHUNK_BYTES
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointNotFound, CorruptCheckpoint
-from tests.checkpoint_support import ckpt_config, start_worker
+from tests.checkpoint_support import ckpt_config
+from tests.helpers.module_worker import module_worker
 from tests.helpers.ports import free_port
 from tests.helpers.preloaded import python_module
 from tests.helpers.procs import child_env
-from tests.helpers.redis_server import RedisDB, RedisServer
-from tests.helpers.shm import shm_dir
+from tests.helpers.redis_server import RedisServer
 
 pytestmark = pytest.mark.distributed
 
@@ -218,26 +217,9 @@ def config(
     shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DCSConfig]:
     """The module's config (as `dcs_config` makes a test's: a database of its own on the shared redis-server, short
-    heartbeats, a private checkpoint directory) and the one worker that serves it."""
-    server, indexes = shared_redis
-    database = RedisDB(server, next(indexes))
-    tmp = tmp_path_factory.mktemp("dtensor")
-    base = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-    )
-    config = ckpt_config(base, tmp)
-    worker = start_worker(config, tmp)
-    try:
-        yield config
-    finally:
-        worker.discard()
-        database.flush()
-        shutil.rmtree(shm_dir(tmp), ignore_errors=True)
+    heartbeats, a private checkpoint directory) and the one worker that serves it (`tests.helpers.module_worker`)."""
+    with module_worker(shared_redis, tmp_path_factory, "dtensor", prepare=ckpt_config) as served:
+        yield served.config
 
 
 def run_group(config: DCSConfig, tmp_path: Path, tag: str, world: int, **job: Any) -> dict[int, Any]:
