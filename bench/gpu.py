@@ -8,8 +8,8 @@ AdamW moments (603 tensors by default), on the GPU when CUDA is there.
            to durable; DCP async_save stall in its default and its best configuration (pinned memory, thread
            executor)
   restore  restore into existing tensors (CUDA tensors on a GPU) from storage with the page cache warm and dropped,
-           from this host's memory tier (a fresh Checkpointer, sealed tmpfs files), and from S3 when `--s3-url`
-           names an endpoint; dcp.load into the same tensors
+           from this host's memory tier (a fresh Checkpointer, sealed tmpfs files), and from S3 with
+           `--s3-bucket` (the server AWS_ENDPOINT_URL names); dcp.load into the same tensors
 Every restore is checked bit-exact against the saved state. Without CUDA only the CPU figures are measured, and
 the result says so (`cuda.measured` false, with the reason; the same line on stdout): GPU figures never come from a
 CPU run. Writes bench/results/gpu/<UTC start>.json (or `--out`) through bench/harness.py.
@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,8 @@ def cpu_floors(state: dict[str, torch.Tensor], repeats: int) -> dict[str, float]
 def read_floor(root: Path, repeats: int) -> dict[str, float]:
     """Reading the saved files into new host memory: warm (page cache) and dropped."""
     files = [p for p in root.rglob("*.safetensors") if p.is_file()]
+    if not files:
+        raise FileNotFoundError(f"no checkpoint files under {root} to read")
 
     def read() -> int:
         return sum(len(p.read_bytes()) for p in files)
@@ -170,6 +174,12 @@ def dcs_restore(
     config: DCSConfig, memory: DCSConfig, state: dict[str, torch.Tensor], step: int, repeats: int
 ) -> dict[str, Any]:
     into = {k: torch.empty_like(t) for k, t in state.items()}
+    manifest = Path(str(config.checkpoint.dir)) / "bench" / step_dir_name(step) / "manifest.json"
+    deadline = time.monotonic() + 1800
+    while not manifest.exists():  # a durable step is committed in memory first, then flushed to storage
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {step} never reached storage ({manifest})")
+        time.sleep(0.05)
     shutil.rmtree(Path(config.host.memory_dir) / "bench", ignore_errors=True)  # storage's copy only
     with Checkpointer("bench", config) as ckpt:
         warm = median_of(synced(lambda: ckpt.restore(step=step, into=into)), repeats)
@@ -192,6 +202,34 @@ def dcs_restore(
         "restore_warm_noverify_s": warm_noverify,
         "restore_memory_s": from_memory,
     }
+
+
+def s3_restore(
+    state: dict[str, torch.Tensor], root: Path, redis_url: str, bucket: str, repeats: int, workers: int
+) -> dict[str, Any]:
+    """Restore into the same kind of tensors from S3 (AWS_ENDPOINT_URL and the AWS credentials name the server): one
+    save through a worker of its own (node `benchhost-s3`), then verified restores, ranged GETs into the ring."""
+    config = DCSConfig(
+        redis_url=redis_url,
+        node_name="benchhost-s3",
+        checkpoint_dir=f"s3://{bucket}/dcs-bench-gpu-{uuid.uuid4().hex[:8]}",
+        s3_endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+        s3_addressing_style="path",
+        staging_dir=Path(tempfile.mkdtemp(prefix="dcs-bench-gpu-s3-", dir="/dev/shm")),
+        enable_metrics=False,
+        incremental_saves=False,
+    )
+    worker = start_worker(config, root / "worker-s3.log", concurrency=workers)
+    into = {k: torch.empty_like(t) for k, t in state.items()}
+    try:
+        with Checkpointer("bench-s3", config) as ckpt:  # its own run name: the same Redis holds "bench"
+            ckpt.save(state, step=1).wait(timeout=1800)
+            seconds = median_of(synced(lambda: ckpt.restore(step=1, into=into)), repeats)
+        assert same(state, into)
+    finally:
+        stop(worker)
+        shutil.rmtree(config.host.staging_dir, ignore_errors=True)
+    return {"measured": True, "restore_s": seconds, "endpoint": config.s3.endpoint_url}
 
 
 def dcp_load_into(state: dict[str, torch.Tensor], root: Path, repeats: int) -> dict[str, float]:
@@ -249,7 +287,9 @@ def dcp_cuda(state: dict[str, torch.Tensor], root: Path, repeats: int, pinned: b
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
-def measure(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int) -> dict[str, Any]:
+def measure(
+    state: dict[str, torch.Tensor], root: Path, repeats: int, workers: int, s3_bucket: str | None = None
+) -> dict[str, Any]:
     total = nbytes(state)
     out: dict[str, Any] = {"floors": cpu_floors(state, repeats) if not state_on_cuda(state) else {}}
     if state_on_cuda(state):
@@ -265,9 +305,11 @@ def measure(state: dict[str, torch.Tensor], root: Path, repeats: int, workers: i
                 reservation.wait()
                 out["reserve"] = {"alloc_s": reservation.alloc_seconds, "pin_s": reservation.pin_seconds}
             out["save"] = dcs_save(ckpt, state, repeats)
-        last = Path(str(config.checkpoint.dir)) / "bench" / step_dir_name(int(out["save"]["last_step"]))
-        out["floors"].update(read_floor(last, repeats))
         out["restore"] = dcs_restore(config, memory, state, int(out["save"]["last_step"]), repeats)
+        last = Path(str(config.checkpoint.dir)) / "bench" / step_dir_name(int(out["save"]["last_step"]))
+        out["floors"].update(read_floor(last, repeats))  # the step restored above, in storage by then
+        if s3_bucket is not None:
+            out["s3"] = s3_restore(state, root, redis_url, s3_bucket, repeats, workers)
     finally:
         stop(worker)
         stop(redis)
@@ -329,6 +371,14 @@ def rows(r: dict[str, Any], cuda: bool) -> list[Row]:
             compared=f"pinned H2D {f['h2d_pinned_s'] * 1e3:.0f} ms" if cuda else f"memcpy {f['memcpy_s'] * 1e3:.0f} ms",
         ),
     ]
+    if r.get("s3", {}).get("measured"):
+        out.append(
+            Row(
+                what=f"restore from S3 into existing {where} tensors",
+                ours=f"{r['s3']['restore_s'] * 1e3:.0f} ms",
+                compared=f"from storage, cache warm {rs['restore_warm_s'] * 1e3:.0f} ms",
+            )
+        )
     return out
 
 
@@ -340,9 +390,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=16, help="`dcs worker` concurrency")
     parser.add_argument("--dir", type=Path, default=None, help="where files are written (default: a temp dir)")
-    parser.add_argument("--s3-url", default=None, help="an S3 endpoint for the restore-from-S3 figure")
+    parser.add_argument(
+        "--s3-bucket",
+        default=None,
+        help="a bucket for the restore-from-S3 figure, on the server AWS_ENDPOINT_URL names (credentials from the AWS "
+        "environment; `python -m tests.helpers.s3server -- ...` runs one)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="result file (default bench/results/gpu/<start>.json)")
     args = parser.parse_args()
+    if args.s3_bucket is not None and not os.environ.get("AWS_ENDPOINT_URL"):
+        parser.error("--s3-bucket needs AWS_ENDPOINT_URL (and the AWS credentials) set to the S3 server")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     root = Path(tempfile.mkdtemp(prefix="dcs-bench-gpu-", dir=args.dir))
@@ -358,11 +415,11 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if cuda else None,
             "version": torch.version.cuda,
         },
-        "s3": {"measured": False, "reason": "no --s3-url given" if args.s3_url is None else "not implemented yet"},
+        "s3": {"measured": False, "reason": "no --s3-bucket given"},
     }
     started = time.perf_counter()
     try:
-        results.update(measure(state, root, args.repeats, args.workers))
+        results.update(measure(state, root, args.repeats, args.workers, args.s3_bucket))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["seconds"] = time.perf_counter() - started
