@@ -1,5 +1,5 @@
 """`dcs coordinator`: serve `create_app(DCSConfig())` with uvicorn (binds 127.0.0.1 unless told otherwise;
-slow clients bounded and secrets scrubbed from logs, see `coordinator.server`)."""
+slow clients bounded and secrets scrubbed from logs, see `coordinator.serving`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.app import create_app
-    from coordinator.server import configure_logging, uvicorn_options
+    from coordinator.serving import configure_logging, uvicorn_options
 
     overrides: dict[str, Any] = {"coordinator_host": args.host, "coordinator_port": args.port}
     if args.role_mapping:

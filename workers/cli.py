@@ -11,7 +11,7 @@ from celery import signals
 
 from dcs_tasks.config import DCSConfig
 from workers import restart
-from workers.metrics import prepare_multiprocess_dir
+from workers.prometheus import prepare_multiprocess_dir
 
 log = logging.getLogger(__name__)
 

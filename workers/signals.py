@@ -18,8 +18,8 @@ from dcs_tasks.storage.s3 import prewarm
 from dcs_tasks.storage_url import ObjectURL
 from workers.agent import start_host_agent, stop_host_agent
 from workers.memory import start_peer_server, stop_peer_server
-from workers.metrics import mark_dead, start_exporter
 from workers.presence import PresenceBeacon
+from workers.prometheus import mark_dead, start_exporter
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)

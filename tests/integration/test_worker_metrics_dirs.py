@@ -1,5 +1,5 @@
 """Two stacks on one host: each `dcs worker`'s /metrics counts only its own work, and its Prometheus directory
-goes away with it (workers/metrics.py).
+goes away with it (workers/prometheus.py).
 
 Both workers run as a user runs them, with no PROMETHEUS_MULTIPROC_DIR set, the same namespace and the same host
 name, each on its own Redis; only TMPDIR points at the test's directory, so the default location is private to
