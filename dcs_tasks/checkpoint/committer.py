@@ -63,7 +63,7 @@ def write_file(
     """Store `length` bytes at `offset` (page-aligned) of the open file `source_fd` as the step file `final`;
     returns its manifest entry (zstd-compressed as `<name>.zst` when `compression` asks and the bytes shrink
     enough, on either store). `recycled`: a file to overwrite instead of a new one (files only; the memory
-    tier's, `fsio.durable_file`)."""
+    tier's, `store/writes/durable.durable_file`)."""
     store = store_of(final)
     local = store.local_path(final)
     if local is not None:  # a local file: streamed from the staging file with O_DIRECT (recycled, zstd in place)

@@ -8,9 +8,9 @@ fails with `UntrustedPath` before anything is read, written or claimed. Idempote
 file claimed by another task id, or a step that is no longer PERSISTING is not written again (a stale or
 duplicate delivery changes no bytes). The call that records the last file returns COMMIT.
 
-Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.store.incremental`): before writing, the staged region is
-compared with the newest earlier committed step's file of the same name and size; when equal nothing is written
-and the earlier entry is recorded with `source_step`.
+Incremental saves (`req.incremental`, `dcs_tasks.checkpoint.store.ledger.incremental`): before writing, the
+staged region is compared with the newest earlier committed step's file of the same name and size; when equal
+nothing is written and the earlier entry is recorded with `source_step`.
 
 Commit: write `manifest.json`, move `latest`, mark the step COMMITTED (`committer.publish_step`, the protocol
 `dcs ckpt import` follows too), fenced by the ledger: only the task id that claimed the commit writes, a
@@ -49,8 +49,7 @@ from dcs_tasks.checkpoint.store.ledger.stepledger import (
     file_entry_json,
 )
 from dcs_tasks.checkpoint.store.payloads import CommitRequest, PersistRequest
-from dcs_tasks.checkpoint.store.tiers import memdir as tiers
-from dcs_tasks.checkpoint.store.tiers import seal
+from dcs_tasks.checkpoint.store.tiers import memdir, seal
 from dcs_tasks.checkpoint.store.writes.durable import NotPublished
 from dcs_tasks.checkpoint.telemetry import record_commit, record_durable_save, record_persist
 from dcs_tasks.checkpoint.trust import open_staging, trusted_save_dir, trusted_staging_path
@@ -277,7 +276,7 @@ def write_file(
         recycled = None
         if req.compression is None and _in_memory_tier(config, paths.step_dir):
             # a memory-tier step: reuse the pages of one that left
-            recycled = tiers.take_recycled(tiers.memory_root(config), req.length)
+            recycled = memdir.take_recycled(memdir.memory_root(config), req.length)
         return committer.write_file(
             fd,
             req.offset,
@@ -295,7 +294,7 @@ def write_file(
 
 
 def _in_memory_tier(config: DCSConfig, step_dir: Location) -> bool:
-    return tiers.enabled(config) and within(step_dir, tiers.memory_root(config))
+    return memdir.enabled(config) and within(step_dir, memdir.memory_root(config))
 
 
 def _open_staging(ctx: Context, staging: Path) -> int:

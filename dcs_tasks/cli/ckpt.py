@@ -345,7 +345,8 @@ def _gc(args: argparse.Namespace) -> int:
             continue
         near = [] if local is None else [local, local.parent][: 1 + (args.rank is not None)]
         linked = next((d for d in near if d.is_symlink()), None)
-        if linked is not None:  # the worker's retention refuses the same (workers/trust.py resolves every path)
+        # the worker's retention refuses the same (dcs_tasks/checkpoint/trust.py resolves every path)
+        if linked is not None:
             print(f"dcs ckpt gc: {location} run directory {str(linked)!r} is a symlink: not followed", file=sys.stderr)
             return 2
         deleted = apply_retention(run_dir, policy, in_flight, refs, object_lock=lock)

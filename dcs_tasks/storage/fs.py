@@ -3,8 +3,8 @@
 A write goes to a temp name beside the final one (`temp_path`, opened with O_DIRECT where the file system allows
 it), is fsynced, renamed over the final name and its directory fsynced: a reader that sees a final name sees
 complete, durable bytes, and a crash leaves at most a `.tmp` file, which readers ignore. Files are opened without
-following symlinks (`open_regular`). The durable-write helpers here are also what `checkpoint/format/fsio.py`
-builds its streaming writes on.
+following symlinks (`open_regular`). The durable-write helpers here are also what
+`checkpoint/store/writes/durable.py` builds its streaming writes on.
 """
 
 from __future__ import annotations
