@@ -46,6 +46,7 @@ from dcs_tasks.checkpoint.restore import reader, restoring, sharded
 from dcs_tasks.checkpoint.restore.device import DeviceRestorer
 from dcs_tasks.checkpoint.save import cuda
 from dcs_tasks.checkpoint.save.copier import HostCopier
+from dcs_tasks.checkpoint.save.staged import StagedState, views_of
 from dcs_tasks.checkpoint.save.staging import BufferLease, Reservation, StagingBuffer, StagingPool, copy_into
 from dcs_tasks.checkpoint.state import dtensor_meta
 from dcs_tasks.checkpoint.state.structure import FlatState, flatten_state
@@ -303,6 +304,77 @@ class Checkpointer:
         finally:
             staged.set()
         self._send(ref, lease, layout, durable, in_memory)
+
+    def stage(self, state: Any, timeout: float | None = None) -> StagedState | None:
+        """The first half of `save()` alone: copy `state` into a staging buffer now (the stall `save` pays) and hold
+        the buffer, with no step opened yet; `commit_staged(staged, step)` later makes that copy a step without
+        copying again, and `staged.release()` gives the buffer back unsaved. For callers that learn the step's
+        metadata after the state must be copied (`dcs_tasks.integrations.dcp`). `staged.views` are the staged
+        tensors (read them only). Same errors as `save()`'s staging (StagingError naming the path of a value that
+        cannot be staged, or when no buffer frees up within `timeout`); None under policy skip when every buffer
+        is in flight. States holding DTensors are refused (save them with `save()`)."""
+        started = time.perf_counter()
+        flat = self._flatten(state)
+        if flat.dtensors:
+            raise CheckpointError("stage() takes plain tensors; save a state holding DTensors with save()")
+        layout = self._layout(flat)
+        lease = self._acquire(layout.nbytes, timeout)
+        if lease is None:
+            return None
+        with lease:  # handed back if the copy raises
+            self._stage(lease.buffer, layout, flat)
+            assert lease.buffer.view is not None
+            views = views_of(lease.buffer.view, layout, flat.tensors)
+        self._gauges.memory(self._pool.mapped_bytes())
+        return StagedState(lease, layout, flat, views, time.perf_counter() - started, owner=self._pool)
+
+    def commit_staged(
+        self,
+        staged: StagedState,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        durable: bool | None = None,
+    ) -> PendingCheckpoint:
+        """Make what `stage()` copied step `step` of this run: open the step and send its persist tasks, as `save()`
+        does after its copy; returns the `PendingCheckpoint` (its `stall_seconds`: the staging copy's plus this
+        call's). `metadata` and `durable` as `save()`'s. The staged copy is consumed either way: a commit that
+        raises (CheckpointError for a step already committed or in flight, or one staged by another
+        checkpointer or already consumed; NoWorkerError; SaveFailed under policy raise) gives its buffer back."""
+        started = time.perf_counter()
+        if staged.owner is not self._pool:
+            raise CheckpointError("this staged state was staged by another Checkpointer")
+        if not staged.take():
+            raise CheckpointError("this staged state was already committed or released")
+        lease, layout, flat = staged.lease, staged.layout, staged.flat
+        try:
+            with lease:  # handed back if anything below raises before the dispatcher owns it
+                step = validate_step(step)
+                self._reap()
+                self._note_flush_failures()
+                self._failures.report()
+                dispatch.require_worker(self._app, self._redis, self._keys, self.config)
+                durable, in_memory = self._tier_of(step, layout.nbytes, durable)
+                ref = self._begin(step, layout, flat, metadata or {}, {}, None, in_memory)
+                sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
+        except StorageUnavailable as exc:
+            return self._failed_at_once(step, exc, started - staged.stall_seconds)
+        stall = staged.stall_seconds + time.perf_counter() - started
+        pending = PendingCheckpoint(
+            self._shard_run,
+            step,
+            ledger=self._ledger,
+            step_dir=self._memory_step_dir(step) if in_memory else self._step_dir(step),
+            stall_seconds=stall,
+            lease=lease,
+            dispatch=sending,
+            storage_dir=self._step_dir(step) if in_memory else None,
+        )
+        self._pending.append(pending)
+        self._gauges.pending(len(self._pending))
+        record_stall(stall, layout.data_bytes)
+        if not self.config.checkpoint.async_io:
+            pending.wait(timeout=self.config.task.visibility_timeout_seconds)
+        return pending
 
     def _tier_of(self, step: int, nbytes: int, durable: bool | None) -> tuple[bool, bool]:
         """(the step reaches storage, the step is committed in memory first)."""
