@@ -85,7 +85,8 @@ def register(sub: Any) -> None:
         default=None,
         metavar="TRAINER_RANK",
         help="the engine shares this host and --colocated-device with that trainer rank: updates by handle "
-        "(CUDA IPC; CPU: shared memory) through update_weights_from_tensor, not a process group (SGLang only)",
+        "(CUDA IPC; CPU: shared memory), not a process group (SGLang; vLLM with --weight-transfer-config "
+        '\'{"backend": "dcs-ipc"}\')',
     )
     attach.add_argument("--colocated-device", default="cuda:0", help="the shared device: cuda:N or cpu")
     attach.set_defaults(func=run)
@@ -112,12 +113,10 @@ def advertised_address(engine_url: str, advertise_url: str | None) -> tuple[str,
 
 
 def _colocated(args: argparse.Namespace) -> dict[str, Any] | None:
-    """`--colocated-with`'s registration entry; ConfigError for a vLLM engine (no colocated path for vLLM:
-    docs/weight_sync.md, Colocated engines) or an entry out of bounds."""
+    """`--colocated-with`'s registration entry (SGLang, or vLLM with the plugin's "dcs-ipc" backend, which the
+    probe checks: docs/weight_sync.md, Colocated engines); ConfigError for an entry out of bounds."""
     if args.colocated_with is None:
         return None
-    if args.kind != "sglang":
-        raise ConfigError("--colocated-with is for SGLang engines: DCS has no colocated path into vLLM")
     from dcs_tasks.sync.colocated import colocation_metadata
 
     return colocation_metadata(args.colocated_with, args.colocated_device)
@@ -163,7 +162,14 @@ async def _attach(
     loop = asyncio.get_running_loop()
     async with (
         CoordinatorAPI(config.base_url, config.token(), timeout=config.coordinator.request_timeout_seconds) as api,
-        EngineProbe(engine_url, settings.rank, api_key, config.coordinator.request_timeout_seconds, kind) as engine,
+        EngineProbe(
+            engine_url,
+            settings.rank,
+            api_key,
+            config.coordinator.request_timeout_seconds,
+            kind,
+            colocated=settings.colocated is not None,
+        ) as engine,
     ):
         task = asyncio.create_task(EngineAttachment(api, engine, settings, config).run())
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,6 +18,12 @@ in its own protocol:
   unpickles it: that is SGLang's protocol, and it runs only on a trainer the engine's API key trusts.
 - `dcs receiver`: `POST /update_weights_from_ipc_frame` with DCS's frame (`dcs_tasks/sync/ipcframe.py`: JSON,
   fixed fields; the receiver never unpickles).
+- vLLM (DCS's plugin, plugins/vllm-dcs, started with backend "dcs-ipc"): its RL API's session (`/pause?mode=abort`,
+  `/start_weight_update`, `/finish_weight_update {"weight_version"}`, `/resume`) and per bucket
+  `POST /update_weights {"update_info": {"frame": <DCS's frame>}}`; the plugin's workers read the frame with
+  their own reader of the same format (plugins/vllm-dcs/vllm_dcs/ipcframe.py), never unpickle. vLLM's own
+  `ipc` engine is not used: its HTTP path unpickles `ipc_handles_pickled` (with
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1), on a route vLLM's `--api-key` does not guard.
 A bucket is released when every engine answered its request. An engine that has not answered within
 `release_seconds` is marked failed (`ColocatedEngineFailed` names it), its request is abandoned, and the
 bucket it may still hold is dropped and a fresh one allocated: on CPU the trainer unmaps its file (the engine
@@ -60,6 +66,13 @@ DEVICE_PATTERN = re.compile(r"^(cpu|cuda:[0-9]{1,3})$")
 HOST_ID_PATTERN = re.compile(r"^[0-9a-f-]{8,64}$")
 FRAME_ROUTE = "/update_weights_from_ipc_frame"
 SGLANG_ROUTE = "/update_weights_from_tensor"
+VLLM_ROUTE = "/update_weights"
+_VLLM_STEPS = {
+    "/pause_generation": "/pause",
+    "/begin_weight_update": "/start_weight_update",
+    "/end_weight_update": "/finish_weight_update",
+    "/continue_generation": "/resume",
+}
 REF_COUNTER_FILE_BYTES = 8 * 10000  # torch's CUDA IPC ref-counter files (c10 ipc_ref_counter_file_size entries)
 
 
@@ -255,7 +268,8 @@ def sglang_payload(view: torch.Tensor, layout: FusionLayout) -> str:
 
 @dataclass
 class ColocatedEngine:
-    """One colocated engine of an update: its node id, URL, protocol family ("sglang", "dcs") and TP size."""
+    """One colocated engine of an update: its node id, URL, protocol family ("sglang", "dcs", "vllm") and TP
+    size."""
 
     node_id: str
     url: str
@@ -325,17 +339,22 @@ class ColocatedSender:
         if not answer.is_success:
             raise ColocatedEngineFailed(f"{engine.node_id} at {engine.url}{path}: {answer.status} {answer.text:.300}")
 
-    async def _session(self, engines: Sequence[ColocatedEngine], path: str, body: Any) -> None:
+    async def _session(self, engines: Sequence[ColocatedEngine], path: str, body: Any, weight_version: int = 0) -> None:
         async def one(engine: ColocatedEngine) -> None:
             if path.endswith("_weight_update") and not engine.sessions:
                 return
+            path_here, body_here = path, body
             if path == "/pause_generation":
                 body_here = {"mode": engine.pause_mode}
-            else:
-                body_here = body
+            if engine.kind == "vllm":  # vLLM's RL API names the same steps its own way
+                path_here, body_here = _VLLM_STEPS[path], {}
+                if path == "/pause_generation":
+                    path_here = f"/pause?mode={engine.pause_mode}"
+                elif path == "/end_weight_update":
+                    body_here = {"weight_version": str(weight_version)}
             if engine.failed is None:
                 try:
-                    await self._call(engine, path, body_here, self.call_seconds)
+                    await self._call(engine, path_here, body_here, self.call_seconds)
                 except ColocatedEngineFailed as exc:
                     engine.failed = str(exc)
 
@@ -344,6 +363,8 @@ class ColocatedSender:
     def _body(self, engine: ColocatedEngine, frame: IpcFrame, view: torch.Tensor, layout: FusionLayout) -> Any:
         if engine.kind == "dcs":
             return json.loads(frame.encode())
+        if engine.kind == "vllm":
+            return {"update_info": {"frame": json.loads(frame.encode())}}
         # one payload per TP rank, each pickled on its own: torch counts one reference per pickle, released by the
         # one unpickle of it (a payload unpickled twice would release the trainer's own reference)
         body: dict[str, Any] = {
@@ -387,7 +408,7 @@ class ColocatedSender:
                 report.dropped_buckets += 1
             report.bytes += layout.payload_bytes
             report.buckets += 1
-        await self._session(engines, "/end_weight_update", {})
+        await self._session(engines, "/end_weight_update", {}, weight_version)
         await self._session(engines, "/continue_generation", {})
         report.total_seconds = time.perf_counter() - started
         report.failed = {e.node_id: e.failed for e in engines if e.failed is not None}
@@ -406,7 +427,7 @@ class ColocatedSender:
 
         async def one(engine: ColocatedEngine) -> None:
             nonlocal held
-            path = FRAME_ROUTE if engine.kind == "dcs" else SGLANG_ROUTE
+            path = {"dcs": FRAME_ROUTE, "vllm": VLLM_ROUTE}.get(engine.kind, SGLANG_ROUTE)
             try:
                 await self._call(engine, path, self._body(engine, frame, view, layout), self.release_seconds)
             except ColocatedEngineFailed as exc:
@@ -423,7 +444,8 @@ class ColocatedSender:
 class ColocatedUpdater:
     """The colocated part of a rollout update: reads the topology, takes the engines colocated with this trainer
     rank and device (`is_colocated`), learns each one's protocol once (`GET /server_info`: a `dcs receiver` says
-    `launch_command: "dcs receiver"`; SGLang's version gives sessions and pause mode) and pushes by handle.
+    `launch_command: "dcs receiver"`; SGLang's version gives sessions and pause mode; an engine registered as
+    vLLM (`metadata["engine"]`) is probed as vLLM, its backend "dcs-ipc") and pushes by handle.
     The remote engines of the same update go through the process group as before (`RolloutUpdater` leaves out
     what `is_colocated` takes)."""
 
@@ -441,6 +463,7 @@ class ColocatedUpdater:
         self.rollout_role = rollout_role
         self.trainer_rank = trainer_rank
         self.device = device
+        self.token = token
         self.http = EngineHTTP(auth_headers(token))
         self.sender = ColocatedSender(device, bucket_size_bytes, self.http, timeout_seconds, timeout_seconds)
         self.timeout_seconds = timeout_seconds
@@ -476,7 +499,11 @@ class ColocatedUpdater:
             key = (node_id, str(node.metadata.get("instance", "")))
             known = self._known.get(key)
             if known is None:
-                known = await self._learn(node_id, f"http://{node.ip}:{node.port}")
+                url = f"http://{node.ip}:{node.port}"
+                if node.metadata.get("engine") == "vllm":
+                    known = await self._learn_vllm(node_id, url, int(node.rank))
+                else:
+                    known = await self._learn(node_id, url)
                 self._known[key] = known
             out.append(ColocatedEngine(known.node_id, known.url, known.kind, known.tp_size, known.sessions,
                                        known.pause_mode))  # fmt: skip
@@ -499,6 +526,26 @@ class ColocatedUpdater:
                 "its trainer rank (TP 1); register TP engines without `colocated`"
             )
         return ColocatedEngine(node_id, url, "sglang", info.tp_size, info.sessions, info.pause_mode)
+
+    async def _learn_vllm(self, node_id: str, url: str, rank: int) -> ColocatedEngine:
+        """A vLLM engine (registered with `--kind vllm`): its version, world size and weight-transfer backend, as
+        the remote updater probes it, but the backend must be the plugin's "dcs-ipc" (`VLLMBackendMismatch`
+        saying what to start `vllm serve` with otherwise)."""
+        from dcs_tasks.sync.engine_protocol import EngineAPI
+
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        endpoint = EngineEndpoint(rank=rank, ip=host, port=int(port), kind="vllm")
+        api = EngineAPI(self.token, self.timeout_seconds)
+        try:
+            info = await api.probe(endpoint, self.timeout_seconds, colocated=True)
+        finally:
+            await api.aclose()
+        if self.device.type == "cuda" and info.tp_size > 1:
+            raise ColocatedEngineFailed(
+                f"{node_id} at {url} runs with world size {info.tp_size}: a colocated engine shares one device with "
+                "its trainer rank (TP 1); register TP engines without `colocated`"
+            )
+        return ColocatedEngine(node_id, url, "vllm", info.tp_size, True, info.pause_mode)
 
     async def update(self, state: Mapping[str, torch.Tensor], weight_version: int) -> ColocatedReport | None:
         """Push `state` as `weight_version` into this trainer's colocated engines; None when it has none."""

@@ -43,10 +43,21 @@ class EngineProbe:
 
     `api_key` is sent on the server-info read and never logged."""
 
-    def __init__(self, url: str, rank: int, api_key: str | None, timeout: float, kind: EngineKind = "sglang") -> None:
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        api_key: str | None,
+        timeout: float,
+        kind: EngineKind = "sglang",
+        colocated: bool = False,
+    ) -> None:
+        """`colocated`: the engine is registered as colocated with a trainer rank (a vLLM one must run the
+        plugin's "dcs-ipc" backend)."""
         parsed = urllib.parse.urlsplit(url)
         self.base_url = url.rstrip("/")
         self.kind = kind
+        self.colocated = colocated
         self.endpoint = EngineEndpoint(rank=rank, ip=parsed.hostname or "", port=parsed.port or 80, kind=kind)
         self.timeout = timeout
         self._api = EngineAPI(api_key, timeout)
@@ -90,4 +101,4 @@ class EngineProbe:
     async def server_info(self) -> EngineInfo:
         """`GET /server_info` (or `/get_server_info`; vLLM: `/version` and `/get_world_size`), judged as the
         trainer judges it (typed refusals)."""
-        return await self._api.probe(self.endpoint, self.timeout)
+        return await self._api.probe(self.endpoint, self.timeout, self.colocated)

@@ -114,12 +114,12 @@ class EngineAPI:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def probe(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
+    async def probe(self, engine: EngineEndpoint, timeout: float, colocated: bool = False) -> EngineInfo:
         """SGLang: `GET /server_info` (the deprecated `/get_server_info` where absent) -> EngineInfo; vLLM (kind
         "vllm"): `GET /version`, `GET /get_world_size` and the weight-transfer backend of its dev-mode
-        `GET /server_info` (`vllm_protocol`)."""
+        `GET /server_info` (`vllm_protocol`; `colocated`: the engine is updated by handle, backend "dcs-ipc")."""
         if engine.kind == "vllm":
-            return await self._probe_vllm(engine, timeout)
+            return await self._probe_vllm(engine, timeout, colocated)
         for path in SERVER_INFO_PATHS:
             response = await self._request(engine, "GET", path, None, timeout)
             if response.status == 404:
@@ -132,7 +132,7 @@ class EngineAPI:
             return engine_info(engine, payload)
         raise EngineIncompatible(f"{engine.node_id} at {engine.url} serves no /server_info: not SGLang", engine.node_id)
 
-    async def _probe_vllm(self, engine: EngineEndpoint, timeout: float) -> EngineInfo:
+    async def _probe_vllm(self, engine: EngineEndpoint, timeout: float, colocated: bool = False) -> EngineInfo:
         response = await self._request(engine, "GET", "/version", None, timeout)
         if response.status == 404:
             raise EngineIncompatible(f"{engine.node_id} at {engine.url} serves no /version: not vLLM", engine.node_id)
@@ -146,7 +146,7 @@ class EngineAPI:
         bound = max(timeout, vllm_protocol.SERVER_INFO_TIMEOUT_SECONDS)  # its first answer is slow, then cached
         response = await self._request(engine, "GET", vllm_protocol.SERVER_INFO_PATH, None, bound)
         _raise_for(engine, "/server_info", response)
-        vllm_protocol.check_backend(engine, _json(response))
+        vllm_protocol.check_backend(engine, _json(response), colocated)
         return info
 
     async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any], timeout: float | None = None) -> str:

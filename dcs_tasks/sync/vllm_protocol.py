@@ -52,6 +52,9 @@ MAX_VERSION_CHARS = 64
 MAX_WORLD_SIZE = 4096
 PLUGIN_BACKEND = "dcs"
 """The weight-transfer backend DCS's vLLM plugin registers (plugins/vllm-dcs, entry point `vllm.general_plugins`)."""
+IPC_BACKEND = "dcs-ipc"
+"""The plugin's colocated transport (buckets by handle in DCS's JSON frame, no group): a backend name of its own,
+as vLLM's `WeightTransferConfig` takes nothing but `backend`, so `/server_info` shows it."""
 SERVER_INFO_PATH = "/server_info?config_format=json"
 SERVER_INFO_TIMEOUT_SECONDS = 60.0
 """Bound of the `/server_info` read (at least the probe's own): vLLM builds its `system_env` part (collect_env,
@@ -103,22 +106,35 @@ def vllm_engine_info(engine: EngineEndpoint, version: str, world_payload: Any) -
     )
 
 
-def check_backend(engine: EngineEndpoint, server_info: Any) -> None:
+def backend_hint(colocated: bool) -> str:
+    """What to start `vllm serve` with: backend "dcs" (a remote engine) or "dcs-ipc" (a colocated one)."""
+    if not colocated:
+        return BACKEND_HINT
+    return BACKEND_HINT.replace('{"backend": "dcs"}', '{"backend": "dcs-ipc"}').replace(
+        "vLLM engines)", "Colocated engines)"
+    )
+
+
+def check_backend(engine: EngineEndpoint, server_info: Any, colocated: bool = False) -> None:
     """VLLMBackendMismatch naming the engine unless its dev-mode `/server_info` (JSON) says it runs DCS's
-    weight-transfer backend: `vllm_config.weight_transfer_config.backend == "dcs"`. Checked before any join: a
-    group joined by vLLM's own engine (its `StatelessProcessGroup` rendezvous) or by none could only time out."""
+    weight-transfer backend with the transport this trainer uses: `vllm_config.weight_transfer_config.backend`
+    is "dcs" (a group, remote engines) or, for an engine colocated with the trainer, "dcs-ipc" (by handle).
+    Checked before any join or update: a group joined by vLLM's own engine (its `StatelessProcessGroup`
+    rendezvous) or by none could only time out, and a "dcs" engine refuses frames."""
     node = engine.node_id
     config = server_info.get("vllm_config") if isinstance(server_info, dict) else None
     if not isinstance(config, dict):
         raise EngineIncompatible(f"{node} at {engine.url}: /server_info has no JSON `vllm_config`", node)
     transfer = config.get("weight_transfer_config")
     backend = transfer.get("backend") if isinstance(transfer, dict) else None
-    if backend == PLUGIN_BACKEND:
+    wanted = IPC_BACKEND if colocated else PLUGIN_BACKEND
+    if backend == wanted:
         return
     shown = "none (no --weight-transfer-config)" if transfer is None else repr(backend)[:80]
+    where = "a colocated engine (updates by handle)" if colocated else "a remote engine (a process group)"
     raise VLLMBackendMismatch(
-        f"{node} at {engine.url} runs vLLM with weight-transfer backend {shown}, not {PLUGIN_BACKEND!r}: "
-        f"{BACKEND_HINT}",
+        f"{node} at {engine.url} runs vLLM with weight-transfer backend {shown}, not {wanted!r} for {where}: "
+        f"{backend_hint(colocated)}",
         node,
     )
 

@@ -127,17 +127,16 @@ def test_only_the_same_rank_device_and_host_are_colocated() -> None:
     assert not is_colocated({}, "e", 0, cpu)
 
 
-def test_engine_attach_registers_colocated_sglang_engines_and_refuses_vllm() -> None:
+def test_engine_attach_registers_colocated_sglang_and_vllm_engines() -> None:
     import argparse
 
     from dcs_tasks.cli.engine import _colocated
-    from dcs_tasks.errors import ConfigError
 
     entry = _colocated(argparse.Namespace(colocated_with=3, colocated_device="cuda:1", kind="sglang"))
     assert entry is not None and colocation_of(entry, "e") == colocation_of(colocation_metadata(3, "cuda:1"), "e")
     assert _colocated(argparse.Namespace(colocated_with=None, colocated_device="cuda:0", kind="vllm")) is None
-    with pytest.raises(ConfigError, match="no colocated path into vLLM"):
-        _colocated(argparse.Namespace(colocated_with=0, colocated_device="cuda:0", kind="vllm"))
+    vllm = _colocated(argparse.Namespace(colocated_with=0, colocated_device="cpu", kind="vllm"))
+    assert vllm is not None and colocation_of(vllm, "e") == colocation_of(colocation_metadata(0, "cpu"), "e")
     with pytest.raises(ColocationInvalid):
         _colocated(argparse.Namespace(colocated_with=0, colocated_device="gpu0", kind="sglang"))
 
@@ -161,3 +160,25 @@ def test_a_dropped_bucket_s_file_goes_although_an_engine_never_took_its_payload(
     pool.drop(0)
     assert not os.path.exists("/dev/shm" + shm.name)
     assert pool.slots[0].shm is not None and pool.slots[0].shm.name != shm.name and pool.slots[0].generation == 1
+
+
+def test_a_colocated_vllm_engine_must_run_the_plugin_s_ipc_transport() -> None:
+    from dcs_tasks.errors import VLLMBackendMismatch
+    from dcs_tasks.sync import vllm_protocol
+    from dcs_tasks.sync.wire import EngineEndpoint
+
+    engine = EngineEndpoint(rank=2, ip="127.0.0.1", port=8100, kind="vllm")
+
+    def info(backend: str) -> dict[str, object]:
+        return {"vllm_config": {"weight_transfer_config": {"backend": backend}}}
+
+    vllm_protocol.check_backend(engine, info("dcs-ipc"), colocated=True)
+    vllm_protocol.check_backend(engine, info("dcs"))
+    with pytest.raises(VLLMBackendMismatch, match="'dcs', not 'dcs-ipc' for a colocated engine") as exc:
+        vllm_protocol.check_backend(engine, info("dcs"), colocated=True)
+    assert """--weight-transfer-config '{"backend": "dcs-ipc"}'""" in str(exc.value)
+    with pytest.raises(VLLMBackendMismatch, match="'dcs-ipc', not 'dcs' for a remote engine") as exc:
+        vllm_protocol.check_backend(engine, info("dcs-ipc"))
+    assert """--weight-transfer-config '{"backend": "dcs"}'""" in str(exc.value)
+    with pytest.raises(VLLMBackendMismatch, match="'ipc', not 'dcs-ipc'"):  # vLLM's own ipc engine: pickle
+        vllm_protocol.check_backend(engine, info("ipc"), colocated=True)

@@ -8,6 +8,7 @@ in processes that never transfer weights.
 
     pip install plugins/vllm-dcs            # into the environment vLLM runs in
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "dcs"}'
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "dcs-ipc"}'   # colocated
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ BACKEND = "dcs"
 """The name `--weight-transfer-config '{"backend": "dcs"}'` selects."""
 ENGINE_MODULE = "vllm_dcs.engine"
 ENGINE_CLASS = "DCSWeightTransferEngine"
+IPC_BACKEND = "dcs-ipc"
+"""The dcs backend's colocated transport (trainer on the same host and device): buckets by handle, no group."""
+IPC_ENGINE_CLASS = "DCSIpcWeightTransferEngine"
 
 
 def register() -> None:
@@ -24,11 +28,12 @@ def register() -> None:
     another registration of the same name) is, so that one is taken as done."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, ENGINE_MODULE, ENGINE_CLASS)
-    except ValueError as exc:
-        if "already registered" not in str(exc):
-            raise
+    for name, cls in ((BACKEND, ENGINE_CLASS), (IPC_BACKEND, IPC_ENGINE_CLASS)):
+        try:
+            WeightTransferEngineFactory.register_engine(name, ENGINE_MODULE, cls)
+        except ValueError as exc:
+            if "already registered" not in str(exc):
+                raise
 
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "IPC_BACKEND", "register"]

@@ -11,6 +11,9 @@ group rank (`nccl_common._worker_group_rank`: rank_offset + dp_rank * TP * PP + 
 an empty update, the chunking rule of the packed consumer (a chunk ends after the tensor that takes it over
 `packed_buffer_size_bytes`), `packed_tensor.unpack_tensor`, and the layerwise reload of start/finish.
 
+Backend "dcs-ipc" (`DCSIpcWeightTransferEngine`) is the colocated transport: buckets by handle in DCS's JSON
+frame (vllm_dcs/ipcframe.py), no group.
+
 Init info: vLLM's NCCL fields plus `group_name`, `timeout_seconds` and `transport` ("gloo": tensors received on
 the CPU, then loaded; "nccl": received on the worker's CUDA device). `torch.accelerator.synchronize()` (vLLM's
 `update_weights`) runs only where an accelerator exists (it raises on a CPU-only torch).
@@ -26,9 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, _worker_group_rank
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+from vllm_dcs import ipcframe
 
 TRANSPORTS = ("gloo", "nccl")
 GROUP_TIMEOUT_SECONDS = 60.0
@@ -160,6 +166,75 @@ class DCSWeightTransferEngine(NCCLWeightTransferEngine):
                 pass
 
 
+@dataclass
+class DCSIpcWeightTransferInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: a colocated trainer shares each bucket by handle (`/init_weight_transfer_engine`
+    is optional for backend "dcs-ipc")."""
+
+
+@dataclass
+class DCSIpcWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """`{"frame": {...}}`: DCS's colocated-update frame (vllm_dcs/ipcframe.py), checked here, when vLLM's
+    `parse_update_info` builds this, so a bad frame is refused before any memory is opened."""
+
+    frame: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.parsed = ipcframe.from_json(self.frame)
+
+
+class DCSIpcWeightTransferEngine(WeightTransferEngine[DCSIpcWeightTransferInitInfo, DCSIpcWeightTransferUpdateInfo]):
+    """Backend "dcs-ipc": the dcs backend's colocated transport. Each `/update_weights` carries one DCS frame
+    (JSON, fixed fields, never pickle) naming one bucket of the trainer's memory on this host: torch's
+    shared-memory file on CPU, a CUDA IPC handle on GPU. The worker maps it read-only, copies each tensor out,
+    loads the copies through the model's `load_weights` (vLLM's layerwise reload, as vLLM's `ipc` engine) and
+    unmaps before it answers: the trainer reuses the bucket once the request is answered. A separate backend
+    name, not an init-info transport: vLLM's `WeightTransferConfig` takes only `backend`, so the engine's
+    `/server_info` shows whether its operator allowed updates by handle (the trainer checks it), and an engine
+    started with backend "dcs" never opens memory an HTTP caller names."""
+
+    init_info_cls = DCSIpcWeightTransferInitInfo
+    update_info_cls = DCSIpcWeightTransferUpdateInfo
+
+    def init_transfer_engine(self, init_info: DCSIpcWeightTransferInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DCSIpcWeightTransferUpdateInfo) -> None:
+        frame = update_info.parsed
+        with ipcframe.open_bucket(frame, self.device) as bucket:
+            weights = [
+                (name, bucket[at : at + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape).clone())
+                for name, dtype, shape, at in zip(frame.names, frame.dtypes, frame.shapes, frame.offsets, strict=True)
+            ]
+            if bucket.device.type == "cuda":
+                torch.cuda.current_stream(bucket.device).synchronize()  # copied before the trainer reuses it
+            del bucket
+        if self.device.type != "cpu" and frame.kind == "shm":
+            weights = [(name, t.to(self.device)) for name, t in weights]
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def shutdown(self) -> None:
+        pass
+
+
 def _dtype(name: str) -> torch.dtype:
     """The torch dtype named `name` (an update's `dtype_names`); ValueError for anything else."""
     dtype = getattr(torch, name, None) if name.isidentifier() else None
@@ -168,4 +243,4 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-__all__ = ["TRANSPORTS", "DCSWeightTransferEngine", "DCSWeightTransferInitInfo"]
+__all__ = ["TRANSPORTS", "DCSIpcWeightTransferEngine", "DCSWeightTransferEngine", "DCSWeightTransferInitInfo"]
