@@ -1,8 +1,9 @@
 """Faults of checkpoints kept in S3, against a real S3 server (OpenStack Swift + s3api), real redis-server and real
 `dcs worker` processes: a bucket quota that fills mid-save, the server restarted mid-upload, hostile listings and
 objects put into the bucket behind DCS's back, a forged `latest`, and credentials kept out of every message. The
-hostile listings and the forged `latest` are the store's readers' behaviour: their steps are saved by an in-process
-committer (`inline`, the worker's code); the worker's retries, log and start-up check run in real workers."""
+hostile listings, the forged `latest` and a file still uploading when its step fails are the store's and the
+committer's behaviour: their steps are saved by an in-process committer (`inline`, the worker's code); the worker's
+retries, log and start-up check run in real workers."""
 
 from __future__ import annotations
 
@@ -121,12 +122,13 @@ def test_a_full_quota_fails_the_step_cleanly_and_a_later_save_commits_once_raise
 
 
 def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_released(
-    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, workers: list[WorkerProcess]
+    dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """A small file is refused by the bucket's quota at once while a 12 MiB file of the same step is still going
     up (its parts, in the uncapped segments container, paced at 2 MiB/s): the step fails; the big file's upload
     is then refused at its publish check and aborted. Every file must still reach an outcome, so the save's
-    staging buffer is handed back and `close()` finds nothing in flight."""
+    staging buffer is handed back and `close()` finds nothing in flight. The store's and the committer's behaviour:
+    an in-process committer (`inline`, the worker's code, two threads as the worker's two processes)."""
     import torch
 
     config = s3_config(
@@ -137,10 +139,9 @@ def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_re
         s3_concurrency=1,
         persist_throttle_bytes_per_second=2 * MiB,
     )
-    workers.append(start_worker(config, tmp_path, concurrency=2))
     aws_env.server.set_bucket_quota(aws_env.bucket, 100, segments=False)  # single PUTs fail, parts do not
     state = {"big": torch.randn(3 * MiB), "small": torch.arange(1000, dtype=torch.int8)}
-    with Checkpointer("race", config) as ckpt:
+    with Checkpointer("race", config, celery_app=inline(config)) as ckpt:
         pending = ckpt.save(state, step=1)
         with pytest.raises(CheckpointFailed, match="StorageFull"):
             pending.wait(timeout=60)
