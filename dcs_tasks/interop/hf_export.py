@@ -11,11 +11,11 @@ keys are left out, as `transformers`' `save_pretrained` does (it drops `lm_head.
 `model.embed_tokens.weight`, and `from_pretrained` ties it again from the model's config). `tied="copy"`
 writes every key (for consumers that `load_state_dict(load_file(...))` strictly).
 
-Reading is verified: every source file that holds an exported tensor is read once (`fastread.read_scatter`)
-straight into the output files' mappings and checked against its xxh3_128 checksum; a file that fails makes
-the export fail with `CorruptCheckpoint` naming it, and no output file is left behind (each is written to a
-temp name and renamed only after every read verified). Source files holding no exported tensor (optimizer
-state) are not read. A multi-rank run is gathered first as a single trainer would restore it (sharded
+Reading is verified: every source file that holds an exported tensor is read once (`verified.read_scatter`: its
+store's verified reader) straight into the output files' mappings and checked against its xxh3_128 checksum; a file
+that fails makes the export fail with `CorruptCheckpoint` naming it, and no output file is left behind (each is
+written to a temp name and renamed only after every read verified). Source files holding no exported tensor
+(optimizer state) are not read. A multi-rank run is gathered first as a single trainer would restore it (sharded
 tensors joined, `dcs_tasks.checkpoint.restore.sharded`): every file of the ranks it needs is read and verified, and
 the whole state is held in memory.
 """
@@ -44,14 +44,13 @@ from dcs_tasks.checkpoint.restore.sharded import (
     rank_dirs,
     scan_steps,
 )
-from dcs_tasks.checkpoint.store.reads import objread
-from dcs_tasks.checkpoint.store.reads.fileread import Target, read_scatter
+from dcs_tasks.checkpoint.store.reads import verified
+from dcs_tasks.checkpoint.store.reads.landing import Target
 from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_small
 from dcs_tasks.checkpoint.store.writes.durable import durable_file, write_all, write_bytes_durably
 from dcs_tasks.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from dcs_tasks.interop.names import normalise_prefix, tensor_paths
 from dcs_tasks.storage import Location
-from dcs_tasks.storage.factory import is_object
 from dcs_tasks.storage.fs import make_dirs_durable
 
 SINGLE_FILE = "model.safetensors"
@@ -300,10 +299,7 @@ def _write_files(
             first_out[pick.stored] = pick.name
             targets.setdefault(entry.file, []).append((entry.offsets[0], entry.offsets[1], views[pick.name]))
         files = [(f.stored_path(step_dir), f, targets[f.name]) for f in manifest.files if f.name in targets]
-        if is_object(step_dir):  # ranged GETs; files: verified reads through descriptors
-            objread.read_scatter([(p, f, t) for p, f, t in files if is_object(p)], verify=True)
-        else:
-            read_scatter([(p, f, t) for p, f, t in files if not is_object(p)], verify=True)
+        verified.read_scatter(files, verify=True)  # the store's reader: descriptors, or ranged GETs
         for name, stored in stored_of.items():
             if stored in first_out and first_out[stored] != name:
                 views[name][:] = views[first_out[stored]]

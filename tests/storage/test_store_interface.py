@@ -2,7 +2,8 @@
 POSIX directory), the S3 store (a real S3 server, tests/storage/conftest.py) and the memory tier's store (a
 private directory in /dev/shm). Each test runs once per store: a write by regions is invisible until published
 and whole after, an aborted one leaves nothing (no temp file, no open upload), ranges land in the caller's
-buffers, and stat, names, folders_with, files, delete and delete_tree agree.
+buffers, and stat, names, folders_with, files, delete and delete_tree agree; the verified reader a location's
+store picks (`checkpoint/store/reads/verified.py`) lands and checks every byte the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
+from dcs_tasks.checkpoint.store.reads import verified
 from dcs_tasks.errors import CorruptCheckpoint, StorageFull
 from dcs_tasks.storage import ObjectPath, S3Settings, S3Store, Store, store_of
 from dcs_tasks.storage.factory import FILES, copy, is_object, relative, within
@@ -128,6 +131,48 @@ def test_ranges_land_in_the_callers_buffers(place: Place) -> None:
         store.read_into(target, len(data) - 10, [memoryview(bytearray(11))])
     with pytest.raises(CorruptCheckpoint, match="missing"):
         store.read_into(place.root / "absent", 0, [memoryview(bytearray(1))])
+
+
+def _stored_file(place: Place, name: str, data: bytes, checksum: str | None = None) -> tuple[Any, FileEntry]:
+    """`data` written as `name` in the folder `step` of the place, with the manifest entry a reader checks it by."""
+    hasher = new_hasher()
+    hasher.update(data)
+    loc = place.root / "step" / name
+    place.store.write_small(loc, data, "t")
+    return loc, FileEntry(name=name, size=len(data), checksum=checksum or hasher.hexdigest())
+
+
+def test_verified_reads_land_every_byte_and_check_it_through_every_store(place: Place) -> None:
+    """`verified.read_scatter` / `read_many`: the reader the files' store picks lands each range in the caller's
+    buffers (ranges across S3 parts and O_DIRECT blocks, gaps skipped) or each file in fresh memory, bit-exact."""
+    big, small = pattern(6 * MiB + 4097), pattern(9000)[::-1]
+    (big_loc, big_entry), (small_loc, small_entry) = _stored_file(place, "a", big), _stored_file(place, "b", small)
+    head, middle, tail = bytearray(4099), bytearray(2 * MiB), bytearray(10)
+    verified.read_scatter(
+        [
+            (big_loc, big_entry, [(1, 4100, memoryview(head)), (5 * MiB - MiB, 5 * MiB + MiB, memoryview(middle))]),
+            (small_loc, small_entry, [(len(small) - 10, len(small), memoryview(tail))]),
+        ],
+        verify=True,
+    )
+    assert bytes(head) == big[1:4100] and bytes(middle) == big[4 * MiB : 6 * MiB] and bytes(tail) == small[-10:]
+    many = verified.read_many([(small_loc, small_entry), (big_loc, big_entry)], verify=True)
+    assert [bytes(m[: len(d)]) for m, d in zip(many, (small, big), strict=True)] == [small, big]
+
+
+def test_verified_reads_name_the_file_that_fails_through_every_store(place: Place) -> None:
+    """A checksum that does not match, a size that is not the entry's and a missing file are CorruptCheckpoint
+    naming the file, whichever store holds it; with `verify` off the checksum is not asked."""
+    data = pattern(MiB + 3)
+    loc, entry = _stored_file(place, "c", data, checksum="0" * 32)
+    with pytest.raises(CorruptCheckpoint, match="fails its xxh3_128 checksum") as failed:
+        verified.read_scatter([(loc, entry, [])], verify=True)
+    assert failed.value.path == str(loc)
+    assert bytes(verified.read_many([(loc, entry)], verify=False)[0][: len(data)]) == data
+    with pytest.raises(CorruptCheckpoint, match="has 1048579 bytes, manifest says 1048580"):
+        verified.read_many([(loc, entry.model_copy(update={"size": len(data) + 1}))], verify=False)
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        verified.read_scatter([(place.root / "step" / "absent", entry.model_copy(update={"name": "absent"}), [])], True)
 
 
 def test_read_small_refuses_a_missing_or_larger_file(place: Place) -> None:

@@ -1,9 +1,9 @@
 """Read committed checkpoints: list, verify, load, restore in place.
 
 Only step directories with a `manifest.json` exist for readers (a partial step has none). Loading reads
-each file once with `fastread` (32 MiB chunks read by 4 threads, O_DIRECT into new memory or buffered
-straight into `into=` tensors, hashed in order on the way), so a verified restore costs one read of the
-bytes.
+each file once through its store's verified reader (`store/reads/verified.py`: for files 32 MiB chunks read by
+4 threads, O_DIRECT into new memory or buffered straight into `into=` tensors; for objects parallel ranged
+GETs; hashed in order on the way), so a verified restore costs one read of the bytes.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from dcs_tasks.checkpoint.restore.lend import Unmappable, copy_sealed, map_many
 from dcs_tasks.checkpoint.restore.tensorviews import tensors_over
 from dcs_tasks.checkpoint.store.ledger.steps import read_latest as read_latest
 from dcs_tasks.checkpoint.store.ledger.steps import step_dirs as step_dirs
-from dcs_tasks.checkpoint.store.reads import objread
-from dcs_tasks.checkpoint.store.reads.fileread import Progress, Target, read_many, read_scatter
+from dcs_tasks.checkpoint.store.reads import verified
+from dcs_tasks.checkpoint.store.reads.landing import Progress, Target
 from dcs_tasks.checkpoint.store.reads.stepcheck import check_files, read_manifest
 from dcs_tasks.checkpoint.store.tiers.seal import Stamp, read_seals
 from dcs_tasks.errors import CorruptCheckpoint, StateMismatch
 from dcs_tasks.storage import Location, store_of
-from dcs_tasks.storage.factory import is_object
 from dcs_tasks.tensors import code_dtype
 
 if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listing and verifying need none
@@ -33,7 +32,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that make tensors: listi
 
 
 def load_manifest(step_dir: Location) -> Manifest:
-    """The step's manifest, checked as untrusted input (`validate.read_manifest`: names, sizes, offsets, shapes,
+    """The step's manifest, checked as untrusted input (`stepcheck.read_manifest`: names, sizes, offsets, shapes,
     dtypes, the structure's form) and its structure decoded against torch (`structure.check_structure`: dtype
     and device names torch knows); CorruptCheckpoint names the manifest and the reason. Imports torch on first
     use: a worker that only lists steps or reads `latest` through this module does not."""
@@ -62,14 +61,11 @@ def scatter(
     verify: bool,
     progress: Progress | None = None,
 ) -> None:
-    """Read every file of the step once into `targets` (file name -> ranges), from a file system or an
-    object store (each with its own verified reader: ranged GETs, or reads of descriptors)."""
-    if is_object(step_dir):
-        objread.read_scatter(
-            [(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress
-        )
-    else:
-        read_scatter([(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress)
+    """Read every file of the step once into `targets` (file name -> ranges), through the verified reader its
+    store picks (`verified.read_scatter`: reads of descriptors, or ranged GETs)."""
+    verified.read_scatter(
+        [(f.stored_path(step_dir), f, targets.get(f.name, [])) for f in manifest.files], verify, progress
+    )
 
 
 class Source(enum.Enum):
@@ -95,12 +91,12 @@ def load_tensors(
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> tensor, bit-exact to what was saved. Each tensor owns its storage (no views over a
     shared file buffer: some torch APIs, e.g. `set_rng_state`, ignore a view's storage offset). Every file
-    is read once (`fastread`), hashed while the next chunks are in flight.
+    is read once (`verified.read_many` / `read_scatter`), hashed while the next chunks are in flight.
 
     `into` (checked first with `check_targets`): the caller's tensors; contiguous CPU ones are read into
     directly (no second copy), others are filled with `copy_` after the read. If a file then fails its
     checksum the caller's tensors hold partial data and CorruptCheckpoint is raised. `manifest` comes from
-    `load_manifest` (checked); the files are checked against it (`validate.check_files`) before anything is
+    `load_manifest` (checked); the files are checked against it (`stepcheck.check_files`) before anything is
     allocated or read.
 
     `source` MEMORY or SEALED (a step in this host's memory tier): without `into` the tensors are copy-on-write
@@ -148,16 +144,13 @@ def _load_whole_files(
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    if is_object(step_dir):
-        mappings = objread.read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
-    else:
-        files = [(f.stored_path(step_dir), f) for f in manifest.files]
-        try:
-            if not mapped:
-                raise Unmappable("not a memory-tier step")
-            mappings = map_many(files, verify, seals)
-        except Unmappable:
-            mappings = read_many(files, verify)
+    local = store_of(step_dir).local_path(step_dir)  # a memory-tier step's files can be lent (mapped)
+    try:
+        if not mapped or local is None:
+            raise Unmappable("not a memory-tier step")
+        mappings = map_many([(f.stored_path(local), f) for f in manifest.files], verify, seals)
+    except Unmappable:
+        mappings = verified.read_many([(f.stored_path(step_dir), f) for f in manifest.files], verify)
     loaded: dict[str, torch.Tensor] = {}
     for f, mapping in zip(manifest.files, mappings, strict=True):
         loaded.update(tensors_over(mapping, by_file[f.name]))

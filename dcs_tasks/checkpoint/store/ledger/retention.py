@@ -25,9 +25,8 @@ from dcs_tasks.checkpoint.store.ledger.stepledger import StepLedger
 from dcs_tasks.checkpoint.store.ledger.steps import complete_steps, step_dirs
 from dcs_tasks.checkpoint.store.payloads import RetentionPolicy
 from dcs_tasks.checkpoint.store.reads.stepcheck import read_manifest
-from dcs_tasks.errors import CorruptCheckpoint, UntrustedPath
+from dcs_tasks.errors import CorruptCheckpoint
 from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +126,14 @@ def apply_retention(
 ) -> list[int]:
     """Delete what `policy` lets go in `run_dir`; returns the deleted steps. Files that kept steps, or the
     steps in flight (`in_flight_refs`, read under the reference lock), refer to are kept (retired steps).
-    UntrustedPath when `run_dir` is a symlink: retention deletes only inside a real run directory. A run in an
-    object store needs `object_lock` (its `refs` lock: `dcs_tasks.checkpoint.store.ledger.objlocks`)."""
-    if is_object(run_dir):
-        if object_lock is None:
-            raise ValueError("retention of a run in an object store needs its refs lock")
-        with object_lock(run_dir):
-            return _apply(run_dir, policy, in_flight, in_flight_refs)
-    if run_dir.is_symlink():
-        raise UntrustedPath(f"run directory {str(run_dir)[:256]!r} is a symlink: retention does not follow it")
-    if not run_dir.is_dir():
+    Everything runs under the run's `refs` lock (`incremental.refs_lock`, through its store): on files the run
+    directory's flock, which refuses a symlink or anything but a directory (UntrustedPath: retention deletes only
+    inside a real run directory); a run in an object store needs `object_lock` (its `refs` lock in Redis:
+    `dcs_tasks.checkpoint.store.ledger.objlocks`; `NoLock` without one). Nothing there: nothing deleted."""
+    if not store_of(run_dir).exists(run_dir):
         return []
-    with refs_lock(run_dir, shared=False):
+    fence = None if object_lock is None else (lambda folder, _name: object_lock(folder))
+    with refs_lock(run_dir, shared=False, fence=fence):
         return _apply(run_dir, policy, in_flight, in_flight_refs)
 
 
