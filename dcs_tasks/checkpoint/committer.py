@@ -18,6 +18,7 @@ Two committers use it: the worker's persist and commit tasks (`workers/persist.p
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -156,7 +157,7 @@ def pacer(throttle: float | None) -> Callable[[int], None] | None:
 def committed(step_dir: Location) -> bool:
     """Whether the step's manifest is stored (the step exists for readers)."""
     manifest = step_dir / MANIFEST_NAME
-    return store_of(manifest).exists(manifest)
+    return store_of(manifest).file_exists(manifest)
 
 
 def check_stored(step_dir: Location, manifest: Manifest) -> dict[str, int]:
@@ -194,9 +195,8 @@ def publish_step(step_dir: Location, manifest: Manifest, tag: str, object_lock: 
         swept = pool.submit(store.sweep, step_dir)  # temp files; open multipart uploads
         listed = check_stored(step_dir, manifest)  # on failure the pool's exit still waits for the sweep
         swept.result()
-    if str(final) not in listed:
-        store.write_small(final, manifest_bytes(manifest), tag)
-    move_latest(step_dir.parent, manifest.step, tag, fence=object_lock)
+    write = None if str(final) in listed else functools.partial(store.write_small, final, manifest_bytes(manifest), tag)
+    move_latest(step_dir.parent, manifest.step, tag, fence=object_lock, first=write)  # `latest` read beside the write
 
 
 def remove_partial_step(step_dir: Location) -> None:

@@ -157,6 +157,9 @@ class ObjectStore(Store[ObjectPath]):
     def exists(self, loc: ObjectPath) -> bool:
         return loc.exists()
 
+    def file_exists(self, loc: ObjectPath) -> bool:
+        return loc.size() is not None  # a HEAD; `exists` would list the prefix too when there is no object
+
     def names(self, loc: ObjectPath) -> list[str]:
         prefix = _prefix(loc)
         names = {item.key[len(prefix) :].split("/", 1)[0] for item in loc.store.objects(prefix)}

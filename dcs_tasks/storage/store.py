@@ -141,6 +141,11 @@ class Store(abc.ABC, Generic[L]):
     def exists(self, loc: L) -> bool:
         """A file, object or non-empty folder at `loc` (a symlink counts as there, never followed)."""
 
+    def file_exists(self, loc: L) -> bool:
+        """`exists` for a name only a file or object holds (a step's manifest, a marker): as `exists` here; an
+        object store asks for the object alone (one HEAD, no listing of a folder of that name)."""
+        return self.exists(loc)
+
     @abc.abstractmethod
     def names(self, loc: L) -> list[str]:
         """The names directly under the folder `loc` (files and folders; symlinks are left out), sorted."""

@@ -47,7 +47,7 @@ def refs_lock(run_dir: Location, shared: bool, fence: Fence | None = None) -> co
 
 def is_retired(step_dir: Location) -> bool:
     marker = step_dir / RETIRED_NAME
-    return store_of(marker).exists(marker)
+    return store_of(marker).file_exists(marker)
 
 
 def base_manifest(step_dir: Location) -> tuple[int, Manifest] | None:
