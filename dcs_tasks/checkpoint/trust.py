@@ -27,11 +27,11 @@ from typing import overload
 from dcs_tasks import hostdirs, storage
 from dcs_tasks.checkpoint.format.layout import staging_name_pattern, staging_prefix, step_dir_name
 from dcs_tasks.checkpoint.restore.sharded import RANK_DIR
-from dcs_tasks.checkpoint.store.payloads import clean_absolute_path
+from dcs_tasks.checkpoint.store.payloads import clean_absolute_path, clean_location
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import UntrustedPath
 from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object
+from dcs_tasks.storage.factory import named, within
 from dcs_tasks.storage_url import StorageRoot
 
 
@@ -42,6 +42,21 @@ def _clean(given: str, what: str) -> Path:
         return Path(clean_absolute_path(given))
     except (ValueError, TypeError) as exc:
         raise UntrustedPath(f"{what}: {exc}") from exc
+
+
+def _located(given: str, what: str, root: Location) -> Location | None:
+    """The location `given` names under `root`'s store, resolved by that store (symlinks on files; an object key
+    stays as it is: no links to follow), when it lies strictly under `root`; None when it is not of that store or
+    lies elsewhere. `given` must be a clean absolute path or `s3://` URL (UntrustedPath otherwise)."""
+    try:
+        text = clean_location(given)
+    except (ValueError, TypeError) as exc:
+        raise UntrustedPath(f"{what}: {exc}") from exc
+    loc = named(text, root)
+    if loc is None:
+        return None
+    resolved = store_of(loc).resolve(loc)
+    return resolved if resolved != root and within(resolved, root) else None
 
 
 def _resolve(path: Path) -> Path:
@@ -83,31 +98,20 @@ def run_dirs(root: Location, run: str) -> list[Path] | list[ObjectPath]:
     return [root / run, *([root / base / rank] if shard else [])]  # type: ignore[return-value]
 
 
-def _one_of(resolved: Path, roots: list[Path], what: str, given: str) -> Path:
-    """The root of `roots` that `resolved` lies strictly under, else UntrustedPath."""
-    for root in roots:
-        if resolved != root and resolved.is_relative_to(root):
-            return root
-    names = " or ".join(repr(str(r)) for r in roots)
-    raise UntrustedPath(f"{what} {given[:256]!r} is outside the checkpoint root {names}")
-
-
 def trusted_run_dir(run_dir: str, run: str, config: DCSConfig, *, replica: bool = False) -> Location:
     """`run_dir` resolved, when it is run `run`'s directory under this worker's checkpoint root (or, with
-    `replica`, under its replica root). For an object-store root the URL must be exactly that run's."""
-    for root in roots_of(config, replica):
-        if is_object(root):  # an object key must be exactly the run's: no links to resolve
-            for candidate in run_dirs(root, run):
-                if str(candidate) == run_dir:
-                    return candidate
-    if run_dir.startswith("s3://"):
-        raise UntrustedPath(f"run location {run_dir[:256]!r} is not where run {run!r} lives under this worker's roots")
-    resolved = _resolve(_clean(run_dir, "run directory"))
-    roots = [r for r in roots_of(config, replica) if not is_object(r)]
-    root = _one_of(resolved, roots, "run directory", run_dir)
-    if resolved not in [_resolve(c) for c in run_dirs(root, run)]:
-        raise UntrustedPath(f"run directory {run_dir[:256]!r} is not where run {run!r} lives under {str(root)!r}")
-    return resolved
+    `replica`, under its replica root), compared after each root's store resolved both (an object URL must be
+    exactly that run's)."""
+    roots = roots_of(config, replica)
+    for root in roots:
+        resolved = _located(run_dir, "run directory", root)
+        if resolved is None:
+            continue
+        if resolved not in [store_of(c).resolve(c) for c in run_dirs(root, run)]:
+            raise UntrustedPath(f"run directory {run_dir[:256]!r} is not where run {run!r} lives under {str(root)!r}")
+        return resolved
+    names = " or ".join(repr(str(r)) for r in roots)
+    raise UntrustedPath(f"run directory {run_dir[:256]!r} is outside the checkpoint root {names}")
 
 
 @overload
@@ -120,19 +124,14 @@ def trusted_step_dir(
     step_dir: str, run: str, step: int, config: DCSConfig, *, root: Location | None = None
 ) -> Location:
     """`step_dir` resolved, when it is step `step` of run `run` under this worker's checkpoint root (or under
-    `root`, a root from `roots_of`). For an object-store root, the URL must be exactly that step's."""
+    `root`, a root from `roots_of`), compared after the root's store resolved both (an object URL must be exactly
+    that step's)."""
     root = checkpoint_root(config) if root is None else root
-    if is_object(root):
-        for candidate in run_dirs(root, run):
-            expected = candidate / step_dir_name(step)
-            if str(expected) == step_dir:
-                return expected
-        raise UntrustedPath(
-            f"step location {step_dir[:256]!r} is not where step {step} of run {run!r} lives under {str(root)!r}"
-        )
-    resolved = _resolve(_clean(step_dir, "step directory"))
-    _one_of(resolved, [root], "step directory", step_dir)
-    if resolved not in [_resolve(c / step_dir_name(step)) for c in run_dirs(root, run)]:
+    resolved = _located(step_dir, "step directory", root)
+    if resolved is None:
+        raise UntrustedPath(f"step directory {step_dir[:256]!r} is outside the checkpoint root {str(root)!r}")
+    expected = [store_of(c).resolve(c / step_dir_name(step)) for c in run_dirs(root, run)]
+    if resolved not in expected:
         raise UntrustedPath(
             f"step directory {step_dir[:256]!r} is not where step {step} of run {run!r} lives under {str(root)!r}"
         )

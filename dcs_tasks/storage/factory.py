@@ -62,6 +62,16 @@ def open_root(value: StorageRoot, config: DCSConfig) -> Location:
     return Path(value)
 
 
+def named(text: str, root: Location) -> Location | None:
+    """The location `text` names (as `str(loc)` prints one: a task payload's) when it is of `root`'s store: a URL
+    `s3://<root's bucket>/<key>` beside an object root, a path beside a file root; None when it is not. Nothing is
+    checked, resolved or looked up: `text` is untrusted, its caller checks where the location lies."""
+    if isinstance(root, ObjectPath):
+        prefix = f"s3://{root.bucket}/"
+        return ObjectPath(root.store, text[len(prefix) :]) if text.startswith(prefix) else None
+    return None if "://" in text else Path(text)
+
+
 def same_store(a: Location, b: Location) -> bool:
     """`a` and `b` are locations of one kind of store (a file copy, a server-side copy, `within`, are possible)."""
     return store_of(a) is store_of(b)

@@ -26,7 +26,7 @@ from dcs_tasks.checkpoint.format.layout import FileEntry, new_hasher
 from dcs_tasks.checkpoint.store.reads import verified
 from dcs_tasks.errors import CorruptCheckpoint, StorageFull
 from dcs_tasks.storage import ObjectPath, S3Settings, S3Store, Store, store_of
-from dcs_tasks.storage.factory import FILES, copy, is_object, relative, within
+from dcs_tasks.storage.factory import FILES, copy, is_object, named, relative, within
 from dcs_tasks.storage.memtier import MemoryTierStore
 from dcs_tasks.storage.store import NoLock, Refused
 from dcs_tasks.storage_url import ObjectURL
@@ -222,6 +222,12 @@ def test_the_factory_names_what_a_location_is(place: Place) -> None:
         relative(root.parent / "other", root)
     assert is_object(root) is (place.kind == "s3")
     assert (place.store.local_path(root) is None) is (place.kind == "s3")
+    step = root / "run" / "step-000000001"  # a location as a task payload names it: parsed back to the same one
+    assert named(str(step), root) == step and store_of(named(str(step), root) or root) is store_of(root)
+    other_kind = "/elsewhere/run" if place.kind == "s3" else "s3://bucket/run"
+    assert named(other_kind, root) is None
+    if place.kind == "s3":
+        assert named("s3://another-bucket/root/run", root) is None
     if place.kind == "memory":
         assert isinstance(place.store, MemoryTierStore) and place.store.holds(root / "x")
         assert not place.store.holds(Path("/elsewhere"))

@@ -77,12 +77,11 @@ def test_the_factory_is_where_the_store_is_chosen() -> None:
 
 # `factory.is_object` branches still outside the factory (file -> calls, when they were counted). Each is a
 # place that picks a code path by where the bytes live instead of asking its store for an operation
-# (`Store.put`, `Store.lock`, the verified reader its store picks: `store/reads/verified.py`, ...): the trust
-# checks (an object key is compared as it is, a path resolved) and the header checks of a step's files
-# (descriptors, or ranged GETs). The count only goes down.
+# (`Store.put`, `Store.lock`, the verified reader its store picks: `store/reads/verified.py`, a payload's location
+# parsed by `factory.named` and resolved by its store, ...): the header checks of a step's files (descriptors, or
+# ranged GETs). The count only goes down.
 IS_OBJECT_LEFT = {
     "dcs_tasks/checkpoint/store/reads/stepcheck.py": 1,
-    "dcs_tasks/checkpoint/trust.py": 3,
 }
 
 
