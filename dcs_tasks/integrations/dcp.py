@@ -33,7 +33,9 @@ of DCP's own format; the DCS config's compression applies instead), and peer pul
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import logging
 import re
 import threading
 import uuid
@@ -44,6 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -59,12 +63,16 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcs_tasks.checkpoint import replicas
 from dcs_tasks.checkpoint.checkpointer import Checkpointer
 from dcs_tasks.checkpoint.restore.sharded import StepShards
+from dcs_tasks.checkpoint.save.staged import StagedState
 from dcs_tasks.checkpoint.store.tiers import memdir, stepplaces
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointError, CorruptCheckpoint, StagingError, UnsupportedDtype
@@ -82,6 +90,8 @@ from dcs_tasks.interop.dcp_steps import (
 )
 from dcs_tasks.storage import Location
 from dcs_tasks.tensors import checkpoint_code, dtype_name
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_ID = re.compile(r"^dcs://(?P<run>[^/]+)(?:/(?P<step>\d+))?/?$")
 
@@ -166,8 +176,43 @@ def _mappings(planner_data: Any) -> list[list[Any]]:
     return out
 
 
-class DCSStorageWriter(StorageWriter):
+class _Staged:
+    """What `DCSStorageWriter.stage` copied for one `async_save`: the DCS staged copy, the DCS key of each DCP item
+    (-> the staged tensor's name; byte items: their serialised bytes) and DCP's flattening map of the state."""
+
+    def __init__(self, state: StagedState, names: dict[str, str], blobs: dict[str, bytes], mappings: Any) -> None:
+        self.state = state
+        self.names = names
+        self.blobs = blobs
+        self.mappings = mappings
+
+    def matches(self, flat: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the items the final plan resolved to are exactly the staged ones (the same memory, the same
+        bytes): then the staged copy is what commits."""
+        if flat.keys() != self.names.keys() | self.blobs.keys():
+            return False
+        for key, value in flat.items():
+            if key in self.blobs:
+                if value.numpy().tobytes() != self.blobs[key]:
+                    return False
+                continue
+            view = self.state.views[self.names[key]]
+            same = (value.dtype, tuple(value.shape), value.stride()) == (view.dtype, tuple(view.shape), view.stride())
+            if not same or (view.numel() and value.data_ptr() != view.data_ptr()):
+                return False
+        return True
+
+
+class _NotStaged(Exception):
+    """A state `DCSStorageWriter.stage` leaves to DCP's default stager (see its doc)."""
+
+
+class DCSStorageWriter(StorageWriter, AsyncStager):
     """A DCP `StorageWriter` that saves each rank's part as a committed DCS step (see the module doc).
+
+    It is also DCP's `AsyncStager`: `dcp.async_save(state, storage_writer=DCSStorageWriter(...))` stages through
+    it (`stage`), copying the state into DCS's staging buffers at the call, and its `write_data` commits that copy
+    without copying again (`Checkpointer.commit_staged`). One `async_save` at a time per writer.
 
     `run`: a run name (a `Checkpointer` is made for the save, with this process's rank and world size, and
     closed after it) or a `Checkpointer` the caller keeps across saves (faster: its staging buffers stay mapped;
@@ -199,6 +244,87 @@ class DCSStorageWriter(StorageWriter):
         self._planner_data: Any = None
         self._rank, self._world = 0, 1
         self.save_id = uuid.uuid4().hex
+        self._staged: _Staged | None = None
+
+    # DCP's AsyncStager protocol (dcp.async_save) ----------------------------------------------------------
+    _synchronize_after_execute = False  # stage() returns once the copy is done: nothing to wait for after
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy `state_dict` into this rank's DCS staging buffer now (the stall of `async_save`, as DCS's
+        `save` stall) and return DCP the staged state: the same items, each tensor over the staged copy and each
+        other value a copy, flattened as DCP's planner flattens it. `write_data` then commits the staged copy
+        when the final plan writes exactly the staged items (a rank whose replicated items DCP's deduplication
+        gave to another rank copies the planned ones again on DCP's thread, then commits). States with
+        ShardedTensors, DTensors this rank holds no part of, or no free staging buffer (policy skip) are staged
+        by DCP's default stager instead. A value DCS cannot store raises `UnstorableItem` here."""
+        self._drop_staged()
+        try:
+            staged_state, self._staged = self._stage(state_dict)
+        except _NotStaged as why:
+            log.debug("DCP's default stager stages this state: %s", why)
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)  # type: ignore[return-value]  # synchronous: a state dict
+            finally:
+                stager.close()
+        return staged_state
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: `stage` returns once the copy is done."""
+
+    def close(self) -> None:
+        """Give back a staged copy no save wrote (a failed `async_save`), and this writer's own Checkpointer."""
+        self._drop_staged()
+        self._close_own()
+
+    def _drop_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.state.release():
+            log.warning("dcs://%s/%s: a staged copy no save wrote was given back", self.run, self.step)
+
+    def _checkpointer(self) -> Checkpointer:
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(
+                self.run, self.config, celery_app=self._app, rank=self._rank, world_size=self._world
+            )
+        return self._ckpt
+
+    def _stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], _Staged]:
+        flat_state, mappings = flatten_state_dict(state_dict)
+        keys, sources, blobs = _items_of(flat_state)
+        if len(keys) > MAX_ITEMS:
+            raise CheckpointError(f"{len(keys)} items on one rank, more than {MAX_ITEMS}")
+        rank, world = _world()
+        self._rank, self._world = rank, world
+        ckpt = self._checkpointer()
+        flat: dict[str, torch.Tensor] = {**sources}
+        for key, raw in blobs.items():
+            flat[key] = (
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            )
+        with _lock_of(ckpt):
+            try:
+                state = ckpt.stage(flat)
+            except StagingError as exc:
+                if isinstance(exc, UnstorableItem):
+                    raise
+                raise UnstorableItem(_named_key(str(exc), flat), str(exc)) from exc
+        if state is None:
+            raise _NotStaged("every staging buffer is in flight (staging_policy skip)")
+        names = _names_of(sources, state.views)
+        staged_state: dict[str, Any] = {}
+        for fqn, obj in flat_state.items():
+            key = keys[fqn]
+            if key in blobs:
+                staged_state[fqn] = copy.deepcopy(obj)  # the value at the call (DCP serialises it again, later)
+                continue
+            view = state.views[names[key]]
+            if obj.requires_grad:
+                view = view.detach().requires_grad_(True)
+            staged_state[fqn] = (
+                DTensor(view, obj._spec, requires_grad=obj.requires_grad) if isinstance(obj, DTensor) else view
+            )
+        return staged_state, _Staged(state, names, {k: v for k, v in blobs.items()}, mappings)
 
     # DCP's protocol -------------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -219,6 +345,13 @@ class DCSStorageWriter(StorageWriter):
         return StorageMeta(checkpoint_id=f"dcs://{self.run}/{self.step}", save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._set_up(**kwargs)
+        except BaseException:
+            self._drop_staged()
+            raise
+
+    def _set_up(self, **kwargs: Any) -> None:
         if self.step is None:
             raise CheckpointError("DCSStorageWriter needs a step: DCSStorageWriter(run, step=N)")
         if kwargs.get("use_collectives") is False:
@@ -235,26 +368,25 @@ class DCSStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._planner_data = plan.planner_data
-        for item in plan.items:  # refused before anything is staged or written
-            data = item.tensor_data
-            if data is None:
-                continue
-            try:
-                checkpoint_code(data.properties.dtype, item.index.fqn)
-            except UnsupportedDtype as exc:
-                raise UnstorableItem(item.index.fqn, str(exc)) from exc
-            if len(data.size) > MAX_NDIM:
-                raise UnstorableItem(item.index.fqn, f"{len(data.size)} dimensions, more than {MAX_NDIM}")
+        try:
+            for item in plan.items:  # refused before anything is staged or written
+                _check_item(item)
+        except BaseException:
+            self._drop_staged()
+            raise
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        staged, self._staged = self._staged, None
         try:
-            results = self._write(plan, planner)
+            results = self._write(plan, planner, staged)
         except BaseException:
             with contextlib.suppress(Exception):  # the save's own error is the one to see
+                if staged is not None:
+                    staged.state.release()
                 self._close_own()
             raise
         self._close_own()
@@ -272,12 +404,9 @@ class DCSStorageWriter(StorageWriter):
         metadata is in the manifests."""
 
     # the save ---------------------------------------------------------------------------------------------
-    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _write(self, plan: SavePlan, planner: SavePlanner, staged: _Staged | None) -> list[WriteResult]:
         assert self.step is not None
-        if self._ckpt is None:  # made here, not at set-up: a plan refused earlier leaves nothing to close
-            self._ckpt = Checkpointer(
-                self.run, self.config, celery_app=self._app, rank=self._rank, world_size=self._world
-            )
+        ckpt = self._checkpointer()  # made here, not at set-up: a plan refused earlier leaves nothing to close
         flat: dict[str, torch.Tensor] = {}
         records: list[dict[str, Any]] = []
         results: list[WriteResult] = []
@@ -293,18 +422,85 @@ class DCSStorageWriter(StorageWriter):
             )
         if len(records) > MAX_ITEMS:
             raise CheckpointError(f"{len(records)} items on one rank, more than {MAX_ITEMS}")
-        record = {"format": FORMAT, "items": records, "planner_data": _mappings(self._planner_data)}
+        planner_data = self._planner_data if staged is None else staged.mappings
+        record = {"format": FORMAT, "items": records, "planner_data": _mappings(planner_data)}
         metadata = {**self._metadata, DCP_KEY: record}
-        with _lock_of(self._ckpt):
-            try:
-                pending = self._ckpt.save(flat, self.step, metadata=metadata)
-            except StagingError as exc:
-                if isinstance(exc, UnstorableItem):
-                    raise
-                raise UnstorableItem(_named_key(str(exc), flat), str(exc)) from exc
+        with _lock_of(ckpt):
+            if staged is not None and staged.matches(flat):  # the copy made at the call commits, no second copy
+                pending = ckpt.commit_staged(staged.state, self.step, metadata=metadata)
+            else:
+                if staged is not None:  # the final plan is not what was staged: copy what it names, then give back
+                    flat = {key: value.clone() for key, value in flat.items()}
+                    staged.state.release()
+                try:
+                    pending = ckpt.save(flat, self.step, metadata=metadata)
+                except StagingError as exc:
+                    if isinstance(exc, UnstorableItem):
+                        raise
+                    raise UnstorableItem(_named_key(str(exc), flat), str(exc)) from exc
         limit = self.config.task.time_limit_seconds if self._timeout is None else self._timeout
         pending.wait(timeout=limit)
         return results
+
+
+def _items_of(flat_state: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, torch.Tensor], dict[str, bytes]]:
+    """(fqn -> DCS key, DCS key -> the tensor to stage, DCS key -> a byte item's serialised bytes) of a state
+    flattened as DCP flattens it; _NotStaged for what DCP's default stager is left to stage."""
+    sources: dict[str, torch.Tensor] = {}  # DCS key -> the tensor to copy
+    blobs: dict[str, bytes] = {}
+    keys: dict[str, str] = {}  # fqn -> DCS key
+    for fqn, obj in flat_state.items():
+        if isinstance(obj, ShardedTensor) or (hasattr(obj, "__create_write_items__") and not isinstance(obj, DTensor)):
+            raise _NotStaged(f"{fqn!r} is a {type(obj).__name__}")
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            raise _NotStaged(f"{fqn!r}: this rank holds no part of it")
+        items = _create_write_items(fqn, obj)
+        if len(items) != 1:
+            raise _NotStaged(f"{fqn!r} is {len(items)} write items")
+        item = items[0]
+        _check_item(item)
+        key = item_key(item.index, _is_whole(item))
+        if key in sources or key in blobs:
+            raise UnstorableItem(fqn, f"two items of this rank's state are both named {key!r}")
+        keys[fqn] = key
+        if item.type == WriteItemType.BYTE_IO:
+            raw = io.BytesIO()
+            torch.save(obj, raw)  # as DCP's planner serialises it (DefaultSavePlanner.transform_object)
+            blobs[key] = _resolved(item, raw).numpy().tobytes()
+        else:
+            sources[key] = (obj.to_local() if isinstance(obj, DTensor) else obj).detach()
+    return keys, sources, blobs
+
+
+def _check_item(item: WriteItem) -> None:
+    """UnstorableItem for a tensor item DCS cannot store (a dtype safetensors lacks, too many dimensions)."""
+    data = item.tensor_data
+    if data is None:
+        return
+    try:
+        checkpoint_code(data.properties.dtype, item.index.fqn)
+    except UnsupportedDtype as exc:
+        raise UnstorableItem(item.index.fqn, str(exc)) from exc
+    if len(data.size) > MAX_NDIM:
+        raise UnstorableItem(item.index.fqn, f"{len(data.size)} dimensions, more than {MAX_NDIM}")
+
+
+def _names_of(sources: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """DCS key -> the name its staged copy has: its own, or, for a tensor tied to an earlier one (the same view of
+    the same memory, staged once), that one's."""
+    names: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for key, t in sources.items():
+        ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        if key in views:
+            names[key] = key
+            if ident is not None:
+                first.setdefault(ident, key)
+        elif ident is not None and ident in first:
+            names[key] = first[ident]
+        else:
+            raise CheckpointError(f"{key!r} was not staged")
+    return names
 
 
 def _resolved(item: WriteItem, data: Any) -> torch.Tensor:

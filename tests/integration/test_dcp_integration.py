@@ -16,6 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
@@ -124,6 +126,92 @@ def test_async_save_returns_before_the_step_is_durable_and_its_future_after(
     into = app_state(*model_and_optimizer(3))
     dcp.load(into, storage_reader=DCSStorageReader("dcp", step=1, config=config))
     assert_states_equal(saved["model"], into["model"])
+
+
+def snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [snapshot(v) for v in value]
+    return value
+
+
+def mutate(state: dict[str, Any]) -> None:
+    """What a trainer does right after `async_save` returns: every tensor changed in place, plain values too."""
+    for value in state["model"].values():
+        value.add_(1.0)
+    for moments in state["optim"]["state"].values():
+        for value in moments.values():
+            if isinstance(value, torch.Tensor):
+                value.mul_(-3.0)
+    state["optim"]["param_groups"][0]["lr"] = 123.0
+    state["extra"]["epoch"] = 99
+
+
+def in_staging(ckpt: Checkpointer, t: torch.Tensor) -> bool:
+    for buf in ckpt.staging_buffers:
+        if buf.view is not None and buf.view.data_ptr() <= t.data_ptr() < buf.view.data_ptr() + buf.capacity:
+            return True
+    return False
+
+
+def test_async_save_stages_into_dcs_staging_and_commits_the_state_at_the_call(
+    config: DCSConfig, ckpt: Checkpointer
+) -> None:
+    model, optimizer = model_and_optimizer(8)
+    state = app_state(model, optimizer)
+    at_call = snapshot(state)
+    writer = DCSStorageWriter(ckpt, step=11)
+    future = dcp.async_save(state, storage_writer=writer)  # DCP stages through the writer (its AsyncStager)
+    mutate(state)
+    future.result(timeout=120)
+
+    into = app_state(*model_and_optimizer(9))
+    dcp.load(into, storage_reader=DCSStorageReader("dcp", step=11, config=config))
+    assert_states_equal(at_call["model"], into["model"])
+    _model, fresh_opt = model_and_optimizer(10)
+    fresh_opt.load_state_dict(into["optim"])
+    assert_states_equal(at_call["optim"], fresh_opt.state_dict())
+    assert into["extra"] == {"epoch": 3, "note": "dcs"}
+    # the manifest keeps DCP's map of the nested state, not the flat staged one
+    manifest = json.loads((Path(config.checkpoint.dir) / "dcp" / "step-000000011" / "manifest.json").read_text())
+    assert ["model.0.weight", ["model", "0.weight"]] in manifest["metadata"]["dcp"]["planner_data"]
+
+    # what DCP's save path reads is DCS's staged copy (no copy of DCP's own): every tensor over a staging buffer
+    try:
+        staged = writer.stage(app_state(model, optimizer))
+        tensors = [v for v in staged.values() if isinstance(v, torch.Tensor)]
+        assert len(tensors) == 16 and all(in_staging(ckpt, t) for t in tensors)  # 4 weights, 4 x (2 moments, step)
+    finally:
+        writer.close()  # gives the staged copy back unsaved
+    ckpt.save({"w": torch.ones(2)}, 12).wait(timeout=60)
+
+
+class CloningPlanner(DefaultSavePlanner):
+    """A planner that hands the writer other tensors than the staged ones (as a planner transforming values does)."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        return object.clone()
+
+
+def test_async_save_whose_plan_is_not_what_was_staged_copies_it_and_gives_the_buffer_back(
+    config: DCSConfig, dcs_config: DCSConfig, tmp_path: Path, inline: Inline
+) -> None:
+    one_buffer = ckpt_config(dcs_config, tmp_path, staging_buffers=1)
+    with Checkpointer("cloned", one_buffer, celery_app=inline(one_buffer)) as ckpt:
+        for step in (1, 2):  # the second save needs the only buffer back
+            state = app_state(*model_and_optimizer(step))
+            at_call = snapshot(state)
+            future = dcp.async_save(state, storage_writer=DCSStorageWriter(ckpt, step=step), planner=CloningPlanner())
+            mutate(state)
+            future.result(timeout=120)
+            into = app_state(*model_and_optimizer(20))
+            dcp.load(into, storage_reader=DCSStorageReader("cloned", step=step, config=one_buffer))
+            assert_states_equal(at_call["model"], into["model"])
 
 
 def test_a_writer_given_a_run_name_makes_and_closes_its_own_checkpointer(config: DCSConfig, inline: Inline) -> None:
