@@ -93,13 +93,6 @@ def _checked(name: Any, tensor: Any, seen: Mapping[str, torch.Tensor]) -> str:
     return name
 
 
-def setting(config: DCSConfig, flat: str) -> Any:
-    """The setting named `flat` (`"comm_timeout_seconds"`), read by its flat name whether this DCS keeps settings
-    flat on the config or in areas (`config.value(flat)`)."""
-    read = getattr(config, "value", None)
-    return read(flat) if callable(read) else getattr(config, flat)
-
-
 class _Loop:
     """An event loop on a daemon thread: the DCS client's home, whatever thread or loop verl calls from."""
 
@@ -203,7 +196,7 @@ class DCSCheckpointEngine(CheckpointEngine):
         self.rollout_id = rollout_id
         if self.client is None:
             return
-        timeout = setting(self.config, "group_init_timeout_seconds") * 2 + 30
+        timeout = self.config.sync.group_init_timeout_seconds * 2 + 30
         self._run(self.client.init_process_groups_for_actor_fwd_ref(rollout_id), timeout)
 
     def finalize(self) -> None:
@@ -260,7 +253,7 @@ class DCSCheckpointEngine(CheckpointEngine):
         """Unregister from the coordinator and stop the engine's loop (verl has no call for it: call it at exit)."""
         if self.client is not None and self._loop is not None:
             try:
-                self._loop.call(self.client.stop(), setting(self.config, "request_timeout_seconds") * 3 + 10)
+                self._loop.call(self.client.stop(), self.config.coordinator.request_timeout_seconds * 3 + 10)
             finally:
                 self.client = None
         if self._loop is not None:
@@ -283,9 +276,7 @@ class DCSCheckpointEngine(CheckpointEngine):
         self._loop = self._loop or _Loop(f"dcs-verl-{self.role}")
         self._loop.call(
             client.start(),
-            setting(self.config, "request_timeout_seconds") * 3
-            + setting(self.config, "heartbeat_timeout_seconds")
-            + 30,
+            self.config.coordinator.request_timeout_seconds * 3 + self.config.heartbeat.timeout_seconds + 30,
         )
         self.client = client
 

@@ -51,7 +51,7 @@ def test_the_readme_trainer_resumes_where_its_last_committed_save_left_off(
 ) -> None:
     config = ckpt_config(dcs_config, tmp_path)
     for name in ("redis_url", "checkpoint_dir", "staging_dir", "node_name"):
-        monkeypatch.setenv(f"DCS_{name.upper()}", str(getattr(config, name)))
+        monkeypatch.setenv(f"DCS_{name.upper()}", str(config.value(name)))
     monkeypatch.setenv("DCS_ENABLE_METRICS", "false")
     worker = WorkerProcess(config, tmp_path / "worker.log").start()
     try:
