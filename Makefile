@@ -49,11 +49,11 @@ verl-lib: install
 	$(BIN)/python -m tests.verl_lib.install
 
 format: install
-	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples
-	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples
+	$(BIN)/ruff format dcs_tasks coordinator workers tests bench examples plugins
+	$(BIN)/ruff check --fix dcs_tasks coordinator workers tests bench examples plugins
 
 lint: install
-	$(BIN)/ruff check dcs_tasks coordinator workers tests bench examples
+	$(BIN)/ruff check dcs_tasks coordinator workers tests bench examples plugins
 
 typecheck: install
 	$(BIN)/mypy
