@@ -359,12 +359,13 @@ def test_a_restore_from_memory_lends_the_pages_and_they_keep_their_bytes_while_t
 
 
 def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the memory-tier files a restore hashes (`lend._check` of a lent file, or `read_scatter`, the
+    """Names of the memory-tier files a restore hashes (`lend._check` of a lent file, or `verified.read_scatter`, the
     hashed read into `into=`), recorded as it runs."""
-    from dcs_tasks.checkpoint.restore import lend, reader
+    from dcs_tasks.checkpoint.restore import lend
+    from dcs_tasks.checkpoint.store.reads import verified
 
     hashed: list[str] = []
-    check, scatter = lend._check, reader.read_scatter
+    check, scatter = lend._check, verified.read_scatter
 
     def counting(path: Path, entry: Any, mapping: Any) -> None:
         hashed.append(path.name)
@@ -375,7 +376,7 @@ def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         scatter(files, verify, progress)
 
     monkeypatch.setattr(lend, "_check", counting)
-    monkeypatch.setattr(reader, "read_scatter", reading)
+    monkeypatch.setattr(verified, "read_scatter", reading)
     return hashed
 
 

@@ -151,7 +151,7 @@ def test_verl_registry_returns_the_dcs_backend_built_on_verls_base_class() -> No
     assert verl.__version__ == VERL_VERSION
     import_external_libs("dcs_tasks.integrations.verl")  # what verl does with checkpoint_engine.custom_backend_module
     backend = CheckpointEngineRegistry.get("dcs")
-    from dcs_tasks.integrations.verl import DCSCheckpointEngine, setting
+    from dcs_tasks.integrations.verl import DCSCheckpointEngine
 
     assert backend is DCSCheckpointEngine and issubclass(backend, CheckpointEngine)
     assert not getattr(backend, "__abstractmethods__", None)  # verl's abstract methods are all implemented
@@ -159,7 +159,7 @@ def test_verl_registry_returns_the_dcs_backend_built_on_verls_base_class() -> No
     trainer0 = CheckpointEngineRegistry.new("dcs", is_master=True, bucket_size=1 << 20)  # as the trainer's rank 0
     trainer1 = CheckpointEngineRegistry.new("dcs", is_master=False, bucket_size=1 << 20)
     assert (rollout.role, trainer0.role, trainer1.role) == ("actor_fwd", "actor", None)
-    assert setting(rollout.config, "bucket_size_bytes") == 1 << 20
+    assert rollout.config.value("bucket_size_bytes") == 1 << 20
 
 
 def test_a_weight_dcs_cannot_send_is_named() -> None:
