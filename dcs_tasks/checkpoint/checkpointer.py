@@ -221,7 +221,21 @@ class Checkpointer:
                     sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         except StorageUnavailable as exc:  # storage down (asked whether the step exists): this save only is lost
             return self._failed_at_once(step, exc, started)
-        stall = time.perf_counter() - started
+        self._gauges.memory(self._pool.mapped_bytes())
+        return self._sent(step, time.perf_counter() - started, lease, sending, layout, in_memory, staged)
+
+    def _sent(
+        self,
+        step: int,
+        stall: float,
+        lease: BufferLease,
+        sending: Future[None],
+        layout: Layout,
+        in_memory: bool,
+        staged: threading.Event | None = None,
+    ) -> PendingCheckpoint:
+        """The handle of a save whose tasks went out (`save` and `commit_staged`): kept until it ends, its stall
+        recorded; in synchronous mode waited for, so it is durable and committed before the caller gets it."""
         pending = PendingCheckpoint(
             self._shard_run,
             step,
@@ -234,10 +248,9 @@ class Checkpointer:
             storage_dir=self._step_dir(step) if in_memory else None,
         )
         self._pending.append(pending)
-        self._gauges.memory(self._pool.mapped_bytes())
         self._gauges.pending(len(self._pending))
         record_stall(stall, layout.data_bytes)
-        if not self.config.checkpoint.async_io:  # synchronous mode: durable and committed before save() returns
+        if not self.config.checkpoint.async_io:
             pending.wait(timeout=self.config.task.visibility_timeout_seconds)
         return pending
 
@@ -358,23 +371,7 @@ class Checkpointer:
                 sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         except StorageUnavailable as exc:
             return self._failed_at_once(step, exc, started - staged.stall_seconds)
-        stall = staged.stall_seconds + time.perf_counter() - started
-        pending = PendingCheckpoint(
-            self._shard_run,
-            step,
-            ledger=self._ledger,
-            step_dir=self._memory_step_dir(step) if in_memory else self._step_dir(step),
-            stall_seconds=stall,
-            lease=lease,
-            dispatch=sending,
-            storage_dir=self._step_dir(step) if in_memory else None,
-        )
-        self._pending.append(pending)
-        self._gauges.pending(len(self._pending))
-        record_stall(stall, layout.data_bytes)
-        if not self.config.checkpoint.async_io:
-            pending.wait(timeout=self.config.task.visibility_timeout_seconds)
-        return pending
+        return self._sent(step, staged.stall_seconds + time.perf_counter() - started, lease, sending, layout, in_memory)
 
     def _tier_of(self, step: int, nbytes: int, durable: bool | None) -> tuple[bool, bool]:
         """(the step reaches storage, the step is committed in memory first)."""
