@@ -12,6 +12,7 @@ the run directory (a spy on `os.open`/`os.stat`/`os.lstat`); every allocation on
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -46,10 +47,17 @@ RUN, MULTI = "plain", "multi"
 SECRET_BYTES = 12347  # a size that would show up in a message that describes the outside file
 
 
+_PLAIN: dict[int, dict[str, Any]] = {}
+
+
 def plain_state(step: int) -> dict[str, Any]:
-    state = training_state(seed=step)
-    state["step"] = step
-    return state
+    """The state saved as `step` (a copy of the one computed first in this process: the golden files hold those
+    bits, and a state computed again after other tests ran in this process has differed from them in low bits)."""
+    if step not in _PLAIN:
+        state = training_state(seed=step)
+        state["step"] = step
+        _PLAIN[step] = state
+    return copy.deepcopy(_PLAIN[step])
 
 
 def rank_state(step: int, rank: int) -> dict[str, Any]:
