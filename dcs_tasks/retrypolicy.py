@@ -1,5 +1,5 @@
 """Which failures of a checkpoint task are retried, and after how long: the one policy of a `dcs worker`'s
-Celery tasks (workers/base.py) and of the in-process committer (`dcs_tasks.checkpoint.inline`).
+Celery tasks (workers/taskbase.py) and of the in-process committer (`dcs_tasks.checkpoint.inline`).
 
 OSError, ConnectionError, TimeoutError and redis connection/timeout errors (storage or Redis away for a while;
 S3 errors map to `StorageUnavailable`, an OSError) are retried with exponential backoff and equal jitter

@@ -33,10 +33,10 @@ from dcs_tasks.checkpoint.store.payloads import (
     RetentionRequest,
 )
 from dcs_tasks.checkpoint.telemetry import record_error
-from workers.base import DCSTask, parse_payload
 from workers.commit import commit
 from workers.persist import ledger, persist, remove_partial_step_at
 from workers.runtime import runtime
+from workers.taskbase import DCSTask, parse_payload
 
 log = logging.getLogger(__name__)
 

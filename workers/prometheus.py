@@ -30,7 +30,7 @@ from dcs_tasks.config import DCSConfig
 log = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 OWNED_ENV = "_DCS_OWN_PROMETHEUS_DIR"  # set beside ENV when the directory is the worker's own (made here)
-# error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.base.DCSTask
+# error types a worker records: checkpoint_* by the checkpoint tasks' give_up, task_* by workers.taskbase.DCSTask
 WORKER_ERROR_TYPES = ("checkpoint_persist", "checkpoint_commit", "checkpoint_replica", "task_retry", "task_failed")
 
 

@@ -6,7 +6,7 @@ engine has joined the rendezvous, so a host's worker needs concurrency >= engine
 pool suits these I/O-bound tasks). Payloads are JSON dicts validated by `dcs_tasks.sync.wire`; a malformed
 one fails with `InvalidTaskPayload`, at once and never retried.
 
-All three run on `DCSTask` (workers/base.py): late acks with a redelivery cap, and retries with backoff for
+All three run on `DCSTask` (workers/taskbase.py): late acks with a redelivery cap, and retries with backoff for
 connection errors. Redelivery is safe because each is idempotent (docs/reliability.md, "Weight-sync
 bootstrap tasks"): a bootstrap is keyed by its request id, so every delivery returns the same epoch, master
 port and join task ids; a join POSTs at most once per task id; a destroy of a DESTROYED group does nothing.
@@ -24,8 +24,8 @@ from dcs_tasks.celery_app import TaskName, node_queue
 from dcs_tasks.sync.group_bootstrap import abandon_bootstrap, bootstrap, bootstrap_ttl, join_once
 from dcs_tasks.sync.group_bootstrap import destroy_group as destroy_group_impl
 from dcs_tasks.sync.wire import BootstrapRequest, DestroyRequest, JoinRequest
-from workers.base import DCSTask, parse_payload
 from workers.runtime import runtime
+from workers.taskbase import DCSTask, parse_payload
 
 log = logging.getLogger(__name__)
 

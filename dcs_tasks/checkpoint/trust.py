@@ -13,7 +13,7 @@ and the in-process committer, `dcs_tasks.checkpoint.inline`):
   commit accept only the checkpoint root;
 - a staging file must be a direct child of the resolved `staging_dir` named like the run's staging
   buffers (`dcs-<namespace>-<run>-<pid>-<hex>-<i>.stage`), and is opened with O_NOFOLLOW as a regular file.
-Anything else raises `UntrustedPath` (never retried; see `workers.base`).
+Anything else raises `UntrustedPath` (never retried; see `workers.taskbase`).
 """
 
 from __future__ import annotations

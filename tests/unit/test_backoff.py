@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from dcs_tasks.backoff import backoff_delay
-from workers.base import backoff_seconds
+from workers.taskbase import backoff_seconds
 
 
 def test_no_jitter_doubles_from_base_up_to_the_cap() -> None:

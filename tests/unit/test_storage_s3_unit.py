@@ -12,7 +12,7 @@ from botocore import exceptions as bx
 from dcs_tasks.errors import StorageAccessDenied, StorageError, StorageFull, StorageNotFound, StorageUnavailable
 from dcs_tasks.storage.s3 import ObjectMissing, ViewReader, translate
 from dcs_tasks.storage_url import MAX_KEY_BYTES, check_key
-from workers.base import RETRYABLE
+from workers.taskbase import RETRYABLE
 
 
 def client_error(code: str, status: int, message: str = "", op: str = "PutObject") -> bx.ClientError:
