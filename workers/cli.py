@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not _preflight(config):
         return 1
     prepare_multiprocess_dir(config)  # before prometheus_client is imported (by the task modules)
-    from workers.app import make_worker_app
+    from workers.worker_app import make_worker_app
 
     app = make_worker_app(config)
     _restore_orphans(app, config)

@@ -28,7 +28,7 @@ PROBE = textwrap.dedent(
     import dcs_tasks, dcs_tasks.checkpoint, dcs_tasks.client, dcs_tasks.interop, dcs_tasks.cli.main
     from dcs_tasks import Checkpointer, CheckpointEngineClient
     from dcs_tasks.config import DCSConfig
-    from workers.app import make_worker_app
+    from workers.worker_app import make_worker_app
 
     make_worker_app(DCSConfig()).loader.import_default_modules()
     import workers.commit, workers.persist

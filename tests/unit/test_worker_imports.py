@@ -21,7 +21,7 @@ PROBE = textwrap.dedent(
 
     sys.meta_path.insert(0, NoTorch())
     from dcs_tasks.config import DCSConfig
-    from workers.app import make_worker_app
+    from workers.worker_app import make_worker_app
 
     app = make_worker_app(DCSConfig())
     app.loader.import_default_modules()
