@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.preloaded_script import run_script
 from tests.helpers.procs import REPO
 from tests.helpers.waiting import read_until
 from tests.integration.local_support import clean_env
@@ -73,8 +75,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def run_example(env: dict[str, str], script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(REPO / "examples" / script), *args]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT)
+    """`python examples/SCRIPT ARGS` as a user runs it, forked from the forkserver that already imported torch and
+    DCS (tests/helpers/preloaded_script.py): the same script, argv, environment and exit status, seconds sooner."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"example-{Path(script).stem}-"))
+    try:
+        done = run_script(REPO / "examples" / script, *args, workdir=workdir, env=env, timeout=EXAMPLE_TIMEOUT)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     return done
 
