@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.config import DCSConfig
 from tests.checkpoint_support import ckpt_config
+from tests.helpers.preloaded import PreloadedProcess
 from tests.helpers.procs import REPO, child_env
 from tests.helpers.waiting import wait_until
 
@@ -39,29 +39,30 @@ def losses_of(path: Path) -> dict[int, str]:
     return {line["step"]: line["loss"] for line in lines if "step" in line}
 
 
-def start_run(config: DCSConfig, tmp_path: Path, run: str, name: str, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "tests.integration.hf_trainer_run", run, str(tmp_path / f"{name}-out")]
-    command += [str(tmp_path / f"{name}.losses"), "40", *args]
-    log = (tmp_path / f"{name}.log").open("w")
+def start_run(config: DCSConfig, tmp_path: Path, run: str, name: str, *args: str) -> PreloadedProcess:
+    """`python -m tests.integration.hf_trainer_run ...`, forked from the forkserver that already imported torch and DCS
+    (tests/helpers/preloaded.py); its stdout goes to NAME.out, its stderr to NAME.log."""
+    arguments = [run, str(tmp_path / f"{name}-out"), str(tmp_path / f"{name}.losses"), "40", *args]
     env = child_env(config, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
-    )
+    out, log = tmp_path / f"{name}.out", tmp_path / f"{name}.log"
+    out.write_text("")
+    log.write_text("")
+    return PreloadedProcess("tests.integration.hf_trainer_run", arguments, out, env, REPO, log)
 
 
-def finish(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
+def finish(proc: PreloadedProcess, log: Path) -> dict[str, Any]:
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        proc.wait(RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        proc.kill()
         raise
+    out = proc.log.read_text()
     assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{log.read_text()[-4000:]}"
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 
-def paused(proc: subprocess.Popen[str], losses: Path) -> bool:
+def paused(proc: PreloadedProcess, losses: Path) -> bool:
     assert proc.poll() is None, f"the run exited {proc.returncode} before pausing"
     return losses.exists() and '"paused"' in losses.read_text()
 

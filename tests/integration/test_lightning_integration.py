@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointNotFound, StagingError
 from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint, write_marker
 from tests.checkpoint_support import ckpt_config
+from tests.helpers.preloaded import PreloadedProcess
 from tests.helpers.procs import REPO, WorkerProcess, child_env
 from tests.helpers.waiting import wait_until
 from tests.integration.lightning_run import TinyModule
@@ -47,28 +47,30 @@ def losses_of(path: Path) -> dict[int, str]:
     return {line["step"]: line["loss"] for line in lines if "step" in line}
 
 
-def start_run(config: DCSConfig, tmp_path: Path, run: str, name: str, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "tests.integration.lightning_run", run, str(tmp_path / f"{name}-ckpts")]
-    command += [str(tmp_path / f"{name}.losses"), "40", *args]
-    log = (tmp_path / f"{name}.log").open("w")
-    return subprocess.Popen(
-        command, env=child_env(config), cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
-    )
+def start_run(config: DCSConfig, tmp_path: Path, run: str, name: str, *args: str) -> PreloadedProcess:
+    """`python -m tests.integration.lightning_run ...`, forked from the forkserver that already imported torch and DCS
+    (tests/helpers/preloaded.py); its stdout goes to NAME.out, its stderr to NAME.log."""
+    arguments = [run, str(tmp_path / f"{name}-ckpts"), str(tmp_path / f"{name}.losses"), "40", *args]
+    env = child_env(config)
+    out, log = tmp_path / f"{name}.out", tmp_path / f"{name}.log"
+    out.write_text("")
+    log.write_text("")
+    return PreloadedProcess("tests.integration.lightning_run", arguments, out, env, REPO, log)
 
 
-def finish(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
+def finish(proc: PreloadedProcess, log: Path) -> dict[str, Any]:
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        proc.wait(RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        proc.kill()
         raise
+    out = proc.log.read_text()
     assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{log.read_text()[-4000:]}"
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 
-def paused(proc: subprocess.Popen[str], losses: Path) -> bool:
+def paused(proc: PreloadedProcess, losses: Path) -> bool:
     assert proc.poll() is None, f"the run exited {proc.returncode} before pausing"
     return losses.exists() and '"paused"' in losses.read_text()
 
