@@ -17,15 +17,27 @@ from tests.helpers.procs import DcsProcess
 
 
 class AttachProcess(DcsProcess):
-    """`dcs engine attach --coordinator-url C --engine-url E --rank N [extra...]`."""
+    """`dcs engine attach --coordinator-url C --engine-url E --rank N [extra...]`. `preloaded`: forked from the
+    forkserver that already imported DCS (tests/helpers/preloaded.py) instead of a fresh interpreter (about a
+    second of imports less per start on a loaded machine); the sidecar never re-execs itself."""
 
-    def __init__(self, config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> None:
+    def __init__(
+        self,
+        config: DCSConfig,
+        log_path: Path,
+        coordinator_url: str,
+        engine_url: str,
+        rank: int,
+        *,
+        preloaded: bool = False,
+    ) -> None:
         super().__init__(config, log_path)
         self.args = ["engine", "attach", "--coordinator-url", coordinator_url, "--engine-url", engine_url]
         self.args += ["--rank", str(rank)]
+        self.preloaded = preloaded
 
     def start(self, *extra: str, env: dict[str, str] | None = None) -> AttachProcess:
-        self.spawn(*self.args, *extra, extra_env=env)
+        self.spawn(*self.args, *extra, extra_env=env, preloaded=self.preloaded)
         return self
 
     def wait_exit(self, timeout: float) -> int:

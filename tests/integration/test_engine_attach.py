@@ -7,12 +7,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
+from tests.helpers.redis_server import RedisDB, RedisServer
 from tests.integration.engine_attach_support import (
     AttachProcess,
     HealthSwitchEngine,
@@ -25,23 +27,69 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "attach-test-token-5f1c"
 
 
-@pytest.fixture
-def config(dcs_config: DCSConfig) -> DCSConfig:
-    return dcs_config.model_copy(update={"auth_token": SecretStr(TOKEN)})
+@pytest.fixture(scope="module")
+def module_config(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DCSConfig]:
+    """The module's config, as `dcs_config` makes a test's (a database of its own on the shared redis-server,
+    short heartbeats), requiring TOKEN."""
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("attach")
+    yield DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+        auth_token=SecretStr(TOKEN),
+    )
+    database.flush()
 
 
-@pytest.fixture
-def coordinator(config: DCSConfig, tmp_path: Path) -> Iterator[CoordinatorProcess]:
-    proc = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
-    yield proc
+@pytest.fixture(scope="module")
+def module_coordinator(
+    module_config: DCSConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CoordinatorProcess]:
+    """One `dcs coordinator` for the tests of this module (none of them looks at the coordinator process)."""
+    proc = CoordinatorProcess(module_config, tmp_path_factory.mktemp("attach-coordinator") / "coordinator.log")
+    yield proc.start()
     proc.stop()
+
+
+@pytest.fixture
+def config(module_config: DCSConfig) -> DCSConfig:
+    return module_config
+
+
+def sidecar(config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> AttachProcess:
+    """`dcs engine attach`, forked from the preloaded forkserver (no interpreter start and imports per sidecar)."""
+    return AttachProcess(config, log_path, coordinator_url, engine_url, rank, preloaded=True)
+
+
+def live_nodes(url: str) -> dict[str, dict[str, object]]:
+    """Every live node `/topology` reports, by role."""
+    answer = httpx.get(f"{url}/topology", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    answer.raise_for_status()
+    return {role: nodes for role, nodes in answer.json()["nodes"].items() if nodes}
+
+
+@pytest.fixture
+def coordinator(module_coordinator: CoordinatorProcess) -> Iterator[CoordinatorProcess]:
+    """The module's coordinator, holding no live node when the test starts and none after it (every test stops
+    what it attached; a node killed without unregistering leaves when its heartbeat timeout runs out)."""
+    assert module_coordinator.proc is not None and module_coordinator.proc.poll() is None, module_coordinator.log_tail()
+    assert live_nodes(module_coordinator.url) == {}
+    yield module_coordinator
+    wait_for("no live node left", lambda: live_nodes(module_coordinator.url) == {}, timeout=30)
 
 
 def test_an_engine_that_never_answers_health_is_a_named_error(
     config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path
 ) -> None:
     engine_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, engine_url, rank=0)
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, engine_url, rank=0)
     code = attach.start("--wait-timeout", "1.5").wait_exit(timeout=30)
     log = attach.log_tail()
     assert code == 1, log
@@ -68,7 +116,7 @@ def _attached(coordinator: CoordinatorProcess, rank: int, port: int) -> Callable
 def test_attach_registers_heartbeats_and_unregisters_on_sigterm(
     config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
 ) -> None:
-    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=3).start()
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=3).start()
     try:
         wait_for("rollout_3 registered", _attached(coordinator, 3, receiver.port), timeout=30)
         node = rollout_nodes(coordinator.url, TOKEN)[3]
@@ -90,7 +138,7 @@ def test_attach_registers_heartbeats_and_unregisters_on_sigterm(
 def test_a_dead_engine_leaves_the_topology_and_is_registered_again_when_back(
     config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
 ) -> None:
-    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0).start()
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0).start()
     try:
         wait_for("rollout_0 registered", _attached(coordinator, 0, receiver.port), timeout=30)
         receiver.kill()
@@ -115,14 +163,17 @@ def test_an_engine_back_before_down_after_is_registered_anew_with_a_new_instance
     """An engine restarted at its address within --down-after (a supervisor's restart) is a new process that
     knows no update group: the sidecar registers it anew with a new `instance` token as soon as it answers,
     so that trainers rebuild their group for it instead of failing their next update."""
-    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0).start()
+    # --down-after far longer than a restart takes on a loaded machine (with the default, the heartbeat timeout,
+    # a restart slower than 2 s got the engine unregistered, and the test failed)
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
+    attach.start("--down-after", "120")
     try:
         wait_for("rollout_0 registered", _attached(coordinator, 0, receiver.port), timeout=30)
         first = rollout_nodes(coordinator.url, TOKEN)[0].metadata["instance"]
         assert isinstance(first, str) and len(first) == 32
         receiver.kill()
         wait_for("a probe unanswered", lambda: "heartbeats paused" in attach.log_tail(100_000), 30, 0.05)
-        receiver.start()  # same port, long before --down-after (the heartbeat timeout) runs out
+        receiver.start()  # same port, long before --down-after runs out
         wait_for(
             "rollout_0 registered with a new instance",
             lambda: (
@@ -144,7 +195,7 @@ def test_an_engine_back_before_down_after_is_registered_anew_with_a_new_instance
 def test_a_wrong_engine_api_key_is_a_named_error(
     config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
 ) -> None:
-    attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
     code = attach.start(env={"DCS_ENGINE_API_KEY": "not-the-engine-key"}).wait_exit(timeout=30)
     log = attach.log_tail()
     assert code == 1, log
@@ -157,7 +208,7 @@ def test_a_wrong_coordinator_token_is_a_named_error(
     config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
 ) -> None:
     wrong = config.model_copy(update={"auth_token": SecretStr("not-the-coordinator-token")})
-    attach = AttachProcess(wrong, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
+    attach = sidecar(wrong, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
     code = attach.start(env={"DCS_ENGINE_API_KEY": TOKEN}).wait_exit(timeout=30)
     log = attach.log_tail()
     assert code == 1, log
@@ -171,7 +222,7 @@ def test_an_engine_answering_503_keeps_its_heartbeats_until_unhealthy_after(
 ) -> None:
     server_info = {"version": "0.5.23", "tp_size": 1, "dp_size": 1, "pp_size": 1}
     with HealthSwitchEngine(server_info) as engine:
-        attach = AttachProcess(config, tmp_path / "attach.log", coordinator.url, engine.url, rank=0)
+        attach = sidecar(config, tmp_path / "attach.log", coordinator.url, engine.url, rank=0)
         attach.start("--unhealthy-after", "5")
         try:
             wait_for("rollout_0 registered", _attached(coordinator, 0, engine.port), timeout=30)
@@ -193,8 +244,8 @@ def test_a_sidecar_whose_rank_a_live_engine_holds_is_refused_and_takes_nothing(
     (issue 20, finding 11; it used to take it, and the first sidecar then stopped), so the second sidecar
     stops with RankConflict and the first keeps its rank and its beats."""
     other = ReceiverEngine(config, tmp_path / "other.log", coordinator.url, self_role="engine-other").start()
-    first = AttachProcess(config, tmp_path / "first.log", coordinator.url, receiver.url, rank=0).start()
-    second = AttachProcess(config, tmp_path / "second.log", coordinator.url, other.url, rank=0)
+    first = sidecar(config, tmp_path / "first.log", coordinator.url, receiver.url, rank=0).start()
+    second = sidecar(config, tmp_path / "second.log", coordinator.url, other.url, rank=0)
     try:
         wait_for("rollout_0 is the first engine", _attached(coordinator, 0, receiver.port), timeout=30)
         second.start()
@@ -203,16 +254,17 @@ def test_a_sidecar_whose_rank_a_live_engine_holds_is_refused_and_takes_nothing(
         time.sleep(2 * config.heartbeat.timeout_seconds)  # the first one keeps beating
         assert first.running() and rollout_nodes(coordinator.url, TOKEN)[0].port == receiver.port
     finally:
-        first.kill()
+        first.stop()
         second.stop()
         other.stop()
 
 
-def test_the_sidecar_waits_for_a_coordinator_that_is_not_up_yet(config: DCSConfig, tmp_path: Path) -> None:
+def test_the_sidecar_waits_for_a_coordinator_that_is_not_up_yet(dcs_config: DCSConfig, tmp_path: Path) -> None:
+    config = dcs_config.model_copy(update={"auth_token": SecretStr(TOKEN)})  # a database of its own
     server_info = {"version": "0.5.23", "tp_size": 1, "dp_size": 1, "pp_size": 1}
     late = CoordinatorProcess(config, tmp_path / "coordinator.log")  # port chosen, nothing listens yet
     with HealthSwitchEngine(server_info) as engine:
-        attach = AttachProcess(config, tmp_path / "attach.log", late.url, engine.url, rank=2).start()
+        attach = sidecar(config, tmp_path / "attach.log", late.url, engine.url, rank=2).start()
         try:
             time.sleep(2.0)
             assert attach.running()
