@@ -19,7 +19,7 @@ from dcs_tasks.sync.engine_protocol import engine_info
 from dcs_tasks.sync.wire import EngineEndpoint
 from tests.helpers.procs import CoordinatorProcess
 from tests.integration.engine_attach_support import AttachProcess, HealthSwitchEngine, rollout_nodes, wait_for
-from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed
+from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, warm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "attach-sglang-token-2b9e"
@@ -28,6 +28,11 @@ TOKEN = "attach-sglang-token-2b9e"
 def _need(version: str) -> None:
     if not installed(version):
         pytest.skip(f"SGLang {version} is not installed under .sglang/ (make sglang-engines)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zygotes() -> None:
+    warm(NEW, OLD)  # both versions' imports start at once (tests/sglang_engine/zygote.py)
 
 
 @pytest.fixture

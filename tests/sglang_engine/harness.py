@@ -5,7 +5,9 @@
     engine.weights("model.embed_tokens.weight")  # bit-exact, through SGLang's /get_weights_by_name
     engine.stop()
 
-The versions are installed by `make sglang-engines` (tests.sglang_engine.install) under .sglang/.
+The versions are installed by `make sglang-engines` (tests.sglang_engine.install) under .sglang/. Engines and
+reference trainers are forked from a per-version zygote that imported SGLang once per pytest process
+(tests/sglang_engine/zygote.py); `warm(*versions)` starts those imports ahead of the first engine.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 from tests.helpers.ports import free_port
 from tests.sglang_engine.install import VERSIONS
 from tests.sglang_engine.tiny_model import SHAPES
+from tests.sglang_engine.zygote import Zygote, ZygoteProcess, zygote
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_ROOT = REPO / ".sglang"
@@ -44,8 +46,28 @@ def installed(version: str) -> bool:
     return (sglang_dir(version) / ".installed").exists() and (SGLANG_ROOT / "deps" / ".installed").exists()
 
 
+def _environment() -> dict[str, str]:
+    """A harness process's environment: this one's without DCS and SGLang settings, with the repository
+    importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "SGLANG_"))}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _zygote(version: str) -> Zygote:
+    return zygote(sglang_dir(version), _environment())
+
+
+def warm(*versions: str) -> None:
+    """Start the zygotes of the installed `versions` now (their imports run while the caller goes on)."""
+    for version in versions:
+        if installed(version):
+            _zygote(version)
+
+
 class SGLangEngine:
-    """`python -m tests.sglang_engine.serve` in its own session on a free port, logging to `log_path`."""
+    """`python -m tests.sglang_engine.serve` in its own session on a free port, logging to `log_path` (forked
+    from the version's zygote: the same process, without paying SGLang's imports again)."""
 
     def __init__(
         self,
@@ -64,7 +86,7 @@ class SGLangEngine:
         self.version, self.log_path, self.tp, self.api_key = version, log_path, tp, api_key
         self.sglang_args, self.env = sglang_args, env or {}
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ZygoteProcess | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
 
@@ -79,19 +101,16 @@ class SGLangEngine:
             timeout = float(os.environ.get("DCS_TEST_SGLANG_START_SECONDS", "240"))
         if not installed(self.version):
             raise RuntimeError(f"SGLang {self.version} is not installed under {SGLANG_ROOT}: run `make sglang-engines`")
-        cmd = [sys.executable, "-m", "tests.sglang_engine.serve", "--sglang-dir", str(sglang_dir(self.version))]
-        cmd += ["--port", str(self.port), "--tp", str(self.tp), "--work-dir", str(self.log_path.parent)]
+        args = ["--sglang-dir", str(sglang_dir(self.version))]
+        args += ["--port", str(self.port), "--tp", str(self.tp), "--work-dir", str(self.log_path.parent)]
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            args += ["--api-key", self.api_key]
         if self.sglang_args:
-            cmd += ["--", *self.sglang_args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "SGLANG_"))}
-        env.update(self.env, PYTHONPATH=str(REPO))
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-            )
-        self.wait_healthy(timeout)
+            args += ["--", *self.sglang_args]
+        env = _environment() | self.env
+        started = time.monotonic()
+        self.proc = _zygote(self.version).spawn("tests.sglang_engine.serve", args, env, self.log_path, timeout)
+        self.wait_healthy(timeout - (time.monotonic() - started))
         return self
 
     def wait_healthy(self, timeout: float) -> None:
@@ -107,7 +126,7 @@ class SGLangEngine:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.05)
         raise TimeoutError(f"SGLang {self.version} not healthy after {timeout}s: {self.log_tail()}")
 
     def alive(self) -> bool:
@@ -120,8 +139,11 @@ class SGLangEngine:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        except ProcessLookupError:  # not yet its own session (just forked) or gone
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(10)
         self.proc = None
 
@@ -138,7 +160,7 @@ class SGLangEngine:
         while time.monotonic() < deadline:
             if text in self.log_tail(200_000):
                 return True
-            time.sleep(0.2)
+            time.sleep(0.05)
         return False
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
@@ -181,13 +203,26 @@ def run_trainer(
         **spec,
     }
     (workdir / "spec.json").write_text(json.dumps(full))
-    cmd = [sys.executable, "-m", "tests.sglang_engine.trainer", str(workdir / "spec.json")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    if done.returncode == 3 and any("die_after" in u for u in updates):
+    handle, name = tempfile.mkstemp(prefix="trainer-", suffix=".out", dir=workdir)
+    os.close(handle)
+    out, err = Path(name), Path(name).with_suffix(".err")
+    trainer = _zygote(engines[0].version)
+    proc = trainer.spawn("tests.sglang_engine.trainer", [str(workdir / "spec.json")], _environment(), out, 240, err)
+    try:
+        code = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+    if code == 3 and any("die_after" in u for u in updates):
         return {"died": True}
-    if done.returncode != 0:
-        raise RuntimeError(f"trainer failed: {done.stderr[-3000:]}\nengine: {engines[0].log_tail()}")
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    stderr = err.read_text(errors="replace") if err.exists() else ""
+    if code != 0:
+        raise RuntimeError(f"trainer failed ({code}): {stderr[-3000:]}\nengine: {engines[0].log_tail()}")
+    return json.loads(out.read_text().strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @pytest.fixture

@@ -85,15 +85,40 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["SGLANG_HARNESS_PATH"] = os.pathsep.join(sglang_path(args.sglang_dir))
     # SGLang's knob: /health answers 200 without running a generation (the harness cannot generate).
     os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+    # SGLang's crash diagnostics (py-spy of the scheduler processes, a CUDA coredump) have nothing to dump on a
+    # CPU-only harness; on, they would first sleep 5 s "to let GPU activity settle" before the server dies.
+    os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "false")
+    os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "false")
     _setup_imports()
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.server_args import prepare_server_args
 
     from tests.sglang_engine.scheduler import run_detokenizer, run_scheduler
 
+    _import_time_settings()
     server_args = prepare_server_args(sglang_argv(args, extra))
     _fork_subprocesses()
     launch_server(server_args, run_scheduler_process_func=run_scheduler, run_detokenizer_process_func=run_detokenizer)
+
+
+IMPORT_TIME_SETTINGS = {
+    "sglang.srt.entrypoints.http_server": {
+        "HEALTH_CHECK_TIMEOUT": "SGLANG_HEALTH_CHECK_TIMEOUT",
+        "WAIT_WEIGHTS_READY_TIMEOUT": "SGLANG_WAIT_WEIGHTS_READY_TIMEOUT",
+    },
+}
+"""Module constants SGLang sets from the environment when the module is imported (`int(os.getenv(...))`)."""
+
+
+def _import_time_settings() -> None:
+    """A server forked from the harness's zygote (tests/sglang_engine/zygote.py) has SGLang's modules imported
+    under the zygote's environment (no SGLANG_ variables): the constants SGLang reads at import are set again
+    from this process's environment where it names them, as a fresh import would have."""
+    for module_name, constants in IMPORT_TIME_SETTINGS.items():
+        module = sys.modules.get(module_name)
+        for constant, variable in constants.items():
+            if module is not None and hasattr(module, constant) and variable in os.environ:
+                setattr(module, constant, int(os.environ[variable]))
 
 
 def _fork_subprocesses() -> None:

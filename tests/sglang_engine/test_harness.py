@@ -12,11 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, run_trainer
+from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, run_trainer, warm
 from tests.sglang_engine.tiny_model import SHAPES, SHARDED, initial_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 KEY = "harness-key"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zygotes() -> None:
+    warm(OLD, NEW)  # both versions' imports start at once (tests/sglang_engine/zygote.py)
 
 
 def _engine(version: str, tp: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:

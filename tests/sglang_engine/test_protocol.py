@@ -13,12 +13,17 @@ import httpx
 import pytest
 import torch
 
-from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, run_trainer
+from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, run_trainer, warm
 from tests.sglang_engine.tiny_model import initial_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 KEY = "protocol-key"
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zygotes() -> None:
+    warm(NEW, OLD)  # both versions' imports start at once (tests/sglang_engine/zygote.py)
 
 
 def _engine(version: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
@@ -149,12 +154,13 @@ def test_dp_admin_key_and_health_with_sglang_defaults(sglang_engine: Callable[..
     """0.5.23 with --dp-size 2, --api-key K --admin-api-key A and SGLang's default /health (a generation):
     weight routes take only A, other routes only K; data parallelism is an AssertionError (500); /health
     answers 200 once the scheduler answers its probe, but while paused the probe is never sent (the tokenizer
-    holds generations until /continue_generation) and /health answers 503 after 20 s."""
+    holds generations until /continue_generation) and /health answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT
+    (SGLang's default 20 s; 5 s here, so that the 503 comes sooner: the probe's answer takes milliseconds)."""
     engine = sglang_engine(
         NEW,
         api_key=KEY,
         sglang_args=("--dp-size", "2", "--admin-api-key", "admin-key"),
-        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true"},
+        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true", "SGLANG_HEALTH_CHECK_TIMEOUT": "5"},
     )
     admin = {"Authorization": "Bearer admin-key"}
     init = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, backend="gloo")
