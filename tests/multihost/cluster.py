@@ -35,6 +35,9 @@ from dcs_tasks.keys import Keys
 from tests.helpers.procs import REPO, child_env
 from tests.multihost.hosts import HostNetwork, HostProcess, SimulatedHost
 
+TRAINER = "tests.multihost.trainer"  # python modules the hosts run, forked with torch and DCS imported (inhost.py)
+SYNC_TRAINER = "tests.multihost.sync_trainer"
+
 
 class HostRedis:
     """redis-server on a host of its own (so a sweep after a killed session ends it too), on that host's
@@ -183,18 +186,27 @@ class Cluster:
 
     def start_worker(self, host: SimulatedHost, timeout: float = 60.0, **env: str) -> HostProcess:
         """`dcs worker` inside `host`; returns once its node queue's presence key is in Redis."""
+        worker = self.spawn_worker(host, **env)
+        self.wait_worker(worker, timeout)
+        return worker
+
+    def spawn_worker(self, host: SimulatedHost, **env: str) -> HostProcess:
+        """`dcs worker` inside `host`, not waited for: the test starts what else it needs while the worker comes
+        up (a few seconds), then `wait_worker`."""
         dcs = Path(sys.executable).with_name("dcs")
         argv = [str(dcs), "worker", "--concurrency=2", "--loglevel=INFO"]
-        worker = host.spawn(argv, self.env(**env), self.workdir / f"worker-{host.name}.log", REPO)
-        key = self.keys.worker_presence(node_queue(host.name))
+        return host.spawn(argv, self.env(**env), self.workdir / f"worker-{host.name}.log", REPO)
+
+    def wait_worker(self, worker: HostProcess, timeout: float = 60.0) -> None:
+        """Until the node queue of `worker`'s host has its presence key in Redis (the worker serves it)."""
+        key = self.keys.worker_presence(node_queue(worker.host.name))
         client = self.redis.client()
         deadline = time.monotonic() + timeout
         while not client.exists(key):
             if not worker.alive() or time.monotonic() > deadline:
                 worker.kill()
-                raise RuntimeError(f"worker on {host.name} not ready; log: {worker.log_text()[-3000:]}")
-            time.sleep(0.1)
-        return worker
+                raise RuntimeError(f"worker on {worker.host.name} not ready; log: {worker.log_text()[-3000:]}")
+            time.sleep(0.05)
 
     def start_coordinator(self, host: SimulatedHost, port: int = 8000, timeout: float = 60.0) -> str:
         """`dcs coordinator` inside `host`, bound to the host's address; returns its URL once it listens."""
@@ -217,9 +229,9 @@ class Cluster:
     ) -> str:
         """`dcs receiver --coordinator-url URL --rank N --port P [args]` inside `host`, every address left at its
         default; returns its URL (the host's address) once it answers /health (it registers before serving)."""
-        dcs = Path(sys.executable).with_name("dcs")
-        argv = [str(dcs), "receiver", "--coordinator-url", coordinator_url, "--rank", str(rank), "--port", str(port)]
-        process = host.spawn([*argv, *args], self.env(**env), self.workdir / f"receiver-{host.name}.log", REPO)
+        argv = ["receiver", "--coordinator-url", coordinator_url, "--rank", str(rank), "--port", str(port), *args]
+        log = self.workdir / f"receiver-{host.name}.log"
+        process = host.spawn_python("dcs_tasks.cli.main", argv, self.env(**env), log, REPO)
         url = f"http://{host.address}:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -235,9 +247,9 @@ class Cluster:
 
     def start_sync_trainer(self, host: SimulatedHost, coordinator_url: str, *args: str, **env: str) -> TrainerRank:
         """A weight-sync trainer (`python -m tests.multihost.sync_trainer URL [args]`) inside `host`."""
-        argv = [sys.executable, "-m", "tests.multihost.sync_trainer", coordinator_url, *args]
         log = self.workdir / f"sync-trainer-{host.name}.log"
-        trainer = TrainerRank(host.spawn(argv, self.env(**env), log, REPO, pipes=True), 0)
+        argv = [coordinator_url, *args]
+        trainer = TrainerRank(host.spawn_python(SYNC_TRAINER, argv, self.env(**env), log, REPO, pipes=True), 0)
         first = trainer.answer(90)
         if not first.get("ready"):
             raise RuntimeError(f"sync trainer on {host.name} did not start: {first}")
@@ -247,9 +259,9 @@ class Cluster:
         """Trainer ranks of one job, `(host, rank)` each, started together; returns once all are ready."""
         trainers = []
         for host, rank in placement:
-            argv = [sys.executable, "-m", "tests.multihost.trainer", run, str(rank), str(world)]
+            argv = [run, str(rank), str(world)]
             log = self.workdir / f"trainer-{run}-{host.name}-{rank}-of-{world}.log"
-            trainers.append(TrainerRank(host.spawn(argv, self.env(), log, REPO, pipes=True), rank))
+            trainers.append(TrainerRank(host.spawn_python(TRAINER, argv, self.env(), log, REPO, pipes=True), rank))
         for trainer in trainers:
             first = trainer.answer(90)
             if not first.get("ready"):
@@ -258,9 +270,9 @@ class Cluster:
 
     def start_trainer(self, host: SimulatedHost, run: str, rank: int, world: int, **env: str) -> TrainerRank:
         """One trainer rank in `host` (`env`: extra variables, e.g. a wrong DCS_NODE_NAME)."""
-        argv = [sys.executable, "-m", "tests.multihost.trainer", run, str(rank), str(world)]
         log = self.workdir / f"trainer-{run}-{host.name}-{rank}-of-{world}.log"
-        trainer = TrainerRank(host.spawn(argv, self.env(**env), log, REPO, pipes=True), rank)
+        argv = [run, str(rank), str(world)]
+        trainer = TrainerRank(host.spawn_python(TRAINER, argv, self.env(**env), log, REPO, pipes=True), rank)
         first = trainer.answer(90)
         if not first.get("ready"):
             raise RuntimeError(f"trainer rank {rank} on {host.name} did not start: {first}")

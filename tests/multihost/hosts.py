@@ -7,7 +7,9 @@ Each `SimulatedHost` is a long-lived "host init" process (`sleep infinity`) star
 so the host has its own network namespace (one veth, `eth0`, cabled to the bridge), its own hostname and its
 own `/dev/shm`. Every other mount is the machine's, so all hosts see the checkpoint directory at the same path,
 as a cluster file system would. Processes are started inside a host by `nsenter`ing the init's namespaces,
-the way an operator would start them on that host (`dcs worker`, a trainer script).
+the way an operator would start them on that host (`dcs worker`); Python modules that import torch (a trainer
+script, `dcs receiver`) are forked from the preloaded forkserver and enter the same namespaces themselves
+(`spawn_python`, tests/multihost/inhost.py), so they skip torch's import and nothing else.
 
 The bridge gets the first address of a /24 under 10.213.0.0/16 that no interface of the machine uses yet;
 the hosts get .11, .12, ... The host namespaces have no default route, so their traffic never leaves the
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.process import pid_alive
+from tests.multihost.inhost import HostChild
 
 SUBNET = "10.213"
 LINK_PREFIX = "dmh"
@@ -92,7 +95,7 @@ def _free_subnet() -> str:
 class HostProcess:
     """A process started inside a simulated host (its own session, output to `log_path`)."""
 
-    def __init__(self, host: SimulatedHost, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, host: SimulatedHost, proc: subprocess.Popen[bytes] | HostChild, log_path: Path) -> None:
         self.host = host
         self.proc = proc
         self.log_path = log_path
@@ -193,6 +196,18 @@ class SimulatedHost:
                 stderr=log if pipes else subprocess.STDOUT,
                 start_new_session=True,
             )
+        process = HostProcess(self, proc, log_path)
+        self.processes.append(process)
+        return process
+
+    def spawn_python(
+        self, module: str, args: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path, *, pipes: bool = False
+    ) -> HostProcess:
+        """`python -m module args` inside this host, forked from the preloaded forkserver (tests/multihost/inhost.py:
+        torch and DCS already imported) instead of a fresh interpreter; otherwise as `spawn`: a new session, stderr
+        to `log_path`, stdout too or, with `pipes`, stdin and stdout driven by the test."""
+        assert self.init is not None
+        proc = HostChild(self.init.pid, module, list(args), env, cwd, log_path, pipes)
         process = HostProcess(self, proc, log_path)
         self.processes.append(process)
         return process

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
 WORLD = 4
 KiB = 1024
+CUT_WAIT = 3.0  # how long ha's ranks wait for step 20 while its link is cut (Redis socket timeout: 2 s)
 PERSIST = "dcs.ckpt.persist"
 COMMIT = "dcs.ckpt.commit"
 
@@ -59,13 +60,17 @@ def assert_restores(restorers: list[TrainerRank], step: int) -> None:
         assert answer == {"ok": True, "step": step, "digests": expected(step, rank, 2)}, answer
 
 
-def start_job(cluster: Cluster, run: str) -> tuple[list[TrainerRank], list[TrainerRank], list[TrainerRank]]:
-    """Host hb's `dcs worker` (the caller starts ha's, as the test needs it), two W=4 ranks on each of ha and
-    hb, and a W=2 job on hc (no worker) that restores. Returns ha's ranks, hb's ranks, hc's ranks."""
+def start_job(
+    cluster: Cluster, run: str, **a_env: str
+) -> tuple[list[TrainerRank], list[TrainerRank], list[TrainerRank]]:
+    """A `dcs worker` on each of ha (with `a_env`) and hb, two W=4 ranks on each of them, and a W=2 job on hc (no
+    worker) that restores; the ranks start while the workers come up. Returns ha's ranks, hb's ranks, hc's ranks."""
     a, b, c = (cluster.network.hosts[name] for name in ("ha", "hb", "hc"))
-    cluster.start_worker(b)
+    workers = [cluster.spawn_worker(a, **a_env), cluster.spawn_worker(b)]
     ranks = cluster.start_trainers(run, WORLD, [(a, 0), (a, 1), (b, 2), (b, 3)])
     restorers = cluster.start_trainers(run, 2, [(c, 0), (c, 1)])
+    for worker in workers:
+        cluster.wait_worker(worker)
     return ranks[:2], ranks[2:], restorers
 
 
@@ -87,7 +92,6 @@ def test_w4_step_on_two_hosts_commits_once_every_rank_is_durable_and_restores_at
     cluster: Cluster, events: TaskEvents
 ) -> None:
     a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
-    cluster.start_worker(a)
     ranks_a, ranks_b, restorers = start_job(cluster, "xh")
     names = ask_all(ranks_a + ranks_b, {"op": "whoami"})
     assert [n["node"] for n in names] == ["ha", "ha", "hb", "hb"] == [n["hostname"] for n in names]
@@ -118,8 +122,7 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
     cluster.add_host("hb")
     cluster.add_host("hc")
     # host a's worker writes 128 KiB/s: each rank's ~256 KiB file takes ~2 s, so the cut lands mid-write
-    cluster.start_worker(a, DCS_PERSIST_THROTTLE_BYTES_PER_SECOND=str(128 * KiB))
-    ranks_a, ranks_b, restorers = start_job(cluster, "cut")
+    ranks_a, ranks_b, restorers = start_job(cluster, "cut", DCS_PERSIST_THROTTLE_BYTES_PER_SECOND=str(128 * KiB))
     save_all(ranks_a + ranks_b, 10)
 
     save_all(ranks_b, 20)
@@ -129,7 +132,7 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
     wait_for(lambda: all(list(d.glob(".*.tmp")) for d in step_dirs if d.exists()) and all(map(Path.exists, step_dirs)))
     a.link_down()
     try:
-        for answer in ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": 8}, timeout=60):
+        for answer in ask_all(ranks_a, {"op": "wait", "step": 20, "timeout": CUT_WAIT}, timeout=60):
             assert not answer["ok"] and answer["error"].startswith("DCSTimeoutError"), answer
         # host a's bytes are written (shared storage), but its worker can neither confirm with the ledger that the
         # files are still open (a copy is renamed into place only then: workers/persist.py) nor record them: no
@@ -155,8 +158,9 @@ def test_cutting_a_trainer_hosts_link_mid_persist_keeps_the_previous_complete_st
 
 def test_a_trainer_whose_host_has_no_worker_fails_at_once(cluster: Cluster) -> None:
     a, c = cluster.add_host("ha"), cluster.add_host("hc")
-    cluster.start_worker(a)  # a worker in the cluster, none on host c
+    worker = cluster.spawn_worker(a)  # a worker in the cluster, none on host c
     trainer = cluster.start_trainer(c, "nowk", 0, 1)
+    cluster.wait_worker(worker)
     started = time.monotonic()
     answer = trainer.ask({"op": "save", "step": 1, "wait": None})
     assert time.monotonic() - started < 5
@@ -168,9 +172,10 @@ def test_a_trainer_whose_host_has_no_worker_fails_at_once(cluster: Cluster) -> N
 
 def test_a_worker_on_the_wrong_host_never_reads_another_hosts_staging(cluster: Cluster, events: TaskEvents) -> None:
     a, c = cluster.add_host("ha"), cluster.add_host("hc")
-    cluster.start_worker(a)
+    worker = cluster.spawn_worker(a)
     # a misconfigured trainer on host c that names host a's queue: it stages in c's /dev/shm
     trainer = cluster.start_trainer(c, "wrong", 0, 1, DCS_NODE_NAME="ha")
+    cluster.wait_worker(worker)
     started = time.monotonic()
     staged = trainer.ask({"op": "save", "step": 1, "wait": None})
     assert staged["ok"], staged

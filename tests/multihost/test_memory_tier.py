@@ -43,9 +43,10 @@ def places(cluster: Cluster, run: str) -> dict[tuple[int, int], set[str]]:
 @pytest.mark.slow
 def test_a_lost_hosts_rank_restores_from_a_peers_memory_on_a_third_host(cluster: Cluster) -> None:
     a, b, c = (cluster.add_host(name) for name in ("ha", "hb", "hc"))
-    cluster.start_worker(a, **tier_env(a))
-    cluster.start_worker(b, **tier_env(b))
+    workers = [cluster.spawn_worker(host, **tier_env(host)) for host in (a, b)]
     trainer = cluster.start_trainer(a, "lost", 0, 1, **tier_env(a))
+    for worker in workers:
+        cluster.wait_worker(worker)
 
     def save(step: int) -> None:
         answer = trainer.ask({"op": "save", "step": step, "wait": 60})

@@ -4,6 +4,7 @@ on others, gloo over the veths, every address at its default except the coordina
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,11 @@ import httpx
 import pytest
 
 from tests.multihost.cluster import Cluster, TrainerRank
-from tests.multihost.hosts import SimulatedHost
+from tests.multihost.hosts import HostProcess, SimulatedHost
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
-COMM_TIMEOUT = 8.0
+COMM_TIMEOUT = 4.0  # a 2 MiB bucket crosses a veth in milliseconds
 SYNC_ENV = {
     "DCS_COMM_TIMEOUT_SECONDS": str(COMM_TIMEOUT),
     "DCS_GROUP_INIT_TIMEOUT_SECONDS": "20",
@@ -34,20 +35,28 @@ def update(trainer: TrainerRank, seed: int, timeout: float = 90.0) -> dict[str, 
     return answer
 
 
-def actor_host(cluster: Cluster, name: str) -> tuple[SimulatedHost, str]:
-    """A host for the actor with its `dcs worker`, and the coordinator's URL (on the Redis host)."""
+def actor_host(cluster: Cluster, name: str) -> tuple[SimulatedHost, str, HostProcess]:
+    """A host for the actor with its `dcs worker` (still starting: `cluster.wait_worker` before the actor starts),
+    and the coordinator's URL (on the Redis host)."""
     host = cluster.add_host(name)
+    worker = cluster.spawn_worker(host, **SYNC_ENV)
     url = cluster.start_coordinator(cluster.redis.host)
-    cluster.start_worker(host, **SYNC_ENV)
-    return host, url
+    return host, url, worker
+
+
+def start_receivers(cluster: Cluster, url: str, hosts: list[SimulatedHost]) -> list[str]:
+    """`dcs receiver` rank i on hosts[i], started together; their URLs once each answers /health."""
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        started = [pool.submit(cluster.start_receiver, host, url, rank, **SYNC_ENV) for rank, host in enumerate(hosts)]
+        return [receiver.result() for receiver in started]
 
 
 @pytest.mark.slow
 def test_weights_cross_hosts_bit_exact_and_a_cut_receiver_fails_only_that_update(cluster: Cluster) -> None:
-    a, url = actor_host(cluster, "ta")
+    a, url, worker = actor_host(cluster, "ta")
     b, c = cluster.add_host("rb"), cluster.add_host("rc")
-    on_b = cluster.start_receiver(b, url, 0, **SYNC_ENV)
-    on_c = cluster.start_receiver(c, url, 1, **SYNC_ENV)
+    on_b, on_c = start_receivers(cluster, url, [b, c])
+    cluster.wait_worker(worker)
     trainer = cluster.start_sync_trainer(a, url, **SYNC_ENV)
 
     for seed in (1, 2):
@@ -87,12 +96,14 @@ def test_weights_cross_hosts_bit_exact_and_a_cut_receiver_fails_only_that_update
 
 
 def test_a_hostname_resolving_to_loopback_still_forms_the_group(cluster: Cluster, tmp_path: Path) -> None:
-    a, url = actor_host(cluster, "la")
-    b = cluster.add_host("lb")
+    a, b = cluster.add_host("la"), cluster.add_host("lb")
     for host in (a, b):  # the common Debian/Ubuntu line: the hostname resolves to 127.0.1.1
         host.use_hosts_file(f"127.0.0.1 localhost\n127.0.1.1 {host.name}\n", tmp_path)
         assert host.run(["getent", "hosts", host.name], cwd=tmp_path).stdout.split()[0] == "127.0.1.1"
+    worker = cluster.spawn_worker(a, **SYNC_ENV)
+    url = cluster.start_coordinator(cluster.redis.host)
     on_b = cluster.start_receiver(b, url, 0, **SYNC_ENV)
+    cluster.wait_worker(worker)
     trainer = cluster.start_sync_trainer(a, url, **SYNC_ENV)
     sent = update(trainer, 7)
     assert digest(on_b) == {"weight_version": 1, "tensors": sent["digest"]}
