@@ -5,8 +5,6 @@ group with the receiver and broadcasts real updates (SGLang's per-tensor wire fo
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +24,11 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.sync.receiver.cli import INIT_WAIT_SECONDS
 from dcs_tasks.sync.receiving import tensor_sha256
-from tests.distributed.sync_stack import ReceiverProcess, auth_headers, sync_stack
+from tests.distributed.sync_stack import ReceiverProcess, alive_ranks, auth_headers, sync_stack, wait_registered
 from tests.helpers.ports import free_port
+from tests.helpers.preloaded import run_module
 from tests.helpers.procs import REPO, CoordinatorProcess, child_env
+from tests.helpers.redis_server import RedisDB, RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -108,13 +108,49 @@ def digest_of(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_sha256(t) for name, t in tensors.items()}
 
 
+@dataclass(frozen=True)
+class Served:
+    """The module's coordinator (requiring TOKEN) and the config it was started from."""
+
+    config: DCSConfig
+    coordinator: CoordinatorProcess
+
+
+@pytest.fixture(scope="module")
+def served(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    """One `dcs coordinator` for the receiver_stack tests, on a config as `dcs_config` makes a test's (a database
+    of its own on the shared redis-server, short heartbeats) requiring TOKEN. The receivers' settings under test
+    are theirs, not the coordinator's: each test starts a receiver of its own (`receiver_stack`)."""
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("receiver-security")
+    config = DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+        auth_token=SecretStr(TOKEN),
+    )
+    coordinator = CoordinatorProcess(config, tmp / "coordinator.log").start()
+    try:
+        yield Served(config, coordinator)
+    finally:
+        coordinator.stop()
+        database.flush()
+
+
 @contextmanager
-def receiver_stack(dcs_config: DCSConfig, tmp_path: Path, **settings: Any) -> Iterator[Trainer]:
-    """A coordinator and one `dcs receiver`, both requiring TOKEN, and a trainer backend in this process."""
-    update = {"auth_token": SecretStr(TOKEN), "group_init_timeout_seconds": INIT_TIMEOUT, "comm_timeout_seconds": 20.0}
-    config = dcs_config.model_copy(update=update | settings)
-    coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
-    config = config.model_copy(update={"coordinator_url": coordinator.url})
+def receiver_stack(served: Served, tmp_path: Path, **settings: Any) -> Iterator[Trainer]:
+    """The module's coordinator and a new `dcs receiver`, both requiring TOKEN, and a trainer backend in this
+    process; the receiver is rank 0 of rollout, which no live node holds before or after."""
+    coordinator = served.coordinator
+    update = {"group_init_timeout_seconds": INIT_TIMEOUT, "comm_timeout_seconds": 20.0}
+    config = served.config.model_copy(update=update | settings | {"coordinator_url": coordinator.url})
+    assert alive_ranks(coordinator.url, "rollout", TOKEN) == set()
     receiver = ReceiverProcess(config, coordinator.url, 0, tmp_path / "receiver.log")
     backend = DeviceDirectBackend(timeout_seconds=20, group_init_timeout_seconds=20)
     try:
@@ -124,7 +160,8 @@ def receiver_stack(dcs_config: DCSConfig, tmp_path: Path, **settings: Any) -> It
     finally:
         backend.close()
         receiver.stop()
-        coordinator.stop()
+        # gone at once when it unregistered; a receiver killed instead leaves after its heartbeat timeout
+        wait_registered(coordinator.url, "rollout", 0, 30, alive=False, token=TOKEN)
 
 
 def dead_address() -> tuple[str, int]:
@@ -132,8 +169,8 @@ def dead_address() -> tuple[str, int]:
     return "127.0.0.1", free_port()
 
 
-def test_unauthenticated_calls_are_refused_and_change_nothing(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path) as trainer:
+def test_unauthenticated_calls_are_refused_and_change_nothing(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path) as trainer:
         trainer.join("g1")
         v1 = {"w": torch.randn(4, 3), "b": torch.arange(5)}
         assert trainer.push("g1", 1, v1).status_code == 200
@@ -162,8 +199,8 @@ def test_unauthenticated_calls_are_refused_and_change_nothing(dcs_config: DCSCon
         assert trainer.digest() == (2, digest_of(hostile))
 
 
-def test_failed_init_keeps_the_current_group(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path) as trainer:
+def test_failed_init_keeps_the_current_group(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path) as trainer:
         trainer.join("g1")
         v1 = {"w": torch.randn(8)}
         assert trainer.push("g1", 1, v1).status_code == 200
@@ -183,8 +220,8 @@ def test_failed_init_keeps_the_current_group(dcs_config: DCSConfig, tmp_path: Pa
         assert trainer.digest() == (2, digest_of(v2))
 
 
-def test_parallel_dead_inits_neither_stall_reads_nor_each_other(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path) as trainer:
+def test_parallel_dead_inits_neither_stall_reads_nor_each_other(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path) as trainer:
         trainer.join("g1")
         v1 = {"w": torch.randn(16)}
         assert trainer.push("g1", 1, v1).status_code == 200
@@ -224,8 +261,8 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_impossible_updates_are_refused_before_allocating(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path, receiver_max_update_bytes=1024 * 1024) as trainer:
+def test_impossible_updates_are_refused_before_allocating(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path, receiver_max_update_bytes=1024 * 1024) as trainer:
         trainer.join("g1")
         assert trainer.receiver.proc is not None
         rss_before = rss_bytes(trainer.receiver.proc.pid)
@@ -276,8 +313,8 @@ def closed_within(sock: socket.socket, seconds: float, trickle: bytes | None) ->
     return False
 
 
-def test_slow_and_silent_clients_are_disconnected(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path, receiver_request_read_timeout_seconds=1.0) as trainer:
+def test_slow_and_silent_clients_are_disconnected(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path, receiver_request_read_timeout_seconds=1.0) as trainer:
         address = ("127.0.0.1", trainer.receiver.port)
         with socket.create_connection(address) as slow:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -323,20 +360,15 @@ async def test_trainer_pushes_through_the_whole_stack_with_a_token(dcs_config: D
 
 def test_a_wildcard_bind_needs_an_advertised_address(dcs_config: DCSConfig, tmp_path: Path) -> None:
     args = ("--coordinator-url", "http://127.0.0.1:9", "--rank", "0", "--host", "0.0.0.0")
-    done = subprocess.run(
-        [sys.executable, "-m", "dcs_tasks.cli.main", "receiver", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=child_env(dcs_config),
-        cwd=REPO,
+    # `dcs receiver` forked from the preloaded forkserver: no interpreter start and torch import of its own
+    done = run_module(
+        "dcs_tasks.cli.main", "receiver", *args, workdir=tmp_path, env=child_env(dcs_config), cwd=REPO, timeout=60
     )
     assert done.returncode == 2 and "--advertise-host" in done.stderr
 
 
-def test_oversized_bodies_are_refused_unread(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    with receiver_stack(dcs_config, tmp_path, receiver_max_body_bytes=64 * 1024) as trainer:
+def test_oversized_bodies_are_refused_unread(served: Served, tmp_path: Path) -> None:
+    with receiver_stack(served, tmp_path, receiver_max_body_bytes=64 * 1024) as trainer:
         names = [f"layer.{i}.weight" for i in range(8000)]  # ~150 KiB of JSON
         body = {"names": names, "dtypes": ["float32"] * 8000, "shapes": [[1]] * 8000, "group_name": "g1"}
         refused = trainer.post("update_weights_from_distributed", body)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,8 @@ from dcs_tasks.sync.group_bootstrap import port_binds, release_port, reserve_por
 from dcs_tasks.sync.quantize import to_wire
 from dcs_tasks.sync.receiving import tensor_sha256
 from dcs_tasks.sync.wire import QuantizationConfig
-from tests.distributed.sync_stack import SyncStack, actor_client, sync_stack
+from tests.distributed.sync_stack import SyncStack, actor_client, alive_ranks, sync_stack
+from tests.helpers.redis_server import RedisDB, RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -50,6 +53,58 @@ def sync_config(dcs_config: DCSConfig) -> DCSConfig:
     )
 
 
+@pytest.fixture(scope="module")
+def served(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SyncStack]:
+    """The module's coordinator and worker (`sync_stack` without receivers) on a config as `dcs_config` makes a
+    test's (a database of its own on the shared redis-server, short heartbeats) with `sync_config`'s settings.
+    None of these tests looks at the coordinator or the worker: each starts receivers and a trainer of its own
+    (`module_stack`), and the trainers' groups get epochs of their own from the shared database."""
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("weight-sync")
+    base = DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+    )
+    try:
+        with sync_stack(sync_config(base), tmp) as stack:
+            yield stack
+    finally:
+        database.flush()
+
+
+def live_engines(stack: SyncStack) -> dict[str, set[int]]:
+    """The ranks of every engine role with a live node."""
+    roles = ("rollout", "rollout_b")
+    return {role: ranks for role in roles if (ranks := alive_ranks(stack.url, role, stack.config.token()))}
+
+
+@contextmanager
+def module_stack(served: SyncStack, tmp_path: Path, receivers: int = 0) -> Iterator[SyncStack]:
+    """The module's coordinator and worker with `receivers` new `dcs receiver`s (ranks 0..), stopped at the end;
+    no engine of an earlier test is alive before, none of this one after. (A stopped trainer's actor rank stays
+    held until its heartbeat timeout: the next test's trainer registers once it is free, as a restarted one does.)"""
+    stack = SyncStack(served.config, served.coordinator, served.worker, tmp_path)
+    assert live_engines(stack) == {}
+    try:
+        for rank in range(receivers):
+            stack.add_receiver(rank)
+        yield stack
+    finally:
+        for receiver in stack.receivers:
+            receiver.stop()
+        deadline = time.monotonic() + 30  # a receiver killed without unregistering leaves after its heartbeat timeout
+        while live := live_engines(stack):
+            assert time.monotonic() < deadline, f"still alive after the test: {live}"
+            time.sleep(0.1)
+
+
 def expected_digest(model: torch.nn.Module) -> dict[str, str]:
     return {name: tensor_sha256(t) for name, t in model.state_dict().items()}
 
@@ -61,9 +116,8 @@ def train_step(model: Tiny) -> None:
         model.steps += 1
 
 
-async def test_actor_pushes_bit_exact_weights_to_two_receivers(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=2) as stack:
+async def test_actor_pushes_bit_exact_weights_to_two_receivers(served: SyncStack, tmp_path: Path) -> None:
+    with module_stack(served, tmp_path, receivers=2) as stack:
         model = Tiny()
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
@@ -101,10 +155,9 @@ def counter(exposition: bytes | str, name: str) -> float:
 
 
 async def test_late_receiver_gets_the_full_current_weights_at_the_next_update(
-    dcs_config: DCSConfig, tmp_path: Path
+    served: SyncStack, tmp_path: Path
 ) -> None:
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=1) as stack:
+    with module_stack(served, tmp_path, receivers=1) as stack:
         model = Tiny()
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
@@ -126,9 +179,9 @@ async def test_late_receiver_gets_the_full_current_weights_at_the_next_update(
             await client.stop()
 
 
-async def test_two_groups_on_one_host_at_once_get_distinct_ports(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path) as stack:
+async def test_two_groups_on_one_host_at_once_get_distinct_ports(served: SyncStack, tmp_path: Path) -> None:
+    config = served.config
+    with module_stack(served, tmp_path) as stack:
         stack.add_receiver(0, role="rollout")
         stack.add_receiver(0, role="rollout_b")
         models = [Tiny(), Tiny()]
@@ -195,9 +248,8 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-async def test_quantized_update_sends_bf16_of_fp32_masters(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=1) as stack:
+async def test_quantized_update_sends_bf16_of_fp32_masters(served: SyncStack, tmp_path: Path) -> None:
+    with module_stack(served, tmp_path, receivers=1) as stack:
         model = Tiny()
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
@@ -218,11 +270,10 @@ async def test_quantized_update_sends_bf16_of_fp32_masters(dcs_config: DCSConfig
             await client.stop()
 
 
-async def test_dcs_receiver_answers_like_sglang_0_5_23_on_the_wire(dcs_config: DCSConfig, tmp_path: Path) -> None:
+async def test_dcs_receiver_answers_like_sglang_0_5_23_on_the_wire(served: SyncStack, tmp_path: Path) -> None:
     """Same routes, bodies, status codes and messages as SGLang 0.5.23 (sglang/srt/entrypoints/http_server.py and
     its scheduler's weight updater), and nothing DCS-private: no /get_weight_version, no store keys."""
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=1) as stack, httpx.Client(base_url=stack.receivers[0].url) as http:
+    with module_stack(served, tmp_path, receivers=1) as stack, httpx.Client(base_url=stack.receivers[0].url) as http:
         info = http.get("/server_info").json()
         assert (info["version"], info["tp_size"], info["dp_size"], info["pp_size"]) == ("0.5.23", 1, 1, 1)
         assert http.get("/get_server_info").json()["version"] == "0.5.23"
@@ -263,9 +314,8 @@ async def test_dcs_receiver_answers_like_sglang_0_5_23_on_the_wire(dcs_config: D
         assert "master_port" in answer["message"] and "Field required" in answer["message"]
 
 
-async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=1) as stack:
+async def test_a_restarted_trainer_keeps_weight_versions_rising(served: SyncStack, tmp_path: Path) -> None:
+    with module_stack(served, tmp_path, receivers=1) as stack:
         model = Tiny()
         for expected in (2, 3):  # the second client is the trainer after a restart
             client = CheckpointEngineClient(
@@ -285,14 +335,13 @@ async def test_a_restarted_trainer_keeps_weight_versions_rising(dcs_config: DCSC
 
 
 async def test_an_engine_restarted_at_its_address_gets_a_new_group_before_any_bucket(
-    dcs_config: DCSConfig, tmp_path: Path
+    served: SyncStack, tmp_path: Path
 ) -> None:
     """An engine restarted at the same rank, ip and port between two updates is a new process outside the
     formed group. Its new registration's `instance` token tells the trainer so: the next update rebuilds the
     group and lands whole on both engines, instead of failing (and leaving the other engine paused)."""
-    config = sync_config(dcs_config)
     model = Tiny()
-    with sync_stack(config, tmp_path, receivers=2) as stack:
+    with module_stack(served, tmp_path, receivers=2) as stack:
         async with actor_client(stack, model, "tiny") as client:
             await client.update_weights_for_rollout(rollout_only=True)
             restarted = stack.receivers[1]
@@ -309,13 +358,12 @@ async def test_an_engine_restarted_at_its_address_gets_a_new_group_before_any_bu
 
 
 async def test_a_replaced_engine_is_noticed_before_any_bucket_and_the_sessions_opened_meanwhile_are_closed(
-    dcs_config: DCSConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    served: SyncStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With a group to reuse, the trainer pauses and opens sessions on the group's engines while it reads the
     topology; when the topology shows an engine replaced, it must close those sessions (no bucket sent) and
     rebuild, so the rebuilt group's sessions open without finding one left open and the update lands whole."""
-    config = sync_config(dcs_config)
-    with sync_stack(config, tmp_path, receivers=2) as stack:
+    with module_stack(served, tmp_path, receivers=2) as stack:
         model = Tiny()
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="tiny", config=stack.config
