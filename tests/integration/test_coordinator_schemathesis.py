@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = "schemathesis-token"
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
-LONG_POLL_BOUND_S = 1.0  # the schema allows 300 s long-polls; a fuzz run must not wait that long per request
+# The schema allows 300 s long-polls; a fuzz run must not wait that long per request. At a 1 s bound the long-polls
+# took half the time of all requests (63 of 800 cases: 2.9 of 5.9 s).
+LONG_POLL_BOUND_S = 0.1
 
 
 def _schema_for_fuzzing(url: str) -> dict[str, object]:
