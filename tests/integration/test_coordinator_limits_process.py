@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,9 +21,45 @@ from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.models import WeightMeta
 from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import REPO, CoordinatorProcess
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisDB, RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+READ_TIMEOUT = 1.0  # the shared coordinator's coordinator_request_read_timeout_seconds
+
+
+@dataclass(frozen=True)
+class Shared:
+    """The module's coordinator, the config it runs with and its Redis database."""
+
+    config: DCSConfig
+    coordinator: CoordinatorProcess
+    database: RedisDB
+
+
+@pytest.fixture(scope="module")
+def shared(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
+    """One `dcs coordinator` for the tests that neither stop Redis nor need settings of their own, on a config as
+    `dcs_config` makes a test's (a database of its own on the shared redis-server) with a 1 s read bound."""
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("coordinator-limits")
+    config = DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+        coordinator_request_read_timeout_seconds=READ_TIMEOUT,
+    )
+    coordinator = CoordinatorProcess(config, tmp / "coordinator.log").start()
+    try:
+        yield Shared(config, coordinator, database)
+    finally:
+        coordinator.stop()
+        database.flush()
 
 
 def _slowloris(port: int, byte_interval_s: float, give_up_s: float) -> float | None:
@@ -45,38 +82,29 @@ def _slowloris(port: int, byte_interval_s: float, give_up_s: float) -> float | N
     return None
 
 
-async def test_a_client_sending_its_headers_slowly_is_cut_off_while_others_are_served(
-    dcs_config: DCSConfig, tmp_path: Path
-) -> None:
-    config = dcs_config.model_copy(update={"coordinator_request_read_timeout_seconds": 1.0})
-    coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
-    try:
-        slow = asyncio.create_task(asyncio.to_thread(_slowloris, coordinator.port, 0.1, 8.0))
-        async with CoordinatorAPI(coordinator.url, timeout=5) as api:
-            served = 0
-            while not slow.done():
-                await api.healthz()
-                served += 1
-                await asyncio.sleep(0.05)
-        closed_after = await slow
-    finally:
-        coordinator.stop()
+async def test_a_client_sending_its_headers_slowly_is_cut_off_while_others_are_served(shared: Shared) -> None:
+    coordinator = shared.coordinator
+    slow = asyncio.create_task(asyncio.to_thread(_slowloris, coordinator.port, 0.1, 8.0))
+    async with CoordinatorAPI(coordinator.url, timeout=5) as api:
+        served = 0
+        while not slow.done():
+            await api.healthz()
+            served += 1
+            await asyncio.sleep(0.05)
+    closed_after = await slow
+    assert coordinator.proc is not None and coordinator.proc.poll() is None, coordinator.log_tail()
     assert closed_after is not None, "the slow client was never disconnected"
-    assert closed_after < 3.0, f"disconnected only after {closed_after:.1f}s (bound 1s)"
+    assert closed_after < 3.0, f"disconnected only after {closed_after:.1f}s (bound {READ_TIMEOUT:g}s)"
     assert served >= 5
 
 
-async def test_a_long_poll_is_not_cut_off_by_the_read_bound(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = dcs_config.model_copy(update={"coordinator_request_read_timeout_seconds": 1.0})
-    coordinator = CoordinatorProcess(config, tmp_path / "coordinator.log").start()
-    try:
-        async with CoordinatorAPI(coordinator.url, timeout=10) as api:
-            started = time.monotonic()
-            batch = await api.recv_weight_meta(0, wait_timeout_s=2.5)  # answering may take long, reading may not
-            assert batch.entries == [] and time.monotonic() - started >= 2.4
-            await api.send_weight_meta(WeightMeta.end())  # the kept-alive connection still works
-    finally:
-        coordinator.stop()
+async def test_a_long_poll_is_not_cut_off_by_the_read_bound(shared: Shared) -> None:
+    async with CoordinatorAPI(shared.coordinator.url, timeout=10) as api:
+        index = (await api.recv_weight_meta(0, wait_timeout_s=0)).end_index  # where this test's entries start
+        started = time.monotonic()
+        batch = await api.recv_weight_meta(index, wait_timeout_s=2.5)  # answering may take long, reading may not
+        assert batch.entries == [] and time.monotonic() - started >= 2.4
+        await api.send_weight_meta(WeightMeta.end())  # the kept-alive connection still works
 
 
 @pytest.mark.own_redis
@@ -164,22 +192,16 @@ def test_dcs_config_masks_every_secret() -> None:
     assert bad.returncode == 2 and "redis_url" in bad.stderr and PASSWORD not in bad.stdout + bad.stderr
 
 
-async def test_a_corrupt_record_in_redis_leaves_a_real_coordinator_answering(
-    dcs_config: DCSConfig, redis_server: RedisServer, tmp_path: Path
-) -> None:
+async def test_a_corrupt_record_in_redis_leaves_a_real_coordinator_answering(shared: Shared) -> None:
     from dcs_tasks.keys import Keys
 
-    coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
-    try:
-        async with CoordinatorAPI(coordinator.url, timeout=10) as api:
-            await api.register(RoleInfo(role_name="actor", rank=0, port=1))
-            await api.register(RoleInfo(role_name="rollout", rank=0, port=2))
-            redis_server.client().hset(Keys(dcs_config.redis.namespace).role_nodes("actor"), "1", "{not json")
-            assert sorted((await api.topology()).nodes["actor"]) == [0]
-            assert (await api.peer("actor", 0)).port == 2
-            assert (await api.health()).unreadable_records == 1
-    finally:
-        coordinator.stop()
+    async with CoordinatorAPI(shared.coordinator.url, timeout=10) as api:
+        await api.register(RoleInfo(role_name="actor", rank=0, port=1))
+        await api.register(RoleInfo(role_name="rollout", rank=0, port=2))
+        shared.database.client().hset(Keys(shared.config.redis.namespace).role_nodes("actor"), "1", "{not json")
+        assert sorted((await api.topology()).nodes["actor"]) == [0]
+        assert (await api.peer("actor", 0)).port == 2
+        assert (await api.health()).unreadable_records == 1
 
 
 def _answer_to_head(port: int, size: int) -> bytes:
@@ -190,14 +212,11 @@ def _answer_to_head(port: int, size: int) -> bytes:
         return sock.recv(4096).split(b"\r\n", 1)[0]
 
 
-def test_request_heads_are_bounded_at_16_kib_as_documented(dcs_config: DCSConfig, tmp_path: Path) -> None:
+def test_request_heads_are_bounded_at_16_kib_as_documented(shared: Shared) -> None:
     """Issue 20, finding 10: a 64 KiB head sent at once was accepted by the coordinator (h11 bounds only a
     head still arriving). Now DCS_COORDINATOR_MAX_HEADER_BYTES (16 KiB) holds however it arrives: 431."""
-    coordinator = CoordinatorProcess(dcs_config, tmp_path / "coordinator.log").start()
-    try:
-        assert dcs_config.coordinator.max_header_bytes == 16 * 1024
-        assert _answer_to_head(coordinator.port, 16 * 1024) == b"HTTP/1.1 200 OK"
-        assert _answer_to_head(coordinator.port, 16 * 1024 + 1) == b"HTTP/1.1 431 Request Header Fields Too Large"
-        assert _answer_to_head(coordinator.port, 64 * 1024) == b"HTTP/1.1 431 Request Header Fields Too Large"
-    finally:
-        coordinator.stop()
+    port = shared.coordinator.port
+    assert shared.config.coordinator.max_header_bytes == 16 * 1024  # the default
+    assert _answer_to_head(port, 16 * 1024) == b"HTTP/1.1 200 OK"
+    assert _answer_to_head(port, 16 * 1024 + 1) == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert _answer_to_head(port, 64 * 1024) == b"HTTP/1.1 431 Request Header Fields Too Large"
