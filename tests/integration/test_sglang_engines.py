@@ -25,8 +25,9 @@ from dcs_tasks.client.engine import CheckpointEngineClient
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
 from tests.distributed.sync_stack import SyncStack, sync_stack
+from tests.helpers.redis_server import RedisDB, RedisServer
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
-from tests.sglang_engine.harness import SGLangEngine, installed
+from tests.sglang_engine.harness import SGLangEngine, installed, warm
 from tests.sglang_engine.tiny_model import HIDDEN, INTERMEDIATE, SHAPES, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
@@ -69,9 +70,24 @@ class TinyLlama(torch.nn.Module):
                 p.add_(torch.randn_like(p.float()).to(p.dtype))
 
 
-@pytest.fixture
-def config(dcs_config: DCSConfig) -> DCSConfig:
-    return dcs_config.model_copy(
+@pytest.fixture(scope="module")
+def module_stack(
+    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SyncStack]:
+    """One coordinator and worker for the module's tests (none of them looks at those processes), on a config
+    as `dcs_config` makes a test's (a database of its own on the shared redis-server, short heartbeats)."""
+    warm(*VERSIONS)  # both SGLang versions' imports run while the stack starts (tests/sglang_engine/zygote.py)
+    server, indexes = shared_redis
+    database = RedisDB(server, next(indexes))
+    tmp = tmp_path_factory.mktemp("sglang-engines")
+    config = DCSConfig(
+        redis_url=database.url,
+        checkpoint_dir=tmp / "ckpt",
+        heartbeat_interval_seconds=0.5,
+        heartbeat_timeout_seconds=2.0,
+        node_name="testhost",
+        enable_metrics=False,
+    ).model_copy(
         update={
             "auth_token": SecretStr(TOKEN),
             "comm_timeout_seconds": 30.0,
@@ -80,6 +96,27 @@ def config(dcs_config: DCSConfig) -> DCSConfig:
             "retry_delay_seconds": 0.2,
         }
     )
+    with sync_stack(config, tmp) as stack:
+        yield stack
+    database.flush()
+
+
+def live_nodes(stack: SyncStack) -> dict[str, dict[str, object]]:
+    """Every live node `/topology` reports, by role."""
+    answer = httpx.get(f"{stack.url}/topology", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    answer.raise_for_status()
+    return {role: nodes for role, nodes in answer.json()["nodes"].items() if nodes}
+
+
+@pytest.fixture
+def stack(module_stack: SyncStack) -> Iterator[SyncStack]:
+    """The module's stack, its processes alive and no live node when the test starts and none after it (every
+    test stops what it attached; a node registered by hand leaves when its heartbeat timeout runs out)."""
+    for proc in (module_stack.coordinator, module_stack.worker):
+        assert proc.proc is not None and proc.proc.poll() is None, proc.log_tail()
+    assert live_nodes(module_stack) == {}
+    yield module_stack
+    wait_for("no live node left", lambda: live_nodes(module_stack) == {}, timeout=30)
 
 
 def engine_bits(engine: SGLangEngine) -> dict[str, bytes]:
@@ -107,7 +144,8 @@ def attached(
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(lambda e: e.start(), engines))
         for rank, engine in enumerate(engines):
-            sidecar = AttachProcess(stack.config, tmp / f"attach{rank}.log", stack.url, engine.url, rank)
+            log = tmp / f"attach{rank}.log"  # forked from the preloaded forkserver (tests/helpers/preloaded.py)
+            sidecar = AttachProcess(stack.config, log, stack.url, engine.url, rank, preloaded=True)
             sidecar.start(env=env)
             cleanup.callback(sidecar.stop)
         wait_for("engines attached", lambda: len(rollout_nodes(stack.url, TOKEN)) == len(engines), 60)
@@ -115,13 +153,13 @@ def attached(
 
 
 async def test_three_updates_reach_sglang_0_5_20_and_a_tp2_0_5_23_engine_bit_exact(
-    config: DCSConfig, tmp_path: Path
+    stack: SyncStack, tmp_path: Path
 ) -> None:
     specs: list[dict[str, object]] = [
         {"version": "0.5.20", "api_key": TOKEN},
         {"version": "0.5.23", "api_key": TOKEN, "tp": 2},
     ]
-    with sync_stack(config, tmp_path) as stack, attached(stack, tmp_path, specs) as engines:
+    with attached(stack, tmp_path, specs) as engines:
         assert all(weight_version(e) == "default" for e in engines)
         model = TinyLlama()
         client = CheckpointEngineClient(
@@ -142,15 +180,15 @@ async def test_three_updates_reach_sglang_0_5_20_and_a_tp2_0_5_23_engine_bit_exa
 
 
 async def test_an_engine_killed_mid_update_fails_the_update_fast_naming_it_and_leaves_no_session_open(
-    config: DCSConfig, tmp_path: Path
+    stack: SyncStack, tmp_path: Path
 ) -> None:
-    config = config.model_copy(update={"bucket_size_bytes": 64 * 1024})
+    config = stack.config.model_copy(update={"bucket_size_bytes": 64 * 1024})  # the trainer's (BucketSender)
     specs: list[dict[str, object]] = [{"version": "0.5.23", "api_key": TOKEN}] * 2
-    with sync_stack(config, tmp_path) as stack, attached(stack, tmp_path, specs) as engines:
+    with attached(stack, tmp_path, specs) as engines:
         survivor, victim = engines
         model = TinyLlama(extra=200)  # 200 buckets of 64 KiB: one request and one broadcast each
         client = CheckpointEngineClient(
-            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="llama", config=stack.config
+            coordinator_url=stack.url, role="actor", rank=0, model=model, model_name="llama", config=config
         )
         await client.start()
         try:
@@ -174,12 +212,9 @@ async def test_an_engine_killed_mid_update_fails_the_update_fast_naming_it_and_l
             await client.stop()
 
 
-async def test_an_engine_that_refuses_dcs_api_key_is_a_named_error(config: DCSConfig, tmp_path: Path) -> None:
+async def test_an_engine_that_refuses_dcs_api_key_is_a_named_error(stack: SyncStack, tmp_path: Path) -> None:
     specs: list[dict[str, object]] = [{"version": "0.5.23", "api_key": "another-key"}]
-    with (
-        sync_stack(config, tmp_path) as stack,
-        attached(stack, tmp_path, specs, env={"DCS_ENGINE_API_KEY": "another-key"}) as engines,
-    ):
+    with attached(stack, tmp_path, specs, env={"DCS_ENGINE_API_KEY": "another-key"}) as engines:
         client = CheckpointEngineClient(
             coordinator_url=stack.url, role="actor", rank=0, model=TinyLlama(), model_name="llama", config=stack.config
         )
@@ -197,26 +232,25 @@ async def test_an_engine_that_refuses_dcs_api_key_is_a_named_error(config: DCSCo
 
 
 async def test_a_data_parallel_engine_is_refused_by_name_before_any_group_forms(
-    config: DCSConfig, tmp_path: Path
+    stack: SyncStack, tmp_path: Path
 ) -> None:
     (tmp_path / "dp").mkdir()
     engine = SGLangEngine("0.5.23", tmp_path / "dp" / "engine.log", api_key=TOKEN, sglang_args=("--dp-size", "2"))
-    with sync_stack(config, tmp_path) as stack:
+    try:
+        engine.start()
+        node = {"role_name": "rollout", "rank": 0, "ip": "127.0.0.1", "port": engine.port}
+        headers = {"Authorization": f"Bearer {TOKEN}"}  # registered by hand: `dcs engine attach` refuses it
+        httpx.post(f"{stack.url}/register", json=node, headers=headers, timeout=10).raise_for_status()
+        client = CheckpointEngineClient(
+            coordinator_url=stack.url, role="actor", rank=0, model=TinyLlama(), model_name="dp", config=stack.config
+        )
+        await client.start()
         try:
-            engine.start()
-            node = {"role_name": "rollout", "rank": 0, "ip": "127.0.0.1", "port": engine.port}
-            headers = {"Authorization": f"Bearer {TOKEN}"}  # registered by hand: `dcs engine attach` refuses it
-            httpx.post(f"{stack.url}/register", json=node, headers=headers, timeout=10).raise_for_status()
-            client = CheckpointEngineClient(
-                coordinator_url=stack.url, role="actor", rank=0, model=TinyLlama(), model_name="dp", config=stack.config
-            )
-            await client.start()
-            try:
-                with pytest.raises(EngineIncompatible) as refused:
-                    await client.update_weights_for_rollout(rollout_only=True)
-                assert refused.value.member == "rollout_0" and "dp_size=2" in str(refused.value)
-                assert "init_weights_update_group" not in engine.log_tail(10**7)  # no group was tried
-            finally:
-                await client.stop()
+            with pytest.raises(EngineIncompatible) as refused:
+                await client.update_weights_for_rollout(rollout_only=True)
+            assert refused.value.member == "rollout_0" and "dp_size=2" in str(refused.value)
+            assert "init_weights_update_group" not in engine.log_tail(10**7)  # no group was tried
         finally:
-            engine.stop()
+            await client.stop()
+    finally:
+        engine.stop()
