@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import socket
 import subprocess
-import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,8 @@ import torch
 from dcs_tasks.config import DCSConfig
 from tests.distributed.sync_stack import sync_stack
 from tests.helpers.ports import free_port
-from tests.helpers.procs import REPO, child_env
+from tests.helpers.preloaded import python_module
+from tests.helpers.procs import child_env
 from tests.integration.verl_node import digest, weights
 from tests.verl_lib import VERL_VERSION, installed, on_path, pythonpath
 
@@ -41,33 +43,38 @@ def verl_on_path() -> None:
 
 
 class Node:
-    """One verl worker process (tests/integration/verl_node.py), driven one JSON command at a time."""
+    """One verl worker (tests/integration/verl_node.py), driven one JSON command at a time over the abstract unix
+    socket `address`, on which it connects."""
 
-    def __init__(self, kind: str, env: dict[str, str], log: Path) -> None:
+    def __init__(self, kind: str, address: str, log: Path) -> None:
         self.kind, self.log = kind, log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.verl_node", kind],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log.open("w"),
-            text=True,
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-        )
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + address)
+        self.listener.listen(1)
+        self.listener.settimeout(STEP_TIMEOUT)
         self.answers: queue.Queue[str] = queue.Queue()
+        self.connected = threading.Event()
+        self.channel: socket.socket | None = None
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                self.answers.put(line[3:])
+        try:
+            self.channel, _ = self.listener.accept()
+        except OSError:  # no connection within STEP_TIMEOUT: ask() says so
+            return
+        finally:
+            self.listener.close()
+        self.channel.settimeout(None)
+        self.connected.set()
+        with self.channel.makefile("r", encoding="utf-8") as lines:
+            for line in lines:
+                if line.startswith("@@ "):
+                    self.answers.put(line[3:])
 
     def ask(self, op: str, **fields: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.proc.stdin.flush()
+        if not self.connected.wait(STEP_TIMEOUT) or self.channel is None:
+            raise AssertionError(f"{self.kind}: did not connect in {STEP_TIMEOUT}s: {self.tail()}")
+        self.channel.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
         try:
             answer: dict[str, Any] = json.loads(self.answers.get(timeout=STEP_TIMEOUT))
         except queue.Empty:
@@ -80,16 +87,20 @@ class Node:
         return answer["ok"]
 
     def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        try:
+            return self.log.read_text(errors="replace")[-3000:]
+        except FileNotFoundError:
+            return ""
 
-    def discard(self) -> None:
-        if self.proc.poll() is None:
-            try:
+    def close(self) -> None:
+        """Ask the worker to close its engine and exit; a worker that does not answer is killed with the rest."""
+        try:
+            if self.connected.is_set():
                 self.ok("close")
-                self.proc.wait(30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(10)
+        except Exception:
+            pass
+        if self.channel is not None:
+            self.channel.close()
 
 
 def on_all(nodes: list[Node], op: str, **fields: Any) -> list[Any]:
@@ -107,16 +118,26 @@ def verl_config(dcs_config: DCSConfig) -> DCSConfig:
 
 @pytest.fixture
 def workers(verl_config: DCSConfig, tmp_path: Path) -> Iterator[list[Node]]:
-    """trainer0, trainer1, rollout, rollout: each its own process, on a running coordinator and worker."""
+    """trainer0, trainer1, rollout, rollout: each its own process, on a running coordinator and worker. The four are
+    forked from one process that imported verl (tests/integration/verl_node.py), itself forked from the forkserver
+    that imported torch and DCS (tests/helpers/preloaded.py): fresh interpreters spent seconds each on imports."""
     with sync_stack(verl_config, tmp_path) as stack:
         env = pythonpath(child_env(stack.config))
         kinds = ["trainer0", "trainer1", "rollout", "rollout"]
-        nodes = [Node(kind, env, tmp_path / f"{kind}-{i}.log") for i, kind in enumerate(kinds)]
+        name = f"dcs-verl-node-{uuid.uuid4().hex}"
+        nodes = [Node(kind, f"{name}-{i}", tmp_path / f"{kind}-{i}.log") for i, kind in enumerate(kinds)]
+        parent = python_module(
+            "tests.integration.verl_node", name, str(tmp_path), *kinds, log=tmp_path / "nodes.log", env=env
+        )
         try:
             yield nodes
         finally:
             for node in nodes:
-                node.discard()
+                node.close()
+            try:
+                parent.wait(30)
+            except subprocess.TimeoutExpired:
+                parent.kill()  # its process group: the workers too
 
 
 def update(nodes: list[Node], seed: int) -> tuple[list[Any], list[Any]]:

@@ -1,21 +1,30 @@
-"""One verl worker of tests/integration/test_verl_backend.py: `python -m tests.integration.verl_node KIND`.
+"""The verl workers of tests/integration/test_verl_backend.py:
 
-KIND: `trainer0` (verl's trainer rank 0: `is_master=True`), `trainer1` (another trainer rank: `is_master=False`) or
-`rollout` (a rollout worker: no `is_master`, as verl's CheckpointEngineWorker builds it). The engine comes from
-verl's own registry after verl's own `import_external_libs` imported the module named by verl's
-`custom_backend_module`, as verl's workers do. The test drives the worker as verl's CheckpointEngineManager does
-(prepare, build_topology in the test, init_process_group, send/receive, finalize) through one JSON command per
-stdin line; each answer is one stdout line `@@ {json}`. DCS settings come from DCS_* in the environment.
+    python -m tests.integration.verl_node SOCKET LOGDIR KIND...
+
+One process imports verl (seconds of CPU: ray, tensordict, transformers, torch._dynamo) and then forks one worker
+per KIND, as tests/helpers/preloaded.py forks ranks from a process that imported torch: four fresh interpreters
+importing verl at once took a 2-core machine ten seconds. KIND: `trainer0` (verl's trainer rank 0:
+`is_master=True`), `trainer1` (another trainer rank: `is_master=False`) or `rollout` (a rollout worker: no
+`is_master`, as verl's CheckpointEngineWorker builds it). Each worker builds its engine from verl's own registry
+after verl's own `import_external_libs` imported the module named by verl's `custom_backend_module`, as verl's
+workers do (the parent imports verl only, not DCS's backend). The test drives the workers as verl's
+CheckpointEngineManager does (prepare, build_topology in the test, init_process_group, send/receive, finalize):
+worker i takes one JSON command per line on its connection to the test's abstract unix socket `SOCKET-i` and
+answers each with one line `@@ {json}` there; its stdout and stderr go to `LOGDIR/KIND-i.log`. The parent exits
+once every worker has, with status 1 if one of them failed. DCS settings come from DCS_* in the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import sys
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -47,7 +56,7 @@ def bad_entries(kind: str, seed: int) -> Iterator[tuple[Any, Any]]:
         yield "model.layers." + "x" * 2000 + ".weight", torch.zeros(2)
 
 
-async def main(kind: str) -> None:
+async def main(kind: str, commands: TextIO, answers: TextIO) -> None:
     on_path()
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
@@ -59,7 +68,7 @@ async def main(kind: str) -> None:
     engine = CheckpointEngineRegistry.new("dcs", bucket_size=16 << 10, **engine_kwargs)
     loop = asyncio.get_running_loop()
     answer: Any = None
-    while line := await loop.run_in_executor(None, sys.stdin.readline):
+    while line := await loop.run_in_executor(None, commands.readline):
         command = json.loads(line)
         op = command["op"]
         try:
@@ -83,13 +92,52 @@ async def main(kind: str) -> None:
                 answer = "finalized"
             elif op == "close":
                 engine.close()
-                print("@@ " + json.dumps({"ok": "closed"}), flush=True)
+                print("@@ " + json.dumps({"ok": "closed"}), file=answers, flush=True)
                 return
-            print("@@ " + json.dumps({"ok": answer}), flush=True)
+            print("@@ " + json.dumps({"ok": answer}), file=answers, flush=True)
         except Exception as exc:
             traceback.print_exc()
-            print("@@ " + json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+            print("@@ " + json.dumps({"error": type(exc).__name__, "message": str(exc)}), file=answers, flush=True)
+
+
+def worker(kind: str, address: str, log: str) -> None:
+    """In a forked child: the worker KIND, on the test's socket `address`, logging to `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+        channel.connect("\0" + address)
+        with channel.makefile("r", encoding="utf-8") as commands, channel.makefile("w", encoding="utf-8") as answers:
+            asyncio.run(main(kind, commands, answers))
+
+
+def fork_workers(name: str, logdir: str, kinds: list[str]) -> int:
+    """Import verl, fork a worker per kind, wait for them all; 0 when every one exited 0."""
+    on_path()
+    import verl.checkpoint_engine  # what every worker imports: once, before the forks
+    import verl.utils.import_utils  # noqa: F401
+
+    children = []
+    for i, kind in enumerate(kinds):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                worker(kind, f"{name}-{i}", os.path.join(logdir, f"{kind}-{i}.log"))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    raise SystemExit(fork_workers(sys.argv[1], sys.argv[2], sys.argv[3:]))
