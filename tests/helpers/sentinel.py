@@ -82,6 +82,7 @@ class SentinelCluster:
         folder.mkdir(parents=True, exist_ok=True)
         args = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)]
         args += ["--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"]
+        args += ["--repl-diskless-sync-delay", "0"]  # a replica syncs at once (Redis 7 waits 5 s by default)
         if self.password:  # masterauth: a replica promoted later must still reach the other node
             args += ["--requirepass", self.password, "--masterauth", self.password]
         if replica_of is not None:
