@@ -110,8 +110,7 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
     receiver = ReceiverProcess(config, coordinator.url, 0, tmp_path / "receiver.log")
     trainer: CheckpointEngineClient | None = None
     try:
-        slow.start()
-        receiver.start()
+        await asyncio.gather(asyncio.to_thread(slow.start), asyncio.to_thread(receiver.start))  # together: faster
         model = Tiny()
         trainer = CheckpointEngineClient(
             coordinator_url=coordinator.url, role="actor", rank=0, model=model, model_name="tiny", config=config
@@ -124,9 +123,10 @@ async def test_worker_killed_in_bootstrap_redelivers_the_same_group(dcs_config: 
         assert "reserved: pausing" in slow.log_tail(10**6)
         assert not update.done()
         slow.kill()
-        presence = keys.worker_presence(node_queue(host))  # the dead worker's expires: then the new one's is real
-        gone = "expiry of the dead worker's presence"
-        await asyncio.to_thread(wait_until, gone, lambda: not client.exists(presence), 15.0)
+        # the dead worker's presence key stays until its TTL (5 s) runs out; removed here, as that expiry would
+        # (the new worker's start-up recovery finds no live worker either way), the key fresh.start() waits for
+        # is the new worker's own
+        client.delete(keys.worker_presence(node_queue(host)))
         fresh.start()
 
         metrics = (await asyncio.wait_for(update, timeout=60))["rollout"]
@@ -261,8 +261,7 @@ async def test_a_bootstrap_the_trainer_gave_up_on_is_dropped_not_run(dcs_config:
         coordinator_url=coordinator.url, role="actor", rank=0, model=Tiny(), model_name="tiny", config=config
     )
     try:
-        receiver.start()
-        await trainer.start()
+        await asyncio.gather(asyncio.to_thread(receiver.start), trainer.start())
         with pytest.raises(GroupInitError, match="no `dcs worker`"):
             await trainer.update_weights_for_rollout(rollout_only=True)
         late.start()
