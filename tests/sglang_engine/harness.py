@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tests.helpers.ports import free_port
 from tests.sglang_engine.install import VERSIONS
 from tests.sglang_engine.tiny_model import SHAPES
-from tests.sglang_engine.zygote import Zygote, ZygoteProcess, zygote
+from tests.sglang_engine.zygote import ZygoteProcess, spawn, zygote
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_ROOT = REPO / ".sglang"
@@ -54,15 +54,18 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _zygote(version: str) -> Zygote:
-    return zygote(sglang_dir(version), _environment())
+def _spawn(
+    version: str, module: str, args: list[str], env: dict[str, str], log: Path, timeout: float, err: Path | None = None
+) -> ZygoteProcess:
+    """`python -m module args`, forked from `version`'s zygote."""
+    return spawn(sglang_dir(version), _environment(), module, args, env, log, timeout, err)
 
 
 def warm(*versions: str) -> None:
     """Start the zygotes of the installed `versions` now (their imports run while the caller goes on)."""
     for version in versions:
         if installed(version):
-            _zygote(version)
+            zygote(sglang_dir(version), _environment())
 
 
 class SGLangEngine:
@@ -109,7 +112,7 @@ class SGLangEngine:
             args += ["--", *self.sglang_args]
         env = _environment() | self.env
         started = time.monotonic()
-        self.proc = _zygote(self.version).spawn("tests.sglang_engine.serve", args, env, self.log_path, timeout)
+        self.proc = _spawn(self.version, "tests.sglang_engine.serve", args, env, self.log_path, timeout)
         self.wait_healthy(timeout - (time.monotonic() - started))
         return self
 
@@ -206,8 +209,8 @@ def run_trainer(
     handle, name = tempfile.mkstemp(prefix="trainer-", suffix=".out", dir=workdir)
     os.close(handle)
     out, err = Path(name), Path(name).with_suffix(".err")
-    trainer = _zygote(engines[0].version)
-    proc = trainer.spawn("tests.sglang_engine.trainer", [str(workdir / "spec.json")], _environment(), out, 240, err)
+    spec_path = str(workdir / "spec.json")
+    proc = _spawn(engines[0].version, "tests.sglang_engine.trainer", [spec_path], _environment(), out, 240, err)
     try:
         code = proc.wait(300)
     finally:

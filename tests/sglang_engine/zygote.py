@@ -232,6 +232,15 @@ class ZygoteProcess:
                 pass
 
 
+IDLE_SECONDS = 300.0
+"""A zygote with no live child and no request for this long is ended (it holds about 600 MB); the next engine
+of its version starts a new one."""
+
+
+class Retired(Exception):
+    """The zygote was ended for idleness before this request reached it: ask a new one."""
+
+
 class Zygote:
     """A zygote process for one SGLang version, started at once; `spawn` waits until its imports are done."""
 
@@ -241,8 +250,11 @@ class Zygote:
         self._ready: dict[str, Any] | None = None
         self._pids: dict[int, int] = {}
         self._exits: dict[int, int] = {}
+        self._live: set[int] = set()
+        self._used = time.monotonic()
         self._next_id = 0
-        self._closed = False
+        self._closed = False  # the zygote's stdout ended: it exited
+        self.retired = False  # ended for idleness (or being ended)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.sglang_engine.zygote", "--sglang-dir", str(sglang_dir)],
@@ -254,6 +266,21 @@ class Zygote:
                 start_new_session=True,  # a Ctrl-C to pytest does not reach it; it ends when its stdin closes
             )
         threading.Thread(target=self._read, name=f"sglang-zygote-{sglang_dir.name}", daemon=True).start()
+        threading.Thread(
+            target=self._retire_when_idle, name=f"sglang-zygote-idle-{sglang_dir.name}", daemon=True
+        ).start()
+
+    def _retire_when_idle(self) -> None:
+        while True:
+            time.sleep(min(10.0, IDLE_SECONDS))
+            with self._lock:
+                if self._closed or self.retired:
+                    return
+                if self._ready is not None and not self._live and time.monotonic() - self._used > IDLE_SECONDS:
+                    self.retired = True
+                    assert self.proc.stdin is not None
+                    self.proc.stdin.close()  # it exits at once (and is reaped by close() or at exit)
+                    return
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -265,8 +292,11 @@ class Zygote:
                 elif "pid" in message:
                     self._pids[message["id"]] = message["pid"]
                     self._exits.pop(message["pid"], None)  # a pid the kernel reused
+                    self._live.add(message["pid"])
                 elif "exited" in message:
                     self._exits[message["exited"]] = message["code"]
+                    self._live.discard(message["exited"])
+                self._used = time.monotonic()
                 self._lock.notify_all()
         with self._lock:
             self._closed = True
@@ -286,6 +316,9 @@ class Zygote:
         forked once the zygote's imports are done (waits up to `timeout` for them)."""
         deadline = time.monotonic() + timeout
         with self._lock:
+            if self.retired:
+                raise Retired()
+            self._used = time.monotonic()
             while self._ready is None:
                 if self._closed:
                     raise self._failed("exited")
@@ -330,6 +363,8 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (its children live on: their owners kill them) and remove its log."""
+        with self._lock:
+            self.retired = True
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
             try:
@@ -346,12 +381,33 @@ _zygotes_lock = threading.Lock()
 
 
 def zygote(sglang_dir: Path, env: dict[str, str]) -> Zygote:
-    """This process's zygote for `sglang_dir` (started on first use, with `env`; closed when the process exits)."""
+    """This process's zygote for `sglang_dir` (started on first use, with `env`; closed when the process exits
+    or after IDLE_SECONDS without a child)."""
     with _zygotes_lock:
         found = _zygotes.get(sglang_dir)
-        if found is None or found._closed:
+        if found is None or found._closed or found.retired:
+            if found is not None:
+                found.close()  # reaped
             found = _zygotes[sglang_dir] = Zygote(sglang_dir, env)
         return found
+
+
+def spawn(
+    sglang_dir: Path,
+    zygote_env: dict[str, str],
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    log: Path,
+    timeout: float,
+    err: Path | None = None,
+) -> ZygoteProcess:
+    """`Zygote.spawn` on this process's zygote for `sglang_dir` (a new one when it was just retired)."""
+    while True:
+        try:
+            return zygote(sglang_dir, zygote_env).spawn(module, args, env, log, timeout, err)
+        except Retired:
+            continue
 
 
 @atexit.register
