@@ -5,12 +5,13 @@ file and posts vLLM's own `/update_weights` with DCS's JSON frame; vLLM's worker
 maps the file read-only, copies, and loads through vLLM's layerwise reload. Also: one update through the
 trainer's client mixes this colocated engine with a remote `dcs receiver` (a process group); a bad frame, or
 vLLM's own pickled IPC payload, is refused; `dcs engine attach` checks the engine's backend matches how it is
-registered. Slow (a TP=2 engine starts: ~1 min)."""
+registered. Slow: a TP=2 engine starts (the first vLLM engine of a test process imports vLLM: 15-30 s)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing.forkserver
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from dcs_tasks.sync.colocated import ColocatedEngine, ColocatedSender
 from dcs_tasks.sync.ipcframe import frame_for
 from dcs_tasks.sync.receiving import tensor_sha256
 from tests.distributed.sync_stack import sync_stack
+from tests.helpers.preloaded import _forkserver
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
 from tests.vllm_engine.harness import VLLMEngine, installed
 from tests.vllm_engine.shapes import TrainerModel
@@ -57,6 +59,8 @@ def fresh_post(engine: VLLMEngine, path: str, body: dict[str, Any]) -> httpx.Res
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMEngine]:
     tmp = tmp_path_factory.mktemp("vllm-ipc")
     made = VLLMEngine(tmp / "engine.log", tp=2, api_key=TOKEN, backend="dcs-ipc")
+    _forkserver()  # tests/helpers/preloaded.py's (the sidecars' and the receiver's): it imports while the engine starts
+    multiprocessing.forkserver.ensure_running()
     try:
         made.start()
         yield made
@@ -127,7 +131,7 @@ async def test_one_update_mixes_a_colocated_vllm_engine_and_a_remote_dcs_receive
     )
     with sync_stack(config, tmp_path) as stack:
         # registered as remote, a "dcs-ipc" engine is refused: it joins no group
-        remote = AttachProcess(stack.config, tmp_path / "attach-remote.log", stack.url, engine.url, 0)
+        remote = AttachProcess(stack.config, tmp_path / "attach-remote.log", stack.url, engine.url, 0, preloaded=True)
         remote.start("--kind", "vllm")
         try:
             assert remote.wait_exit(180) == 1
@@ -137,7 +141,7 @@ async def test_one_update_mixes_a_colocated_vllm_engine_and_a_remote_dcs_receive
         assert "VLLMBackendMismatch" in log and "not 'dcs' for a remote engine" in log
         assert '--weight-transfer-config \'{"backend": "dcs"}\'' in log
 
-        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, engine.url, 0)
+        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, engine.url, 0, preloaded=True)
         sidecar.start("--kind", "vllm", "--colocated-with", "0", "--colocated-device", "cpu")
         try:
             wait_for("engine attached", lambda: 0 in rollout_nodes(stack.url, TOKEN), 120)

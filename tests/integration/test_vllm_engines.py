@@ -10,6 +10,7 @@ compared bit for bit; versions through vLLM's `/weight_info`.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing.forkserver
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from dcs_tasks.config import DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
 from dcs_tasks.errors import VLLMBackendMismatch, WeightSyncError
 from tests.distributed.sync_stack import SyncStack, sync_stack
+from tests.helpers.preloaded import _forkserver
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
 from tests.vllm_engine.harness import VLLMEngine, installed
 from tests.vllm_engine.shapes import TrainerModel
@@ -78,6 +80,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VLLM
     for name, spec in specs.items():
         (tmp / name).mkdir()
         made[name] = VLLMEngine(tmp / name / "engine.log", api_key=TOKEN, **spec)  # type: ignore[arg-type]
+    start_preloaded_forkserver()  # the attach sidecars' and receivers' (imports while the engines start)
     with ExitStack() as cleanup:
         for engine in made.values():
             cleanup.callback(engine.stop)
@@ -86,12 +89,20 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VLLM
         yield made
 
 
+def start_preloaded_forkserver() -> None:
+    """Start the forkserver of tests/helpers/preloaded.py (its imports take seconds) without waiting for it."""
+    _forkserver()  # sets its preload list
+    multiprocessing.forkserver.ensure_running()
+
+
 @contextmanager
 def attached(stack: SyncStack, tmp: Path, engines: list[VLLMEngine], first_rank: int = 0) -> Iterator[None]:
     with ExitStack() as cleanup:
         for i, engine in enumerate(engines):
             rank = first_rank + i
-            sidecar = AttachProcess(stack.config, tmp / f"attach{rank}.log", stack.url, engine.url, rank)
+            sidecar = AttachProcess(
+                stack.config, tmp / f"attach{rank}.log", stack.url, engine.url, rank, preloaded=True
+            )
             sidecar.start("--kind", "vllm")
             cleanup.callback(sidecar.stop)
         want = first_rank + len(engines)
@@ -138,7 +149,9 @@ async def test_an_engine_without_dev_mode_is_refused_naming_what_to_turn_on(
     config: DCSConfig, tmp_path: Path, engines: dict[str, VLLMEngine]
 ) -> None:
     with sync_stack(config, tmp_path) as stack:
-        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, engines["no_dev_mode"].url, 0)
+        sidecar = AttachProcess(
+            stack.config, tmp_path / "attach.log", stack.url, engines["no_dev_mode"].url, 0, preloaded=True
+        )
         sidecar.start("--kind", "vllm")
         try:
             assert sidecar.wait_exit(120) == 1
@@ -158,7 +171,7 @@ async def test_an_engine_not_on_the_dcs_backend_is_refused_before_any_join_sayin
     reading the backend from the engine's dev-mode /server_info."""
     wrong = engines["vllm_nccl"]
     with sync_stack(config, tmp_path) as stack:
-        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, wrong.url, 0)
+        sidecar = AttachProcess(stack.config, tmp_path / "attach.log", stack.url, wrong.url, 0, preloaded=True)
         sidecar.start("--kind", "vllm")
         try:
             assert sidecar.wait_exit(180) == 1
@@ -193,7 +206,9 @@ async def test_an_engine_killed_mid_update_fails_the_update_naming_it_and_the_su
     config: DCSConfig, tmp_path: Path, engines: dict[str, VLLMEngine]
 ) -> None:
     survivor, victim = engines["tp2"], engines["tp1"]  # the last test: the victim is gone afterwards
-    config = config.model_copy(update={"bucket_size_bytes": 64 * 1024})  # 40+ buckets, one request each
+    # 40+ buckets, one request each; the update fails when the survivor's share of the broken collective times
+    # out (comm_timeout_seconds: 10 s, hundreds of times what one 64 KiB bucket takes on a loaded machine)
+    config = config.model_copy(update={"bucket_size_bytes": 64 * 1024, "comm_timeout_seconds": 10.0})
     with sync_stack(config, tmp_path) as stack, attached(stack, tmp_path, [survivor, victim]):
         model = TrainerModel()
         client = CheckpointEngineClient(

@@ -67,20 +67,35 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(tmp_path: Path, *dirs: Path) -> dict[str, object]:
-    """PROBE's answer in a fresh interpreter whose imports come from `dirs` (and the venv's torch) only."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "VLLM_", "PYTHON"))}
-    env.update(PYTHONPATH=os.pathsep.join(map(str, dirs)), VLLM_TARGET_DEVICE="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+def probes(tmp_path: Path, *paths: list[Path]) -> list[dict[str, object]]:
+    """PROBE's answer in one fresh interpreter per entry of `paths`, whose imports come from those directories
+    (and the venv's torch) only; the interpreters run at the same time (each imports vLLM: seconds of CPU)."""
+    running = []
+    try:
+        for i, dirs in enumerate(paths):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("DCS_", "VLLM_", "PYTHON"))}
+            env.update(PYTHONPATH=os.pathsep.join(map(str, dirs)), VLLM_TARGET_DEVICE="cpu")
+            out, err = tmp_path / f"probe{i}.out", tmp_path / f"probe{i}.err"
+            with out.open("wb") as stdout, err.open("wb") as stderr:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", PROBE], env=env, cwd=tmp_path, stdout=stdout, stderr=stderr
+                )
+            running.append((proc, out, err))
+        answers = []
+        for proc, out, err in running:
+            assert proc.wait(300) == 0, err.read_text(errors="replace")[-3000:]
+            answers.append(json.loads(out.read_text().strip().splitlines()[-1]))
+        return answers
+    finally:
+        for proc, _, _ in running:
+            proc.kill()
+            proc.wait()
 
 
 def test_vllm_loads_backend_dcs_from_the_installed_plugins_entry_point_only(tmp_path: Path) -> None:
     vllm_env = [VLLM_ROOT / NEWEST, VLLM_ROOT / "deps"]
-    found = probe(tmp_path, *vllm_env, VLLM_ROOT / "plugins")
+    # the second: the same vLLM without the plugin installed
+    found, without = probes(tmp_path, [*vllm_env, VLLM_ROOT / "plugins"], vllm_env)
     assert ["dcs", "vllm_dcs:register", "vllm-dcs"] in found["entry_points"]
     assert found["before"] is False and found["after"] is True  # registered by loading the general plugins
     assert found["create"] == "vllm_dcs.engine.DCSWeightTransferEngine"
@@ -91,7 +106,7 @@ def test_vllm_loads_backend_dcs_from_the_installed_plugins_entry_point_only(tmp_
     assert "transport 'mpi' is not one of gloo, nccl" in refusals["mpi"]
     assert "transport 'nccl' receives on the worker's CUDA device" in refusals["nccl_on_cpu"]
 
-    without = probe(tmp_path, *vllm_env)  # the same vLLM without the plugin installed: no backend "dcs"
+    # the same vLLM without the plugin installed: no backend "dcs"
     assert not any(name == "dcs" for name, _, _ in without["entry_points"])  # type: ignore[union-attr]
     assert without["after"] is False
     assert "Invalid weight transfer backend: dcs" in str(without["create"])

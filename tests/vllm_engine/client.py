@@ -79,7 +79,12 @@ class HarnessEngineClient:
         self.errored = False
         self.dead_error = RuntimeError("engine dead")
         tp = vllm_config.parallel_config.tensor_parallel_size
-        ctx = multiprocessing.get_context("spawn")
+        # Forked, not spawned: a worker then starts with this process's imports (vLLM, torch) instead of paying them
+        # again (10-30 s of CPU each on a 2-core machine). vLLM on CPU spawns its workers (its CPU platform sets
+        # VLLM_WORKER_MULTIPROC_METHOD=spawn); fork is that variable's default, and before a fork vLLM's executor
+        # joins libgomp's idle threads (vllm.utils.system_utils.get_mp_context), as here.
+        _release_libgomp_threads()
+        ctx = multiprocessing.get_context("fork")
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(tp):
@@ -127,6 +132,15 @@ class HarnessEngineClient:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
+
+
+def _release_libgomp_threads() -> None:
+    """vLLM's step before it forks workers: a child forked after OpenMP ran a parallel region deadlocks in its own."""
+    try:
+        from vllm.utils.system_utils import _release_libgomp_threads as release
+    except ImportError:  # a vLLM without it
+        return
+    release()
 
 
 def make_client(vllm_config: Any, backend: str | None, sink: bool = False) -> HarnessEngineClient:

@@ -8,12 +8,15 @@ engine.stop()                             # kill -9 of the server and its worker
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import torch
 
 from tests.helpers.ports import free_port
 from tests.vllm_engine.install import VERSIONS
+from tests.vllm_engine.launcher import PER_SERVER_SETTINGS
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_ROOT = REPO / ".vllm"
@@ -33,8 +37,105 @@ def installed(version: str = NEWEST) -> bool:
     return all((d / ".installed").exists() for d in dirs)
 
 
+class Launcher:
+    """A `python -m tests.vllm_engine.launcher` process (vLLM imported once) that forks servers on request; one
+    per (vLLM directory, environment) in a test process, kept until it exits (`launcher_for`)."""
+
+    def __init__(self, vllm_dir: Path, env: dict[str, str], log_path: Path) -> None:
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "tests.vllm_engine.launcher", "--vllm-dir", str(vllm_dir)]
+        cmd += ["--fd", str(theirs.fileno())]
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),), cwd=REPO
+            )
+        theirs.close()
+        self.log_path = log_path
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()
+
+    def call(self, request: tuple[Any, ...], timeout: float) -> Any:
+        """The launcher's answer to `request`; the first waits for its imports (up to `timeout`)."""
+        if not self._lock.acquire(timeout=timeout):
+            raise TimeoutError(f"vLLM launcher busy for {timeout}s")
+        try:
+            self._conn.send(request)
+            deadline = time.monotonic() + timeout
+            while not self._conn.poll(0.2):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = self.log_path.read_text(errors="replace")[-4000:]
+                    state = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else "no answer"
+                    raise RuntimeError(f"vLLM launcher {state} after {request[0]!r}: {tail}")
+            answer = self._conn.recv()
+        finally:
+            self._lock.release()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        """Close its socket: it exits (the servers it forked run on until killed)."""
+        self._conn.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+_launchers: dict[tuple[str, tuple[tuple[str, str], ...]], Launcher] = {}
+_launchers_lock = threading.Lock()
+
+
+def launcher_for(version: str, env: dict[str, str], log_path: Path) -> Launcher:
+    """The launcher of `version` for servers of environment `env` (started now, logging to `log_path`, if none
+    is): started with `env` less the variables a server may set for itself (launcher.PER_SERVER_SETTINGS)."""
+    env = {k: v for k, v in env.items() if k not in PER_SERVER_SETTINGS}
+    key = (version, tuple(sorted(env.items())))
+    with _launchers_lock:
+        launcher = _launchers.get(key)
+        if launcher is None or launcher.proc.poll() is not None:
+            launcher = _launchers[key] = Launcher(VLLM_ROOT / version, env, log_path)
+        return launcher
+
+
+@atexit.register
+def _close_launchers() -> None:
+    for launcher in _launchers.values():
+        launcher.close()
+    _launchers.clear()
+
+
+class ForkedServer:
+    """A server a launcher forked: the parts of `subprocess.Popen` the harness uses."""
+
+    def __init__(self, launcher: Launcher, argv: list[str], env: dict[str, str], log_path: Path, timeout: float):
+        self.launcher = launcher
+        self.pid: int = launcher.call(("start", argv, env, str(REPO), str(log_path)), timeout)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.launcher.call(("status", self.pid), 60.0)
+        return self.returncode
+
+    def kill_group(self) -> None:
+        """kill -9 of its process group (the server and its workers); nothing once it was reaped."""
+        self.launcher.call(("kill", self.pid), 60.0)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["vllm-engine", str(self.pid)], timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
 class VLLMEngine:
-    """`python -m tests.vllm_engine.serve` in its own session on a free port, logging to `log_path`.
+    """`python -m tests.vllm_engine.serve` in its own session on a free port, logging to `log_path`: forked by
+    a `Launcher` that imported vLLM once (a fresh interpreter would import it again, ~10-30 s of CPU each).
 
     `dev_mode=False` starts it without VLLM_SERVER_DEV_MODE (no RL routes); `backend=None` without
     `--weight-transfer-config` (its workers refuse every weight-transfer call)."""
@@ -53,7 +154,7 @@ class VLLMEngine:
         self.log_path, self.version, self.tp, self.api_key = log_path, version, tp, api_key
         self.dev_mode, self.backend = dev_mode, backend
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ForkedServer | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
 
@@ -62,11 +163,17 @@ class VLLMEngine:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        """The harness command; everything after `--` is a `vllm serve` command line."""
+        """The harness command (what a launcher's fork runs); everything after `--` is a `vllm serve` command
+        line."""
+        cmd = [sys.executable, "-m", "tests.vllm_engine.serve", *self.serve_args()]
+        return cmd
+
+    def serve_args(self) -> list[str]:
+        """`serve.py`'s arguments (`command()` after `-m tests.vllm_engine.serve`)."""
         model_dir = self.log_path.parent / "model"
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-        cmd = [sys.executable, "-m", "tests.vllm_engine.serve", "--vllm-dir", str(VLLM_ROOT / self.version), "--"]
+        cmd = ["--vllm-dir", str(VLLM_ROOT / self.version), "--"]
         cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.backend:
@@ -86,11 +193,9 @@ class VLLMEngine:
         env.update(PYTHONPATH=str(REPO), VLLM_TARGET_DEVICE="cpu")
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-            )
         deadline = time.monotonic() + timeout
+        launcher = launcher_for(self.version, env, self.log_path.with_name("launcher.log"))
+        self.proc = ForkedServer(launcher, self.serve_args(), env, self.log_path, timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}: {self.log_tail()}")
@@ -99,7 +204,7 @@ class VLLMEngine:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"vLLM engine not healthy after {timeout}s: {self.log_tail()}")
 
     def stop(self) -> None:
@@ -107,10 +212,7 @@ class VLLMEngine:
         self.http.close()
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.proc.kill_group()
         self.proc.wait(10)
         self.proc = None
 

@@ -19,18 +19,27 @@ import sys
 from pathlib import Path
 
 
-def main() -> None:
+def use_vllm_dir(vllm_dir: Path) -> None:
+    """Put the vLLM environment (`vllm_dir`, its `deps` and `plugins` beside it) and the repository first on this
+    process's path and PYTHONPATH (idempotent: `launcher.py` did it already in a server it forks)."""
+    vllm_dir = vllm_dir.resolve()
+    repo = str(Path(__file__).resolve().parents[2])
+    paths = [str(vllm_dir), str(vllm_dir.parent / "deps"), str(vllm_dir.parent / "plugins"), repo]
+    if sys.path[: len(paths)] != paths:
+        sys.path[:0] = paths
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if not pythonpath.startswith(os.pathsep.join(paths)):
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, pythonpath])
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-dir", required=True)
     parser.add_argument("--sink-model", action="store_true", help="hold any weights under any names (benchmarks)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER)
-    ours = parser.parse_args()
-    vllm_dir = Path(ours.vllm_dir).resolve()
-    repo = str(Path(__file__).resolve().parents[2])
-    paths = [str(vllm_dir), str(vllm_dir.parent / "deps"), str(vllm_dir.parent / "plugins"), repo]
-    sys.path[:0] = paths
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    ours = parser.parse_args(argv)
+    use_vllm_dir(Path(ours.vllm_dir))
     args_list = ours.vllm_args[1:] if ours.vllm_args[:1] == ["--"] else ours.vllm_args
 
     import torch

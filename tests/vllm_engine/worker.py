@@ -77,7 +77,8 @@ def main(
 ) -> None:
     import sys
 
-    sys.path[:0] = sys_path
+    if sys.path != sys_path:  # spawned (a forked worker has its parent's path already)
+        sys.path[:0] = sys_path
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
         worker = build_worker(tp_rank, tp_size, backend, sink)
