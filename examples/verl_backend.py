@@ -59,6 +59,7 @@ def rollout_worker(conn: Connection) -> None:
                 conn.send("done")
     finally:
         engine.close()
+    conn.send("closed")  # the trainer goes on now: waiting for this interpreter's exit costs it seconds
 
 
 def update(trainer: Any, conn: Connection, model: torch.nn.Module) -> tuple[dict[str, Any], int, bool]:
@@ -103,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout worker: weight version {version}, bit-exact: {same}")
     finally:
         conn.send("close")
-        child.join(60)
+        try:  # until the rollout worker closed its engine (a daemon: it is ended at this process's exit)
+            if conn.poll(60):
+                conn.recv()
+        except EOFError:  # it is gone already
+            pass
         trainer.close()
     return 0 if exact else 1
 
