@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,14 @@ def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: Sent
     limits = {"task_soft_time_limit_seconds": 20.0, "task_time_limit_seconds": 25.0, "visibility_timeout_seconds": 30.0}
     a = host_config(base, tmp_path, "hosta", memory_tier_bytes=budget, file_shard_bytes=256 * MiB, **limits)
     b = host_config(base, tmp_path, "hostb", memory_tier_bytes=budget, file_shard_bytes=256 * MiB, **limits)
-    workers = {"a": start_worker(a, tmp_path, name="worker-a"), "b": start_worker(b, tmp_path, name="worker-b")}
+    with ThreadPoolExecutor(2) as pool:  # both start at once
+        starting = {"a": pool.submit(start_worker, a, tmp_path, name="worker-a")}
+        starting["b"] = pool.submit(start_worker, b, tmp_path, name="worker-b")
+    if any(future.exception() is not None for future in starting.values()):
+        for future in starting.values():
+            if future.exception() is None:
+                future.result().discard()
+    workers = {host: future.result() for host, future in starting.items()}  # raises what a start raised
     try:
         wait_until(lambda: registered(a) == {"hosta", "hostb"}, 60, "both peer servers to register")
         with Checkpointer("ha", a) as ckpt:
@@ -84,7 +92,7 @@ def test_a_failover_mid_peer_copy_loses_no_committed_step(sentinel_cluster: Sent
                 except Exception:
                     if time.monotonic() > deadline:
                         raise
-                    time.sleep(1)
+                    time.sleep(0.25)
             wait_until(lambda: "replicated" in places(a, "ha").get((2, 0), set()), 120, "step 2 to replicate")
 
         # host a is lost: a replacement rank on host c restores the newest step a peer holds
