@@ -87,10 +87,11 @@ class Node:
         return answer["ok"]
 
     def tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-3000:]
-        except FileNotFoundError:
-            return ""
+        """The worker's log; before it forked, its parent's (nodes.log: verl's import failing, say)."""
+        for log in (self.log, self.log.parent / "nodes.log"):
+            if log.exists():
+                return f"{log.name}:\n" + log.read_text(errors="replace")[-3000:]
+        return ""
 
     def close(self) -> None:
         """Ask the worker to close its engine and exit; a worker that does not answer is killed with the rest."""
