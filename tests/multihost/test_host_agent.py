@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from tests.multihost.hosts import HostNetwork, HostProcess, SimulatedHost
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
+AGENT_NODE = "tests.multihost.agent_node"
 INTERVAL, TIMEOUT = 0.5, 3.0
 SLACK = 1.5  # a loaded 2-core machine: topology polls, process scheduling
 
@@ -59,7 +59,13 @@ def requests_of(url: str, method: str, route: str) -> int:
 
 
 def start_worker_with_agent(cluster: Cluster, host: SimulatedHost) -> HostProcess:
-    worker = cluster.start_worker(host)
+    return wait_worker_with_agent(cluster, cluster.spawn_worker(host))
+
+
+def wait_worker_with_agent(cluster: Cluster, worker: HostProcess) -> HostProcess:
+    """Until the worker serves its node queue and its agent listens."""
+    cluster.wait_worker(worker)
+    host = worker.host
     socket_path = agent_socket_path(cluster.config.model_copy(update={"node_name": host.name}))
     wait_until(f"the agent socket of {host.name}", (host.root / str(socket_path).lstrip("/")).exists, 30)
     return worker
@@ -67,10 +73,10 @@ def start_worker_with_agent(cluster: Cluster, host: SimulatedHost) -> HostProces
 
 def start_nodes(cluster: Cluster, url: str, placement: list[tuple[SimulatedHost, str, int]]) -> list[TrainerRank]:
     nodes = []
-    for host, role, rank in placement:
-        argv = [sys.executable, "-m", "tests.multihost.agent_node", url, role, str(rank)]
+    for host, role, rank in placement:  # forked from the preloaded forkserver: no torch import each
         log = cluster.workdir / f"node-{host.name}-{role}-{rank}.log"
-        nodes.append(TrainerRank(host.spawn(argv, cluster.env(), log, REPO, pipes=True), rank))
+        args = [url, role, str(rank)]
+        nodes.append(TrainerRank(host.spawn_python(AGENT_NODE, args, cluster.env(), log, REPO, pipes=True), rank))
     for node in nodes:
         first = node.answer(120)
         assert first.get("ready") and first["via_agent"], f"{first}; log: {node.log_tail()}"
@@ -83,14 +89,13 @@ def test_a_hosts_processes_beat_through_its_worker_and_leave_when_killed_or_froz
     a, b = cluster.add_host("aa"), cluster.add_host("ab")
     url = cluster.start_coordinator(cluster.redis.host)
     cluster.config = cluster.config.model_copy(update={"coordinator_url": url})  # the workers' agents beat there
-    start_worker_with_agent(cluster, a)
-    worker_b = start_worker_with_agent(cluster, b)
+    workers = [cluster.spawn_worker(a), cluster.spawn_worker(b)]  # both come up together
+    _, worker_b = [wait_worker_with_agent(cluster, worker) for worker in workers]
     actor0, actor1, actor2 = start_nodes(cluster, url, [(a, "actor", 0), (a, "actor", 1), (b, "actor", 2)])
     cluster.start_receiver(a, url, 0)  # rollout_0 on aa
     cluster.start_receiver(b, url, 0, "--role", "engine-self")  # the engine an attach on ab puts in as rollout_1
-    dcs = str(Path(sys.executable).with_name("dcs"))
-    attach = [dcs, "engine", "attach", "--coordinator-url", url, "--engine-url", f"http://{b.address}:30000"]
-    b.spawn([*attach, "--rank", "1"], cluster.env(), cluster.workdir / "attach-ab.log", REPO)
+    attach = ["engine", "attach", "--coordinator-url", url, "--engine-url", f"http://{b.address}:30000", "--rank", "1"]
+    b.spawn_python("dcs_tasks.cli.main", attach, cluster.env(), cluster.workdir / "attach-ab.log", REPO)
     everyone = {"actor": {0, 1, 2}, "rollout": {0, 1}, "engine-self": {0}}
     wait_until("every node registered", lambda: live(url) == everyone, 60)
 
