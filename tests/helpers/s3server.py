@@ -6,6 +6,7 @@
     server.access_key, server.secret_key              # owner of the buckets (tempauth "dcs:tester", .admin)
     server.other_access_key, server.other_secret_key  # "dcs:intruder": same account, no rights on any bucket
     server.set_bucket_quota("b", 1024)                # Swift container quota: a PUT that would pass it fails
+    server.put_objects("b", keys, b"x")               # thousands of objects at once, through the object server
     server.kill()                   # SIGKILL the proxy (kill(everything=True): all four servers)
     server.restart()                # same ports, same data
     server.stop()
@@ -44,15 +45,20 @@ S3 error codes (swift 2.38 s3api), and what differs from AWS S3:
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import pwd
 import signal
 import ssl
+import struct
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -62,16 +68,19 @@ REGION = "us-east-1"
 ACCOUNT = "dcs"
 KINDS = ("account", "container", "object", "proxy")
 DEVICE = "d0"
+PART_POWER = 6  # of the three rings: 64 partitions, all on DEVICE
+HASH_PATH = "dcs-tests"  # swift.conf's swift_hash_path_prefix and _suffix
 
 # Builds the three rings (1 replica, one device each) with Swift's own RingBuilder: one interpreter start instead
-# of nine `swift-ring-builder` runs. argv: swift_dir, device, then kind=port for account, container and object.
+# of nine `swift-ring-builder` runs. argv: swift_dir, device, partition power, then kind=port for account, container
+# and object.
 _RING_SCRIPT = """
 import sys
 from swift.common.ring import RingBuilder
-swift_dir, device = sys.argv[1:3]
-for spec in sys.argv[3:]:
+swift_dir, device, part_power = sys.argv[1:4]
+for spec in sys.argv[4:]:
     kind, port = spec.split("=")
-    builder = RingBuilder(6, 1, 0)
+    builder = RingBuilder(int(part_power), 1, 0)
     builder.add_dev({"id": 0, "region": 1, "zone": 1, "ip": "127.0.0.1", "port": int(port),
                      "device": device, "weight": 100.0, "meta": ""})
     builder.rebalance()
@@ -283,6 +292,32 @@ class S3Server:
         answer.raise_for_status()
         return int(answer.headers["X-Container-Object-Count"]), int(answer.headers["X-Container-Bytes-Used"])
 
+    def put_objects(self, bucket: str, keys: Sequence[str], body: bytes, threads: int = 16) -> None:
+        """Create `keys` in `bucket` (an existing one), each holding `body`, through the object server itself, as
+        the proxy's PUT does (the object's file, then its row in the bucket's listing): real objects that S3 lists,
+        reads and deletes like any other, for a test that needs thousands of them in place. Skipping the proxy (S3
+        signature, account and container look-ups) makes each about 4x cheaper: ~3 ms of server CPU instead of ~15."""
+        account = f"AUTH_{ACCOUNT}"
+        container_part = _partition(account, bucket)
+        update = {
+            "X-Container-Host": f"127.0.0.1:{self.ports['container']}",
+            "X-Container-Partition": str(container_part),
+            "X-Container-Device": DEVICE,
+            "X-Backend-Storage-Policy-Index": "0",
+            "Content-Type": "application/octet-stream",
+        }
+        base = f"http://127.0.0.1:{self.ports['object']}/{DEVICE}"
+
+        def put(client: httpx.Client, key: str) -> None:
+            url = f"{base}/{_partition(account, bucket, key)}/{account}/{quote(bucket)}/{quote(key)}"
+            answer = client.put(url, content=body, headers={**update, "X-Timestamp": f"{time.time():016.5f}"})
+            if answer.status_code != 201:
+                raise RuntimeError(f"object server refused PUT {key!r}: HTTP {answer.status_code} {answer.text[:300]}")
+
+        with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=threads)) as client:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda key: put(client, key), keys))
+
     # --- internals ---------------------------------------------------------------------------------------------
 
     def _signal(self, kind: str, sig: signal.Signals) -> None:
@@ -337,10 +372,10 @@ class S3Server:
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "swift.conf").write_text(
             textwrap.dedent(
-                """\
+                f"""\
                 [swift-hash]
-                swift_hash_path_suffix = dcs-tests
-                swift_hash_path_prefix = dcs-tests
+                swift_hash_path_suffix = {HASH_PATH}
+                swift_hash_path_prefix = {HASH_PATH}
 
                 [storage-policy:0]
                 name = default
@@ -425,7 +460,7 @@ class S3Server:
             + sections
         )
         rings = subprocess.run(
-            [sys.executable, "-c", _RING_SCRIPT, str(etc), DEVICE]
+            [sys.executable, "-c", _RING_SCRIPT, str(etc), DEVICE, str(PART_POWER)]
             + [f"{kind}={self.ports[kind]}" for kind in ("account", "container", "object")],
             capture_output=True,
             text=True,
@@ -434,6 +469,14 @@ class S3Server:
         if rings.returncode != 0:
             raise RuntimeError(f"building the swift rings failed ({rings.returncode}):\n{rings.stderr[-4000:]}")
         self._configured = True
+
+
+def _partition(account: str, container: str, obj: str | None = None) -> int:
+    """The ring partition of an account/container[/object] path (swift.common.ring.Ring.get_part with this
+    server's hash path prefix and suffix, without loading the ring)."""
+    path = "/".join(p for p in (account, container, obj) if p is not None)
+    digest = hashlib.md5(f"{HASH_PATH}/{path}{HASH_PATH}".encode(), usedforsecurity=False).digest()
+    return int(struct.unpack_from(">I", digest)[0]) >> (32 - PART_POWER)
 
 
 def _self_signed_certificate(cert_path: Path, key_path: Path) -> None:

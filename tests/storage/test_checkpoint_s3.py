@@ -125,14 +125,14 @@ def test_a_worker_killed_mid_upload_leaves_no_half_step_and_the_redelivery_commi
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, worker_cleanup: list
 ) -> None:
     """SIGKILL of the worker while its parts travel (uploads throttled to 4 MiB/s): no manifest, so no step is
-    visible; the restarted worker gets the late-ack task again and the step commits bit-exact with no upload
-    left open."""
+    visible; the restarted worker (not throttled: the pace only makes the kill land mid-upload) gets the late-ack
+    task again and the step commits bit-exact with no upload left open."""
     config = s3_config(
         dcs_config, tmp_path, aws_env, persist_throttle_bytes_per_second=4 * MiB, file_shard_bytes=32 * MiB
     )
     worker = start_worker(config, tmp_path, name="first")
     worker_cleanup.append(worker)
-    state = training_state(width=1500)
+    state = training_state(width=1100)  # one 14.6 MiB file: three 5 MiB parts, about 3.6 s at 4 MiB/s
     with Checkpointer("killed", config) as ckpt:
         pending = ckpt.save(state, step=7)
         deadline = time.monotonic() + 30
@@ -145,7 +145,8 @@ def test_a_worker_killed_mid_upload_leaves_no_half_step_and_the_redelivery_commi
         worker.kill()
         assert "fleet/ckpt/killed/step-000000007/manifest.json" not in objects(aws_env)
         assert ckpt.list() == []
-        worker_cleanup.append(start_worker(config, tmp_path, name="second"))
+        unthrottled = config.model_copy(update={"persist_throttle_bytes_per_second": None})
+        worker_cleanup.append(start_worker(unthrottled, tmp_path, name="second"))
         info = pending.wait(timeout=180)
         assert info.step == 7
         assert_same_state(state, ckpt.restore().state)

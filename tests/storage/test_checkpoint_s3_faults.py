@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,7 +124,7 @@ def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_re
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """A small file is refused by the bucket's quota at once while a 12 MiB file of the same step is still going
-    up (its parts, in the uncapped segments container, paced at 2 MiB/s): the step fails; the big file's upload
+    up (its parts, in the uncapped segments container, paced at 4 MiB/s: 3 s): the step fails; the big file's upload
     is then refused at its publish check and aborted. Every file must still reach an outcome, so the save's
     staging buffer is handed back and `close()` finds nothing in flight. The store's and the committer's behaviour:
     an in-process committer (`inline`, the worker's code, two threads as the worker's two processes)."""
@@ -137,7 +136,7 @@ def test_a_file_still_uploading_when_its_step_fails_is_counted_and_the_buffer_re
         aws_env,
         file_shard_bytes=8 * MiB,
         s3_concurrency=1,
-        persist_throttle_bytes_per_second=2 * MiB,
+        persist_throttle_bytes_per_second=4 * MiB,
     )
     aws_env.server.set_bucket_quota(aws_env.bucket, 100, segments=False)  # single PUTs fail, parts do not
     state = {"big": torch.randn(3 * MiB), "small": torch.arange(1000, dtype=torch.int8)}
@@ -309,7 +308,8 @@ def test_a_listing_of_thousands_of_junk_keys_still_finds_the_steps_and_listings_
     dcs_config: DCSConfig, tmp_path: Path, aws_env: S3Bucket, inline: Inline
 ) -> None:
     """1,001 junk keys under the run prefix, sorting before the steps (S3 lists 1,000 keys a page, so the steps'
-    manifests come on the second page; Swift here creates ~20 objects/s on a loaded 2-core machine, so no more):
+    manifests come on the second page; Swift here creates ~60 objects/s through S3 on a 2-core machine, so the junk
+    goes in through its object server, `S3Server.put_objects`, and no more of it):
     list and restore find exactly the real steps; `S3Store.objects(limit=)` refuses a longer listing, and
     `get_small` an object over its limit."""
     config = s3_config(dcs_config, tmp_path, aws_env)
@@ -317,10 +317,8 @@ def test_a_listing_of_thousands_of_junk_keys_still_finds_the_steps_and_listings_
     states = {s: training_state(seed=s) for s in (10, 20)}
     with Checkpointer("junk", config, celery_app=inline(config)) as ckpt:
         ckpt.save(states[10], step=10).wait(timeout=120)
-        client = aws_env.client(max_pool_connections=16)
         keys = [f"{run}/aaa-{i:05d}" for i in range(JUNK_KEYS)]  # they sort first: the steps are on page 2
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda k: client.put_object(Bucket=aws_env.bucket, Key=k, Body=b"x"), keys))
+        aws_env.server.put_objects(aws_env.bucket, keys, b"x")
         ckpt.save(states[20], step=20).wait(timeout=120)
         assert len(objects(aws_env, f"{run}/")) > JUNK_KEYS
         assert [i.step for i in ckpt.list()] == [10, 20]
