@@ -89,8 +89,9 @@ _launchers_lock = threading.Lock()
 
 def launcher_for(version: str, env: dict[str, str], log_path: Path) -> Launcher:
     """The launcher of `version` for servers of environment `env` (started now, logging to `log_path`, if none
-    is): started with `env` less the variables a server may set for itself (launcher.PER_SERVER_SETTINGS)."""
-    env = {k: v for k, v in env.items() if k not in PER_SERVER_SETTINGS}
+    is): started with `env` less the variables a server may set for itself (launcher.PER_SERVER_SETTINGS) and
+    pytest's PYTEST_CURRENT_TEST (the running test's name, different in each: read by nothing in vLLM)."""
+    env = {k: v for k, v in env.items() if k not in (*PER_SERVER_SETTINGS, "PYTEST_CURRENT_TEST")}
     key = (version, tuple(sorted(env.items())))
     with _launchers_lock:
         launcher = _launchers.get(key)
