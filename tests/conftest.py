@@ -31,22 +31,26 @@ if TYPE_CHECKING:
 # Database indexes of the shared server: one per test, never reused within a pytest process.
 SHARED_DATABASES = 16384
 
-# The longest test files (minutes each on a 2-core machine), longest first. `make test` hands whole files to
+# The longest test files (30-60 s each on a quiet 2-core machine), longest first. `make test` hands whole files to
 # its processes in collection order, so these go out first and the short files fill in around them; collected
-# last, one of them would run alone at the end while the other process idles.
+# last, one of them would run alone at the end while the other processes idle.
 LONGEST_FIRST = (
-    "tests/integration/test_engine_attach_sglang.py",
-    "tests/integration/test_sglang_engines.py",
-    "tests/sglang_engine/test_protocol.py",
-    "tests/integration/test_checkpoint_export_hf.py",
-    "tests/distributed/test_checkpoint_dtensor.py",
-    "tests/sglang_engine/test_harness.py",
-    "tests/multihost/test_checkpoints.py",
-    "tests/integration/test_checkpoint_import.py",
-    "tests/integration/test_weight_sync.py",
-    "tests/integration/test_checkpoint_sharded.py",
+    "tests/integration/test_examples.py",
+    "tests/integration/test_vllm_engines.py",
     "tests/faults/test_redis_sentinel_failover.py",
-    "tests/multihost/test_weight_sync.py",
+    "tests/integration/test_sglang_engines.py",
+    "tests/storage/test_checkpoint_s3.py",
+    "tests/integration/test_receiver_schema.py",
+    "tests/integration/test_engine_attach_sglang.py",
+    "tests/integration/test_engine_attach.py",
+    "tests/storage/test_checkpoint_s3_faults.py",
+    "tests/faults/test_checkpoint_crashes.py",
+    "tests/integration/test_verl_backend.py",
+    "tests/sglang_engine/test_protocol.py",
+    "tests/integration/test_demo.py",
+    "tests/integration/test_colocated_vllm.py",
+    "tests/integration/test_weight_sync.py",
+    "tests/multihost/test_checkpoints.py",
 )
 
 

@@ -9,7 +9,8 @@ pool): each child gets its own environment, working directory, argv and log file
 child is a new process, so every torch.distributed group, socket and file it makes is its own.
 
 Use it for processes the test only starts, waits for and kills; a process whose command line matters (one that
-re-execs itself, e.g. `dcs worker`) or that must run inside a simulated host stays a `subprocess.Popen`.
+re-execs itself, e.g. `dcs worker`) stays a `subprocess.Popen`. A process of a simulated host is forked from here
+too and joins the host's namespaces itself (`tests/multihost/inhost.py`, `SimulatedHost.spawn_python`).
 """
 
 from __future__ import annotations
