@@ -10,6 +10,12 @@ bytes (the limit) and torch DCP's S3 writers, all against one S3 server in one r
          s3fs pins an older botocore than DCS's boto3, so it runs in a child process with its own botocore
          (`.bench-s3fs/`, installed by `make bench-storage`; "not run" without it)
 
+Payload signing (`--payload-signing`, default off): whether SigV4 signatures cover each request body's SHA-256.
+DCS's default (`s3_payload_signing = auto`) is off over https and on over plain http; the bench's server is plain
+http on loopback standing in for an https endpoint, so by default every contender that has the option runs
+unsigned (DCS, s3transfer, obstore's `unsigned_payload`, s3fs), as s3torchconnector's CRT client always does
+(aws-c-s3 signs UNSIGNED-PAYLOAD); `--payload-signing on` signs for DCS, s3transfer, obstore and s3fs alike.
+
 The server is whatever AWS_ENDPOINT_URL names (credentials from the standard AWS environment); `--bucket` must
 exist. The server's own caches are not dropped, for any contender. Prints a summary and writes
 a result file under bench/results/storage/. Example (a Swift s3api server the test suite starts, see
@@ -57,6 +63,9 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - began
 
 
+SIGN = False  # --payload-signing: the plain contenders sign their bodies as DCS does (set by main)
+
+
 def client() -> Any:
     import boto3
     from botocore.config import Config
@@ -64,7 +73,7 @@ def client() -> Any:
     return boto3.client(
         "s3",
         config=Config(
-            s3={"addressing_style": "path"},
+            s3={"addressing_style": "path", "payload_signing_enabled": SIGN},
             max_pool_connections=64,
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -123,6 +132,7 @@ def plain_obstore(
         secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
         region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
         virtual_hosted_style_request=False,
+        unsigned_payload=not SIGN,
         client_options={"allow_http": endpoint.startswith("http://")},
     )
     keys = [f"obstore/{tag}/file-{i}" for i in range(len(files))]
@@ -198,7 +208,7 @@ def dcp_fsspec(bucket: str, state: dict[str, torch.Tensor], tag: str, threads: i
         return f"not run: s3fs is not installed in {where} (make bench-storage installs it there)"
     shapes = {k: list(v.shape) for k, v in state.items()}
     child = subprocess.run(
-        [sys.executable, __file__, "--dcp-fsspec-child", json.dumps([bucket, tag, threads, shapes])],
+        [sys.executable, __file__, "--dcp-fsspec-child", json.dumps([bucket, tag, threads, shapes, SIGN])],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")])},
         capture_output=True,
         text=True,
@@ -216,10 +226,11 @@ def dcp_fsspec_child(spec: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # not re-exported in 2.13
 
-    bucket, tag, threads, shapes = json.loads(spec)
+    bucket, tag, threads, shapes, sign = json.loads(spec)
     state = {k: torch.randn(shape) for k, shape in shapes.items()}
     uri = f"s3://{bucket}/dcp-fsspec/{tag}"
-    opts = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"), "config_kwargs": {"s3": {"addressing_style": "path"}}}
+    s3 = {"addressing_style": "path", "payload_signing_enabled": sign}
+    opts = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"), "config_kwargs": {"s3": s3}}
     save = timed(lambda: dcp.save(state, storage_writer=FsspecWriter(uri, thread_count=threads, **opts)))
     target = {k: torch.empty_like(v) for k, v in state.items()}
     load = timed(lambda: dcp.load(target, storage_reader=FsspecReader(uri, **opts)))
@@ -324,7 +335,15 @@ def main() -> None:
     parser.add_argument("--file-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the save target counts them)")
     parser.add_argument("--processes", type=int, default=2, help="`dcs worker` processes (files persisted at once)")
+    parser.add_argument(
+        "--payload-signing",
+        choices=("off", "on"),
+        default="off",
+        help="SigV4 over each body's SHA-256, for DCS and every contender that has the option (see the docstring)",
+    )
     args = parser.parse_args()
+    global SIGN
+    SIGN = args.payload_signing == "on"
     if not os.environ.get("AWS_ENDPOINT_URL"):
         parser.error("set AWS_ENDPOINT_URL (and the AWS credentials) to the S3 server to measure")
     region = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
@@ -341,6 +360,7 @@ def main() -> None:
         s3_concurrency=args.concurrency,
         file_shard_bytes=args.file_mb * MiB,
         incremental_saves=False,
+        s3_payload_signing=args.payload_signing,
     )
     worker = start_worker(config, work / "worker.log", concurrency=args.processes)
     files = []  # the same byte count split as DCS splits it (files of --file-mb)
@@ -389,6 +409,7 @@ def main() -> None:
         "part_mb": args.part_mb,
         "concurrency": args.concurrency,
         "processes": args.processes,
+        "payload_signing": args.payload_signing,
         "plain_upload_s": up,
         "plain_download_s": down,
         "dcs": dcs,
@@ -424,7 +445,13 @@ def main() -> None:
         "rounds": rounds,
         "summary": summary,
     }
-    notes = "" if isinstance(summary.get("dcp_fsspec"), dict) else f"DCP + s3fs (FsspecWriter): {summary['dcp_fsspec']}"
+    notes = (
+        f"Payload signing {args.payload_signing} for DCS, s3transfer, obstore and s3fs (s3torchconnector's CRT client"
+        " always sends UNSIGNED-PAYLOAD); the server is plain http on loopback, standing in for an https endpoint,"
+        " where DCS's default (s3_payload_signing=auto) is unsigned."
+    )
+    if not isinstance(summary.get("dcp_fsspec"), dict):
+        notes += f" DCP + s3fs (FsspecWriter): {summary['dcp_fsspec']}"
     bench_run.record(record, rows(summary), notes=notes, headline=headline(rows(summary)))
     print(json.dumps(summary, indent=2, default=str))
 

@@ -644,6 +644,12 @@ class S3Settings(_Area):
     """Connect timeout of one S3 request."""
     read_timeout_seconds: float = Field(alias="s3_read_timeout_seconds", default=60.0, gt=0, le=3600)
     """Longest wait for bytes on an S3 connection."""
+    payload_signing: str = Field(alias="s3_payload_signing", default="auto", pattern=r"^(auto|on|off)$")
+    """Whether SigV4 signatures cover each request body's SHA-256 (`on`) or say UNSIGNED-PAYLOAD (`off`: method,
+    key, headers and credentials stay signed). `auto`: `off` over https, where TLS protects the body in transit
+    (as AWS's own SDKs do there), `on` over plain http, where the signature is the body's only protection.
+    Signing costs a SHA-256 pass over every uploaded byte in the worker, and another on servers that check it.
+    Either way a restore checks every byte against the manifest's xxh3 (docs/checkpoints.md, "Object storage")."""
 
 
 class DCSConfig(BaseSettings):

@@ -45,6 +45,7 @@ _TRAINER_WORKER = (
     "replica_dir peer_timeout_seconds max_retries retry_delay_seconds retry_backoff_max_seconds "
     "task_soft_time_limit_seconds task_time_limit_seconds visibility_timeout_seconds enable_metrics metrics_host "
     "s3_region s3_addressing_style s3_part_bytes s3_max_attempts s3_connect_timeout_seconds s3_read_timeout_seconds "
+    "s3_payload_signing "
     "runtime_dir host_trusted_uid peer_handshake_seconds peer_min_bytes_per_second peer_max_manifest_bytes"
 )
 _TRAINER_WORKER_RECEIVER = (

@@ -52,6 +52,7 @@ def s3_settings(config: DCSConfig) -> S3Settings:
         max_attempts=config.s3.max_attempts,
         connect_timeout=config.s3.connect_timeout_seconds,
         read_timeout=config.s3.read_timeout_seconds,
+        payload_signing=config.s3.payload_signing,
     )
 
 

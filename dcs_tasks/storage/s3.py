@@ -6,9 +6,11 @@ path-style addressing for S3-compatible servers (`AWS_ENDPOINT_URL` too), retrie
 backoff (`standard` mode), and its low-level client is thread-safe. The bytes do not go through s3transfer,
 nor through a Python copy: uploads lend botocore slices of the staging mapping (`ViewReader`) and hash them in
 order while they travel; ranged GETs are read from the HTTP response straight into the destination tensors
-(`_direct_stream`); s3transfer can do neither (it hashes nothing and lands downloads in a file or a buffer of
-its own). `bench/storage.py` measures this against s3transfer, obstore, s3fs (DCP's `FsspecWriter`/
-`FsspecReader`) and s3torchconnector on the same server; docs/checkpoints.md says why this client.
+(`_direct_stream`); s3transfer can do neither (it hashes nothing and lands downloads in a file or a buffer of its
+own). Bodies are SHA-256-signed only where `s3_payload_signing` says so (`client`: by default over plain http, not
+over https, where TLS carries their integrity). `bench/storage.py` measures this against s3transfer, obstore, s3fs
+(DCP's `FsspecWriter`/`FsspecReader`) and s3torchconnector on the same server; docs/checkpoints.md says why this
+client.
 
 Every call maps botocore's errors to DCS's: `StorageAccessDenied` (never retried), `StorageFull`,
 `StorageNotFound`, `StorageUnavailable` (a ConnectionError: retried by the worker). Messages name the bucket,
@@ -73,6 +75,7 @@ class S3Settings:
     max_attempts: int = 5
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
+    payload_signing: str = "auto"  # on / off / auto (off over https, on over http): `s3_payload_signing`
 
 
 class ObjectMissing(StorageError):
@@ -128,11 +131,11 @@ def endpoint_without_credentials(url: str | None) -> str | None:
 class ViewReader(io.RawIOBase):
     """A seekable, read-only file over a memoryview: a part's body without copying the staging mapping.
 
-    `read` hands out slices of the view itself, not copies: botocore hashes them for the request's signature
-    and urllib3 passes them to `sendall`, so a part travels from the staging mapping to the socket with no
-    copy in Python. Every slice handed out is released by `close()` (the owner of the mapping must be able to
-    close it, even after an error whose traceback still references a slice); `seek` lets botocore rewind the
-    body to resend a part."""
+    `read` hands out slices of the view itself, not copies: botocore hashes them for the request's signature (where
+    the payload is signed: `s3_payload_signing`) and urllib3 passes them to `sendall`, so a part travels from the
+    staging mapping to the socket with no copy in Python. Every slice handed out is released by `close()` (the owner
+    of the mapping must be able to close it, even after an error whose traceback still references a slice); `seek`
+    lets botocore rewind the body to resend a part."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
@@ -199,6 +202,12 @@ def prewarm(settings: S3Settings) -> None:
     client(settings)
 
 
+def payload_unsigned_by_default(endpoint_url: str) -> bool:
+    """Whether `s3_payload_signing = "auto"` sends UNSIGNED-PAYLOAD to `endpoint_url` (the one the client
+    resolved): over https only, where TLS carries the body's integrity; over http the signature is all there is."""
+    return endpoint_url.lower().startswith("https://")
+
+
 def client(settings: S3Settings) -> Any:
     """One botocore S3 client per process and settings (clients are thread-safe; a forked child makes its own)."""
     # a process that changes its credential environment gets a new client (a cached one keeps what it resolved)
@@ -209,21 +218,29 @@ def client(settings: S3Settings) -> Any:
             import boto3
             from botocore.config import Config
 
-            config = Config(
-                region_name=settings.region,
-                retries={"mode": "standard", "max_attempts": settings.max_attempts},
-                max_pool_connections=max(10, settings.concurrency * 2, settings.read_concurrency + 2),
-                connect_timeout=settings.connect_timeout,
-                read_timeout=settings.read_timeout,
-                s3={"addressing_style": settings.addressing_style},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            )
             session = _sessions.get(key[2:])
             if session is None:  # a session caches the credentials it resolved: one per credential environment
                 session = _sessions[key[2:]] = boto3.session.Session()
             endpoint = endpoint_without_credentials(settings.endpoint_url)
-            found = session.client("s3", endpoint_url=endpoint, config=config)
+
+            def make(sign: bool) -> Any:
+                s3 = {"addressing_style": settings.addressing_style, "payload_signing_enabled": sign}
+                config = Config(
+                    region_name=settings.region,
+                    retries={"mode": "standard", "max_attempts": settings.max_attempts},
+                    max_pool_connections=max(10, settings.concurrency * 2, settings.read_concurrency + 2),
+                    connect_timeout=settings.connect_timeout,
+                    read_timeout=settings.read_timeout,
+                    s3=s3,
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                return session.client("s3", endpoint_url=endpoint, config=config)
+
+            signing = settings.payload_signing
+            found = make(signing != "off")  # `auto` signs until the endpoint is known to be https
+            if signing == "auto" and payload_unsigned_by_default(found.meta.endpoint_url):
+                found = make(False)  # the endpoint botocore resolved (ours, AWS_ENDPOINT_URL, AWS's) is https
             _clients[key] = found
         return found
 

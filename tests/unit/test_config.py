@@ -193,7 +193,7 @@ def test_errors_name_the_flat_setting() -> None:
 
 def test_every_area_field_has_one_environment_name() -> None:
     names = [info.alias or name for model in AREAS.values() for name, info in model.model_fields.items()]
-    assert len(names) == len(set(names)) == len(SETTINGS) == 105
+    assert len(names) == len(set(names)) == len(SETTINGS) == 106
     assert set(names) == set(SETTINGS) and not set(names) & set(AREAS)
     envs = [setting.env for setting in SETTINGS.values()]
     assert len(set(envs)) == len(envs) and all(env == env.upper() and env.startswith("DCS_") for env in envs)
