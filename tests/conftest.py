@@ -23,6 +23,7 @@ from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
 from tests.helpers.shm import shm_dir
+from tests.helpers.testconfig import short_config
 
 if TYPE_CHECKING:
     from dcs_tasks.checkpoint.inline import InlineCommitter
@@ -151,14 +152,7 @@ def redis_server(
 @pytest.fixture
 def dcs_config(redis_server: RedisServer, tmp_path: Path) -> DCSConfig:
     """A config on the private Redis, with short heartbeats and a private checkpoint dir."""
-    return DCSConfig(
-        redis_url=redis_server.url,
-        checkpoint_dir=tmp_path / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-    )
+    return short_config(redis_server.url, tmp_path)
 
 
 @pytest.fixture

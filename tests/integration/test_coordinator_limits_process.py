@@ -22,6 +22,7 @@ from dcs_tasks.models import WeightMeta
 from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import REPO, CoordinatorProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.testconfig import short_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 READ_TIMEOUT = 1.0  # the shared coordinator's coordinator_request_read_timeout_seconds
@@ -45,15 +46,7 @@ def shared(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp("coordinator-limits")
-    config = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-        coordinator_request_read_timeout_seconds=READ_TIMEOUT,
-    )
+    config = short_config(database.url, tmp, coordinator_request_read_timeout_seconds=READ_TIMEOUT)
     coordinator = CoordinatorProcess(config, tmp / "coordinator.log").start()
     try:
         yield Shared(config, coordinator, database)

@@ -15,6 +15,7 @@ from dcs_tasks.config import DCSConfig
 from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.testconfig import short_config
 from tests.integration.engine_attach_support import (
     AttachProcess,
     HealthSwitchEngine,
@@ -36,15 +37,7 @@ def module_config(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp("attach")
-    yield DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-        auth_token=SecretStr(TOKEN),
-    )
+    yield short_config(database.url, tmp, auth_token=SecretStr(TOKEN))
     database.flush()
 
 

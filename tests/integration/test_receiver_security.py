@@ -29,6 +29,7 @@ from tests.helpers.ports import free_port
 from tests.helpers.preloaded import run_module
 from tests.helpers.procs import REPO, CoordinatorProcess, child_env
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.testconfig import short_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -126,15 +127,7 @@ def served(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp("receiver-security")
-    config = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-        auth_token=SecretStr(TOKEN),
-    )
+    config = short_config(database.url, tmp, auth_token=SecretStr(TOKEN))
     coordinator = CoordinatorProcess(config, tmp / "coordinator.log").start()
     try:
         yield Served(config, coordinator)

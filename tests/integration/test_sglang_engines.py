@@ -22,10 +22,10 @@ import torch
 from pydantic import SecretStr
 
 from dcs_tasks.client.engine import CheckpointEngineClient
-from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import EngineAuthRefused, EngineIncompatible, WeightSyncError
 from tests.distributed.sync_stack import SyncStack, sync_stack
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.testconfig import short_config
 from tests.integration.engine_attach_support import AttachProcess, rollout_nodes, wait_for
 from tests.sglang_engine.harness import SGLangEngine, installed, warm
 from tests.sglang_engine.tiny_model import HIDDEN, INTERMEDIATE, SHAPES, VOCAB
@@ -80,14 +80,7 @@ def module_stack(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp("sglang-engines")
-    config = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-    ).model_copy(
+    config = short_config(database.url, tmp).model_copy(
         update={
             "auth_token": SecretStr(TOKEN),
             "comm_timeout_seconds": 30.0,

@@ -25,6 +25,7 @@ from dcs_tasks.sync.receiving import tensor_sha256
 from dcs_tasks.sync.wire import QuantizationConfig
 from tests.distributed.sync_stack import SyncStack, actor_client, alive_ranks, sync_stack
 from tests.helpers.redis_server import RedisDB, RedisServer
+from tests.helpers.testconfig import short_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -64,14 +65,7 @@ def served(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp("weight-sync")
-    base = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-    )
+    base = short_config(database.url, tmp)
     try:
         with sync_stack(sync_config(base), tmp) as stack:
             yield stack
