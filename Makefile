@@ -10,10 +10,11 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # Test files run in this many processes (pytest-xdist, whole files per process: tests in one file share fixtures
-# and order); 0 runs everything in one process. Half the suite's time is waiting (servers starting, heartbeats
-# expiring, engines answering), so on the 2-core CI machines 4 processes beat 2: 627 s against 786 s of pytest
-# for the same 1,516 tests on a quiet machine (docs/testing.md).
-PYTEST_WORKERS ?= 4
+# and order); 0 runs everything in one process. 4 processes ran the suite in 484 s against 786 s for 2 on a quiet
+# 2-core machine, but one of three 4-process runs failed two timing- and port-sensitive tests
+# (test_coordinator_fencing, test_backend_preflight), so CI keeps 2 until those are made robust; try
+# PYTEST_WORKERS=4 locally.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install redis-bin sglang-engines vllm-engines verl-lib lint typecheck test test-unit test-fast demo bench bench-storage clean format
 .PHONY: compose-wheels compose-test
