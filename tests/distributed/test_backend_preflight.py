@@ -7,6 +7,7 @@ Real coordinator, thread-pool `dcs worker` and `dcs receiver` processes (tests/d
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -126,11 +127,26 @@ def test_device_ids_are_checked_against_the_devices_torch_reports() -> None:
 @contextmanager
 def squatted_port() -> Iterator[int]:
     """A port listened on at 127.0.0.2 only: the worker's check (bind 127.0.0.1:port) finds it free, but the
-    trainer's master store, which listens on every address, cannot bind it (EADDRINUSE)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.2", 0))
-        sock.listen()
-        yield int(sock.getsockname()[1])
+    trainer's master store, which listens on every address, cannot bind it (EADDRINUSE).
+
+    The port is drawn from 24000-31999: below the kernel's ephemeral range (32768-60999 by default), where the
+    outgoing connections of the tests running beside this one take their local ports, and apart from the comm
+    ranges tests configure (11000-11999, 20000-20999). An ephemeral port collided once: another test's connection
+    held 127.0.0.1:port between the draw and the worker's check, which then found no free master port."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(24000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, socket.socket() as sock:
+            try:
+                probe.bind(("127.0.0.1", port))  # free where the worker looks
+                probe.close()
+                sock.bind(("127.0.0.2", port))
+            except OSError:
+                continue
+            sock.listen()
+            yield port
+            return
+    raise RuntimeError("no port in 24000-31999 was free on both 127.0.0.1 and 127.0.0.2")
 
 
 async def test_a_group_failing_on_both_sides_names_the_trainers_reason_and_each_engines(

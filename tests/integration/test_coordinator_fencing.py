@@ -4,12 +4,13 @@
 - a register cannot take over the rank of a live node of another identity (409); once that node is dead
   (its heartbeat TTL ran out) the rank is free, and DCS's own client waits for that (a restarted trainer);
 - registrations that never beat leave soon after their heartbeat timeout, however many there are;
-- /topology reads only live nodes: 20,480 dead registrations do not slow it."""
+- /topology reads only live nodes: with 20,480 dead registrations it costs a small part of a read that parses them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -80,33 +81,48 @@ async def test_registrations_that_never_beat_leave_soon_and_do_not_slow_topology
         update={
             "heartbeat_interval_seconds": 0.3,
             "heartbeat_timeout_seconds": 1.0,
-            "unbeaten_node_retention_seconds": 1.0,
+            "unbeaten_node_retention_seconds": 5.0,
             "max_body_bytes": 16 << 20,
         }
     )
     async with in_process_coordinator(config) as coord:
         live = await coord.api.register(node(0, 7000, role="actor"))
 
-        async def topology_seconds() -> float:
+        async def best_of(read: Callable[[], Awaitable[object]], times: int) -> float:
             best = float("inf")
-            for _ in range(5):
+            for _ in range(times):
                 started = time.perf_counter()
-                assert list((await coord.api.topology()).nodes["actor"]) == [0]
+                await read()
                 best = min(best, time.perf_counter() - started)
             return best
 
+        async def live_topology() -> None:
+            assert list((await coord.api.topology()).nodes["actor"]) == [0]
+
+        async def every_registration() -> None:  # /debug/topology reads and parses the dead nodes too
+            answer = (await coord.authed.get("/debug/topology")).json()
+            assert len(answer["nodes"]["flood"]) >= 18_432 and not any(
+                n["alive"] for n in answer["nodes"]["flood"].values()
+            )
+
         await coord.api.heartbeat("actor", 0)
-        baseline = await topology_seconds()
-        for batch in range(10):  # 20,480 nodes that never beat
-            nodes = [node(None, 10_000 + batch * 2048 + i, role="flood").model_dump() for i in range(2048)]
+        for batch in range(10):  # 20,480 nodes that never beat: the first 2,048 rank-less, the rest at their ranks
+            # (a rank-less registration takes a dead node's rank, so rank-less ones alone would not pile up)
+            nodes = [
+                node(None if batch == 0 else batch * 2048 + i, 10_000 + batch * 2048 + i, role="flood").model_dump()
+                for i in range(2048)
+            ]
             assert (await coord.authed.post("/register_batch", json={"nodes": nodes})).is_success
-        await asyncio.sleep(1.2)  # all of them dead: their heartbeat TTL ran out
+        await asyncio.sleep(1.2)  # all of them dead: their heartbeat TTL ran out (kept 5 s more, unbeaten)
         await coord.api.heartbeat("actor", 0)
-        flooded = await topology_seconds()
-        assert flooded < 3 * baseline + 0.05, (baseline, flooded)
+        # Timed against a read of the same Redis that does parse them, in the same moment, rather than against an
+        # absolute bound: 4 test processes beside this one on 2 cores once made a 3x + 50 ms bound fail.
+        flooded = await best_of(live_topology, 5)
+        everything = await best_of(every_registration, 1)
+        assert flooded * 5 < everything, (flooded, everything)
         r = redis.Redis.from_url(config.redis.url)
         keys = Keys(config.redis.namespace)
-        deadline = time.monotonic() + 20  # gone after timeout + 1 s (sweeps every 0.5 s), not after an hour
+        deadline = time.monotonic() + 20  # gone after timeout + 5 s (sweeps every 0.5 s), not after an hour
         while r.hlen(keys.role_nodes("flood")) and time.monotonic() < deadline:
             await coord.api.heartbeat("actor", 0)
             await asyncio.sleep(0.2)
