@@ -22,7 +22,15 @@ from dcs_tasks.backends.device_direct import DeviceDirectBackend
 from dcs_tasks.celery_app import TaskName, make_celery
 from dcs_tasks.config import BackendType, DCSConfig, RoleInfo
 from dcs_tasks.coordinator_api import CoordinatorAPI
-from dcs_tasks.errors import DCSError, DCSTimeoutError, SaveFailed, WeightSyncError
+from dcs_tasks.errors import (
+    CoordinatorError,
+    DCSError,
+    DCSTimeoutError,
+    NodeNotFound,
+    RankConflict,
+    SaveFailed,
+    WeightSyncError,
+)
 from dcs_tasks.hostagent import NodeLiveness
 from dcs_tasks.metrics import get_metrics
 from dcs_tasks.netaddr import configure_comm_interface, route_address
@@ -231,14 +239,19 @@ class CheckpointEngineClient:
         self._fwd_sender = ActorFwdSender(self._api, sender(False), pp_rank)
 
     async def stop(self) -> None:
-        """Cancel heartbeats and background receives, release groups, close the backend, the checkpointer and the HTTP
-        client. A `SaveFailed` from the checkpointer's close (a failed save not raised yet) is raised once all of it
-        is closed."""
+        """Cancel heartbeats and background receives, unregister the node, release groups, close the backend, the
+        checkpointer and the HTTP client. A `SaveFailed` from the checkpointer's close (a failed save not raised
+        yet) is raised once all of it is closed. Stopping again does nothing more.
+
+        The unregister is best effort, fenced with the node's identity (X-DCS-Node: a successor that took the rank
+        over is never removed) and bounded by `request_timeout_seconds`: a coordinator that does not answer, or
+        refuses, is logged and the node leaves the topology once its heartbeats expire, as before."""
         if self._background is not None:
             await cancel_and_wait(self._background)
         if self._beats is not None:
-            await self._beats.stop()
-            self._beats = None
+            beats, self._beats = self._beats, None
+            await beats.stop()  # an agent stops beating the node before it is removed
+            await self._unregister(beats)
         if self._rollout is not None:
             await self._rollout.aclose()
         if self._colocated is not None:
@@ -258,8 +271,31 @@ class CheckpointEngineClient:
         if failed is not None:
             raise failed
 
+    async def _unregister(self, beats: NodeLiveness) -> None:
+        """Remove the node `beats` kept alive, fenced with the identity its registration got; logs what fails."""
+        role, rank, api = beats.info.role_name, beats.info.rank, self._api
+        if api is None or rank is None:
+            return
+        if beats.lost is not None:  # another node holds the rank now: nothing of ours to remove
+            log.info("not unregistering %s: the rank was taken over (%s)", beats.info.node_id, beats.lost)
+            return
+        if not api.identity_of(role, rank):  # never registered (start() failed before): an unfenced call could
+            return  # remove another node holding that rank
+        limit = self.config.coordinator.request_timeout_seconds
+        try:
+            async with asyncio.timeout(limit):
+                await api.unregister(role, rank)
+            log.info("unregistered %s", beats.info.node_id)
+        except NodeNotFound:
+            log.info("%s was already gone from the coordinator", beats.info.node_id)
+        except RankConflict as exc:
+            log.warning("not unregistering %s: another node holds the rank now: %s", beats.info.node_id, exc)
+        except (CoordinatorError, TimeoutError) as exc:
+            why = f"no answer in {limit:g}s" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("unregistering %s failed (its heartbeats will expire): %s", beats.info.node_id, why)
+
     async def _release_pp_port(self) -> None:
-        name = self.role_info.metadata.get("pp_group_name")
+        name = self.role_info.metadata.pop("pp_group_name", None)
         if name and self._bootstrapper is not None:
             from dcs_tasks.sync.wire import DestroyRequest
 
