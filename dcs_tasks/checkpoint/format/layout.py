@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # The dtype table and the tensor description are shared with weight sync (dcs_tasks.tensors); the checkpoint
 # readers import the code <-> dtype maps from here (built on first use: a worker moving bytes never imports torch).
 from dcs_tasks import tensors as _tensors
+from dcs_tasks.checkpoint.format import nogil
 from dcs_tasks.storage.objpath import ObjectPath
 from dcs_tasks.tensors import TensorSpec as TensorSpec
 from dcs_tasks.tensors import specs_of as specs_of
@@ -76,8 +77,9 @@ def chunk_sum(data: Any) -> str:
 
 
 def new_hasher() -> Any:
-    """The streaming checksum used for every file (xxh3_128: >10 GB/s, so it hides behind the I/O)."""
-    return xxhash.xxh3_128()
+    """The streaming checksum used for every file (xxh3_128: >10 GB/s, so it hides behind the I/O), hashing
+    without the GIL where the xxhash build allows (`nogil.Hasher`: the same digests)."""
+    return nogil.Hasher() if nogil.available() else xxhash.xxh3_128()
 
 
 @dataclass(frozen=True)
