@@ -564,8 +564,13 @@ class PeerSettings(_Area):
     """Memory tier: connections one source address may have open at the peer server before they authenticate
     (more are closed at once); at most 64 in all, apart from the 16 that transfer steps."""
     min_bytes_per_second: int = Field(alias="peer_min_bytes_per_second", default=1 << 20, ge=0)
-    """Memory tier: the rate a peer copy or fetch must keep once its step's bytes move, judged over each 10 s
-    (slower: cut off, its partial copy removed; 0: no minimum, only `peer_timeout_seconds` without progress)."""
+    """Memory tier: the rate a peer copy or fetch must keep once its step's bytes move, judged over each
+    `peer_rate_window_seconds` (slower: cut off, its partial copy removed; 0: no minimum, only
+    `peer_timeout_seconds` without progress)."""
+    rate_window_seconds: float = Field(alias="peer_rate_window_seconds", default=10.0, ge=1.0, le=300)
+    """Memory tier: the window `peer_min_bytes_per_second` is judged over, and the longest a moving transfer may
+    be silent (when shorter than `peer_timeout_seconds`): a peer that trickles is cut off within about two
+    windows. Shorter cuts slow peers sooner but also a transfer that stalls briefly (a busy disk or host)."""
     max_manifest_bytes: int = Field(alias="peer_max_manifest_bytes", default=4 << 20, ge=64 << 10, le=512 << 20)
     """Memory tier: the largest manifest a peer copy may carry (~400 bytes per tensor: 4 MiB holds ~10,000
     tensors per rank). A step with a bigger manifest is not copied to peers; it stays in memory and storage."""

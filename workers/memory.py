@@ -47,6 +47,7 @@ class _PeerService:
             handshake_seconds=config.peer.handshake_seconds,
             per_source=config.peer.connections_per_source,
             min_rate=config.peer.min_bytes_per_second,
+            rate_window=config.peer.rate_window_seconds,
             max_manifest_bytes=config.peer.max_manifest_bytes,
         )
         self.stop_event = threading.Event()

@@ -149,6 +149,7 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
                 rel,
                 timeout=config.peer.timeout_seconds,
                 min_rate=config.peer.min_bytes_per_second,
+                rate_window=config.peer.rate_window_seconds,
                 max_manifest_bytes=config.peer.max_manifest_bytes,
             )
         except CheckpointError as exc:

@@ -46,7 +46,8 @@ _TRAINER_WORKER = (
     "task_soft_time_limit_seconds task_time_limit_seconds visibility_timeout_seconds enable_metrics metrics_host "
     "s3_region s3_addressing_style s3_part_bytes s3_max_attempts s3_connect_timeout_seconds s3_read_timeout_seconds "
     "s3_payload_signing "
-    "runtime_dir host_trusted_uid peer_handshake_seconds peer_min_bytes_per_second peer_max_manifest_bytes"
+    "runtime_dir host_trusted_uid peer_handshake_seconds peer_min_bytes_per_second peer_rate_window_seconds "
+    "peer_max_manifest_bytes"
 )
 _TRAINER_WORKER_RECEIVER = (
     "coordinator_url request_timeout_seconds group_init_timeout_seconds group_init_timeout_max_seconds host_agent "

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 HANDSHAKE_SECONDS = 2.0  # peer_handshake_seconds of the idle-connections test
+RATE_WINDOW_SECONDS = 3.0  # peer_rate_window_seconds of the trickling test (default 10)
 
 
 def peer_address(config: DCSConfig, host: str) -> tuple[str, int]:
@@ -101,11 +103,13 @@ def test_a_token_holder_cannot_push_steps_of_a_run_and_rank_it_does_not_hold(
         worker.discard()
 
 
-def two_hosts(dcs_config: DCSConfig, tmp_path: Path, b_bytes: int) -> tuple[DCSConfig, DCSConfig, list[WorkerProcess]]:
+def two_hosts(
+    dcs_config: DCSConfig, tmp_path: Path, b_bytes: int, **b_settings: Any
+) -> tuple[DCSConfig, DCSConfig, list[WorkerProcess]]:
     """Host a (holds the steps it commits, by `committed_steps_of_a`; no peer copies of its own) and host b (a
-    memory tier of `b_bytes`, served by its real worker)."""
+    memory tier of `b_bytes`, served by its real worker started with `b_settings` besides)."""
     a = host_config(dcs_config, tmp_path, "hosta", memory_replicas=0, memory_keep_last=8, memory_tier_bytes=256 * MiB)
-    b = host_config(dcs_config, tmp_path, "hostb", memory_replicas=0, memory_tier_bytes=b_bytes)
+    b = host_config(dcs_config, tmp_path, "hostb", memory_replicas=0, memory_tier_bytes=b_bytes, **b_settings)
     return a, b, [start_worker(b, tmp_path, name="worker-b")]
 
 
@@ -183,7 +187,10 @@ def test_huge_manifests_are_refused_unread(dcs_config: DCSConfig, tmp_path: Path
 def test_a_trickling_transfer_is_cut_off_and_leaves_nothing(
     dcs_config: DCSConfig, tmp_path: Path, inline: Inline
 ) -> None:
-    a, b, workers = two_hosts(dcs_config, tmp_path, 64 * MiB)
+    """Host b's worker (DCS_PEER_RATE_WINDOW_SECONDS=3 in its environment, the default minimum rate) cuts a put
+    that sends one byte a second once its first window closes: not before 3 s, and well before the default
+    window's 10 s."""
+    a, b, workers = two_hosts(dcs_config, tmp_path, 64 * MiB, peer_rate_window_seconds=RATE_WINDOW_SECONDS)
     try:
         ((step_dir, rel),) = committed_steps_of_a(a, inline, 1, 256)
         address = peer_address(b, "hostb")
@@ -204,8 +211,10 @@ def test_a_trickling_transfer_is_cut_off_and_leaves_nothing(
                 break
             time.sleep(1.0)
         ch.sock.close()
-        assert cut is not None and cut < 25, "a transfer at 1 byte/s was still held after 40 s"
-        print(f"a transfer at 1 byte/s cut off after {cut:.1f} s")
+        assert cut is not None, "a transfer at 1 byte/s was still held after 40 s"
+        # the worker's window started before `began` (it answered "send" first); the test looks once a second
+        assert RATE_WINDOW_SECONDS - 0.5 <= cut < RATE_WINDOW_SECONDS + 5, f"cut off after {cut:.1f} s"
+        print(f"a transfer at 1 byte/s cut off after {cut:.1f} s ({RATE_WINDOW_SECONDS:g} s window)")
         wait_until(lambda: incoming(b) == [], 10, "the partial copy to be removed")
         assert not (Path(b.host.memory_dir) / rel).exists()
     finally:

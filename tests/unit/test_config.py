@@ -193,10 +193,30 @@ def test_errors_name_the_flat_setting() -> None:
 
 def test_every_area_field_has_one_environment_name() -> None:
     names = [info.alias or name for model in AREAS.values() for name, info in model.model_fields.items()]
-    assert len(names) == len(set(names)) == len(SETTINGS) == 106
+    assert len(names) == len(set(names)) == len(SETTINGS) == 107
     assert set(names) == set(SETTINGS) and not set(names) & set(AREAS)
     envs = [setting.env for setting in SETTINGS.values()]
     assert len(set(envs)) == len(envs) and all(env == env.upper() and env.startswith("DCS_") for env in envs)
     for setting in SETTINGS.values():  # a field's name is its flat name, or that name less its area's prefix
         assert setting.field in (setting.flat, setting.flat.removeprefix(f"{setting.area}_"), "budget_bytes", "dir")
         assert setting.info.description, f"{setting.flat} has no docstring"
+
+
+def test_the_peer_rate_window_is_a_setting_with_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCS_PEER_RATE_WINDOW_SECONDS sets the window the memory tier's minimum peer rate is judged over (default
+    10 s, as the constant it replaced); values outside 1-300 s or not numbers are refused, naming the setting."""
+    assert DCSConfig().peer.rate_window_seconds == 10.0
+    monkeypatch.setenv("DCS_PEER_RATE_WINDOW_SECONDS", "2.5")
+    config = DCSConfig()
+    assert config.peer.rate_window_seconds == 2.5
+    assert config.to_env()["DCS_PEER_RATE_WINDOW_SECONDS"] == "2.5"
+    for bad, why in (
+        ("0", "greater than or equal to 1"),
+        ("-3", "greater than or equal to 1"),
+        ("301", "less than or equal to 300"),
+        ("ten", "valid number"),
+    ):
+        monkeypatch.setenv("DCS_PEER_RATE_WINDOW_SECONDS", bad)
+        with pytest.raises(ValidationError, match=why) as caught:
+            DCSConfig()
+        assert [error["loc"] for error in caught.value.errors()] == [("peer_rate_window_seconds",)]

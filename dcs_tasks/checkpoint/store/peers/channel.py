@@ -51,7 +51,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_MESSAGE = 500  # characters of a peer's error message kept
 NONCE_BYTES = 32
 TAG_BYTES = 32
-RATE_WINDOW_SECONDS = 10.0  # a transfer's minimum rate is judged over windows this long
+RATE_WINDOW_SECONDS = 10.0  # a transfer's minimum rate is judged over windows this long (peer_rate_window_seconds)
 SOCKET_BUFFER_BYTES = 16 << 20  # asked for when net.core.[rw]mem_max allow that much, else TCP autotuning
 _ERROR_KINDS: dict[str, type[PeerError]] = {
     "auth": PeerAuthFailed,

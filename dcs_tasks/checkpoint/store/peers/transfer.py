@@ -52,6 +52,7 @@ from typing import Any
 from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, Manifest
 from dcs_tasks.checkpoint.store.payloads import run_name_problem
 from dcs_tasks.checkpoint.store.peers.channel import (
+    RATE_WINDOW_SECONDS,
     Address,
     Channel,
     Pace,
@@ -110,9 +111,9 @@ class PeerServer:
     raises PeerRefused for a step a put may not bring (the memory tier's: `tiers.PutCheck`); `room()`, when
     given, is the bytes the memory tier may still take. `max_step_bytes` bounds the step a put may bring (and so
     each connection's temp directory); `timeout`: every socket call's, and the request's; `handshake_seconds`:
-    the handshake's; `min_rate`: the bytes/s a transfer must keep (0: none). `on_installed(rel)` is called (in the
-    connection's thread, after the peer was answered) for every step a put installed. `errors` keeps the last
-    failures (newest last), for logs and tests."""
+    the handshake's; `min_rate`: the bytes/s a transfer must keep (0: none), judged over each `rate_window`
+    seconds. `on_installed(rel)` is called (in the connection's thread, after the peer was answered) for every
+    step a put installed. `errors` keeps the last failures (newest last), for logs and tests."""
 
     def __init__(
         self,
@@ -129,15 +130,16 @@ class PeerServer:
         max_connections: int = MAX_CONNECTIONS,
         per_source: int = PER_SOURCE,
         min_rate: float = MIN_RATE,
+        rate_window: float = RATE_WINDOW_SECONDS,
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         on_installed: Callable[[str], None] | None = None,
     ) -> None:
         self._token = token_bytes(token)
         numbers = (max_step_bytes, timeout, handshake_seconds, max_connections, per_source, max_manifest_bytes)
-        if min(numbers) <= 0 or min_rate < 0:
+        if min(numbers) <= 0 or min_rate < 0 or rate_window <= 0:
             raise ConfigError(
-                "max_step_bytes, timeout, handshake_seconds, max_connections, per_source and max_manifest_bytes "
-                "must be positive, min_rate >= 0"
+                "max_step_bytes, timeout, handshake_seconds, max_connections, per_source, max_manifest_bytes and "
+                "rate_window must be positive, min_rate >= 0"
             )
         self.root = Path(root)
         self.host = host
@@ -150,6 +152,7 @@ class PeerServer:
         self.max_connections = max_connections
         self.per_source = per_source
         self.min_rate = min_rate
+        self.rate_window = rate_window
         self.max_manifest_bytes = max_manifest_bytes
         self.on_installed = on_installed
         self.errors: deque[PeerError] = deque(maxlen=64)
@@ -389,7 +392,7 @@ class PeerServer:
                 ch.send({"status": "have"})
                 return None
             ch.send({"status": "send"})
-            ch.start_transfer(Pace(self.min_rate))
+            ch.start_transfer(Pace(self.min_rate, self.rate_window))
             installed = receive_step(ch, self.root.joinpath(*rel.parts[:-1]), parent_fd, rel, manifest, raw)
             return installed
         finally:
@@ -423,7 +426,7 @@ class PeerServer:
         try:
             ch.send({"status": "send"})
             ch.send_blob(raw, f"sending the manifest of {rel}")
-            ch.start_transfer(Pace(self.min_rate))
+            ch.start_transfer(Pace(self.min_rate, self.rate_window))
             send_files(ch, fds, manifest, rel)
         finally:
             for fd in fds:
@@ -450,6 +453,7 @@ def push_step(
     *,
     timeout: float,
     min_rate: float = MIN_RATE,
+    rate_window: float = RATE_WINDOW_SECONDS,
     max_manifest_bytes: int = MAX_MANIFEST_BYTES,
 ) -> int:
     """Send the committed step at `step_dir` to the peer at `address`, which installs it as `rel`; the bytes of
@@ -475,7 +479,7 @@ def push_step(
             ch.send_blob(raw, f"sending the manifest of {step}")
             if ch.reply(f"offering {step}", "have", "send")["status"] == "have":
                 return 0
-            ch.start_transfer(Pace(min_rate))
+            ch.start_transfer(Pace(min_rate, rate_window))
             try:
                 sent = send_files(ch, fds, manifest, step)
             except PeerUnavailable as exc:
@@ -500,6 +504,7 @@ def pull_step(
     max_bytes: int,
     accept: Callable[[StepRel, bytes], None] | None = None,
     min_rate: float = MIN_RATE,
+    rate_window: float = RATE_WINDOW_SECONDS,
     max_manifest_bytes: int = MAX_MANIFEST_BYTES,
 ) -> Path:
     """Fetch the step `rel` from the peer at `address` and install it, verified, as `dest_root/rel` (module doc:
@@ -529,7 +534,7 @@ def pull_step(
                 raise PeerCorrupt(f"peer {ch.peer}: {exc}") from exc
             if accept is not None:
                 accept(step, raw)
-            ch.start_transfer(Pace(min_rate))
+            ch.start_transfer(Pace(min_rate, rate_window))
             try:
                 receive_step(ch, final.parent, parent_fd, step, manifest, raw)
             except LocalWriteError as exc:

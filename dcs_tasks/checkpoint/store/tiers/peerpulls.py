@@ -97,6 +97,7 @@ def _pull(
             max_bytes=max(config.memory.budget_bytes, 1),
             accept=check,
             min_rate=config.peer.min_bytes_per_second,
+            rate_window=config.peer.rate_window_seconds,
             max_manifest_bytes=config.peer.max_manifest_bytes,
         )
     except CheckpointError as exc:
