@@ -75,14 +75,13 @@ def test_the_factory_is_where_the_store_is_chosen() -> None:
     assert Path(__file__).name == "test_store_switches.py"
 
 
-# `factory.is_object` branches still outside the factory (file -> calls, when they were counted). Each is a
-# place that picks a code path by where the bytes live instead of asking its store for an operation
-# (`Store.put`, `Store.lock`, the verified reader its store picks: `store/reads/verified.py`, a payload's location
-# parsed by `factory.named` and resolved by its store, ...): the header checks of a step's files (descriptors, or
-# ranged GETs). The count only goes down.
-IS_OBJECT_LEFT = {
-    "dcs_tasks/checkpoint/store/reads/stepcheck.py": 1,
-}
+# `factory.is_object` branches still outside the factory (file -> calls, when they were counted): none. A place
+# that picks a code path by where the bytes live asks its store for an operation instead (`Store.put`,
+# `Store.lock`, `Store.files` + `Store.read_into` for a step's headers, the verified reader its store picks:
+# `store/reads/verified.py`, ...). What needs a local file's descriptor, mapping or flock asks the interface's
+# capability query, `Store.local_path` (None: the store lends no local file), as torch DCP's readers ask for a
+# path. The count only goes down.
+IS_OBJECT_LEFT: dict[str, int] = {}
 
 
 def is_object_calls() -> dict[str, int]:

@@ -29,12 +29,10 @@ from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, STEP_DIR, FileEntr
 from dcs_tasks.checkpoint.format.validate import MAX_MANIFEST_BYTES, MAX_REASON, check_header_entry, check_manifest
 from dcs_tasks.checkpoint.store.reads.zdecode import Decoder, check_frame
 from dcs_tasks.errors import CorruptCheckpoint
-from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import is_object
+from dcs_tasks.storage import Location, store_of
 from dcs_tasks.storage.fs import open_regular
-from dcs_tasks.storage.objpath import listed_sizes
-from dcs_tasks.storage.s3 import ObjectMissing
 
+STEP_FOLDER_FILES = 100_000  # a step folder listed for sizes holds a step's files: more is not a checkpoint
 HEAD_PREFETCH = 256 * 1024  # bytes of an object fetched at once for its safetensors header
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 
@@ -87,11 +85,12 @@ def check_files(step_dir: Location, manifest: Manifest) -> None:
     by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in manifest.files}
     for name, entry in manifest.tensors.items():
         by_file[entry.file][name] = entry
-    if is_object(step_dir):  # no descriptor to check through: sizes from one listing, headers by ranged reads
-        _check_objects(step_dir, manifest, by_file)
+    local = store_of(step_dir).local_path(step_dir)
+    if local is None:  # no descriptor to check through: sizes from listings, headers by ranged reads
+        _check_through_store(step_dir, manifest, by_file)
         return
     for f in manifest.files:
-        path = f.stored_path(step_dir)
+        path = f.stored_path(local)
         if f.source_step is not None:
             _check_source_dir(path.parent, f.name, f.source_step)
         fd = open_stored(path, f)
@@ -107,14 +106,19 @@ def check_files(step_dir: Location, manifest: Manifest) -> None:
             os.close(fd)
 
 
-def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, dict[str, TensorEntry]]) -> None:
-    """`check_files` for a step in an object store: each object exists with its recorded size and, stored plain,
-    its safetensors header (read with ranged GETs) agrees with the manifest. A compressed object's frame and
-    header are checked when it is read (fetched whole, then decompressed: `objread`)."""
-    listed = listed_sizes([f.stored_path(step_dir) for f in manifest.files])
+def _check_through_store(step_dir: Location, manifest: Manifest, by_file: dict[str, dict[str, TensorEntry]]) -> None:
+    """`check_files` for a step whose store lends no local file (an object store): each file exists with its
+    recorded size, from one listing per folder (`Store.files`), and, stored plain, its safetensors header (read
+    into memory with `Store.read_into`) agrees with the manifest. A compressed file's frame and header are checked
+    when it is read (fetched whole, then decompressed: `objread`)."""
+    store = store_of(step_dir)
+    listings: dict[str, dict[str, int]] = {}
     for f in manifest.files:
         path = f.stored_path(step_dir)
-        size = listed.get(path.key)
+        folder = path.parent
+        if str(folder) not in listings:
+            listings[str(folder)] = store.files(folder, STEP_FOLDER_FILES)
+        size = listings[str(folder)].get(path.name)
         if size is None:
             raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path))
         if size != f.disk_size:
@@ -122,12 +126,14 @@ def _check_objects(step_dir: ObjectPath, manifest: Manifest, by_file: dict[str, 
                 f"checkpoint object {path} has {size} bytes, manifest says {f.disk_size}", str(path)
             )
         if not f.compression:
-            _check_header(-1, path, size, by_file[f.name], _object_reader(path, size))
+            _check_header(-1, path, size, by_file[f.name], _store_reader(path, size))
 
 
-def _object_reader(path: ObjectPath, size: int) -> Callable[[int], bytes]:
-    """`read(n)`: the object's next n bytes from its start. The first `HEAD_PREFETCH` bytes come with one ranged
-    GET (a header is almost always shorter), the rest, if a header is longer, with one more."""
+def _store_reader(path: Location, size: int) -> Callable[[int], bytes]:
+    """`read(n)`: the file's next n bytes from its start, through its store. The first `HEAD_PREFETCH` bytes come
+    with one read (one ranged GET: a header is almost always shorter), the rest, if a header is longer, with
+    one more."""
+    store = store_of(path)
     pos = 0
     first = bytearray(min(size, HEAD_PREFETCH))
     fetched = False
@@ -135,19 +141,16 @@ def _object_reader(path: ObjectPath, size: int) -> Callable[[int], bytes]:
     def read(n: int) -> bytes:
         nonlocal pos, fetched
         n = max(0, min(n, size - pos))
-        try:
-            if not fetched and first:
-                path.store.read_into(path.key, 0, [memoryview(first)])
-                fetched = True
-            if pos + n <= len(first):
-                out = bytes(first[pos : pos + n])
-            else:
-                buf = bytearray(n)
-                if n:
-                    path.store.read_into(path.key, pos, [memoryview(buf)])
-                out = bytes(buf)
-        except ObjectMissing as exc:
-            raise CorruptCheckpoint(f"checkpoint object {path} is missing", str(path)) from exc
+        if not fetched and first:
+            store.read_into(path, 0, [memoryview(first)])  # a missing object: CorruptCheckpoint
+            fetched = True
+        if pos + n <= len(first):
+            out = bytes(first[pos : pos + n])
+        else:
+            buf = bytearray(n)
+            if n:
+                store.read_into(path, pos, [memoryview(buf)])
+            out = bytes(buf)
         pos += n
         return out
 
