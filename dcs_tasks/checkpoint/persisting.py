@@ -57,7 +57,6 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointFailed, InvalidTaskPayload, UntrustedPath
 from dcs_tasks.keys import Keys
 from dcs_tasks.storage import Location, ObjectPath, store_of
-from dcs_tasks.storage.factory import within
 from dcs_tasks.storage.store import Refused
 
 log = logging.getLogger(__name__)
@@ -294,7 +293,7 @@ def write_file(
 
 
 def _in_memory_tier(config: DCSConfig, step_dir: Location) -> bool:
-    return memdir.enabled(config) and within(step_dir, memdir.memory_root(config))
+    return memdir.in_memory_tier(config, step_dir)
 
 
 def _open_staging(ctx: Context, staging: Path) -> int:

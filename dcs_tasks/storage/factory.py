@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import TypeIs
 
 from dcs_tasks.storage.fs import FileStore
+from dcs_tasks.storage.memtier import MemoryTierStore
 from dcs_tasks.storage.objects import ObjectStore
 from dcs_tasks.storage.objpath import ObjectPath
 from dcs_tasks.storage.s3 import S3Settings, S3Store
@@ -32,11 +33,30 @@ OBJECTS = ObjectStore()
 COPY_CHUNK_BYTES = 16 * 1024 * 1024  # one read + write step of `copy`
 
 
+MAX_MEMORY_ROOTS = 64  # memory directories one process knows (one per configured tier; tests make more)
+_memory_stores: dict[Path, MemoryTierStore] = {}
+
+
+def memory_store(root: Path) -> MemoryTierStore:
+    """The memory tier's store for the (resolved) memory directory `root`; from now on `store_of` hands it every
+    path under `root`."""
+    found = _memory_stores.get(root)
+    if found is None:
+        if len(_memory_stores) >= MAX_MEMORY_ROOTS:  # the oldest is forgotten: its paths go back to FILES
+            del _memory_stores[next(iter(_memory_stores))]
+        found = _memory_stores[root] = MemoryTierStore(root)
+    return found
+
+
 def store_of(loc: Location) -> Store[Any]:
-    """The store that holds `loc`'s bytes."""
+    """The store that holds `loc`'s bytes: the memory tier's for a path under a memory directory (`memory_store`),
+    the file store for any other path, the object store for an object."""
     if isinstance(loc, ObjectPath):
         return OBJECTS
     if isinstance(loc, Path):
+        for root, store in _memory_stores.items():
+            if loc.is_relative_to(root):
+                return store
         return FILES
     raise TypeError(f"{type(loc).__name__} is not a checkpoint location (a Path or an ObjectPath)")
 
@@ -74,8 +94,9 @@ def named(text: str, root: Location) -> Location | None:
 
 
 def same_store(a: Location, b: Location) -> bool:
-    """`a` and `b` are locations of one kind of store (a file copy, a server-side copy, `within`, are possible)."""
-    return store_of(a) is store_of(b)
+    """`a` and `b` are locations of one kind of store (a file copy, a server-side copy, `within`, are possible):
+    the memory tier's files and other files are one family."""
+    return store_of(a).family == store_of(b).family
 
 
 def within(loc: Location, root: Location) -> bool:

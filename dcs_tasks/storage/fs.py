@@ -197,6 +197,7 @@ class FileStore(Store[Path]):
     """Files in POSIX directories. `direct`: write with O_DIRECT where the file system allows it."""
 
     name = "file"
+    family = "file"
     direct = True
 
     def open_writer(self, loc: Path, tag: str) -> Writer:

@@ -131,6 +131,7 @@ class ObjectStore(Store[ObjectPath]):
     """Objects under the bucket each `ObjectPath` carries (its `S3Store`)."""
 
     name = "s3"
+    family = "s3"
 
     def open_writer(self, loc: ObjectPath, tag: str) -> Writer:
         return ObjectWriter(loc)

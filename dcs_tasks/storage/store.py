@@ -91,6 +91,8 @@ class Store(abc.ABC, Generic[L]):
     a "folder" is a directory, or a key prefix in an object store."""
 
     name: str = "store"
+    family: str = "store"  # stores of one family share a location kind: `within`, `relative`, file copies
+    in_memory = False  # the memory tier's (its bytes are in RAM: recycled pages, sealed steps)
 
     # --- writing ---------------------------------------------------------------------------------
     @abc.abstractmethod

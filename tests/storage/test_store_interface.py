@@ -359,3 +359,26 @@ def test_a_part_the_store_refuses_fails_the_writer_and_aborts_its_upload(aws_env
             writer.write(memoryview(pattern(5 * MiB)))
         writer.publish()
     assert store.stat(root / "big") is None and open_uploads(aws_env) == []
+
+
+def test_paths_under_a_memory_directory_go_to_the_memory_tiers_store(tmp_path: Path) -> None:
+    """`memdir.memory_root` tells the factory of the memory directory; from then on its paths are the memory
+    tier's (no O_DIRECT, `in_memory`), every other path stays the file store's, and the two remain one family:
+    `within`, `relative` and copies work between them as between any two directories."""
+    from dcs_tasks.checkpoint.store.tiers import memdir
+    from dcs_tasks.config import DCSConfig
+
+    config = DCSConfig(memory_tier_bytes=MiB, memory_dir=str(tmp_path / "memory"), checkpoint_dir=tmp_path / "disk")
+    assert not memdir.in_memory_tier(config.model_copy(update={"memory_tier_bytes": 0}), tmp_path / "memory" / "x")
+    root = memdir.memory_root(config, create=True)
+    step = root / "run" / "step-000000001"
+    store = store_of(step)
+    assert isinstance(store, MemoryTierStore) and store is memdir.memory_store(config) and store.in_memory
+    assert store.name == "memory" and not store.direct and memdir.in_memory_tier(config, step)
+    disk = tmp_path / "disk" / "run" / "step-000000001"
+    assert store_of(disk) is FILES and not FILES.in_memory and not memdir.in_memory_tier(config, disk)
+    assert within(step, root) and not within(disk, root) and relative(step, root) == "run/step-000000001"
+    data = pattern(3 * MiB + 1)
+    store.write_small(step / "f", data, "t")
+    copy(step / "f", disk / "f", "c", len(data))  # memory -> disk, as a flush copies
+    assert (disk / "f").read_bytes() == data and store.stat(step / "f") == len(data)

@@ -25,6 +25,8 @@ from dcs_tasks.checkpoint.format.layout import MANIFEST_NAME, RANK_DIR, STEP_DIR
 from dcs_tasks.checkpoint.store.tiers.seal import SEAL_NAME, is_peer_copy
 from dcs_tasks.checkpoint.store.writes.durable import try_lock
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.storage import factory
+from dcs_tasks.storage.memtier import MemoryTierStore
 
 RECYCLE_DIR = ".recycle"  # files of steps that left memory, overwritten by the next steps (`take_recycled`)
 
@@ -38,8 +40,21 @@ def enabled(config: DCSConfig) -> bool:
 
 def memory_root(config: DCSConfig, create: bool = False) -> Path:
     """The memory tier's directory, resolved (created 0700 when `create`); one that exists is checked private to
-    this uid first (`dcs_tasks.hostdirs`: UnsafeHostDirectory for another user's directory, a link, mode 0777)."""
-    return hostdirs.memory_dir(config, create=create).resolve()
+    this uid first (`dcs_tasks.hostdirs`: UnsafeHostDirectory for another user's directory, a link, mode 0777).
+    From then on `store_of` hands its paths to the memory tier's store (`memory_store`)."""
+    root = hostdirs.memory_dir(config, create=create).resolve()
+    factory.memory_store(root)
+    return root
+
+
+def memory_store(config: DCSConfig) -> MemoryTierStore:
+    """The store of the memory tier's directory (`storage.memtier`: files in RAM, no O_DIRECT)."""
+    return factory.memory_store(memory_root(config))
+
+
+def in_memory_tier(config: DCSConfig, loc: factory.Location) -> bool:
+    """`loc` is in this host's memory tier, which is enabled."""
+    return enabled(config) and memory_store(config).holds(loc) and factory.store_of(loc).in_memory
 
 
 @dataclass(frozen=True)
