@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -53,6 +53,41 @@ LONGEST_FIRST = (
     "tests/integration/test_weight_sync.py",
     "tests/multihost/test_checkpoints.py",
 )
+
+
+# Files that `make test` runs in one process, one after another (whole files still, each in collection order):
+# those that start engines from the same per-process forking server, which imports SGLang or vLLM once per pytest
+# process (tests/sglang_engine/zygote.py, tests/vllm_engine/launcher.py: 15-25 s of CPU each on a 2-core machine).
+# Spread over several processes, each process paid that import again.
+SHARED_PROCESS = {
+    **dict.fromkeys(
+        (
+            "tests/integration/test_sglang_engines.py",
+            "tests/integration/test_engine_attach_sglang.py",
+            "tests/integration/test_colocated_sglang.py",
+            "tests/sglang_engine/test_protocol.py",
+            "tests/sglang_engine/test_harness.py",
+        ),
+        "sglang zygote",
+    ),
+    **dict.fromkeys(
+        ("tests/integration/test_vllm_engines.py", "tests/integration/test_colocated_vllm.py"), "vllm launcher"
+    ),
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` with the files of `SHARED_PROCESS` handed out as one unit per group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileOrGroup(LoadFileScheduling):  # type: ignore[misc]  # xdist ships no type hints
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return SHARED_PROCESS.get(file, file)
+
+    return LoadFileOrGroup(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
