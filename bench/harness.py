@@ -1,18 +1,29 @@
 """Pieces the benchmarks share: the result file of a run (`Run`, below), a private redis-server, `dcs coordinator`
 and `dcs worker` processes, the bare FastAPI+SET comparison app, per-process CPU time from /proc, a raw HTTP/1.1
-answer reader and percentiles. Benchmarks do not import tests/."""
+answer reader and percentiles. Benchmarks do not import tests/.
+
+What `start_redis`, `start_coordinator`, `start_worker` and `start_bare` start does not outlive the benchmark:
+the first of them has SIGTERM and SIGHUP raise `SystemExit(128 + signal)` in the main thread, and SIGINT
+`KeyboardInterrupt` as Python's own handler does, so the script's `finally:` blocks run; at exit, whatever of
+theirs is not `stop`ped yet is (newest first: the workers before the Redis they use). A second signal while that
+runs kills them at once. A signal the benchmark started with ignored (SIGINT in a background job of a
+non-interactive shell) stays ignored. Only SIGKILL of the benchmark still leaves them behind.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import datetime
 import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -143,13 +154,76 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+# --- the benchmark's processes: stopped when it ends ------------------------------------------------------------
+_RUNNING: list[subprocess.Popen[bytes]] = []  # started here, not stopped yet (oldest first)
+_SESSIONS: set[int] = set()  # of those, the ones leading a session of their own (a worker and its pool)
+_signals: list[int] = []  # the signals received (SIGTERM, SIGHUP, SIGINT)
+_owner = 0  # the pid that installed the handlers: a forked child of the benchmark leaves its processes alone
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """The first signal: raised in the main thread (so `finally:` blocks stop what they started); any later one
+    while that runs: kill -9 what is still running, then raise again."""
+    if os.getpid() != _owner:  # a fork of the benchmark: the signal's default action
+        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+        os.kill(os.getpid(), signum)
+        return
+    _signals.append(signum)
+    name = signal.Signals(signum).name
+    if len(_signals) > 1:
+        print(f"bench: {name} again: killing its processes", file=sys.stderr, flush=True)
+        for proc in list(_RUNNING):
+            _kill(proc)
+    else:
+        print(f"bench: {name}: stopping its processes", file=sys.stderr, flush=True)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def _adopt(proc: subprocess.Popen[bytes], session: bool = False) -> subprocess.Popen[bytes]:
+    """Stop `proc` when the benchmark ends, however it ends but SIGKILL (module doc)."""
+    global _owner
+    if not _owner:
+        _owner = os.getpid()
+        atexit.register(_stop_running)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                    signal.signal(sig, _on_signal)
+    _RUNNING.append(proc)
+    if session:
+        _SESSIONS.add(proc.pid)
+    return proc
+
+
+def _stop_running() -> None:
+    """At exit: stop what is still running, newest first."""
+    if os.getpid() != _owner:
+        return
+    for proc in reversed(list(_RUNNING)):
+        stop(proc)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """kill -9 of `proc` (of its whole process group when it leads a session: a worker's pool too)."""
+    try:
+        if proc.pid in _SESSIONS and proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:
+        pass
+
+
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A private redis-server as production runs it (AOF on, appendfsync everysec, no eviction)."""
+    """A private redis-server as production runs it (AOF on, appendfsync everysec, no eviction), in a session of
+    its own: a Ctrl-C at the terminal reaches the benchmark alone, which stops its workers before this Redis."""
     port = free_port()
     args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
             "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
             "--logfile", str(workdir / "redis.log")]  # fmt: skip
-    proc = subprocess.Popen(args)
+    proc = _adopt(subprocess.Popen(args, start_new_session=True), session=True)
     wait_for_port(port)
     return proc, f"redis://127.0.0.1:{port}/0"
 
@@ -165,6 +239,7 @@ def start_coordinator(config: DCSConfig, log_path: Path, src: Path = REPO) -> tu
         proc = subprocess.Popen(
             [sys.executable, "-m", "dcs_tasks.cli.main", "coordinator"], env=env, stdout=log, stderr=log, cwd=src
         )
+    _adopt(proc)
     wait_for_port(port)
     return proc, port
 
@@ -180,7 +255,7 @@ def start_worker(config: DCSConfig, log_path: Path, concurrency: int, timeout: f
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "dcs_tasks.cli.main", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO, start_new_session=True)
+        proc = _adopt(subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO, start_new_session=True), True)
     client = sync_client(config)
     key = Keys(config.redis.namespace).worker_presence(node_queue(config.host_name))
     deadline = time.monotonic() + timeout
@@ -202,17 +277,21 @@ def start_bare(script: str, redis_url: str, log_path: Path | None = None) -> tup
     else:
         with log_path.open("ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    _adopt(proc)
     wait_for_port(port)
     return proc, port
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a worker: warm shutdown), then kill -9 (a worker: its pool too) after 10 s."""
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _kill(proc)
         proc.wait(10)
+    if proc in _RUNNING:
+        _RUNNING.remove(proc)
 
 
 def serve_bare(port: int, redis_url: str) -> None:
