@@ -1,8 +1,9 @@
 """The cluster topology, kept entirely in Redis (the coordinator holds no state of its own).
 
 Layout (keys from `dcs_tasks.keys`): per role a hash rank -> RoleInfo JSON, a hash rank -> "ip:port"
-identity and its inverse identity -> rank; a sorted set of roles in first-registration order; per node a
-heartbeat key with a TTL of `heartbeat_timeout`. A node is alive iff its heartbeat key exists.
+identity and its inverse identity -> rank, and the nodes' last beats by rank (where a rank-less registration
+looks for the role's dead ranks); a sorted set of roles in first-registration order; per node a heartbeat key
+with a TTL of `heartbeat_timeout`. A node is alive iff its heartbeat key exists.
 Registration, heartbeat and unregistration are single Lua scripts (see `coordinator.scripts`),
 so concurrent coordinators agree.
 
@@ -166,13 +167,16 @@ class TopologyManager:
             keys.heartbeat_prefix(),
             repr(max(0.0, refresh)),
         ]
+        self._beat_many_tail = [keys.role_beats_prefix(), keys.role_stale_prefix()]  # its ARGV[8..9]
         self._register_many_keys = [keys.roles(), keys.role_seq(), keys.node_beats(), keys.node_unbeaten()]
-        self._register_prefixes = [  # ARGV[4..8] of scripts.REGISTER_MANY
+        self._register_prefixes = [  # ARGV[4..10] of scripts.REGISTER_MANY
             keys.role_nodes_prefix(),
             keys.role_owners_prefix(),
             keys.role_identities_prefix(),
             keys.role_rank_hint_prefix(),
             keys.heartbeat_prefix(),
+            keys.role_beats_prefix(),
+            keys.role_stale_prefix(),
         ]
         self._prune_from = 0  # where the next role prune continues (a hint: any value is correct)
 
@@ -215,6 +219,8 @@ class TopologyManager:
             self.keys.role_identities(role),
             self.keys.role_rank_hint(role),
             self.keys.node_unbeaten(),
+            self.keys.role_beats(role),
+            self.keys.role_stale(role),
         ]
         argv = [
             role,
@@ -254,7 +260,7 @@ class TopologyManager:
         joined by "\n", every part checked: no "\n" inside); returns the beat time and one character per beat
         ("1" recorded, "0" not registered, "x" fenced out)."""
         now = time.time()
-        argv = [self._ttl_arg, repr(now), *self._beat_many_argv, packed]
+        argv = [self._ttl_arg, repr(now), *self._beat_many_argv, packed, *self._beat_many_tail]
         codes = await scripts.HEARTBEAT_MANY.run_async(self.redis, self._beat_many_keys, argv)
         return now, codes.decode() if isinstance(codes, bytes) else str(codes)
 
@@ -271,6 +277,8 @@ class TopologyManager:
                 self.keys.role_owners(role),
                 self.keys.node_beats(),
                 self.keys.node_unbeaten(),
+                self.keys.role_beats(role),
+                self.keys.role_stale(role),
             ]
             found = (keys, f"{role}:{rank}")
             self._beat_keys[(role, rank)] = found
@@ -290,6 +298,8 @@ class TopologyManager:
             self.keys.role_identities(role),
             self.keys.role_rank_hint(role),
             self.keys.node_unbeaten(),
+            self.keys.role_beats(role),
+            self.keys.role_stale(role),
         ]
         found = int(await scripts.UNREGISTER.run_async(self.redis, keys, [str(rank), identity, role]))
         if found < 0:
@@ -311,11 +321,12 @@ class TopologyManager:
             self.keys.role_identities_prefix(),
             self.keys.role_rank_hint_prefix(),
         ]
+        tail = [self.keys.role_beats_prefix(), self.keys.role_stale_prefix()]  # ARGV[10..11]
         total = 0
         while True:
             done = int(
                 await scripts.SWEEP_DEAD_NODES.run_async(
-                    self.redis, keys, [repr(cutoff), _SWEEP_BATCH, *prefixes, unbeaten_cutoff, repr(now)]
+                    self.redis, keys, [repr(cutoff), _SWEEP_BATCH, *prefixes, unbeaten_cutoff, repr(now), *tail]
                 )
             )
             total += done

@@ -80,6 +80,26 @@ class Keys:
         removes nodes dead for longer than the retention)."""
         return self._k("topo", "beats")
 
+    def role_beats(self, role: str) -> str:
+        """Z rank -> unix time of the last recorded registration or beat of each node of `role` not in
+        role_stale(role) (a node found alive with an older entry: half the TTL before its heartbeat key runs
+        out): where rank assignment looks for the role's dead ranks (node_beats holds every role's, so looking
+        there cost every role's dead nodes)."""
+        return self._k("topo", "rbeats", role)
+
+    def role_beats_prefix(self) -> str:
+        """Prefix P such that P + role == role_beats(role)."""
+        return self._k("topo", "rbeats") + ":"
+
+    def role_stale(self, role: str) -> str:
+        """Z rank scored by rank: nodes of `role` whose role_beats(role) entry aged past half the heartbeat TTL
+        (moved here by rank assignment), each maybe dead: the smallest one is the first checked."""
+        return self._k("topo", "stale", role)
+
+    def role_stale_prefix(self) -> str:
+        """Prefix P such that P + role == role_stale(role)."""
+        return self._k("topo", "stale") + ":"
+
     def node_unbeaten(self) -> str:
         """Z "role:rank" scored by the unix time of the node's registration, until its first heartbeat: a node
         that never beats is removed soon after its heartbeat timeout, not after the dead-node retention."""

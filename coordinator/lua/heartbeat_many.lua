@@ -1,25 +1,37 @@
 -- Refresh many nodes' heartbeats in one call (POST /heartbeats): per node what HEARTBEAT does, with the fewest
 -- Redis calls: the owner read answers registered and fenced at once (the record is read only when there is no
 -- owner), one SET ... GET refreshes the TTL and returns the previous beat, and the node's node_beats entry (the
--- sweep's and rank assignment's last-beat record) and node_unbeaten entry are written only when that previous
--- beat is older than ARGV[6] seconds (so a record is at most ARGV[6] + one interval old: the coordinator keeps it
--- under half the TTL, which rank assignment relies on).
+-- sweep's last-beat record), role_beats entry (rank assignment's; its role_stale entry goes) and node_unbeaten
+-- entry are written only when that previous beat is older than ARGV[6] seconds (so a record is at most ARGV[6] +
+-- one interval old: the coordinator keeps it under half the TTL, which rank assignment relies on).
 -- KEYS[1] node_beats  KEYS[2] node_unbeaten
 -- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
 -- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] record refresh age (seconds, 0: every beat)
 -- ARGV[7] the beats, "role\nrank\nidentity" each, joined by "\n" (identity "" = unfenced; none holds a "\n")
+-- ARGV[8] role_beats prefix  ARGV[9] role_stale prefix (prefix .. role; written with pcall: one of another type
+-- fails no beat, register.lua rebuilds it)
 -- Returns one character per beat, in order: "1" beat recorded, "0" not registered, "x" rank held by another
 -- identity. A heartbeat key that is not a string (a hostile write) is replaced.
 
 local ttl, now = ARGV[1], ARGV[2]
 local fresh = tonumber(now) - tonumber(ARGV[6])
 local nodes_p, owners_p, beat_p, packed = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
-local out, beats, members = {}, {}, {}
+local role_beats_p, role_stale_p = ARGV[8], ARGV[9]
+local out, beats, members, by_role = {}, {}, {}, {}
 local pos, size = 1, #packed
 local function record()
   redis.call("ZADD", KEYS[1], unpack(beats))
   redis.call("ZREM", KEYS[2], unpack(members))
-  beats, members = {}, {}
+  for role, ranks in pairs(by_role) do
+    local scored = {}
+    for i, rank in ipairs(ranks) do
+      scored[2 * i - 1] = now
+      scored[2 * i] = rank
+    end
+    redis.pcall("ZADD", role_beats_p .. role, unpack(scored))
+    redis.pcall("ZREM", role_stale_p .. role, unpack(ranks))
+  end
+  beats, members, by_role = {}, {}, {}
 end
 while pos <= size do
   local a = string.find(packed, "\n", pos, true)
@@ -48,6 +60,12 @@ while pos <= size do
       beats[#beats + 1] = now
       beats[#beats + 1] = member
       members[#members + 1] = member
+      local ranks = by_role[role]
+      if not ranks then
+        ranks = {}
+        by_role[role] = ranks
+      end
+      ranks[#ranks + 1] = rank
       if #members >= 500 then
         record()
       end

@@ -6,6 +6,8 @@
 -- ARGV[8] cutoff of nodes that never beat: registered before it (unix time) and dead, they go too
 -- ARGV[9] now (unix time): such a node found alive (its registration time was taken before a long pipeline
 --         ran) is looked at again one retention later instead of being forgotten
+-- ARGV[10] role_beats prefix  ARGV[11] role_stale prefix (prefix .. role): a removed node leaves them too (pcall:
+--          one of another type fails nothing); a node kept stays in them, for rank assignment to find once dead
 -- Returns how many entries were processed (== ARGV[2]: call again). A node that beats again in time (its
 -- heartbeat key exists) is kept; its next beat puts it back into node_beats.
 
@@ -36,6 +38,8 @@ for _, member in ipairs(stale) do
       end
       redis.call("HDEL", nodes, rank)
       redis.call("HDEL", ARGV[4] .. role, rank)
+      redis.pcall("ZREM", ARGV[10] .. role, rank)
+      redis.pcall("ZREM", ARGV[11] .. role, rank)
       if redis.call("HLEN", nodes) == 0 then
         redis.call("ZREM", KEYS[2], role)
       end

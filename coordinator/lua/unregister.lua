@@ -1,6 +1,7 @@
 -- Remove a node.
 -- KEYS[1] role_nodes(role)  KEYS[2] role_owners(role)  KEYS[3] heartbeat(role, rank)  KEYS[4] roles
 -- KEYS[5] node_beats  KEYS[6] role_identities(role)  KEYS[7] role_rank_hint(role)  KEYS[8] node_unbeaten
+-- KEYS[9] role_beats(role)  KEYS[10] role_stale(role) (removed with pcall: one of another type fails nothing)
 -- ARGV[1] rank
 -- ARGV[2] identity of the caller (as its registration recorded it), or "" to skip the ownership check
 -- ARGV[3] role name
@@ -26,6 +27,8 @@ redis.call("HDEL", KEYS[2], ARGV[1])
 redis.call("DEL", KEYS[3])
 redis.call("ZREM", KEYS[5], ARGV[3] .. ":" .. ARGV[1])
 redis.call("ZREM", KEYS[8], ARGV[3] .. ":" .. ARGV[1])
+redis.pcall("ZREM", KEYS[9], ARGV[1])
+redis.pcall("ZREM", KEYS[10], ARGV[1])
 if redis.call("HLEN", KEYS[1]) == 0 then
   redis.call("ZREM", KEYS[4], ARGV[3])
 end

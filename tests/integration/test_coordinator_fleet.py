@@ -133,6 +133,13 @@ async def test_nodes_without_a_rank_get_the_smallest_free_one_without_a_scan(dcs
     assert (await topology.register(node(None, 9000))).rank == 7  # an unregistered hole first
     r.delete(keys.heartbeat("actor", 42))  # 42 died: its heartbeat key expired and its last beat is old
     r.zadd(keys.node_beats(), {"actor:42": time.time() - 120})
+    # the role's own last-beat index (where dead ranks are looked for) missing, as records written before it
+    # existed leave it, or corrupt (another type): beats still succeed, and the next rank-less registration
+    # rebuilds it from node_beats
+    r.delete(keys.role_stale("actor"))
+    r.set(keys.role_beats("actor"), "corrupt")
+    assert await topology.heartbeat("actor", 0) is not None
+    assert (await topology.heartbeat_many([("actor", 1, "")]))[1] == [1]
     assert (await topology.register(node(None, 9001))).rank == 42  # a dead node's rank next
     assert (await topology.register(node(None, 9002))).rank == 400
     r.delete(keys.role_nodes("actor"))  # records gone behind the scripts' back: the search starts over
