@@ -153,8 +153,10 @@ class TopologyManager:
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
-        # a node's last-beat record is rewritten once it is this old: with beats every interval it stays under half
-        # the TTL (rank assignment looks for dead ranks among older records); 0 (no interval given): every beat
+        # a batched beat rewrites the node's last-beat records when it falls in another period of this length than
+        # the node's previous beat (scripts.HEARTBEAT_MANY): with beats every interval (or up to 1.5 intervals
+        # apart) a record stays under half the TTL old (rank assignment looks for dead ranks among older records),
+        # rewritten about once per period; 0 (no interval given): every beat
         refresh = (
             0.0
             if heartbeat_interval_seconds is None

@@ -2,11 +2,17 @@
 -- Redis calls: the owner read answers registered and fenced at once (the record is read only when there is no
 -- owner), one SET ... GET refreshes the TTL and returns the previous beat, and the node's node_beats entry (the
 -- sweep's last-beat record), role_beats entry (rank assignment's; its role_stale entry goes) and node_unbeaten
--- entry are written only when that previous beat is older than ARGV[6] seconds (so a record is at most ARGV[6] +
--- one interval old: the coordinator keeps it under half the TTL, which rank assignment relies on).
+-- entry are written only when this beat and the previous one fall in different periods of ARGV[6] seconds (the
+-- node's periods are offset by a phase drawn from its rank, so a fleet's rewrites spread evenly over time rather
+-- than all following each period's start). No read of the record is needed: every writer of the heartbeat key
+-- (register, HEARTBEAT, this script) records a beat whenever its period differs from the key's previous value's,
+-- so the record is always from the period of the key's value, under ARGV[6] older than the last beat. Beating
+-- every interval, a node's record is under ARGV[6] + one interval old, one write per node per ARGV[6] seconds
+-- (the coordinator keeps it under half the TTL, which rank assignment relies on). Comparing the previous beat's
+-- age with ARGV[6] instead would never rewrite the record of a node beating more often than ARGV[6].
 -- KEYS[1] node_beats  KEYS[2] node_unbeaten
 -- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
--- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] record refresh age (seconds, 0: every beat)
+-- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] record refresh period (seconds, 0: every beat)
 -- ARGV[7] the beats, "role\nrank\nidentity" each, joined by "\n" (identity "" = unfenced; none holds a "\n")
 -- ARGV[8] role_beats prefix  ARGV[9] role_stale prefix (prefix .. role; written with pcall: one of another type
 -- fails no beat, register.lua rebuilds it)
@@ -14,7 +20,7 @@
 -- identity. A heartbeat key that is not a string (a hostile write) is replaced.
 
 local ttl, now = ARGV[1], ARGV[2]
-local fresh = tonumber(now) - tonumber(ARGV[6])
+local now_s, period = tonumber(now), tonumber(ARGV[6])
 local nodes_p, owners_p, beat_p, packed = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
 local role_beats_p, role_stale_p = ARGV[8], ARGV[9]
 local out, beats, members, by_role = {}, {}, {}, {}
@@ -56,7 +62,13 @@ while pos <= size do
       redis.call("SET", key, now, "PX", ttl)
       prev = false
     end
-    if not prev or (tonumber(prev) or 0) <= fresh then
+    local due = true
+    local prev_s = prev and tonumber(prev)
+    if prev_s and period > 0 then
+      local phase = (tonumber(rank) or 0) * 0.6180339887498949 % 1 * period
+      due = math.floor((now_s + phase) / period) ~= math.floor((prev_s + phase) / period)
+    end
+    if due then
       beats[#beats + 1] = now
       beats[#beats + 1] = member
       members[#members + 1] = member

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from coordinator import scripts
 from coordinator.app import make_redis
 from coordinator.topology import TopologyManager
 from dcs_tasks.config import DCSConfig, RoleInfo, TopologyConfig
 from dcs_tasks.coordinator_api import KEEPALIVE_EXPIRY_S
-from dcs_tasks.heartbeats import FleetHeartbeatLoop
+from dcs_tasks.heartbeats import FleetHeartbeatLoop, HeartbeatLoop
 from dcs_tasks.keys import Keys
 from dcs_tasks.models import MAX_BATCH_NODES, BeatOutcome
 from tests.helpers.procs import CoordinatorProcess
@@ -49,7 +50,8 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     assert [a.rank for a in answers] == [0, 1, 2] and answers[1].identity == "10.0.0.1:7001"
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
-    # a beat rewrites the last-beat record once it is older than half the TTL less 1.5 intervals (0.25 s here)
+    # a beat rewrites the last-beat record when it falls in another period of half the TTL less 1.5 intervals
+    # (0.25 s here) than the node's previous beat, its registration: sure after 0.3 s
     await asyncio.sleep(0.5 * dcs_config.heartbeat.timeout_seconds - 1.5 * dcs_config.heartbeat.interval_seconds + 0.05)
     r.delete(keys.heartbeat("actor", 2))  # rank 2's node is presumed dead: another node may take its rank
     other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
@@ -197,6 +199,120 @@ async def test_fleet_loop_reregisters_unknown_nodes_and_drops_fenced_ones(
     assert loop.lost == ["actor_2"] and set(loop.nodes) == {("actor", 0), ("actor", 1)}
     held = (await api.topology("actor")).nodes["actor"]
     assert held[1].port == 7301 and held[2].port == 7999
+
+
+@pytest.mark.parametrize("path", ["/heartbeats", "/heartbeat"])
+async def test_a_node_beating_at_its_interval_is_swept_once_it_dies(dcs_config: DCSConfig, path: str) -> None:
+    """A node beating at its interval for longer than the TTL plus the dead-node retention keeps its last-beat
+    records under half the TTL old; once it stops beating it is listed dead (kept for the dead-node retention,
+    not the never-beaten one) and then swept. Before, a batched beat rewrote the records only when the previous
+    beat was older than half the TTL less 1.5 intervals, never at the interval: the node stayed marked never
+    beaten, or, once one beat came late (here its first), the sweep dropped it from node_beats while it lived
+    and after its death it stayed in /debug/topology and its role's records for good."""
+    interval, ttl, retention = 0.3, 2.0, 1.5
+    config = dcs_config.model_copy(
+        update={
+            "heartbeat_interval_seconds": interval,
+            "heartbeat_timeout_seconds": ttl,
+            "dead_node_retention_seconds": retention,
+            "unbeaten_node_retention_seconds": 0.2,
+        }
+    )
+    keys, r = Keys(config.redis.namespace), raw_redis(config)
+    infos = [node(rank, 7400 + rank, role="fleet") for rank in range(4)]
+    members = [f"fleet:{info.rank}" for info in infos]
+    async with in_process_coordinator(config) as coord:
+        api = coord.api
+        loops: list[FleetHeartbeatLoop | HeartbeatLoop]
+        if path == "/heartbeats":
+            await api.register_many(infos)
+            loops = [FleetHeartbeatLoop(api, infos, interval)]
+        else:
+            for info in infos:
+                await api.register(info)
+            loops = [HeartbeatLoop(api, info, interval) for info in infos]
+        await asyncio.sleep(ttl / 2 - 1.5 * interval + 0.15)  # the first beat comes late (as after an agent restart)
+        for loop in loops:
+            await loop.beat_once()
+            loop.start()
+        ages: dict[str, float] = {}  # the oldest each record was seen while the node beat
+        end = time.monotonic() + ttl + retention + 1.0  # beating past the TTL plus the retention, and more
+        while time.monotonic() < end:
+            now = time.time()
+            for member, info in zip(members, infos, strict=True):
+                for name, key, field in (
+                    (member, keys.node_beats(), member),
+                    (f"role_beats {info.rank}", keys.role_beats("fleet"), str(info.rank)),
+                ):
+                    score = r.zscore(key, field)
+                    ages[name] = max(ages.get(name, 0.0), float("inf") if score is None else now - score)
+            await asyncio.sleep(0.05)
+        for loop in loops:
+            await loop.stop()
+        assert all(loop.failures == 0 for loop in loops)
+        alive = (await api.debug_topology()).nodes["fleet"]
+        assert sorted(alive) == [0, 1, 2, 3] and all(v.alive for v in alive.values())
+        assert max(ages.values()) < ttl / 2, ages  # what the sweep and rank assignment rely on
+        assert r.zcard(keys.node_unbeaten()) == 0  # they beat: swept after the dead-node retention
+
+        async def listed_dead() -> bool:
+            fleet = (await api.debug_topology()).nodes.get("fleet", {})
+            return sorted(fleet) == [0, 1, 2, 3] and not any(v.alive for v in fleet.values())
+
+        async def swept() -> bool:
+            return "fleet" not in (await api.debug_topology()).nodes
+
+        await eventually(listed_dead, ttl + 10, "the fleet nodes to be listed dead")
+        # removed after the retention more (sweeps every 0.2 s here); the bound is generous for a loaded machine
+        await eventually(swept, retention + 10, "the dead fleet nodes to leave /debug/topology")
+        assert not any(r.zscore(keys.node_beats(), m) for m in members) and r.hlen(keys.role_nodes("fleet")) == 0
+    r.close()
+
+
+async def test_batched_beats_rewrite_each_record_once_per_period_spread_over_the_fleet(dcs_config: DCSConfig) -> None:
+    """HEARTBEAT_MANY on a clock the test sets: beats every interval, or 0.5 to 1.5 intervals apart, keep every
+    node's last-beat records under half the TTL old with about one write per node per refresh period (the point
+    of the rule: not a write per beat), and the writes of a fleet beating in step spread over the period instead
+    of all following its start."""
+    interval, ttl = 5.0, 60.0
+    period = ttl / 2 - 1.5 * interval  # what TopologyManager passes for these settings
+    client = make_redis(dcs_config)
+    keys, r = Keys(dcs_config.redis.namespace), raw_redis(dcs_config)
+    topology = TopologyManager(client, keys, TopologyConfig(), ttl)
+    count = 400
+    await topology.register_many([node(rank, 7000 + rank, role="sim") for rank in range(count)])
+    members = [f"sim:{rank}" for rank in range(count)]
+    packed = "\n".join(f"sim\n{rank}\n10.0.0.1:{7000 + rank}" for rank in range(count))
+    head = [keys.node_beats(), keys.node_unbeaten()]
+    prefixes = [keys.role_nodes_prefix(), keys.role_owners_prefix(), keys.heartbeat_prefix(), repr(period)]
+    tail = [keys.role_beats_prefix(), keys.role_stale_prefix()]
+
+    def records() -> list[float]:
+        scores = r.zmscore(keys.node_beats(), members)
+        assert r.zmscore(keys.role_beats("sim"), [str(rank) for rank in range(count)]) == scores
+        return [float("inf") if x is None else x for x in scores]
+
+    clock = time.time()
+    before = records()
+    writes: list[int] = []
+    gaps = [interval] * 40 + [interval * (0.5 + (k * 0.618) % 1.0) for k in range(40)]  # in step, then uneven
+    for gap in gaps:
+        clock += gap
+        assert max(clock - x for x in before) < ttl / 2  # the oldest a record gets: just before the next beat
+        argv = [str(int(ttl * 1000)), repr(clock), *prefixes, packed, *tail]
+        assert await scripts.HEARTBEAT_MANY.run_async(client, head, argv) == "1" * count
+        after = records()
+        writes.append(sum(a != b for a, b in zip(after, before, strict=True)))
+        before = after
+    assert r.zcard(keys.node_unbeaten()) == 0
+    in_step = sum(gaps[:40])
+    # each node once per period it crossed (its first beat falls in the registration's period or the next)
+    assert count * (in_step / period - 1) <= sum(writes[:40]) <= count * (in_step / period + 1), writes
+    assert sum(writes) < 0.3 * count * len(gaps), writes  # about interval / period of the beats (0.22), not all
+    # in step, a beat crosses the period boundaries of about interval / period of the nodes (0.22), not all of them
+    assert max(writes[1:40]) < 0.35 * count, writes
+    await client.aclose()
+    r.close()
 
 
 def read_response(sock: socket.socket) -> bytes:
