@@ -42,8 +42,8 @@ LONGEST_FIRST = (
     "tests/integration/test_sglang_engines.py",
     "tests/storage/test_checkpoint_s3.py",
     "tests/integration/test_receiver_schema.py",
-    "tests/integration/test_engine_attach_sglang.py",
-    "tests/integration/test_engine_attach.py",
+    "tests/integration/engine_attach/test_engine_attach_sglang.py",
+    "tests/integration/engine_attach/test_engine_attach.py",
     "tests/storage/test_checkpoint_s3_faults.py",
     "tests/faults/test_checkpoint_crashes.py",
     "tests/integration/test_verl_backend.py",
@@ -63,7 +63,7 @@ SHARED_PROCESS = {
     **dict.fromkeys(
         (
             "tests/integration/test_sglang_engines.py",
-            "tests/integration/test_engine_attach_sglang.py",
+            "tests/integration/engine_attach/test_engine_attach_sglang.py",
             "tests/integration/test_colocated_sglang.py",
             "tests/sglang_engine/test_protocol.py",
             "tests/sglang_engine/test_harness.py",

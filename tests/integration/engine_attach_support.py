@@ -15,6 +15,8 @@ from dcs_tasks.config import DCSConfig, RoleInfo
 from tests.helpers.ports import free_port, wait_for_port
 from tests.helpers.procs import DcsProcess
 
+TOKEN = "attach-test-token-5f1c"  # what the attach tests' coordinators require (engine_attach/conftest.py)
+
 
 class AttachProcess(DcsProcess):
     """`dcs engine attach --coordinator-url C --engine-url E --rank N [extra...]`. `preloaded`: forked from the
@@ -128,3 +130,15 @@ class HealthSwitchEngine:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+def live_nodes(url: str) -> dict[str, dict[str, object]]:
+    """Every live node `/topology` reports, by role (the coordinator requiring TOKEN)."""
+    answer = httpx.get(f"{url}/topology", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    answer.raise_for_status()
+    return {role: nodes for role, nodes in answer.json()["nodes"].items() if nodes}
+
+
+def sidecar(config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> AttachProcess:
+    """`dcs engine attach`, forked from the preloaded forkserver (no interpreter start and imports per sidecar)."""
+    return AttachProcess(config, log_path, coordinator_url, engine_url, rank, preloaded=True)

@@ -7,88 +7,21 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig
-from tests.helpers.ports import free_port
 from tests.helpers.procs import CoordinatorProcess
-from tests.helpers.redis_server import RedisDB, RedisServer
-from tests.helpers.testconfig import short_config
 from tests.integration.engine_attach_support import (
-    AttachProcess,
+    TOKEN,
     HealthSwitchEngine,
     ReceiverEngine,
     rollout_nodes,
+    sidecar,
     wait_for,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TOKEN = "attach-test-token-5f1c"
-
-
-@pytest.fixture(scope="module")
-def module_config(
-    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DCSConfig]:
-    """The module's config, as `dcs_config` makes a test's (a database of its own on the shared redis-server,
-    short heartbeats), requiring TOKEN."""
-    server, indexes = shared_redis
-    database = RedisDB(server, next(indexes))
-    tmp = tmp_path_factory.mktemp("attach")
-    yield short_config(database.url, tmp, auth_token=SecretStr(TOKEN))
-    database.flush()
-
-
-@pytest.fixture(scope="module")
-def module_coordinator(
-    module_config: DCSConfig, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[CoordinatorProcess]:
-    """One `dcs coordinator` for the tests of this module (none of them looks at the coordinator process)."""
-    proc = CoordinatorProcess(module_config, tmp_path_factory.mktemp("attach-coordinator") / "coordinator.log")
-    yield proc.start()
-    proc.stop()
-
-
-@pytest.fixture
-def config(module_config: DCSConfig) -> DCSConfig:
-    return module_config
-
-
-def sidecar(config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> AttachProcess:
-    """`dcs engine attach`, forked from the preloaded forkserver (no interpreter start and imports per sidecar)."""
-    return AttachProcess(config, log_path, coordinator_url, engine_url, rank, preloaded=True)
-
-
-def live_nodes(url: str) -> dict[str, dict[str, object]]:
-    """Every live node `/topology` reports, by role."""
-    answer = httpx.get(f"{url}/topology", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-    answer.raise_for_status()
-    return {role: nodes for role, nodes in answer.json()["nodes"].items() if nodes}
-
-
-@pytest.fixture
-def coordinator(module_coordinator: CoordinatorProcess) -> Iterator[CoordinatorProcess]:
-    """The module's coordinator, holding no live node when the test starts and none after it (every test stops
-    what it attached; a node killed without unregistering leaves when its heartbeat timeout runs out)."""
-    assert module_coordinator.proc is not None and module_coordinator.proc.poll() is None, module_coordinator.log_tail()
-    assert live_nodes(module_coordinator.url) == {}
-    yield module_coordinator
-    wait_for("no live node left", lambda: live_nodes(module_coordinator.url) == {}, timeout=30)
-
-
-def test_an_engine_that_never_answers_health_is_a_named_error(
-    config: DCSConfig, coordinator: CoordinatorProcess, tmp_path: Path
-) -> None:
-    engine_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, engine_url, rank=0)
-    code = attach.start("--wait-timeout", "1.5").wait_exit(timeout=30)
-    log = attach.log_tail()
-    assert code == 1, log
-    assert "EngineUnavailable" in log and engine_url in log
-    assert rollout_nodes(coordinator.url, TOKEN) == {}
-    assert TOKEN not in log
 
 
 @pytest.fixture

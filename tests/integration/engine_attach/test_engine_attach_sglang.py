@@ -7,25 +7,25 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import EngineIncompatible
 from dcs_tasks.sync.engine_protocol import engine_info
 from dcs_tasks.sync.wire import EngineEndpoint
 from tests.helpers.procs import CoordinatorProcess
-from tests.helpers.redis_server import RedisDB, RedisServer
-from tests.helpers.testconfig import short_config
-from tests.integration.engine_attach_support import AttachProcess, HealthSwitchEngine, rollout_nodes, wait_for
+from tests.integration.engine_attach_support import (
+    TOKEN,
+    HealthSwitchEngine,
+    rollout_nodes,
+    sidecar,
+    wait_for,
+)
 from tests.sglang_engine.harness import NEW, OLD, SGLangEngine, installed, warm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TOKEN = "attach-sglang-token-2b9e"
 
 
 def _need(version: str) -> None:
@@ -38,56 +38,6 @@ def _zygotes() -> None:
     warm(NEW, OLD)  # both versions' imports start at once (tests/sglang_engine/zygote.py)
 
 
-@pytest.fixture(scope="module")
-def module_config(
-    shared_redis: tuple[RedisServer, Iterator[int]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DCSConfig]:
-    """The module's config, as `dcs_config` makes a test's (a database of its own on the shared redis-server,
-    short heartbeats), requiring TOKEN."""
-    server, indexes = shared_redis
-    database = RedisDB(server, next(indexes))
-    tmp = tmp_path_factory.mktemp("attach-sglang")
-    yield short_config(database.url, tmp, auth_token=SecretStr(TOKEN))
-    database.flush()
-
-
-@pytest.fixture(scope="module")
-def module_coordinator(
-    module_config: DCSConfig, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[CoordinatorProcess]:
-    """One `dcs coordinator` for the tests of this module (none of them looks at the coordinator process)."""
-    proc = CoordinatorProcess(module_config, tmp_path_factory.mktemp("attach-sglang-coordinator") / "coordinator.log")
-    yield proc.start()
-    proc.stop()
-
-
-@pytest.fixture
-def config(module_config: DCSConfig) -> DCSConfig:
-    return module_config
-
-
-def _live_nodes(url: str) -> dict[str, dict[str, object]]:
-    """Every live node `/topology` reports, by role."""
-    answer = httpx.get(f"{url}/topology", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-    answer.raise_for_status()
-    return {role: nodes for role, nodes in answer.json()["nodes"].items() if nodes}
-
-
-@pytest.fixture
-def coordinator(module_coordinator: CoordinatorProcess) -> Iterator[CoordinatorProcess]:
-    """The module's coordinator, holding no live node when the test starts and none after it (every test stops
-    what it attached; a node killed without unregistering leaves when its heartbeat timeout runs out)."""
-    assert module_coordinator.proc is not None and module_coordinator.proc.poll() is None, module_coordinator.log_tail()
-    assert _live_nodes(module_coordinator.url) == {}
-    yield module_coordinator
-    wait_for("no live node left", lambda: _live_nodes(module_coordinator.url) == {}, timeout=30)
-
-
-def _sidecar(config: DCSConfig, log_path: Path, coordinator_url: str, engine_url: str, rank: int) -> AttachProcess:
-    """`dcs engine attach`, forked from the preloaded forkserver (no interpreter start and imports per sidecar)."""
-    return AttachProcess(config, log_path, coordinator_url, engine_url, rank, preloaded=True)
-
-
 def _registered(coordinator: CoordinatorProcess, rank: int) -> bool:
     return rank in rollout_nodes(coordinator.url, TOKEN)
 
@@ -97,7 +47,7 @@ def test_tp2_engine_is_registered_kept_alive_dropped_when_killed_back_when_resta
 ) -> None:
     _need(NEW)
     engine = SGLangEngine(NEW, tmp_path / "engine.log", tp=2, api_key=TOKEN).start()
-    attach = _sidecar(config, tmp_path / "attach.log", coordinator.url, engine.url, rank=1).start()
+    attach = sidecar(config, tmp_path / "attach.log", coordinator.url, engine.url, rank=1).start()
     try:
         wait_for("rollout_1 registered", lambda: _registered(coordinator, 1), timeout=60)
         node = rollout_nodes(coordinator.url, TOKEN)[1]
@@ -135,7 +85,7 @@ def test_wrong_api_key_is_refused_by_name_and_the_right_one_attaches_the_older_v
     _need(OLD)
     engine = SGLangEngine(OLD, tmp_path / "engine.log", tp=1, api_key=TOKEN).start()
     try:
-        wrong = _sidecar(config, tmp_path / "wrong.log", coordinator.url, engine.url, rank=0)
+        wrong = sidecar(config, tmp_path / "wrong.log", coordinator.url, engine.url, rank=0)
         code = wrong.start("--engine-api-key", "not-the-engine-key").wait_exit(timeout=60)
         log = wrong.log_tail()
         assert code == 1, log
@@ -143,7 +93,7 @@ def test_wrong_api_key_is_refused_by_name_and_the_right_one_attaches_the_older_v
         assert not _registered(coordinator, 0)
         assert TOKEN not in log
 
-        right = _sidecar(config, tmp_path / "right.log", coordinator.url, engine.url, rank=0).start()
+        right = sidecar(config, tmp_path / "right.log", coordinator.url, engine.url, rank=0).start()
         try:
             wait_for("rollout_0 registered", lambda: _registered(coordinator, 0), timeout=60)
             assert rollout_nodes(coordinator.url, TOKEN)[0].metadata["engine_version"] == OLD
@@ -173,7 +123,7 @@ def test_data_parallel_engine_is_refused_on_sglangs_own_server_info(
         engine_info(endpoint, {**real, "dp_size": 2})
 
     with HealthSwitchEngine({**real, "dp_size": 2}) as stand_in:
-        attach = _sidecar(config, tmp_path / "attach.log", coordinator.url, stand_in.url, rank=0)
+        attach = sidecar(config, tmp_path / "attach.log", coordinator.url, stand_in.url, rank=0)
         code = attach.start().wait_exit(timeout=60)
     log = attach.log_tail()
     assert code == 1, log
