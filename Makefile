@@ -10,11 +10,10 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # Test files run in this many processes (pytest-xdist, whole files per process: tests in one file share fixtures
-# and order); 0 runs everything in one process. 4 processes ran the suite in 484 s against 786 s for 2 on a quiet
-# 2-core machine, but one of three 4-process runs failed two timing- and port-sensitive tests
-# (test_coordinator_fencing, test_backend_preflight), so CI keeps 2 until those are made robust; try
-# PYTEST_WORKERS=4 locally.
-PYTEST_WORKERS ?= 2
+# and order; tests/conftest.py keeps the SGLang and the vLLM engine files each in one process); 0 runs everything
+# in one process. On a quiet 2-core machine 4 processes ran the suite in 445-456 s (1,524-1,537 tests; 786 s with
+# 2 before this round's speed-ups), 6 in 444 s: the suite waits (timeouts, restarts) about a quarter of the time.
+PYTEST_WORKERS ?= 4
 
 .PHONY: install redis-bin sglang-engines vllm-engines verl-lib lint typecheck test test-unit test-fast demo bench bench-storage clean format
 .PHONY: compose-wheels compose-test
