@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -48,25 +49,58 @@ def _forkserver() -> ForkServerContext:
     return _context
 
 
+def become_fresh_process(
+    env: dict[str, str],
+    cwd: str,
+    *,
+    stdout: str | int,
+    stderr: str | None = None,
+    stdin: int | None = None,
+    then: Callable[[], None] | None = None,
+) -> None:
+    """In a child just forked from the forkserver: make it what `Popen(..., start_new_session=True)` of a fresh
+    interpreter would have started. Its own session and process group; SIGINT and SIGTERM as a fresh interpreter
+    has them; stdin /dev/null (or the fd `stdin`), stdout appended to the file `stdout` (or the fd), stderr
+    appended to the file `stderr` (None: the stdout file; a stdout fd needs a stderr file); then `then()` (e.g.
+    entering a simulated host's namespaces), the working directory and the environment. The caller closes an fd
+    it passed once this returns."""
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    opened: set[int] = set()
+    if isinstance(stdout, str):
+        out = os.open(stdout, flags, 0o644)
+        opened.add(out)
+    else:
+        out = stdout
+    if stderr is not None:
+        errors = os.open(stderr, flags, 0o644)
+        opened.add(errors)
+    elif isinstance(stdout, str):
+        errors = out
+    else:
+        raise ValueError("stderr needs a file when stdout is a descriptor")
+    if stdin is None:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        opened.add(stdin)
+    os.dup2(stdin, 0)
+    os.dup2(out, 1)
+    os.dup2(errors, 2)
+    for fd in opened:
+        os.close(fd)
+    if then is not None:
+        then()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, err: str | None) -> None:
     """In the forked child: the process `python -m module args` would be, writing to `log` (and its stderr to
     `err` when given)."""
-    os.setsid()  # its own process group, as `start_new_session=True` gives
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    out = os.open(log, flags, 0o644)
-    errors = os.open(err, flags, 0o644) if err is not None else out
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(errors, 2)
-    for fd in {out, errors, null}:
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    become_fresh_process(env, cwd, stdout=log, stderr=err)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

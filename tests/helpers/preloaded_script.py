@@ -13,31 +13,17 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from tests.helpers.preloaded import REPO, PreloadedProcess, _forkserver
+from tests.helpers.preloaded import REPO, PreloadedProcess, _forkserver, become_fresh_process
 
 
 def _run_script(path: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In the forked child: the process `python path args` would be, its stdout in `out`, its stderr in `err`."""
-    os.setsid()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    stdout, stderr, null = os.open(out, flags, 0o644), os.open(err, flags, 0o644), os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(stdout, 1)
-    os.dup2(stderr, 2)
-    for fd in (stdout, stderr, null):
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    become_fresh_process(env, cwd, stdout=out, stderr=err)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.path.dirname(path), *extra, *(p for p in sys.path if p not in extra)]
     sys.argv = [path, *args]

@@ -19,14 +19,13 @@ import ctypes
 import io
 import os
 import runpy
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import IO
 
-from tests.helpers.preloaded import _forkserver
+from tests.helpers.preloaded import _forkserver, become_fresh_process
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -51,30 +50,18 @@ def enter_host(init_pid: int) -> None:
 def _child(
     init_pid: int, module: str, args: list[str], env: dict[str, str], cwd: str, log: str, pipe: socket.socket | None
 ) -> None:
-    """In the forked child: `python -m module args` as started inside the host."""
-    os.setsid()  # its own process group, as `start_new_session=True` gives
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    """In the forked child: `python -m module args` as started inside the host (its namespaces entered before
+    the working directory is taken); with `pipe`, stdin and stdout are that socket, stderr the log."""
     if pipe is not None:
-        os.dup2(pipe.fileno(), 0)
-        os.dup2(pipe.fileno(), 1)
+        become_fresh_process(
+            env, cwd, stdout=pipe.fileno(), stderr=log, stdin=pipe.fileno(), then=lambda: enter_host(init_pid)
+        )
         pipe.close()
     else:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.close(null)
-    os.dup2(out, 2)
-    os.close(out)
+        become_fresh_process(env, cwd, stdout=log, then=lambda: enter_host(init_pid))
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-    enter_host(init_pid)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
