@@ -103,7 +103,9 @@ def test_pending_operations_is_zero_once_wait_returns(dcs_config: DCSConfig, tmp
     def pending() -> float:
         return registry.get_sample_value("dcs_pending_operations") or 0.0
 
-    config = ckpt_config(dcs_config, tmp_path)
+    # a worker paced at 64 KiB/s (each ~60 KB save takes about a second): both saves are still in flight when the
+    # gauge is first read. Unpaced, a worker on a loaded machine once committed the first before that read.
+    config = ckpt_config(dcs_config, tmp_path, persist_throttle_bytes_per_second=64 * 1024)
     worker = start_worker(config, tmp_path)
     try:
         base = pending()
