@@ -73,6 +73,7 @@ def _build_services(config: DCSConfig, topology_config: TopologyConfig, metrics:
             identity_required=config.coordinator.node_identity_required,
             unbeaten_retention_seconds=config.coordinator.unbeaten_node_retention_seconds,
             heartbeat_interval_seconds=config.heartbeat.interval_seconds,
+            dead_node_retention_seconds=config.coordinator.dead_node_retention_seconds,
         ),
         weight_meta=WeightMetaStore(
             client,

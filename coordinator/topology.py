@@ -43,6 +43,7 @@ class RegistrationKind(str, enum.Enum):
 
 _MAX_CACHED_NODES = 65536
 _SWEEP_BATCH = 500
+_NODE_REFRESH_SHARE = 10  # a batched beat rewrites node_beats once per this share of the dead-node retention
 _REGISTER_CHUNK = 256  # nodes per REGISTER_MANY call (~5 ms of Redis): a 2,048-node batch does not hold it long
 _BEAT_CODES = {"1": 1, "0": 0, "x": -1}
 _KINDS = {0: RegistrationKind.EXPLICIT, 1: RegistrationKind.REREGISTERED, 2: RegistrationKind.ASSIGNED}
@@ -143,6 +144,7 @@ class TopologyManager:
         identity_required: bool = False,
         unbeaten_retention_seconds: float | None = None,
         heartbeat_interval_seconds: float | None = None,
+        dead_node_retention_seconds: float | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -153,23 +155,33 @@ class TopologyManager:
         self._ttl_ms = max(1, int(heartbeat_timeout_seconds * 1000))
         self._ttl_arg = str(self._ttl_ms)
         self._beat_keys: dict[tuple[str, int], tuple[list[str], str]] = {}
-        # a batched beat rewrites the node's last-beat records when it falls in another period of this length than
-        # the node's previous beat (scripts.HEARTBEAT_MANY): with beats every interval (or up to 1.5 intervals
-        # apart) a record stays under half the TTL old (rank assignment looks for dead ranks among older records),
-        # rewritten about once per period; 0 (no interval given): every beat
-        refresh = (
+        # a batched beat rewrites each of the node's last-beat records when it falls in another period of that
+        # record's length than the heartbeat key's value, the node's last beat that rewrote one
+        # (scripts.HEARTBEAT_MANY): once per period; 0 (no interval given): every beat. The role's record (rank
+        # assignment's) is scored half the TTL after the beat and taken as maybe dead once older than half the
+        # TTL: rewritten every TTL less 1.5 intervals, it never is while the node beats every interval (or up to
+        # 1.5 intervals apart). node_beats (the dead-node sweep's) lags the last beat by under its period plus the
+        # role's, how much sooner than its retention a dead node may be swept: its period is a tenth of the
+        # retention (the role's when none is given); the sweep puts a live node it finds behind back, so no
+        # period is a risk to a live node.
+        role_refresh = (
             0.0
             if heartbeat_interval_seconds is None
-            else heartbeat_timeout_seconds / 2 - 1.5 * heartbeat_interval_seconds
+            else max(0.0, heartbeat_timeout_seconds - 1.5 * heartbeat_interval_seconds)
+        )
+        node_refresh = (
+            role_refresh
+            if dead_node_retention_seconds is None or heartbeat_interval_seconds is None
+            else dead_node_retention_seconds / _NODE_REFRESH_SHARE
         )
         self._beat_many_keys = [keys.node_beats(), keys.node_unbeaten()]
         self._beat_many_argv = [  # ARGV[3..6] of scripts.HEARTBEAT_MANY
             keys.role_nodes_prefix(),
             keys.role_owners_prefix(),
             keys.heartbeat_prefix(),
-            repr(max(0.0, refresh)),
+            repr(role_refresh),
         ]
-        self._beat_many_tail = [keys.role_beats_prefix(), keys.role_stale_prefix()]  # its ARGV[8..9]
+        self._beat_many_tail = [keys.role_beats_prefix(), keys.role_stale_prefix(), repr(node_refresh)]  # ARGV[8..10]
         self._register_many_keys = [keys.roles(), keys.role_seq(), keys.node_beats(), keys.node_unbeaten()]
         self._register_prefixes = [  # ARGV[4..10] of scripts.REGISTER_MANY
             keys.role_nodes_prefix(),

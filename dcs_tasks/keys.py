@@ -35,7 +35,9 @@ class Keys:
         return self._k("topo", "role_seq")
 
     def heartbeat(self, role: str, rank: int) -> str:
-        """K present while the node is alive (TTL = heartbeat timeout); value = last beat time."""
+        """K present while the node is alive (TTL = heartbeat timeout); value = the time of the node's last beat
+        that wrote its last-beat records (every single beat, a batched one once per refresh period:
+        coordinator/lua/heartbeat_many.lua), "r" + the registration's time until its first beat."""
         return self._k("hb", role, rank)
 
     def heartbeat_role_prefix(self, role: str) -> str:
@@ -76,15 +78,17 @@ class Keys:
         return self._k("hb") + ":"
 
     def node_beats(self) -> str:
-        """Z "role:rank" scored by the unix time of the node's last registration or heartbeat (the sweep
-        removes nodes dead for longer than the retention)."""
+        """Z "role:rank" scored by the unix time of the node's last recorded registration or heartbeat (a batched
+        beat records once per refresh period, coordinator/lua/heartbeat_many.lua; the sweep removes nodes dead for
+        longer than the retention and puts a live one it finds behind back)."""
         return self._k("topo", "beats")
 
     def role_beats(self, role: str) -> str:
-        """Z rank -> unix time of the last recorded registration or beat of each node of `role` not in
-        role_stale(role) (a node found alive with an older entry: half the TTL before its heartbeat key runs
-        out): where rank assignment looks for the role's dead ranks (node_beats holds every role's, so looking
-        there cost every role's dead nodes)."""
+        """Z rank -> for each node of `role` not in role_stale(role), a unix time at least half the TTL before the
+        heartbeat key its last recorded registration or beat set runs out: a registration's or single beat's
+        time, a batched beat's plus half the TTL (a node found alive with an older entry: half the TTL before its
+        heartbeat key runs out): where rank assignment looks for the role's dead ranks (node_beats holds every
+        role's, so looking there cost every role's dead nodes)."""
         return self._k("topo", "rbeats", role)
 
     def role_beats_prefix(self) -> str:

@@ -1,91 +1,144 @@
 -- Refresh many nodes' heartbeats in one call (POST /heartbeats): per node what HEARTBEAT does, with the fewest
--- Redis calls: the owner read answers registered and fenced at once (the record is read only when there is no
--- owner), one SET ... GET refreshes the TTL and returns the previous beat, and the node's node_beats entry (the
--- sweep's last-beat record), role_beats entry (rank assignment's; its role_stale entry goes) and node_unbeaten
--- entry are written only when this beat and the previous one fall in different periods of ARGV[6] seconds (the
--- node's periods are offset by a phase drawn from its rank, so a fleet's rewrites spread evenly over time rather
--- than all following each period's start). No read of the record is needed: every writer of the heartbeat key
--- (register, HEARTBEAT, this script) records a beat whenever its period differs from the key's previous value's,
--- so the record is always from the period of the key's value, under ARGV[6] older than the last beat. Beating
--- every interval, a node's record is under ARGV[6] + one interval old, one write per node per ARGV[6] seconds
--- (the coordinator keeps it under half the TTL, which rank assignment relies on). Comparing the previous beat's
--- age with ARGV[6] instead would never rewrite the record of a node beating more often than ARGV[6].
+-- Redis calls: one HMGET per role reads the beating nodes' owners (registered and fenced at once; the record is
+-- read only when there is no owner), one GETEX ... PX per node refreshes its TTL and returns the key's value (the
+-- time of the node's last beat that wrote a last-beat record), and the records are written only when due, in a
+-- few batched calls, the key's value then set to the beat's time (SET ... KEEPTTL):
+-- - role_beats (rank assignment's index; its role_stale entry goes) when this beat and the value fall in
+--   different periods of ARGV[6] seconds, scored half the TTL after the beat: half the TTL before the heartbeat
+--   key this beat set runs out, as register.lua scores a node it finds alive. Rank assignment takes entries older
+--   than half the TTL as maybe dead, so an entry ages past that only when the key it was written for may have run
+--   out; a node beating every interval (or up to 1.5 intervals apart) with ARGV[6] at most the TTL less 1.5
+--   intervals never does before its next write, and a dead node always does by the time its key is gone.
+-- - node_beats (the dead-node sweep's last-beat record, scored with the beat's time; its node_unbeaten entry
+--   goes) when the two fall in different periods of ARGV[10] seconds: it lags the value by under ARGV[10], and
+--   the value the last beat by under ARGV[6], which is how much sooner than its retention a dead node may be
+--   swept. The sweep puts a live node it finds behind back into node_beats (sweep_dead_nodes.lua), so how seldom
+--   this is written is no risk to a live node.
+-- - both at once when the value is not a time: none (the key had run out, or was of another type: replaced), a
+--   registration's mark ("r" .. time, register.lua: the node's first beat, so it leaves node_unbeaten at once) or
+--   a hostile value.
+-- No read of the records is needed: every writer of the key's value (register, HEARTBEAT, this script) leaves
+-- each record from the period of the value (register and HEARTBEAT write them every time), so a record is
+-- rewritten once per period. Each node's periods are offset by a phase drawn from its rank, so a fleet's
+-- rewrites spread evenly over time rather than all following each period's start.
 -- KEYS[1] node_beats  KEYS[2] node_unbeaten
 -- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
--- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] record refresh period (seconds, 0: every beat)
--- ARGV[7] the beats, "role\nrank\nidentity" each, joined by "\n" (identity "" = unfenced; none holds a "\n")
+-- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] role_beats refresh period (seconds, 0: every
+-- beat)  ARGV[7] the beats, "role\nrank\nidentity" each, joined by "\n" (identity "" = unfenced; none holds a "\n")
 -- ARGV[8] role_beats prefix  ARGV[9] role_stale prefix (prefix .. role; written with pcall: one of another type
--- fails no beat, register.lua rebuilds it)
+-- fails no beat, register.lua rebuilds it)  ARGV[10] node_beats refresh period (seconds, 0: every beat; absent:
+-- ARGV[6])
 -- Returns one character per beat, in order: "1" beat recorded, "0" not registered, "x" rank held by another
--- identity. A heartbeat key that is not a string (a hostile write) is replaced.
+-- identity.
 
+local rcall, rpcall, tonumber = redis.call, redis.pcall, tonumber
 local ttl, now = ARGV[1], ARGV[2]
-local now_s, period = tonumber(now), tonumber(ARGV[6])
-local nodes_p, owners_p, beat_p, packed = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local now_s = tonumber(now)
+local role_period, node_period = tonumber(ARGV[6]), tonumber(ARGV[10] or ARGV[6])
+local role_score = string.format("%.17g", now_s + tonumber(ttl) / 2000)
+local nodes_p, owners_p, beat_p = ARGV[3], ARGV[4], ARGV[5]
 local role_beats_p, role_stale_p = ARGV[8], ARGV[9]
-local out, beats, members, by_role = {}, {}, {}, {}
-local pos, size = 1, #packed
+local roles, ranks, idents, groups, count = {}, {}, {}, {}, 0
+for role, rank, ident in string.gmatch(ARGV[7] .. "\n", "([^\n]*)\n([^\n]*)\n([^\n]*)\n") do
+  count = count + 1
+  roles[count], ranks[count], idents[count] = role, rank, ident
+  local group = groups[role]
+  if not group then
+    group = {}
+    groups[role] = group
+  end
+  group[#group + 1] = count
+end
+local owners = {}
+for role, group in pairs(groups) do
+  for first = 1, #group, 1000 do
+    local last = math.min(#group, first + 999)
+    local fields = {}
+    for j = first, last do
+      fields[j - first + 1] = ranks[group[j]]
+    end
+    local found = rcall("HMGET", owners_p .. role, unpack(fields))
+    for j = first, last do
+      owners[group[j]] = found[j - first + 1]
+    end
+  end
+end
+local beats, members, by_role, pending = {}, {}, {}, 0
 local function record()
-  redis.call("ZADD", KEYS[1], unpack(beats))
-  redis.call("ZREM", KEYS[2], unpack(members))
-  for role, ranks in pairs(by_role) do
+  if #members > 0 then
+    rcall("ZADD", KEYS[1], unpack(beats))
+    rcall("ZREM", KEYS[2], unpack(members))
+  end
+  for role, due in pairs(by_role) do
     local scored = {}
-    for i, rank in ipairs(ranks) do
-      scored[2 * i - 1] = now
+    for i, rank in ipairs(due) do
+      scored[2 * i - 1] = role_score
       scored[2 * i] = rank
     end
-    redis.pcall("ZADD", role_beats_p .. role, unpack(scored))
-    redis.pcall("ZREM", role_stale_p .. role, unpack(ranks))
+    rpcall("ZADD", role_beats_p .. role, unpack(scored))
+    rpcall("ZREM", role_stale_p .. role, unpack(due))
   end
-  beats, members, by_role = {}, {}, {}
+  beats, members, by_role, pending = {}, {}, {}, 0
 end
-while pos <= size do
-  local a = string.find(packed, "\n", pos, true)
-  local b = string.find(packed, "\n", a + 1, true)
-  local c = string.find(packed, "\n", b + 1, true) or size + 1
-  local role, rank = string.sub(packed, pos, a - 1), string.sub(packed, a + 1, b - 1)
-  local ident = string.sub(packed, b + 1, c - 1)
-  pos = c + 1
+local out = {}
+for i = 1, count do
+  local role, rank, ident, owner = roles[i], ranks[i], idents[i], owners[i]
   local code = "0"
-  local owner = redis.call("HGET", owners_p .. role, rank)
   if owner then
     code = (ident == "" or owner == ident) and "1" or "x"
-  elseif redis.call("HEXISTS", nodes_p .. role, rank) == 1 then
+  elseif rcall("HEXISTS", nodes_p .. role, rank) == 1 then
     code = ident == "" and "1" or "x"
   end
   if code == "1" then
-    local member = role .. ":" .. rank
-    local key = beat_p .. member
-    local prev = redis.pcall("SET", key, now, "PX", ttl, "GET")
-    if type(prev) == "table" then
-      redis.call("DEL", key)
-      redis.call("SET", key, now, "PX", ttl)
-      prev = false
+    local key = beat_p .. role .. ":" .. rank
+    local prev = rpcall("GETEX", key, "PX", ttl)
+    local prev_s = tonumber(prev)
+    if prev_s and prev_s - prev_s ~= 0 then
+      prev_s = nil
     end
-    local due = true
-    local prev_s = prev and tonumber(prev)
-    if prev_s and period > 0 then
-      local phase = (tonumber(rank) or 0) * 0.6180339887498949 % 1 * period
-      due = math.floor((now_s + phase) / period) ~= math.floor((prev_s + phase) / period)
+    local role_due, node_due = true, true
+    if not prev_s then
+      if type(prev) == "table" then
+        rcall("DEL", key)
+      end
+      rcall("SET", key, now, "PX", ttl)
+    else
+      local phase = (tonumber(rank) or 0) * 0.6180339887498949 % 1
+      if role_period > 0 then
+        local start = now_s - (now_s + phase * role_period) % role_period
+        role_due = prev_s < start or prev_s >= start + role_period
+      end
+      if node_period > 0 then
+        local start = now_s - (now_s + phase * node_period) % node_period
+        node_due = prev_s < start or prev_s >= start + node_period
+      end
+      if role_due or node_due then
+        rcall("SET", key, now, "KEEPTTL")
+      end
     end
-    if due then
+    if node_due then
+      local member = role .. ":" .. rank
       beats[#beats + 1] = now
       beats[#beats + 1] = member
       members[#members + 1] = member
-      local ranks = by_role[role]
-      if not ranks then
-        ranks = {}
-        by_role[role] = ranks
+      pending = pending + 1
+    end
+    if role_due then
+      local due = by_role[role]
+      if not due then
+        due = {}
+        by_role[role] = due
       end
-      ranks[#ranks + 1] = rank
-      if #members >= 500 then
-        record()
-      end
+      due[#due + 1] = rank
+      pending = pending + 1
+    end
+    if pending >= 500 then
+      record()
     end
   end
-  out[#out + 1] = code
+  out[i] = code
 end
-if #members > 0 then
+if pending > 0 then
   record()
 end
 return table.concat(out)

@@ -13,10 +13,13 @@
 -- ARGV[4] RoleInfo JSON without its "rank" field (an object, so it starts with "{")
 -- ARGV[5] heartbeat TTL in milliseconds
 -- ARGV[6] heartbeat key prefix of the role (prefix .. rank is the heartbeat key)
--- ARGV[7] heartbeat value (unix time of the beat)
+-- ARGV[7] time of the registration (unix time); the heartbeat key holds "r" .. it until the node's first beat, a
+--         mark that has a batched beat record the node's first beat at once (heartbeat_many.lua)
 -- ARGV[8] "1": an explicit rank whose node is alive (heartbeat key) under another identity is refused
 -- KEYS[8] node_unbeaten     Z "role:rank" -> registration time, until the node's first heartbeat
--- KEYS[9] role_beats(role)  Z rank -> last registration or beat (unix time) of the role's nodes not in KEYS[10]
+-- KEYS[9] role_beats(role)  Z rank -> a time at least half the TTL before the node's heartbeat key (as its last
+--                           recorded registration or beat set it) runs out, for the role's nodes not in KEYS[10]:
+--                           a registration's or single beat's time, a batched beat's time plus half the TTL
 -- KEYS[10] role_stale(role) Z rank -> rank: nodes whose KEYS[9] entry aged past half the TTL (maybe dead)
 -- Returns {rank, kind}: kind 0 = explicit rank, 1 = same identity re-registered, 2 = smallest free rank,
 -- -1 = refused (ARGV[8]): the explicit rank is held by a live node of another identity; nothing changed.
@@ -29,12 +32,13 @@
 -- unregistered rank (searched from KEYS[7], amortized O(1); reset to 0 when the role has fewer records than
 -- it, i.e. records went behind the scripts' back) and the smallest registered rank whose node is dead. Dead
 -- nodes are looked for among the role's own last beats (KEYS[9], not node_beats, which holds every role's):
--- entries older than half the TTL (a live node beats more often) move to KEYS[10], ordered by rank, and the
--- smallest ranks there are checked for their heartbeat key: a dead one is taken; a live one goes back to
--- KEYS[9] scored half the TTL before its heartbeat key runs out (so it ages past the cutoff when it may have
--- died, not before); one without a record is dropped. An entry is moved and checked once per beat it records
--- and once at its heartbeat key's end, so a registration costs O(log N) amortized however many dead nodes this
--- or any other role has, and registering N nodes is O(N log N), not O(N^2).
+-- entries older than half the TTL (the node's key may have run out; a live node's entry is rewritten before)
+-- move to KEYS[10], ordered by rank, and the smallest ranks there are checked for their heartbeat key: a dead
+-- one is taken; a live one goes back to KEYS[9] scored half the TTL before its heartbeat key runs out (so it
+-- ages past the cutoff when it may have died, not before); one without a record is dropped. An entry is moved
+-- and checked once per beat it records and once at its heartbeat key's end, so a registration costs O(log N)
+-- amortized however many dead nodes this or any other role has, and registering N nodes is O(N log N), not
+-- O(N^2).
 -- Records that KEYS[9] and KEYS[10] do not hold (written before they existed, or behind the scripts' back) are
 -- added to KEYS[9] with their node_beats score (0 without one) whenever the two hold fewer entries than the
 -- role has records; a KEYS[9] or KEYS[10] of another type (corrupt) is dropped and so rebuilt.
@@ -155,7 +159,7 @@ if ident ~= "" then
 else
   redis.call("HDEL", KEYS[2], rank)
 end
-redis.call("SET", ARGV[6] .. rank, ARGV[7], "PX", ARGV[5])
+redis.call("SET", ARGV[6] .. rank, "r" .. ARGV[7], "PX", ARGV[5])
 redis.call("ZADD", KEYS[5], ARGV[7], ARGV[1] .. ":" .. rank)
 redis.call("ZADD", KEYS[8], ARGV[7], ARGV[1] .. ":" .. rank)
 redis.call("ZADD", KEYS[9], ARGV[7], rank)

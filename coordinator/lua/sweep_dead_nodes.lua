@@ -8,25 +8,46 @@
 --         ran) is looked at again one retention later instead of being forgotten
 -- ARGV[10] role_beats prefix  ARGV[11] role_stale prefix (prefix .. role): a removed node leaves them too (pcall:
 --          one of another type fails nothing); a node kept stays in them, for rank assignment to find once dead
--- Returns how many entries were processed (== ARGV[2]: call again). A node that beats again in time (its
--- heartbeat key exists) is kept; its next beat puts it back into node_beats.
+-- Returns how many entries were processed (== ARGV[2]: call again). A node found alive (its heartbeat key exists)
+-- is kept, and kept in node_beats: scored again with the key's value (the time of its last beat that wrote a
+-- last-beat record, or "r" .. the registration's time until its first beat; the sweep's now when that is no time
+-- after the cutoff), since a batched beat rewrites node_beats only once per refresh period (heartbeat_many.lua),
+-- which may be longer than what the sweep leaves a record. A node still in node_unbeaten whose key holds a beat's
+-- time later than its registration has beaten (a beat that did not take it out, e.g. of an older coordinator):
+-- it leaves node_unbeaten, so once dead it is kept for the dead-node retention.
 
 local stale = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", ARGV[1], "LIMIT", 0, tonumber(ARGV[2]))
 local unbeaten = redis.call("ZRANGEBYSCORE", KEYS[3], "-inf", ARGV[8], "LIMIT", 0, tonumber(ARGV[2]) - #stale)
 for _, member in ipairs(unbeaten) do
   stale[#stale + 1] = member
 end
+local cutoff = tonumber(ARGV[1])
 for _, member in ipairs(stale) do
-  redis.call("ZREM", KEYS[1], member)
   local role, rank = string.match(member, "^(.+):(%d+)$")
-  if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 1 then
-    if redis.call("ZSCORE", KEYS[3], member) then
+  local key = role and ARGV[5] .. role .. ":" .. rank
+  local alive = key and redis.call("EXISTS", key) == 1
+  if alive then
+    local value = redis.pcall("GET", key)
+    local beaten = type(value) == "string" and tonumber(value)
+    if beaten and not (beaten > -math.huge and beaten < math.huge) then
+      beaten = nil
+    end
+    local last = beaten or (type(value) == "string" and tonumber(string.match(value, "^r(.*)$") or ""))
+    if not last or not (last > cutoff and last < math.huge) then
+      last = ARGV[9]
+    end
+    redis.call("ZADD", KEYS[1], last, member)
+    local since = redis.call("ZSCORE", KEYS[3], member)
+    if since and beaten and beaten > tonumber(since) then
+      redis.call("ZREM", KEYS[3], member)
+    elseif since then
       redis.call("ZADD", KEYS[3], ARGV[9], member)
     end
   else
+    redis.call("ZREM", KEYS[1], member)
     redis.call("ZREM", KEYS[3], member)
   end
-  if role and redis.call("EXISTS", ARGV[5] .. role .. ":" .. rank) == 0 then
+  if key and not alive then
     local nodes = ARGV[3] .. role
     if redis.call("TYPE", nodes)["ok"] == "hash" then
       local owner = redis.call("HGET", ARGV[4] .. role, rank)

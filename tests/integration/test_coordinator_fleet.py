@@ -50,9 +50,9 @@ async def test_batch_beats_answer_per_node_like_single_beats(
     assert [a.rank for a in answers] == [0, 1, 2] and answers[1].identity == "10.0.0.1:7001"
     r.delete(keys.heartbeat("actor", 0))  # node 0 expired: a beat brings it back
     before = r.zscore(keys.node_beats(), "actor:1")
-    # a beat rewrites the last-beat record when it falls in another period of half the TTL less 1.5 intervals
-    # (0.25 s here) than the node's previous beat, its registration: sure after 0.3 s
-    await asyncio.sleep(0.5 * dcs_config.heartbeat.timeout_seconds - 1.5 * dcs_config.heartbeat.interval_seconds + 0.05)
+    # a node's first beat after its registration rewrites its last-beat records at once (its heartbeat key holds
+    # the registration's mark), however long their refresh periods are
+    await asyncio.sleep(0.05)
     r.delete(keys.heartbeat("actor", 2))  # rank 2's node is presumed dead: another node may take its rank
     other = await coord.authed.post("/register", json=node(2, 7999).model_dump())  # another node took rank 2
     assert other.json()["rank"] == 2  # our client's identity for rank 2 (7002) is now fenced out
@@ -252,7 +252,10 @@ async def test_a_node_beating_at_its_interval_is_swept_once_it_dies(dcs_config: 
         assert all(loop.failures == 0 for loop in loops)
         alive = (await api.debug_topology()).nodes["fleet"]
         assert sorted(alive) == [0, 1, 2, 3] and all(v.alive for v in alive.values())
-        assert max(ages.values()) < ttl / 2, ages  # what the sweep and rank assignment rely on
+        # the role's record (scored half the TTL after the beat, rewritten every TTL less 1.5 intervals) never aged
+        # past rank assignment's cutoff, half the TTL; node_beats, rewritten every beat here (its period, a tenth
+        # of the retention, is under the interval), lagged less still
+        assert max(ages.values()) < ttl / 2, ages
         assert r.zcard(keys.node_unbeaten()) == 0  # they beat: swept after the dead-node retention
 
         async def listed_dead() -> bool:
@@ -270,47 +273,98 @@ async def test_a_node_beating_at_its_interval_is_swept_once_it_dies(dcs_config: 
 
 
 async def test_batched_beats_rewrite_each_record_once_per_period_spread_over_the_fleet(dcs_config: DCSConfig) -> None:
-    """HEARTBEAT_MANY on a clock the test sets: beats every interval, or 0.5 to 1.5 intervals apart, keep every
-    node's last-beat records under half the TTL old with about one write per node per refresh period (the point
-    of the rule: not a write per beat), and the writes of a fleet beating in step spread over the period instead
-    of all following its start."""
-    interval, ttl = 5.0, 60.0
-    period = ttl / 2 - 1.5 * interval  # what TopologyManager passes for these settings
+    """HEARTBEAT_MANY on a clock the test sets, with the periods TopologyManager passes for interval 5 s, TTL 60 s
+    and a dead-node retention of 600 s: a node's first beat after its registration writes both last-beat records
+    at once (and ends its never-beaten mark); then, beating every interval or 0.5 to 1.5 intervals apart,
+    node_beats lags the last beat by under its period (a tenth of the retention), the role's record never ages
+    past rank assignment's cutoff (half the TTL) while the node beats nor claims it alive past its key's end, each
+    record is written about once per its period (the point of the rule: not a write per beat), and the writes of
+    a fleet beating in step spread over the period instead of all following its start."""
+    interval, ttl, retention = 5.0, 60.0, 600.0
+    role_period, node_period = ttl - 1.5 * interval, retention / 10  # what TopologyManager passes for these settings
     client = make_redis(dcs_config)
     keys, r = Keys(dcs_config.redis.namespace), raw_redis(dcs_config)
     topology = TopologyManager(client, keys, TopologyConfig(), ttl)
     count = 400
     await topology.register_many([node(rank, 7000 + rank, role="sim") for rank in range(count)])
-    members = [f"sim:{rank}" for rank in range(count)]
+    ranks = [str(rank) for rank in range(count)]
+    members = [f"sim:{rank}" for rank in ranks]
     packed = "\n".join(f"sim\n{rank}\n10.0.0.1:{7000 + rank}" for rank in range(count))
     head = [keys.node_beats(), keys.node_unbeaten()]
-    prefixes = [keys.role_nodes_prefix(), keys.role_owners_prefix(), keys.heartbeat_prefix(), repr(period)]
-    tail = [keys.role_beats_prefix(), keys.role_stale_prefix()]
+    prefixes = [keys.role_nodes_prefix(), keys.role_owners_prefix(), keys.heartbeat_prefix(), repr(role_period)]
+    tail = [keys.role_beats_prefix(), keys.role_stale_prefix(), repr(node_period)]
 
-    def records() -> list[float]:
-        scores = r.zmscore(keys.node_beats(), members)
-        assert r.zmscore(keys.role_beats("sim"), [str(rank) for rank in range(count)]) == scores
-        return [float("inf") if x is None else x for x in scores]
+    def records() -> tuple[list[float], list[float]]:
+        """node_beats' and role_beats' scores of every node (-inf: none)."""
+        nodes, roles = r.zmscore(keys.node_beats(), members), r.zmscore(keys.role_beats("sim"), ranks)
+        return [float("-inf") if x is None else x for x in nodes], [float("-inf") if x is None else x for x in roles]
 
     clock = time.time()
-    before = records()
-    writes: list[int] = []
-    gaps = [interval] * 40 + [interval * (0.5 + (k * 0.618) % 1.0) for k in range(40)]  # in step, then uneven
+    node_before, role_before = records()
+    node_writes: list[int] = []
+    role_writes: list[int] = []
+    gaps = [interval] * 60 + [interval * (0.5 + (k * 0.618) % 1.0) for k in range(60)]  # in step, then uneven
     for gap in gaps:
         clock += gap
-        assert max(clock - x for x in before) < ttl / 2  # the oldest a record gets: just before the next beat
+        # just before the beat (the longest since the last write): no role record aged past the cutoff
+        assert min(role_before) > clock - ttl / 2 - 1e-3
         argv = [str(int(ttl * 1000)), repr(clock), *prefixes, packed, *tail]
         assert await scripts.HEARTBEAT_MANY.run_async(client, head, argv) == "1" * count
-        after = records()
-        writes.append(sum(a != b for a, b in zip(after, before, strict=True)))
-        before = after
+        node_after, role_after = records()
+        node_writes.append(sum(a != b for a, b in zip(node_after, node_before, strict=True)))
+        role_writes.append(sum(a != b for a, b in zip(role_after, role_before, strict=True)))
+        if len(node_writes) == 1:  # the first beat after the registration (its mark in the heartbeat key)
+            assert node_writes[0] == role_writes[0] == count and r.zcard(keys.node_unbeaten()) == 0
+        assert max(clock - x for x in node_after) < node_period
+        assert max(role_after) <= clock + ttl / 2  # half the TTL before the key this beat set runs out, no later
+        node_before, role_before = node_after, role_after
+    in_step = sum(gaps[1:60])  # after the first beat
+    for writes, period in ((node_writes, node_period), (role_writes, role_period)):
+        # each node once per period it crossed
+        assert count * (in_step / period - 1) <= sum(writes[1:60]) <= count * (in_step / period + 1), writes
+        assert sum(writes[1:]) < 0.15 * count * (len(gaps) - 1), writes  # about interval / period (under 0.1), not all
+        # in step, a beat crosses the period boundaries of about interval / period of the nodes, not all of them
+        assert max(writes[1:60]) < 0.2 * count, writes
     assert r.zcard(keys.node_unbeaten()) == 0
-    in_step = sum(gaps[:40])
-    # each node once per period it crossed (its first beat falls in the registration's period or the next)
-    assert count * (in_step / period - 1) <= sum(writes[:40]) <= count * (in_step / period + 1), writes
-    assert sum(writes) < 0.3 * count * len(gaps), writes  # about interval / period of the beats (0.22), not all
-    # in step, a beat crosses the period boundaries of about interval / period of the nodes (0.22), not all of them
-    assert max(writes[1:40]) < 0.35 * count, writes
+    await client.aclose()
+    r.close()
+
+
+async def test_the_sweep_keeps_a_live_node_in_node_beats_and_removes_it_once_dead(dcs_config: DCSConfig) -> None:
+    """A batched beat rewrites node_beats once per refresh period, which may be longer than what the sweep leaves
+    a record (here its period is never over and the retention is 1 s): the sweep puts a live node whose record it
+    finds too old back into node_beats, scored with the heartbeat key's value (its last beat that wrote a record,
+    here every beat: the role record's period is 0; the sweep's time for one that never beat), and removes it
+    once it is dead. A node still marked never beaten whose key holds a beat after its registration (beaten by a
+    coordinator whose beat left the mark) loses the mark; a live node that never beat keeps it. Before, the sweep
+    dropped a live node from node_beats, where a batched beat did not put it back, so once dead it was never
+    swept."""
+    ttl, retention = 60.0, 1.0
+    client = make_redis(dcs_config)
+    keys, r = Keys(dcs_config.redis.namespace), raw_redis(dcs_config)
+    topology = TopologyManager(client, keys, TopologyConfig(), ttl, unbeaten_retention_seconds=retention)
+    await topology.register_many([node(rank, 7500 + rank, role="kept") for rank in range(4)])
+    registered = time.time()
+    members = [f"kept:{rank}" for rank in range(4)]
+    prefixes = [keys.role_nodes_prefix(), keys.role_owners_prefix(), keys.heartbeat_prefix(), "0"]
+    tail = [keys.role_beats_prefix(), keys.role_stale_prefix(), "1e9"]
+    packed = "\n".join(f"kept\n{rank}\n10.0.0.1:{7500 + rank}" for rank in range(3))  # rank 3 never beats
+    for at in (registered + 1, registered + 10, registered + 20):
+        argv = [str(int(ttl * 1000)), repr(at), *prefixes, packed, *tail]
+        assert await scripts.HEARTBEAT_MANY.run_async(client, [keys.node_beats(), keys.node_unbeaten()], argv) == "111"
+    assert r.zmscore(keys.node_beats(), members[:3]) == [registered + 1] * 3  # the first beat's, never rewritten
+    r.zadd(keys.node_unbeaten(), {members[2]: registered - 0.5})  # marked never beaten, as an older beat left it
+    r.set(keys.heartbeat("kept", 1), "nan", keepttl=True)  # a hostile value: no time, the sweep goes on
+    now = registered + 20 + ttl - 1  # the last beat's key still lives; every record is older than TTL + retention
+    await topology.sweep_dead_nodes(retention, now=now)
+    assert r.hlen(keys.role_nodes("kept")) == 4  # alive, all of them: kept
+    # the last beat's time; the sweep's for the value that is no time and for the node that never beat
+    assert r.zmscore(keys.node_beats(), members) == [registered + 20, now, registered + 20, now]
+    assert r.zrange(keys.node_unbeaten(), 0, -1, withscores=True) == [(members[3], now)]  # looked at again later
+    r.delete(*[keys.heartbeat("kept", rank) for rank in range(4)])  # they die
+    await topology.sweep_dead_nodes(retention, now=now + ttl + retention + 1)
+    assert r.hlen(keys.role_nodes("kept")) == 0 and r.zcard(keys.role_beats("kept")) == 0
+    assert r.zmscore(keys.node_beats(), members) == [None] * 4 and r.zcard(keys.node_unbeaten()) == 0
     await client.aclose()
     r.close()
 
@@ -362,6 +416,13 @@ async def test_a_batch_beat_replaces_a_heartbeat_key_of_the_wrong_type(
     r.hset(keys.heartbeat("actor", 0), "planted", "by someone with Redis access")
     assert await api.heartbeat_many([("actor", 0), ("actor", 1)]) == [BeatOutcome.OK, BeatOutcome.OK]
     assert r.type(keys.heartbeat("actor", 0)) == "string" and r.pttl(keys.heartbeat("actor", 0)) > 0
+    # a value that is no time (a batched beat keeps the value while it writes no record) is replaced by the beat's
+    # time and the records written, where a non-finite one would have stopped them for good
+    for planted in ("nan", "inf", "garbage"):
+        r.set(keys.heartbeat("actor", 1), planted, keepttl=True)
+        before = r.zscore(keys.node_beats(), "actor:1")
+        assert await api.heartbeat_many([("actor", 1)]) == [BeatOutcome.OK]
+        assert float(r.get(keys.heartbeat("actor", 1)) or "nan") == r.zscore(keys.node_beats(), "actor:1") != before
     r.close()
 
 
