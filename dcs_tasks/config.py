@@ -205,8 +205,9 @@ class CoordinatorSettings(_Area):
     metadata_max_bytes: int = Field(default=64 * 1024, ge=256)
     """Largest JSON of the `metadata` a node registers (422 beyond)."""
     dead_node_retention_seconds: float = Field(default=3600.0, gt=0)
-    """A node dead this long is removed (and its role when it was the role's last node); until then it is
-    listed in /health and keeps its rank for a replacement."""
+    """A node dead this long is removed (and its role when it was the role's last node; one beaten through
+    `/heartbeats` up to a tenth of this and the heartbeat timeout sooner, see docs/operations.md); until then it
+    is listed in /health and keeps its rank for a replacement."""
     unbeaten_node_retention_seconds: float = Field(default=60.0, gt=0)
     """A node that registered but never sent a heartbeat is removed this long after its heartbeat timeout
     (not after dead_node_retention_seconds), however many there are."""
