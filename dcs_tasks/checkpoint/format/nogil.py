@@ -85,11 +85,11 @@ class Hasher:
             size = view.nbytes
             if size == 0:
                 return
+            if not view.c_contiguous:
+                raise BufferError("nogil.Hasher.update needs a contiguous buffer")
             # the address of a read-only buffer (ctypes' from_buffer wants a writable one); the array is dropped
             # before the view is released, so the caller's buffer keeps no export
-            array = numpy.frombuffer(view, dtype=numpy.uint8) if view.c_contiguous else None
-            if array is None:
-                raise BufferError("nogil.Hasher.update needs a contiguous buffer")
+            array = numpy.frombuffer(view, dtype=numpy.uint8)
             try:
                 address = int(array.ctypes.data)
                 for pos in range(0, size, STEP):

@@ -54,7 +54,7 @@ def memory_store(config: DCSConfig) -> MemoryTierStore:
 
 def in_memory_tier(config: DCSConfig, loc: factory.Location) -> bool:
     """`loc` is in this host's memory tier, which is enabled."""
-    return enabled(config) and memory_store(config).holds(loc) and factory.store_of(loc).in_memory
+    return enabled(config) and factory.store_of(loc) is memory_store(config)
 
 
 @dataclass(frozen=True)
