@@ -106,6 +106,20 @@ _ACCEPT_POLL = 0.2
 # --- the server ---------------------------------------------------------------------------------------------
 
 
+def _as_peer_error(exc: Exception, peer: str) -> PeerError:
+    """What a peer is told when serving its request raised `exc`."""
+    if isinstance(exc, PeerError):
+        return exc
+    if isinstance(exc, CorruptCheckpoint):
+        return PeerCorrupt(str(exc))
+    if isinstance(exc, LocalWriteError):
+        return PeerRefused(f"cannot store the step: {exc.cause.strerror or exc.cause}")
+    if isinstance(exc, OSError):
+        return PeerRefused(f"cannot serve the request: {exc.strerror or exc}")
+    log.exception("peer server: request from %s failed", peer)  # a bug must not kill the server silently
+    return PeerError(f"internal error: {type(exc).__name__}")
+
+
 class PeerServer:
     """Serves the memory root `root` to peers that know `token` (module doc). `accept_put(rel, manifest bytes)`
     raises PeerRefused for a step a put may not bring (the memory tier's: `tiers.PutCheck`); `room()`, when
@@ -295,6 +309,7 @@ class PeerServer:
         try:
             tune(sock)
             ch = Channel(sock, peer, self.timeout, server=True)
+            failure: PeerError | None = None
             try:
                 slot = self._authenticate(ch, source)
                 if not slot:
@@ -311,18 +326,14 @@ class PeerServer:
                     self._list(ch, request)
                 else:
                     raise PeerRefused(f"unknown operation {short(op)}")
-                sock.close()
-            except PeerError as exc:
-                self._failed(ch, exc)
-            except CorruptCheckpoint as exc:
-                self._failed(ch, PeerCorrupt(str(exc)))
-            except LocalWriteError as exc:
-                self._failed(ch, PeerRefused(f"cannot store the step: {exc.cause.strerror or exc.cause}"))
-            except OSError as exc:
-                self._failed(ch, PeerRefused(f"cannot serve the request: {exc.strerror or exc}"))
-            except Exception as exc:  # a bug must not kill the server silently
-                log.exception("peer server: request from %s failed", peer)
-                self._failed(ch, PeerError(f"internal error: {type(exc).__name__}"))
+            except Exception as exc:
+                failure = _as_peer_error(exc, peer)
+            # the slot is free before the peer sees the connection end, so its next request finds it free
+            if slot:
+                slot = False
+                self._slots.release()
+            if failure is not None:
+                self._failed(ch, failure)
         finally:
             if slot:
                 self._slots.release()
