@@ -30,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -396,6 +397,7 @@ def main() -> None:
         ckpt.close(timeout=60)
         stop(worker)
         stop(redis_proc)
+    shutil.rmtree(work, ignore_errors=True)  # the worker's log and Redis's files, kept when the run failed
 
     def med(values: list[float]) -> float:
         return statistics.median(values)
