@@ -13,6 +13,7 @@ from typing import Any
 from celery import signals
 
 from dcs_tasks.checkpoint.agreement import effective
+from dcs_tasks.checkpoint.store.tiers import memdir
 from dcs_tasks.storage import s3_settings
 from dcs_tasks.storage.s3 import prewarm
 from dcs_tasks.storage_url import ObjectURL
@@ -59,7 +60,19 @@ def _prewarm_object_store(**_: Any) -> None:
             log.warning("could not prepare the S3 client: %s: %s", type(exc).__name__, exc)
 
 
+def _open_memory_tier(**_: Any) -> None:
+    """With the memory tier on, tell the storage factory of its directory before the pool forks, so every child
+    routes the tier's paths to its store (`memdir.memory_root`) from its first task on."""
+    config = runtime().config
+    if memdir.enabled(config):
+        try:
+            memdir.memory_root(config, create=True)
+        except Exception as exc:  # the peer server's start, and each task that needs the tier, name the problem
+            log.warning("could not open the memory tier's directory: %s: %s", type(exc).__name__, exc)
+
+
 def connect_signals() -> None:
+    signals.worker_init.connect(_open_memory_tier, weak=False)
     signals.worker_init.connect(_prewarm_object_store, weak=False)
     signals.worker_process_init.connect(_prewarm_object_store, weak=False)
     signals.worker_process_shutdown.connect(_on_child_exit, weak=False)

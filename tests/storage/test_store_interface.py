@@ -12,6 +12,8 @@ import contextlib
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -359,6 +361,25 @@ def test_a_part_the_store_refuses_fails_the_writer_and_aborts_its_upload(aws_env
             writer.write(memoryview(pattern(5 * MiB)))
         writer.publish()
     assert store.stat(root / "big") is None and open_uploads(aws_env) == []
+
+
+def test_a_fresh_process_places_its_first_memory_path_in_the_memory_tier(tmp_path: Path) -> None:
+    """A worker's first question, before anything else told the factory of the memory directory: its commit
+    seals a memory step and its writes reuse recycled pages only when this says yes (a pool process that
+    committed first once answered no, and its steps went unsealed)."""
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from dcs_tasks.checkpoint.store.tiers import memdir\n"
+        "from dcs_tasks.config import DCSConfig\n"
+        "config = DCSConfig(memory_tier_bytes=1 << 20, memory_dir=sys.argv[1])\n"
+        "print(memdir.in_memory_tier(config, Path(sys.argv[1]).resolve() / 'run' / 'step-000000001'))\n"
+    )
+    (tmp_path / "memory").mkdir(mode=0o700)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "memory")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"
 
 
 def test_paths_under_a_memory_directory_go_to_the_memory_tiers_store(tmp_path: Path) -> None:

@@ -54,7 +54,10 @@ def memory_store(config: DCSConfig) -> MemoryTierStore:
 
 def in_memory_tier(config: DCSConfig, loc: factory.Location) -> bool:
     """`loc` is in this host's memory tier, which is enabled."""
-    return enabled(config) and factory.store_of(loc) is memory_store(config)
+    if not enabled(config):
+        return False
+    store = memory_store(config)  # first: it is what tells `store_of` the memory directory, in a fresh process too
+    return factory.store_of(loc) is store
 
 
 @dataclass(frozen=True)
