@@ -108,7 +108,7 @@ async def test_heartbeat_expiry_drops_node_and_health_lists_it(dcs_config: DCSCo
 
 
 async def test_dead_nodes_rank_is_reused_by_a_new_node(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
+    config = dcs_config.model_copy(update=KILL_ONE_BEATS)
     async with in_process_coordinator(config) as c:
         await c.api.register(node("rollout", port=1))
         await c.api.register(node("rollout", port=2))
@@ -149,6 +149,11 @@ async def test_global_rank_follows_configured_role_order(dcs_config: DCSConfig) 
         assert await c.api.global_rank("rollout", 2) == 2
 
 
+# a TTL that the nodes `_kill_one` keeps alive outlast on a loaded 2-core machine (1.0 s did not: a round of five
+# beats and a health read once took longer, and a kept node showed dead beside the expired one)
+KILL_ONE_BEATS = {"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 2.5}
+
+
 async def _kill_one(c: InProcessCoordinator, dead: tuple[str, int], nodes: list[tuple[str, int]]) -> None:
     """Let `dead` expire (its heartbeat TTL) while every other node of `nodes` keeps beating (bounded wait)."""
 
@@ -163,7 +168,7 @@ async def _kill_one(c: InProcessCoordinator, dead: tuple[str, int], nodes: list[
 
 
 async def test_a_dead_nodes_gap_never_makes_global_ranks_collide(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
+    config = dcs_config.model_copy(update=KILL_ONE_BEATS)
     nodes = [("actor", r) for r in range(3)] + [("rollout", r) for r in range(2)]
     async with in_process_coordinator(config) as c:
         for i, (role, rank) in enumerate(nodes):
@@ -182,7 +187,7 @@ async def test_a_dead_nodes_gap_never_makes_global_ranks_collide(dcs_config: DCS
 
 
 async def test_a_dead_actor_fwd_keeps_its_group_slot(dcs_config: DCSConfig) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.1, "heartbeat_timeout_seconds": 1.0})
+    config = dcs_config.model_copy(update=KILL_ONE_BEATS)
     nodes = [("actor", 0)] + [("actor_fwd", r) for r in range(3)] + [("reference", 0)]
     async with in_process_coordinator(config) as c:
         for i, (role, rank) in enumerate(nodes):
