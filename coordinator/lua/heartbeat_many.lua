@@ -38,16 +38,28 @@ local role_period, node_period = tonumber(ARGV[6]), tonumber(ARGV[10] or ARGV[6]
 local role_score = string.format("%.17g", now_s + tonumber(ttl) / 2000)
 local nodes_p, owners_p, beat_p = ARGV[3], ARGV[4], ARGV[5]
 local role_beats_p, role_stale_p = ARGV[8], ARGV[9]
+-- append `value` to the list at lists[key], made on first use
+local function push(lists, key, value)
+  local list = lists[key]
+  if not list then
+    list = {}
+    lists[key] = list
+  end
+  list[#list + 1] = value
+end
+-- whether a record written at `prev_s` is from another period of `period` seconds than now (phase-offset)
+local function due(period, phase, prev_s)
+  if period <= 0 then
+    return true
+  end
+  local start = now_s - (now_s + phase * period) % period
+  return prev_s < start or prev_s >= start + period
+end
 local roles, ranks, idents, groups, count = {}, {}, {}, {}, 0
 for role, rank, ident in string.gmatch(ARGV[7] .. "\n", "([^\n]*)\n([^\n]*)\n([^\n]*)\n") do
   count = count + 1
   roles[count], ranks[count], idents[count] = role, rank, ident
-  local group = groups[role]
-  if not group then
-    group = {}
-    groups[role] = group
-  end
-  group[#group + 1] = count
+  push(groups, role, count)
 end
 local owners = {}
 for role, group in pairs(groups) do
@@ -69,14 +81,14 @@ local function record()
     rcall("ZADD", KEYS[1], unpack(beats))
     rcall("ZREM", KEYS[2], unpack(members))
   end
-  for role, due in pairs(by_role) do
+  for role, ranks_due in pairs(by_role) do
     local scored = {}
-    for i, rank in ipairs(due) do
+    for i, rank in ipairs(ranks_due) do
       scored[2 * i - 1] = role_score
       scored[2 * i] = rank
     end
     rpcall("ZADD", role_beats_p .. role, unpack(scored))
-    rpcall("ZREM", role_stale_p .. role, unpack(due))
+    rpcall("ZREM", role_stale_p .. role, unpack(ranks_due))
   end
   beats, members, by_role, pending = {}, {}, {}, 0
 end
@@ -104,14 +116,7 @@ for i = 1, count do
       rcall("SET", key, now, "PX", ttl)
     else
       local phase = (tonumber(rank) or 0) * 0.6180339887498949 % 1
-      if role_period > 0 then
-        local start = now_s - (now_s + phase * role_period) % role_period
-        role_due = prev_s < start or prev_s >= start + role_period
-      end
-      if node_period > 0 then
-        local start = now_s - (now_s + phase * node_period) % node_period
-        node_due = prev_s < start or prev_s >= start + node_period
-      end
+      role_due, node_due = due(role_period, phase, prev_s), due(node_period, phase, prev_s)
       if role_due or node_due then
         rcall("SET", key, now, "KEEPTTL")
       end
@@ -124,12 +129,7 @@ for i = 1, count do
       pending = pending + 1
     end
     if role_due then
-      local due = by_role[role]
-      if not due then
-        due = {}
-        by_role[role] = due
-      end
-      due[#due + 1] = rank
+      push(by_role, role, rank)
       pending = pending + 1
     end
     if pending >= 500 then

@@ -118,29 +118,32 @@ def test_an_engine_back_before_down_after_is_registered_anew_with_a_new_instance
     assert "has failed for" not in log  # never unregistered for being down
 
 
-def test_a_wrong_engine_api_key_is_a_named_error(
-    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
+@pytest.mark.parametrize(
+    ("wrong", "error"),
+    [("engine_api_key", "EngineAuthRefused"), ("coordinator_token", "AuthError")],
+    ids=["engine-api-key", "coordinator-token"],
+)
+def test_a_wrong_credential_is_a_named_error(
+    config: DCSConfig,
+    coordinator: CoordinatorProcess,
+    receiver: ReceiverEngine,
+    tmp_path: Path,
+    wrong: str,
+    error: str,
 ) -> None:
+    """A wrong engine API key or coordinator token: the sidecar exits 1 naming the refusal (401), registers
+    nothing, and prints neither secret."""
+    secret = f"not-the-{wrong.replace('_', '-')}"
+    engine_key = secret if wrong == "engine_api_key" else TOKEN
+    if wrong == "coordinator_token":
+        config = config.model_copy(update={"auth_token": SecretStr(secret)})
     attach = sidecar(config, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
-    code = attach.start(env={"DCS_ENGINE_API_KEY": "not-the-engine-key"}).wait_exit(timeout=30)
+    code = attach.start(env={"DCS_ENGINE_API_KEY": engine_key}).wait_exit(timeout=30)
     log = attach.log_tail()
     assert code == 1, log
-    assert "EngineAuthRefused" in log and "401" in log
+    assert error in log and "401" in log
     assert rollout_nodes(coordinator.url, TOKEN) == {}
-    assert "not-the-engine-key" not in log and TOKEN not in log
-
-
-def test_a_wrong_coordinator_token_is_a_named_error(
-    config: DCSConfig, coordinator: CoordinatorProcess, receiver: ReceiverEngine, tmp_path: Path
-) -> None:
-    wrong = config.model_copy(update={"auth_token": SecretStr("not-the-coordinator-token")})
-    attach = sidecar(wrong, tmp_path / "attach.log", coordinator.url, receiver.url, rank=0)
-    code = attach.start(env={"DCS_ENGINE_API_KEY": TOKEN}).wait_exit(timeout=30)
-    log = attach.log_tail()
-    assert code == 1, log
-    assert "AuthError" in log and "401" in log
-    assert rollout_nodes(coordinator.url, TOKEN) == {}
-    assert "not-the-coordinator-token" not in log and TOKEN not in log
+    assert secret not in log and TOKEN not in log
 
 
 def test_an_engine_answering_503_keeps_its_heartbeats_until_unhealthy_after(
