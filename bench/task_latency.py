@@ -37,6 +37,10 @@ def main() -> None:
         worker = start_worker(config, Path(tmp) / "worker.log", concurrency=1)
         try:
             app = make_celery(config)
+            # a result still pending when the benchmark is stopped (SIGTERM) is dropped at exit, after Redis: its
+            # unsubscribe then retries the stopped Redis 20 times (Celery's default) before the process can end
+            options = app.conf.result_backend_transport_options
+            app.conf.result_backend_transport_options = {**options, "retry_policy": {"max_retries": 1}}
             queue = node_queue(config.host_name)
             app.send_task(TaskName.PING.value, queue=queue).get(timeout=30)  # warm-up
             to_start, round_trip = [], []
