@@ -131,6 +131,11 @@ class Keys:
         """H state of one checkpoint step (status, files done, commit fence)."""
         return self._k("ckpt", run, step)
 
+    def ckpt_ended(self, run: str, step: int) -> str:
+        """L a token pushed when the step ends (committed or failed), short TTL: `PendingCheckpoint.wait()` blocks
+        on it between polls, so it wakes as the step ends rather than at its next poll."""
+        return self._k("ckpt", run, step, "ended")
+
     def ckpt_inflight(self, run: str) -> str:
         """Z steps of `run` still in flight (score = start time); retention skips them."""
         return self._k("ckpt", run, "inflight")

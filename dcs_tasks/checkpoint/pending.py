@@ -176,12 +176,15 @@ class PendingCheckpoint:
             raise CheckpointFailed(f"checkpoint step {self.step} of run {self.run!r} failed: {self._reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN_SECONDS
+        woken = False  # the last nap ended on the step's end token (StepLedger.nap)
         while True:
             error = self._dispatch_error()
             if error is not None:
                 self.failure_raised = True
                 raise CheckpointFailed(str(error)) from error
             status = self._poll_quietly()
+            if woken and status in FINAL and self._ledger is not None:
+                self._ledger.pass_on_end(self.run, self.step)  # the token goes on to this step's other waiters
             if status is StepStatus.COMMITTED and self.released:
                 return self._info()
             if status is StepStatus.FAILED:
@@ -192,8 +195,15 @@ class PendingCheckpoint:
                     f"checkpoint step {self.step} of run {self.run!r} not committed after {timeout}s "
                     f"(status {status.value if status else 'unknown'}); is a `dcs worker` running on this host?"
                 )
-            time.sleep(delay)
+            woken = self._nap(delay if deadline is None else min(delay, max(deadline - time.monotonic(), 0.0)))
             delay = min(delay * 2, POLL_MAX_SECONDS)
+
+    def _nap(self, seconds: float) -> bool:
+        """Sleep between polls, as long as before, but woken as the step ends (`StepLedger.nap`)."""
+        if self._ledger is None:
+            time.sleep(seconds)
+            return False
+        return self._ledger.nap(self.run, self.step, seconds)
 
     def _dispatch_error(self) -> BaseException | None:
         if self._dispatch is None or not self._dispatch.done():

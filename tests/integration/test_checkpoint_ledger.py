@@ -4,6 +4,7 @@ trainer (begin, abandon, progress, read) and the persist/commit workers (claims 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -600,3 +601,67 @@ def test_a_file_is_open_only_while_its_attempt_persists_and_nothing_recorded_it(
     begin(book, 71, ["a"])
     persist_all(book, 71, ["a"])  # COMMITTING
     assert not book.file_open(RUN, 71, TOKEN, "a")
+
+
+# --- the end token: waiters woken as a step ends ------------------------------------------------------------
+
+
+def _nap_in_thread(book: StepLedger, step: int, seconds: float) -> tuple[threading.Thread, list[tuple[bool, float]]]:
+    """`book.nap` in a thread of its own; the list gets (woken, seconds it took)."""
+    out: list[tuple[bool, float]] = []
+
+    def nap() -> None:
+        began = time.monotonic()
+        woken = book.nap(RUN, step, seconds)
+        out.append((woken, time.monotonic() - began))
+
+    thread = threading.Thread(target=nap, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # blocked on the token by now
+    return thread, out
+
+
+@pytest.mark.parametrize("end", ["committed", "file-failed", "commit-failed", "abandoned"])
+def test_every_end_of_a_step_wakes_its_waiter_at_once_and_the_token_passes_on(
+    book: StepLedger, client: redis.Redis, keys: Keys, end: str
+) -> None:
+    """Whichever script ends the step pushes the end token: a waiter blocked for 30 s wakes within a second;
+    a waiter that found the step ended puts it back for the next (`pass_on_end`), which then wakes at once;
+    the token expires on its own."""
+    begin(book, 40, ["a"])
+    thread, out = _nap_in_thread(book, 40, 30.0)
+    if end == "abandoned":
+        assert book.abandon(RUN, 40, TOKEN, "not sent") is Verdict.OK
+    elif end == "file-failed":
+        assert book.finish_file(RUN, 40, TOKEN, "a", FileOutcome.FAILED, "disk full").status is StepStatus.FAILED
+    else:
+        persist_all(book, 40, ["a"])
+        assert book.claim_commit(RUN, 40, TOKEN, "commit-1") is Verdict.WRITE
+        status = StepStatus.COMMITTED if end == "committed" else StepStatus.FAILED
+        assert book.finish_commit(RUN, 40, TOKEN, status, task_id="commit-1") is Verdict.OK
+    thread.join(10)
+    assert out and out[0][0] and out[0][1] < 1.0, out
+    assert book.progress(RUN, 40)[0] in (StepStatus.COMMITTED, StepStatus.FAILED)
+    book.pass_on_end(RUN, 40)
+    began = time.monotonic()
+    assert book.nap(RUN, 40, 30.0) and time.monotonic() - began < 1.0  # the next waiter: at once
+    assert 0 < int(client.ttl(keys.ckpt_ended(RUN, 40))) <= 60 or not client.exists(keys.ckpt_ended(RUN, 40))
+
+
+def test_a_nap_without_an_end_sleeps_its_time_and_a_stray_token_is_consumed(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    """No end: the nap lasts its time. A token nobody ended the step for (an earlier attempt's, or written by
+    hand) wakes one nap, is consumed, and the next nap sleeps again: nothing spins. A new attempt removes an
+    earlier attempt's token."""
+    begin(book, 41, ["a"])
+    began = time.monotonic()
+    assert not book.nap(RUN, 41, 0.3)
+    assert 0.25 <= time.monotonic() - began < 2.0
+    client.rpush(keys.ckpt_ended(RUN, 41), "junk")
+    assert book.nap(RUN, 41, 5.0)
+    began = time.monotonic()
+    assert not book.nap(RUN, 41, 0.3) and time.monotonic() - began >= 0.25
+    client.rpush(keys.ckpt_ended(RUN, 42), 1)  # step 42's attempt that failed left its token
+    begin(book, 42, ["a"])
+    assert not client.exists(keys.ckpt_ended(RUN, 42))

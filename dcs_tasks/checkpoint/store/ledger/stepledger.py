@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from dcs_tasks.lua import LuaScript
 log = logging.getLogger(__name__)
 
 STATE_TTL_SECONDS = 7 * 24 * 3600
+ENDED_TTL_SECONDS = 60  # a step's end token (`nap`) outlives the waiters of that step by far
 MAX_FLUSH_FAILURES = 1024  # flush failures recorded per run at most (the trainer reads them all at once)
 MAX_FLUSH_REASON_CHARS = 2000
 
@@ -103,7 +105,7 @@ class StepLedger:
         self._keys = keys
 
     def _k(self, run: str, step: int) -> list[str]:
-        return [self._keys.ckpt_state(run, step), self._keys.ckpt_inflight(run)]
+        return [self._keys.ckpt_state(run, step), self._keys.ckpt_inflight(run), self._keys.ckpt_ended(run, step)]
 
     def begin(
         self, run: str, step: int, token: str, nfiles: int, draft: ManifestDraft, abandoned_after: float
@@ -181,6 +183,32 @@ class StepLedger:
         status, finished, nfiles, reason = (_s(v) if v is not None else "" for v in values)
         counts = _count(finished, "finished", run, step, key), _count(nfiles, "nfiles", run, step, key)
         return _known_status(status, run, step, key), counts[0], counts[1], reason
+
+    def nap(self, run: str, step: int, seconds: float) -> bool:
+        """Sleep up to `seconds`, less when the step ends meanwhile (its scripts push a token on `ckpt_ended` when
+        they make it COMMITTED or FAILED): True when a token woke it. The token is taken, so a waiter that finds
+        the step ended puts it back (`pass_on_end`) for the step's other waiters; one that does not (a token left
+        by an earlier attempt of the step, or not DCS's) has consumed it, so nothing makes waiters spin. A Redis
+        that refuses the call (a server older than 6.0 takes no fractional timeout) or cannot be reached: a
+        plain sleep, the poll after it says what happened."""
+        seconds = max(seconds, 0.001)  # BLPOP's 0 blocks forever
+        try:
+            return self._client.blpop([self._keys.ckpt_ended(run, step)], timeout=seconds) is not None
+        except redis.RedisError:
+            time.sleep(seconds)
+            return False
+
+    def pass_on_end(self, run: str, step: int) -> None:
+        """Put back the token `nap` took, the step found ended, for the step's other waiters (expires on its
+        own). A Redis error is ignored: the others see the end at their next poll."""
+        key = self._keys.ckpt_ended(run, step)
+        try:
+            pipe = self._client.pipeline()
+            pipe.rpush(key, 1)
+            pipe.expire(key, ENDED_TTL_SECONDS)
+            pipe.execute()
+        except redis.RedisError:
+            pass
 
     def record_flush_failure(self, run: str, step: int, reason: str, at: float) -> bool:
         """Record that memory-tier step `step` of `run` could not be copied to storage (the worker's flush gave up), so

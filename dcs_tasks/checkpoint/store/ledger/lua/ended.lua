@@ -1,0 +1,8 @@
+-- Included (--#include ended.lua) by the ledger scripts that end a step (COMMITTED or FAILED).
+-- ended(): push a token on KEYS[3] (Keys.ckpt_ended), which the step's waiters block on between polls
+-- (StepLedger.nap); it expires after ENDED_TTL_SECONDS (stepledger.py), 60 s.
+
+local function ended()
+  redis.call('RPUSH', KEYS[3], 1)
+  redis.call('EXPIRE', KEYS[3], 60)
+end
