@@ -202,7 +202,7 @@ async def test_roles_left_without_nodes_by_older_data_are_pruned(
 
 async def test_long_dead_nodes_and_their_roles_are_swept(dcs_config: DCSConfig) -> None:
     config = dcs_config.model_copy(
-        update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 0.5, "dead_node_retention_seconds": 0.5}
+        update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 1.0, "dead_node_retention_seconds": 1.0}
     )
     async with in_process_coordinator(config) as coord:
         await coord.api.register(RoleInfo(role_name="ghost", rank=0, port=1))

@@ -124,13 +124,14 @@ async def _restart_redis_and_compare(coordinator: CoordinatorProcess, redis_serv
 
 
 async def test_heartbeat_loop_keeps_a_node_alive_until_stopped(dcs_config: DCSConfig, tmp_path: Path) -> None:
-    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 0.8})
+    # a TTL of 1.5 s: beats 0.2 s apart leave room for a loaded machine's pauses
+    config = dcs_config.model_copy(update={"heartbeat_interval_seconds": 0.2, "heartbeat_timeout_seconds": 1.5})
     proc = CoordinatorProcess(config, tmp_path / "coordinator-hb.log").start()
     try:
         async with CoordinatorAPI(proc.url) as api:
             reg = await api.register(RoleInfo(role_name="actor", port=1))
             loop = HeartbeatLoop(api, RoleInfo(role_name="actor", rank=reg.rank, port=1), interval=0.2).start()
-            await asyncio.sleep(1.6)  # two TTLs
+            await asyncio.sleep(3.0)  # two TTLs
             assert (await api.health()).dead_nodes == []
             await loop.stop()
             assert loop.beats >= 5 and loop.failures == 0
