@@ -665,3 +665,16 @@ def test_a_nap_without_an_end_sleeps_its_time_and_a_stray_token_is_consumed(
     client.rpush(keys.ckpt_ended(RUN, 42), 1)  # step 42's attempt that failed left its token
     begin(book, 42, ["a"])
     assert not client.exists(keys.ckpt_ended(RUN, 42))
+
+
+def test_an_end_token_key_of_another_type_costs_the_wake_up_never_the_commit(
+    book: StepLedger, client: redis.Redis, keys: Keys
+) -> None:
+    """A hash where the end token goes (not DCS's): the step still commits, and a nap is a plain sleep."""
+    begin(book, 43, ["a"])
+    client.hset(keys.ckpt_ended(RUN, 43), "x", "y")
+    persist_all(book, 43, ["a"])
+    commit(book, 43)
+    assert book.progress(RUN, 43)[0] is StepStatus.COMMITTED
+    began = time.monotonic()
+    assert not book.nap(RUN, 43, 0.2) and time.monotonic() - began >= 0.15

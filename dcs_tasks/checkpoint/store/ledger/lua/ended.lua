@@ -1,8 +1,9 @@
 -- Included (--#include ended.lua) by the ledger scripts that end a step (COMMITTED or FAILED).
 -- ended(): push a token on KEYS[3] (Keys.ckpt_ended), which the step's waiters block on between polls
--- (StepLedger.nap); it expires after ENDED_TTL_SECONDS (stepledger.py), 60 s.
+-- (StepLedger.nap); it expires after ENDED_TTL_SECONDS (stepledger.py), 60 s. With pcall: a key of another type
+-- (not DCS's) costs the waiters their early wake-up, never the transition.
 
 local function ended()
-  redis.call('RPUSH', KEYS[3], 1)
-  redis.call('EXPIRE', KEYS[3], 60)
+  redis.pcall('RPUSH', KEYS[3], 1)
+  redis.pcall('EXPIRE', KEYS[3], 60)
 end
