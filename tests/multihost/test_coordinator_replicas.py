@@ -72,7 +72,9 @@ class NodeRun:
 async def run_node(url: str, i: int, stop: asyncio.Event, run: NodeRun) -> None:
     """Register node i (a port: a retried registration keeps its rank), then beat every BEAT_S until `stop`.
     Any error a call raises ends the node, and the test with it."""
-    await asyncio.sleep(i * 0.04)  # registrations spread over 2 s
+    # registrations spread over 5 s: the kill comes once a third are in, and a loaded machine that starves this
+    # process for a second or two (as a CI run once did, when they were spread over 2 s) still leaves some to go
+    await asyncio.sleep(i * 0.1)
     info = RoleInfo(role_name="rollout", ip="10.250.0.1", port=20000 + i)
     async with CoordinatorAPI(url, timeout=5, retry_for_s=10) as api:
         began = time.monotonic()
@@ -126,9 +128,9 @@ async def test_killing_a_coordinator_replica_costs_clients_only_a_bounded_retry(
         began = time.monotonic()
         nodes = [asyncio.create_task(run_node(proxy.url, i, stop, run)) for i, run in enumerate(runs)]
         await wait_until(lambda: sum(r.rank is not None for r in runs) >= NODES // 3, 20)
-        served_by_victim = int(proxy.stats()[victim]["stot"])
         replicas.coordinator(victim).kill()  # SIGKILL: in-flight requests and the long-poll are cut
         registered_at_kill = sum(r.rank is not None for r in runs)
+        served_by_victim = int(proxy.stats()[victim]["stot"])  # haproxy keeps a dead server's counters
         beats_at_kill = [r.beats for r in runs]
 
         await asyncio.sleep(1.0)
