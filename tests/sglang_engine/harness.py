@@ -33,6 +33,7 @@ from tests.sglang_engine.zygote import ZygoteProcess, spawn, zygote
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_ROOT = REPO / ".sglang"
+READY_LINE = "The server is fired up and ready to roll!"  # SGLang logs it once its HTTP server is up
 NEW, OLD = VERSIONS[-1], VERSIONS[0]
 """NEW has weight-update sessions (/begin_weight_update, /end_weight_update); OLD does not."""
 HAS_SESSIONS = {"0.5.20": False, "0.5.23": True}
@@ -155,6 +156,13 @@ class SGLangEngine:
             return self.log_path.read_text(errors="replace")[-n:]
         except FileNotFoundError:
             return ""
+
+    def log_since_ready(self) -> str:
+        """The server's log after SGLang's "ready to roll" line: what the requests a test sent wrote. Before it
+        SGLang may log a traceback of its own start-up (its post-warmup `/freeze_gc` call can reach the port
+        before uvicorn listens: "post-warmup freeze_gc failed", seen once under load)."""
+        log = self.log_tail(1 << 20)
+        return log.split(READY_LINE, 1)[1] if READY_LINE in log else log
 
     def wait_for_log(self, text: str, timeout: float = 10.0) -> bool:
         """Whether `text` shows up in the server's log within `timeout` (tracebacks are written after the
