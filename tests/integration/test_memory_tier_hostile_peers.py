@@ -6,6 +6,7 @@ the worker's code); the peer servers under attack are real workers'."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -54,7 +55,13 @@ def peer_address(config: DCSConfig, host: str) -> tuple[str, int]:
 
 
 def incoming(config: DCSConfig) -> list[Path]:
-    return sorted(Path(config.host.memory_dir).rglob(ps.INCOMING_PREFIX + "*"))
+    """The partial copies (`.incoming-*`) under the host's memory directory. Walked with os.walk, which skips a
+    directory removed while it walks (the peer server removes a cut copy's at any moment; `Path.rglob` raised
+    FileNotFoundError on one in a CI run)."""
+    found = []
+    for parent, dirs, files in os.walk(config.host.memory_dir):
+        found += [Path(parent) / name for name in dirs + files if name.startswith(ps.INCOMING_PREFIX)]
+    return sorted(found)
 
 
 def worker_peak_rss(worker: WorkerProcess) -> int:
