@@ -49,6 +49,7 @@ import hashlib
 import os
 import pwd
 import signal
+import socket
 import ssl
 import struct
 import subprocess
@@ -331,7 +332,11 @@ class S3Server:
 
     def _wait_ready(self, timeout: float) -> None:
         """Poll until every server listens and an S3 ListBuckets signed as the owner succeeds (that request goes
-        proxy -> s3api -> tempauth -> account server); a server that exits or a timeout raises with the logs."""
+        proxy -> s3api -> tempauth -> account server); a server that exits or a timeout raises with the logs.
+
+        Each server's port is checked too: ListBuckets never reaches the container and object servers, and a
+        GET sent before the object server listens is refused, which the proxy answers with 503 ("Please reduce
+        your request rate"; a restart under load once showed it)."""
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
@@ -340,6 +345,11 @@ class S3Server:
                     raise RuntimeError(
                         f"swift {kind}-server exited with {proc.returncode} during start\n{self.log_tail()}"
                     )
+            deaf = [kind for kind in KINDS if not _listens(self.ports[kind])]
+            if deaf:
+                last = f"not listening yet: {', '.join(deaf)}"
+                time.sleep(0.1)
+                continue
             try:
                 status, body = self._s3_list_buckets()
             except httpx.HTTPError as exc:
@@ -469,6 +479,14 @@ class S3Server:
         if rings.returncode != 0:
             raise RuntimeError(f"building the swift rings failed ({rings.returncode}):\n{rings.stderr[-4000:]}")
         self._configured = True
+
+
+def _listens(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _partition(account: str, container: str, obj: str | None = None) -> int:
