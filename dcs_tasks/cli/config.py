@@ -66,7 +66,7 @@ def markdown(config: DCSConfig) -> list[str]:
         for setting, kind, default, _ in rows(config):
             if setting.area != area:
                 continue
-            doc = " ".join((setting.info.description or "").split()).replace("|", "\\|")
+            doc = " ".join(setting.description.split()).replace("|", "\\|")
             lines.append(
                 f"| `{area}.{setting.field}` | `{setting.env}` | {read_by(setting.flat)} | {kind.replace('|', 'or')} "
                 f"| `{default}` | {doc} |"

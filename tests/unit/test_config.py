@@ -199,7 +199,7 @@ def test_every_area_field_has_one_environment_name() -> None:
     assert len(set(envs)) == len(envs) and all(env == env.upper() and env.startswith("DCS_") for env in envs)
     for setting in SETTINGS.values():  # a field's name is its flat name, or that name less its area's prefix
         assert setting.field in (setting.flat, setting.flat.removeprefix(f"{setting.area}_"), "budget_bytes", "dir")
-        assert setting.info.description, f"{setting.flat} has no docstring"
+        assert setting.description, f"{setting.flat} has no docstring"
 
 
 def test_the_peer_rate_window_is_a_setting_with_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
