@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import json
 import os
 import re
@@ -859,7 +860,7 @@ def attribute_docstrings(model: type) -> dict[str, str]:
     while blocks:  # the class body and the branches of `if TYPE_CHECKING:` in it
         block = blocks.pop()
         blocks += [branch for stmt in block if isinstance(stmt, ast.If) for branch in (stmt.body, stmt.orelse)]
-        for stmt, after in zip(block, block[1:]):
+        for stmt, after in itertools.pairwise(block):
             if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
                 continue
             if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
