@@ -668,9 +668,7 @@ class DCSConfig(BaseSettings):
     and attribute assignment take flat names too (`DCSConfig(s3_endpoint_url=...)`, `config.comm_base_port = 20000`),
     or an area's fields (`DCSConfig(s3={"endpoint_url": ...})`); settings are read through their area."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="DCS_", extra="forbid", validate_assignment=True
-    )
+    model_config = SettingsConfigDict(env_prefix="DCS_", extra="forbid", validate_assignment=True)
 
     coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
     """The coordinator: where it listens and clients reach it, its limits, node records and topology answers."""
