@@ -44,6 +44,7 @@ def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
         directory = Path(given)
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
+        follow_multiprocess_env()
         return directory
     if given:  # this process's own, from before a re-exec (same pid): a fresh one replaces it
         shutil.rmtree(given, ignore_errors=True)
@@ -53,7 +54,19 @@ def prepare_multiprocess_dir(config: DCSConfig) -> Path | None:
     directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # 0700, a name nobody else holds
     os.environ[ENV] = os.environ[OWNED_ENV] = str(directory)
     atexit.register(remove_own_dir, directory, os.getpid())
+    follow_multiprocess_env()
     return directory
+
+
+def follow_multiprocess_env() -> None:
+    """Make prometheus_client's value store follow `PROMETHEUS_MULTIPROC_DIR` as it is now, in a process that
+    imported prometheus_client before the variable was set (one that embeds the worker, or a test's process forked
+    from a preloaded parent): it picks the store at import, and the metrics made afterwards use the new one."""
+    import sys
+
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        values.ValueClass = values.get_value_class()
 
 
 def remove_own_dir(directory: Path, owner_pid: int) -> None:

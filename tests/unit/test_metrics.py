@@ -90,3 +90,29 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path) -> None:
     )
     assert "dcs_bytes_sent_total 200.0" in out.stdout
     assert "dcs_send_latency_seconds_count 2.0" in out.stdout
+
+
+PREPARED_LATE = """
+import os, sys
+import prometheus_client  # imported before the worker sets its directory, as in a process that embeds it
+from dcs_tasks.config import DCSConfig
+from workers.prometheus import prepare_multiprocess_dir
+directory = prepare_multiprocess_dir(DCSConfig(enable_metrics=True))
+from dcs_tasks.metrics import get_metrics
+get_metrics().record_send(bytes_sent=100, duration=0.01)
+print(directory, sorted(os.listdir(directory)))
+"""
+
+
+def test_a_worker_directory_set_after_prometheus_client_was_imported_still_gets_the_samples(tmp_path: Path) -> None:
+    """prometheus_client picks its value store at import; `prepare_multiprocess_dir` makes it follow the directory
+    it sets, so a process that imported prometheus_client first (one that embeds the worker, a test's preloaded
+    fork) writes its samples there for the worker's scrape to aggregate."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")}
+    env.update({"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-c", PREPARED_LATE], env=env, check=True, timeout=60, capture_output=True, text=True
+    )
+    directory, files = out.stdout.split(" ", 1)
+    assert directory.startswith(str(tmp_path)), out.stdout
+    assert "counter_" in files and "histogram_" in files, out.stdout
