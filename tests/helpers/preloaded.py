@@ -8,13 +8,16 @@ pool): each child gets its own environment, working directory, argv and log file
 `__main__` with `runpy`, and exits with the module's exit status (a kill -9 shows as -9, as with Popen). The
 child is a new process, so every torch.distributed group, socket and file it makes is its own.
 
-Use it for processes the test only starts, waits for and kills; a process whose command line matters (one that
-re-execs itself, e.g. `dcs worker`) stays a `subprocess.Popen`. A process of a simulated host is forked from here
-too and joins the host's namespaces itself (`tests/multihost/inhost.py`, `SimulatedHost.spawn_python`).
+Use it for processes the test only starts, waits for and kills. A process that re-execs itself from its command
+line (`dcs worker` after a crash) runs `sys.orig_argv`, which the child sets to `python -m MODULE ARGS`: the
+re-exec is a fresh interpreter, as after a `subprocess.Popen`. The child runs the interpreter's exit handlers
+(atexit) when the module returns or exits, as a fresh interpreter would. A process of a simulated host is forked
+from here too and joins the host's namespaces itself (`tests/multihost/inhost.py`, `SimulatedHost.spawn_python`).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
@@ -35,6 +38,14 @@ PRELOAD = [
     "dcs_tasks.checkpoint.checkpointer",
     "dcs_tasks.client.engine",
     "tests.checkpoint_support",
+    # what `dcs worker` and `dcs coordinator` import beyond that (about 0.8 s of CPU per start), their own modules
+    # excepted: workers.signals connects Celery signals at import, which no other process forked from here wants
+    "celery.apps.worker",
+    "celery.worker.consumer",
+    "celery.concurrency.prefork",
+    "kombu.transport.redis",
+    "fastapi",
+    "uvicorn",
 ]
 
 _context: ForkServerContext | None = None
@@ -95,6 +106,9 @@ def become_fresh_process(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    values = sys.modules.get("prometheus_client.values")  # preloaded: its store follows this environment
+    if values is not None:
+        values.ValueClass = values.get_value_class()
 
 
 def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, err: str | None) -> None:
@@ -102,7 +116,11 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     `err` when given)."""
     become_fresh_process(env, cwd, stdout=log, stderr=err)
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.orig_argv = [sys.executable, "-m", module, *args]  # what a process re-exec'ing itself runs (dcs worker)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter's exit would (multiprocessing ends the child with os._exit)
 
 
 class PreloadedProcess:

@@ -40,8 +40,9 @@ class DcsProcess:
         self.proc: subprocess.Popen[bytes] | PreloadedProcess | None = None
 
     def spawn(self, *args: str, extra_env: dict[str, str] | None = None, preloaded: bool = False) -> None:
-        """`preloaded`: fork it from the forkserver that already imported torch (tests/helpers/preloaded.py),
-        for a command that imports torch (`dcs receiver`) and never re-execs itself (`dcs worker` does)."""
+        """`preloaded`: fork it from the forkserver that already imported torch, Celery's worker, FastAPI and
+        uvicorn (tests/helpers/preloaded.py): it starts in a fraction of the CPU a fresh interpreter takes. A `dcs
+        worker` forked so re-execs itself as `python -m` (its restart after a crash)."""
         env = child_env(self.config, **(extra_env or {}))
         if preloaded:
             self.proc = python_module(self.module, *args, log=self.log_path, env=env)
@@ -93,6 +94,7 @@ class WorkerProcess(DcsProcess):
         pool: str = "prefork",
         env: dict[str, str] | None = None,
         module: str | None = None,
+        preloaded: bool = True,
     ) -> None:
         super().__init__(config, log_path)
         if module is not None:
@@ -100,10 +102,13 @@ class WorkerProcess(DcsProcess):
         self.concurrency = concurrency
         self.pool = pool
         self.extra_env = env or {}
+        self.preloaded = preloaded
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
+        """`preloaded` (the default): forked from the preloaded forkserver (a restart re-execs a real `python -m`);
+        False: a fresh interpreter, `subprocess.Popen`."""
         args = ("worker", f"--concurrency={self.concurrency}", f"--pool={self.pool}", "--loglevel=INFO")
-        self.spawn(*args, extra_env=self.extra_env)
+        self.spawn(*args, extra_env=self.extra_env, preloaded=self.preloaded)
         self.wait_ready(timeout)
         return self
 
@@ -152,6 +157,6 @@ class CoordinatorProcess(DcsProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
-        self.spawn("coordinator")
+        self.spawn("coordinator", preloaded=True)
         wait_for_port(self.port, timeout)
         return self
