@@ -1,8 +1,8 @@
 """`python -c CODE ARGS` as a module, so a test can fork it from the preloaded forkserver
 (`tests.helpers.preloaded.python_module("tests.helpers.code_main", CODE, *ARGS, log=...)`) instead of paying
 torch's import in a fresh interpreter: CODE runs as `__main__` with `sys.argv == ["-c", *ARGS]`, as under
-`python -c`. Only for processes the test starts, waits for and kills: a forked child exits without running the
-interpreter's exit handlers (atexit, finalizers) the way a fresh `python -c` does."""
+`python -c`. Only for processes the test starts, waits for and kills: a forked child runs the atexit handlers at
+its end but not the interpreter's other finalizers, and its command line (/proc/PID/cmdline) is the forkserver's."""
 
 from __future__ import annotations
 

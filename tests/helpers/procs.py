@@ -106,7 +106,8 @@ class WorkerProcess(DcsProcess):
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
         """`preloaded` (the default): forked from the preloaded forkserver (a restart re-execs a real `python -m`);
-        False: a fresh interpreter, `subprocess.Popen`."""
+        False: a fresh interpreter, `subprocess.Popen`, for a test that needs the worker's own command line in
+        /proc (a forked one shows the forkserver's)."""
         args = ("worker", f"--concurrency={self.concurrency}", f"--pool={self.pool}", "--loglevel=INFO")
         self.spawn(*args, extra_env=self.extra_env, preloaded=self.preloaded)
         self.wait_ready(timeout)

@@ -73,7 +73,8 @@ def test_dcs_clean_removes_what_a_killed_stack_left_and_says_how_much(dcs_config
             "metrics_port": free_port(),
         }
     )
-    worker = WorkerProcess(config, tmp_path / "worker.log", env={"TMPDIR": str(tmp)}).start()
+    # a fresh interpreter: `dcs clean` knows a running worker by its command line, which a forked one lacks
+    worker = WorkerProcess(config, tmp_path / "worker.log", env={"TMPDIR": str(tmp)}, preloaded=False).start()
     # the trainers are forked from the forkserver that imported torch (tests/helpers/preloaded.py)
     trainer, running = (
         python_module(

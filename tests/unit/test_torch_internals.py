@@ -1,18 +1,18 @@
 """The import-time check of the private torch.distributed internals DCS's process groups use
 (dcs_tasks/backends/process_group.py): silent on the installed torch, a TorchInternalsMissing naming the torch version
-and the missing internal when one is gone (taken away in a fresh interpreter before the module is imported)."""
+and the missing internal when one is gone (taken away in a forked process before the module is imported anew)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dcs_tasks.backends import process_group
+from tests.helpers.preloaded import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,18 +22,21 @@ def test_the_installed_torch_has_every_internal_used() -> None:
     process_group.check_torch_internals()
 
 
-def _import_after(change: str) -> subprocess.CompletedProcess[str]:
-    """Import the backend module in a fresh interpreter after `change` (Python run on torch's c10d module, `c`)."""
+def _import_after(change: str, workdir: Path) -> subprocess.CompletedProcess[str]:
+    """Import the backend module anew after `change` (Python run on torch's c10d module, `c`), in a process of its
+    own forked from the preloaded forkserver (torch imported already; the module is dropped and imported again)."""
     code = (
+        "import sys\n"
         "from torch.distributed import distributed_c10d as c\n"
         f"{change}\n"
+        "sys.modules.pop('dcs_tasks.backends.process_group', None)\n"
         "try:\n"
         "    import dcs_tasks.backends.process_group\n"
         "except Exception as exc:\n"
         "    print(type(exc).__name__, exc)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return run_module("tests.helpers.code_main", code, workdir=workdir, env=env, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -44,8 +47,10 @@ def _import_after(change: str) -> subprocess.CompletedProcess[str]:
         ("c._new_process_group_helper = lambda *a, timeout=None: None", "_new_process_group_helper(group_name=...)"),
     ],
 )
-def test_a_missing_internal_fails_the_import_naming_it_and_the_torch_version(change: str, named: str) -> None:
-    done = _import_after(change)
+def test_a_missing_internal_fails_the_import_naming_it_and_the_torch_version(
+    change: str, named: str, tmp_path: Path
+) -> None:
+    done = _import_after(change, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("TorchInternalsMissing torch " + torch.__version__), done.stdout
     assert named in done.stdout and "torch>=2.13" in done.stdout
