@@ -259,7 +259,10 @@ def test_a_redelivery_overlapping_the_first_never_replaces_the_file_it_recorded(
             return max(sizes)
 
         send()
-        wait_until(lambda: written() >= 64 * 1024, 30, "the first delivery's write")
+        # two of its 64 KiB chunks: the first is written at once and the second after a 2 s pause, so the second
+        # delivery runs ~2 s behind (after the first chunk only, it ran ~0.1 s behind, and under load both
+        # published before either's record was seen: no copy was dropped)
+        wait_until(lambda: written() >= 128 * 1024, 30, "the first delivery's write")
         send()  # the same task id, ~2 s behind: it starts well before the first ends, even on a loaded machine
         wait_until(lambda: len(temps()) == 2, 30, "both deliveries writing at once")
         wait_until(lambda: scene.book.progress(run, step)[0] is StepStatus.COMMITTED, 30, "the step's commit")
