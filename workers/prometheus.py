@@ -64,8 +64,9 @@ def follow_multiprocess_env() -> None:
     from a preloaded parent): it picks the store at import, and the metrics made afterwards use the new one."""
     import sys
 
-    values = sys.modules.get("prometheus_client.values")
-    if values is not None:
+    if "prometheus_client.values" in sys.modules:
+        from prometheus_client import values
+
         values.ValueClass = values.get_value_class()
 
 
