@@ -512,6 +512,9 @@ def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
         tmp_path / "peer", TOKEN, accept_put=any_step, max_step_bytes=1 << 20, timeout=TIMEOUT, max_connections=1
     ) as srv:
         held = pc.client_session(srv.address, TOKEN, TIMEOUT)  # authenticated, idle: holds the only slot
+        # the server takes the slot just after sending its proof, which is where the client's handshake ends: under
+        # load the next connection could take it first (a fresh-clone run saw the list succeed)
+        wait_until(lambda: srv._slots._value == 0, 10, "the held session's slot")
         with pytest.raises(PeerUnavailable, match="busy"):
             pw.list_steps(srv.address, TOKEN, "exp", timeout=TIMEOUT)
         held.sock.close()
