@@ -1,7 +1,8 @@
 """Prometheus in prefork workers (multiprocess mode), per docs/reliability.md.
 
-`prepare_multiprocess_dir` runs in `dcs worker` BEFORE prometheus_client is imported (it picks its value
-store at import): it sets `PROMETHEUS_MULTIPROC_DIR`. One the operator set is kept and wiped, so samples of a
+`prepare_multiprocess_dir` runs in `dcs worker` before the task modules import prometheus_client (it picks its
+value store at import; `follow_multiprocess_env` switches it where it was imported first): it sets
+`PROMETHEUS_MULTIPROC_DIR`. One the operator set is kept and wiped, so samples of a
 previous run never leak in. Otherwise each worker process tree gets a directory of its own, created 0700 under
 the system temp dir and named after the worker's pid plus a random part (`dcs-prometheus-<namespace>-<host>-
 <pid>-<random>`), so two workers of one host (two stacks, two namespaces alike) never read each other's

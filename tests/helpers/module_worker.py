@@ -27,6 +27,7 @@ from dcs_tasks.config import DCSConfig
 from tests.helpers.procs import WorkerProcess
 from tests.helpers.redis_server import RedisDB, RedisServer
 from tests.helpers.shm import shm_dir
+from tests.helpers.testconfig import short_config
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,7 @@ def module_worker(
     server, indexes = shared_redis
     database = RedisDB(server, next(indexes))
     tmp = tmp_path_factory.mktemp(name)
-    config = DCSConfig(
-        redis_url=database.url,
-        checkpoint_dir=tmp / "ckpt",
-        heartbeat_interval_seconds=0.5,
-        heartbeat_timeout_seconds=2.0,
-        node_name="testhost",
-        enable_metrics=False,
-    )
+    config = short_config(database.url, tmp)
     if prepare is not None:
         config = prepare(config, tmp)
     worker = WorkerProcess(config, tmp / "worker.log", concurrency=concurrency)

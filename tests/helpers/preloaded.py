@@ -106,9 +106,9 @@ def become_fresh_process(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    values = sys.modules.get("prometheus_client.values")  # preloaded: its store follows this environment
-    if values is not None:
-        values.ValueClass = values.get_value_class()
+    from workers.prometheus import follow_multiprocess_env
+
+    follow_multiprocess_env()  # prometheus_client, preloaded, picks its value store for this environment
 
 
 def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, err: str | None) -> None:

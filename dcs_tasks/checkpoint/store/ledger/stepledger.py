@@ -16,6 +16,7 @@ the field, before any write; the fencing scripts that only compare the status re
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -35,7 +36,6 @@ from dcs_tasks.lua import LuaScript
 log = logging.getLogger(__name__)
 
 STATE_TTL_SECONDS = 7 * 24 * 3600
-ENDED_TTL_SECONDS = 60  # a step's end token (`nap`) outlives the waiters of that step by far
 MAX_FLUSH_FAILURES = 1024  # flush failures recorded per run at most (the trainer reads them all at once)
 MAX_FLUSH_REASON_CHARS = 2000
 
@@ -199,16 +199,11 @@ class StepLedger:
             return False
 
     def pass_on_end(self, run: str, step: int) -> None:
-        """Put back the token `nap` took, the step found ended, for the step's other waiters (expires on its
-        own). A Redis error is ignored: the others see the end at their next poll."""
-        key = self._keys.ckpt_ended(run, step)
-        try:
-            pipe = self._client.pipeline()
-            pipe.rpush(key, 1)
-            pipe.expire(key, ENDED_TTL_SECONDS)
-            pipe.execute()
-        except redis.RedisError:
-            pass
+        """Put back the token `nap` took, the step found ended, for the step's other waiters (lua/ended.lua, as
+        the scripts that end a step push it; it expires on its own). A Redis error is ignored: the others see
+        the end at their next poll."""
+        with contextlib.suppress(redis.RedisError):
+            self._run(lua.PASS_ON_END, run, step, [])
 
     def record_flush_failure(self, run: str, step: int, reason: str, at: float) -> bool:
         """Record that memory-tier step `step` of `run` could not be copied to storage (the worker's flush gave up), so
