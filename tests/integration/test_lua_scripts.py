@@ -40,7 +40,7 @@ def test_the_step_ledger_runs_by_sha_and_reloads_after_a_redis_restart(redis_ser
     assert ledger.claim_file("r", 1, "tok", "a.safetensors", "task-1") is Verdict.WRITE
     redis_server.restart()  # AOF keeps the step's hash; the server has no scripts loaded any more
     ledger_scripts = [v for v in vars(ledger_scripts_module).values() if isinstance(v, LuaScript)]
-    assert len(ledger_scripts) == 6 and client.script_exists(*[s.sha for s in ledger_scripts]) == [False] * 6
+    assert len(ledger_scripts) == 7 and client.script_exists(*[s.sha for s in ledger_scripts]) == [False] * 7
     assert ledger.claim_file("r", 1, "tok", "a.safetensors", "task-2") is Verdict.CLAIMED
     assert ledger.abandon("r", 1, "tok", "test") is Verdict.OK
     assert ledger.progress("r", 1)[0] is StepStatus.FAILED
