@@ -32,29 +32,6 @@ if TYPE_CHECKING:
 # Database indexes of the shared server: one per test, never reused within a pytest process.
 SHARED_DATABASES = 16384
 
-# The longest test files (30-60 s each on a quiet 2-core machine), longest first. `make test` hands whole files to
-# its processes in collection order, so these go out first and the short files fill in around them; collected
-# last, one of them would run alone at the end while the other processes idle.
-LONGEST_FIRST = (
-    "tests/integration/test_examples.py",
-    "tests/integration/test_vllm_engines.py",
-    "tests/faults/test_redis_sentinel_failover.py",
-    "tests/integration/test_sglang_engines.py",
-    "tests/storage/test_checkpoint_s3.py",
-    "tests/integration/test_receiver_schema.py",
-    "tests/integration/engine_attach/test_engine_attach_sglang.py",
-    "tests/integration/engine_attach/test_engine_attach.py",
-    "tests/storage/test_checkpoint_s3_faults.py",
-    "tests/faults/test_checkpoint_crashes.py",
-    "tests/integration/test_verl_backend.py",
-    "tests/sglang_engine/test_protocol.py",
-    "tests/integration/test_demo.py",
-    "tests/integration/test_colocated_vllm.py",
-    "tests/integration/test_weight_sync.py",
-    "tests/multihost/test_checkpoints.py",
-)
-
-
 # Files that `make test` runs in one process, one after another (whole files still, each in collection order):
 # those that start engines from the same per-process forking server, which imports SGLang or vLLM once per pytest
 # process (tests/sglang_engine/zygote.py, tests/vllm_engine/launcher.py: 15-25 s of CPU each on a 2-core machine).
@@ -77,33 +54,21 @@ SHARED_PROCESS = {
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile` with the files of `SHARED_PROCESS` handed out as one unit per group."""
+    """`--dist loadfile` with the files of `SHARED_PROCESS` handed out as one unit per group, the units that took
+    longest in a recorded run first (tests/helpers/schedule.py)."""
     if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadFileScheduling
+    from tests.helpers.schedule import LongestFirst
 
-    class LoadFileOrGroup(LoadFileScheduling):  # type: ignore[misc]  # xdist ships no type hints
-        def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return SHARED_PROCESS.get(file, file)
-
-    return LoadFileOrGroup(config, log)
+    return LongestFirst(config, log, SHARED_PROCESS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the files of LONGEST_FIRST first, in that order; every other file keeps its place, and the tests of
-    one file keep theirs."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    root = Path(str(config.rootpath))
+    """The units that took longest in a recorded run first (tests/helpers/schedule.py); the tests of one file
+    keep their order."""
+    from tests.helpers.schedule import load_seconds, order_items
 
-    def key(item: pytest.Item) -> int:
-        try:
-            name = Path(str(item.path)).relative_to(root).as_posix()
-        except ValueError:
-            return len(rank)
-        return rank.get(name, len(rank))
-
-    items.sort(key=key)  # stable
+    order_items(items, Path(str(config.rootpath)), SHARED_PROCESS, load_seconds())
 
 
 # Seconds before pytest-timeout ends a test at which the stacks of the test's asyncio tasks are printed (to the

@@ -12,23 +12,24 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dcs_tasks.checkpoint.restore.reader import step_dirs
 from dcs_tasks.config import DCSConfig
 from dcs_tasks.errors import CheckpointNotFound, StagingError
-from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint, write_marker
 from tests.checkpoint_support import ckpt_config
 from tests.helpers.preloaded import PreloadedProcess
 from tests.helpers.procs import REPO, WorkerProcess, child_env
 from tests.helpers.waiting import wait_until
-from tests.integration.lightning_run import TinyModule
 
+if TYPE_CHECKING:
+    import lightning as L
+
+# Lightning (and DCS's plug-in, which imports it) are imported by the tests that use them, not at collection: the
+# import is ~2 s of CPU in every pytest process, most of which never runs a test of this file.
 pytestmark = [pytest.mark.integration]
 RUN_TIMEOUT = 240.0
 
@@ -105,14 +106,12 @@ def test_a_run_killed_mid_training_resumes_from_last_with_the_losses_of_an_unint
     assert after == {s: reference[s] for s in range(20, 40)}, "resumed at step 20 with the uninterrupted losses"
 
 
-class Unstorable(TinyModule):
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["sampler"] = {"seed": 3, "generator": object()}
-
-
 def fit(
     io: Any, dirpath: Path, model: L.LightningModule, max_steps: int, ckpt_path: str | None = None, **checkpointing: Any
 ) -> L.Trainer:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -130,6 +129,13 @@ def fit(
 def test_a_checkpoint_holding_an_object_is_refused_naming_its_key_and_nothing_is_saved(
     dcs_config: DCSConfig, tmp_path: Path, inline: Any
 ) -> None:
+    from dcs_tasks.integrations.lightning import DCSCheckpointIO
+    from tests.integration.lightning_run import TinyModule
+
+    class Unstorable(TinyModule):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["sampler"] = {"seed": 3, "generator": object()}
+
     config = ckpt_config(dcs_config, tmp_path)
     io = DCSCheckpointIO("lit-bad", config, celery_app=inline(config))
     with pytest.raises(StagingError, match="sampler/generator"):
@@ -142,6 +148,11 @@ def test_a_checkpoint_holding_an_object_is_refused_naming_its_key_and_nothing_is
 def test_top_k_removals_take_markers_and_dcs_retention_prunes_steps_with_a_worker(
     dcs_config: DCSConfig, tmp_path: Path
 ) -> None:
+    import lightning as L
+
+    from dcs_tasks.integrations.lightning import DCSCheckpointIO
+    from tests.integration.lightning_run import TinyModule
+
     config = ckpt_config(dcs_config, tmp_path)
     worker = WorkerProcess(config, tmp_path / "worker.log").start()
     try:
@@ -168,6 +179,8 @@ def test_top_k_removals_take_markers_and_dcs_retention_prunes_steps_with_a_worke
 def test_a_file_that_is_not_a_dcs_marker_is_refused_on_load_and_left_on_remove(
     dcs_config: DCSConfig, tmp_path: Path, inline: Any
 ) -> None:
+    from dcs_tasks.integrations.lightning import DCSCheckpointIO, NotADCSCheckpoint
+
     config = ckpt_config(dcs_config, tmp_path)
     io = DCSCheckpointIO("lit-other", config, celery_app=inline(config))
     plain = tmp_path / "plain.ckpt"
@@ -182,6 +195,9 @@ def test_a_file_that_is_not_a_dcs_marker_is_refused_on_load_and_left_on_remove(
 def test_last_resumes_from_the_newest_step_that_commits_and_verifies(
     dcs_config: DCSConfig, tmp_path: Path, inline: Any
 ) -> None:
+    from dcs_tasks.integrations.lightning import DCSCheckpointIO, write_marker
+    from tests.integration.lightning_run import TinyModule
+
     config = ckpt_config(dcs_config, tmp_path)
     io = DCSCheckpointIO("lit-last", config, celery_app=inline(config))
     ckpts = tmp_path / "ckpts"
@@ -205,6 +221,9 @@ def test_last_resumes_from_the_newest_step_that_commits_and_verifies(
 def test_a_run_resumed_past_a_corrupt_step_keeps_it_and_saves_the_next(
     dcs_config: DCSConfig, tmp_path: Path, inline: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from dcs_tasks.integrations.lightning import DCSCheckpointIO
+    from tests.integration.lightning_run import TinyModule
+
     config = ckpt_config(dcs_config, tmp_path)
     io = DCSCheckpointIO("lit-past", config, celery_app=inline(config))
     ckpts = tmp_path / "ckpts"

@@ -200,6 +200,11 @@ def main() -> None:
 
     _setup_imports()
     serve_forever()
+    # stdin closed: leave at once. An interpreter exit with SGLang loaded runs exit handlers the pytest process
+    # would wait for at its own end (`Zygote.close`); the children are their owners' to kill.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- the client side (the pytest process) --------------------------------------------------------------------

@@ -195,6 +195,13 @@ def main() -> None:
 
     _get_system_env_info_cached()
     serve_requests(Connection(ours.fd), ours.fd)
+    # the pytest process closed its end: leave now. An interpreter exit with vLLM loaded ran its exit handlers
+    # for over 10 s, which the pytest process waits for at its own exit (vllm_engine.harness._close_launchers),
+    # and xdist's controller waits up to 10 s for that before ending the run. The servers forked from here are
+    # the tests' to kill, and have been.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
