@@ -106,6 +106,8 @@ def become_fresh_process(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # chosen again from this environment's TMPDIR, as a fresh interpreter would (the
+    # forkserver's imports may have fixed it from the pytest process's)
     from workers.prometheus import follow_multiprocess_env
 
     follow_multiprocess_env()  # prometheus_client, preloaded, picks its value store for this environment
