@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,13 +33,6 @@ class LocalStackError(DCSError):
 
 class StackInterrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP arrived: treated like Ctrl-C so that every `finally` (and the stop) runs."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pdeathsig_setter() -> Callable[[], None] | None:

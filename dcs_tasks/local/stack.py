@@ -26,11 +26,11 @@ import httpx
 from pydantic import SecretStr
 
 from dcs_tasks.config import DCSConfig
+from dcs_tasks.local.ports import free_port
 from dcs_tasks.local.procs import (
     LocalStackError,
     Service,
     child_environ,
-    free_port,
     interrupts_deferred,
 )
 
