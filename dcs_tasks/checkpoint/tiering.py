@@ -103,8 +103,7 @@ def flush(ctx: Context, req: MemoryStepRequest, task_id: str) -> dict[str, Any]:
     deleted = publish_copy(ctx, dst, ref.run, ref.step, req.retention, task_id)
     base, rank = stepplaces.base_and_rank(ref.run)
     book = stepplaces.Places(ctx.redis, ctx.keys)
-    book.record(base, ref.step, rank, stepplaces.STORAGE)
-    book.forget(base, ref.step, rank, stepplaces.FLUSHING)
+    book.record(base, ref.step, rank, stepplaces.STORAGE, clearing=(stepplaces.FLUSHING,))  # one transaction
     seconds = time.monotonic() - started
     log.info("memory tier: step %d of %s flushed to %s (%d bytes, %.3f s)", ref.step, ref.run, dst, copied, seconds)
     evict(ctx, ref.run)
@@ -158,8 +157,8 @@ def _peer_copy(ctx: Context, req: MemoryStepRequest) -> dict[str, Any]:
             continue
         book.record(base, ref.step, rank, stepplaces.peer_place(peer.host))
         done.append(peer.host)
-    if len(done) >= config.memory.replicas:
-        book.record(base, ref.step, rank, stepplaces.REPLICATED)
+    if len(done) >= config.memory.replicas:  # no longer copying, in the same transaction
+        book.record(base, ref.step, rank, stepplaces.REPLICATED, clearing=(stepplaces.COPYING,))
     else:
         record_error("checkpoint_peer_copy")
         log.error(

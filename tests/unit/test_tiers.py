@@ -238,3 +238,18 @@ def test_a_put_is_accepted_only_for_another_hosts_step_with_its_recorded_manifes
         owners.pull_check(client, keys)(StepRel("run", 9), b"{}")  # no record: taken on its checksums
     finally:
         client.close()
+
+
+def test_a_place_recorded_with_clearing_replaces_the_mark_in_one_transaction(dcs_config: DCSConfig) -> None:
+    """A peer copy that ends records `replicated` and drops `copying` together (a reader once saw both)."""
+    client = sync_client(dcs_config)
+    book = stepplaces.Places(client, Keys(dcs_config.redis.namespace))
+    try:
+        book.record("run", 2, 0, "mem@hosta", stepplaces.COPYING, stepplaces.FLUSHING)
+        book.record("run", 2, 0, "peer@hostb")
+        book.record("run", 2, 0, stepplaces.REPLICATED, clearing=(stepplaces.COPYING,))
+        assert book.read("run")[(2, 0)] == {"mem@hosta", "peer@hostb", stepplaces.REPLICATED, stepplaces.FLUSHING}
+        book.record("run", 2, 0, stepplaces.STORAGE, clearing=(stepplaces.FLUSHING,))
+        assert book.read("run")[(2, 0)] == {"mem@hosta", "peer@hostb", stepplaces.REPLICATED, stepplaces.STORAGE}
+    finally:
+        client.close()

@@ -78,13 +78,17 @@ class Places:
         self._redis = client
         self._keys = keys
 
-    def record(self, run: str, step: int, rank: int, *places: str) -> None:
+    def record(self, run: str, step: int, rank: int, *places: str, clearing: tuple[str, ...] = ()) -> None:
+        """Record `places` of the step's rank; `clearing`: fields removed in the same transaction (a reader never
+        sees the step both `replicated` and still `copying`)."""
         key = self._keys.step_places(run)
         now = f"{time.time():.3f}"
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=bool(clearing))
         pipe.hset(key, mapping={f"{step}|{rank}|{p}": now for p in places})
+        if clearing:
+            pipe.hdel(key, *(f"{step}|{rank}|{p}" for p in clearing))
         pipe.hlen(key)
-        _, size = pipe.execute()
+        size = pipe.execute()[-1]
         if int(size) > KEPT_STEPS_IN_PLACES * 8:
             self._trim(run)
 
