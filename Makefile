@@ -11,8 +11,8 @@ TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # Test files run in this many processes (pytest-xdist, whole files per process: tests in one file share fixtures
 # and order; tests/conftest.py keeps the SGLang and the vLLM engine files each in one process); 0 runs everything
-# in one process. On a quiet 2-core machine 4 processes ran the suite in 445-456 s (1,524-1,537 tests; 786 s with
-# 2 before this round's speed-ups), 6 in 444 s: the suite waits (timeouts, restarts) about a quarter of the time.
+# in one process, longest files first (tests/helpers/schedule.py). On a 2-core machine 4 processes ran the suite in
+# 422 s (1,552 tests), 5 in 414 s with a fifth more contention (docs/testing.md), 6 slower and with timing failures.
 PYTEST_WORKERS ?= 4
 
 .PHONY: install redis-bin sglang-engines vllm-engines verl-lib lint typecheck test test-unit test-fast demo bench bench-storage clean format
