@@ -9,6 +9,7 @@
   `ifname` (`DCS_COMM_IFNAME`), else to the interface holding the advertised address.
 - `check_master_reachable(master, members)`: `LoopbackAddressError` when a group's master address is
   loopback while a member is on another address (it could never reach the master).
+- `port_binds(address, port)`: whether a listener could bind there now (master ports; `dcs up`'s listeners).
 """
 
 from __future__ import annotations
@@ -102,3 +103,13 @@ def check_master_reachable(group: str, master_address: str, members: Iterable[tu
             "to the coordinator) or set DCS_ADVERTISE_ADDRESS to this host's routable address",
             node,
         )
+
+
+def port_binds(address: str, port: int) -> bool:
+    """Whether a TCP listener could bind `address:port` now (no SO_REUSEADDR: TIME_WAIT counts as busy)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True

@@ -16,6 +16,8 @@ import socket
 import threading
 from pathlib import Path
 
+from dcs_tasks.netaddr import port_binds
+
 PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 HIGHEST_PORT = 65535
 MIN_SPAN = 256  # fewer ports above the ephemeral range than this: the kernel's choice instead
@@ -30,16 +32,6 @@ def listener_ports(range_file: Path = PORT_RANGE_FILE) -> range:
         return range(0)
     ports = range(high + 1, HIGHEST_PORT + 1)
     return ports if len(ports) >= MIN_SPAN else range(0)
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a listener could bind `host:port` now (no SO_REUSEADDR: a port in TIME_WAIT counts as taken)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def kernel_port(host: str = "127.0.0.1") -> int:
@@ -68,7 +60,7 @@ class PortPicker:
             for _ in range(len(self.ports)):
                 port = self.ports[self._cursor % len(self.ports)]
                 self._cursor += 1
-                if port_free(port, host):
+                if port_binds(host, port):
                     return port
         return kernel_port(host)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from dcs_tasks.config import DCSConfig
 from dcs_tasks.engine_http import EngineHTTPError, EngineTimeout, request_blocking
 from dcs_tasks.errors import PortAllocationError, WeightSyncError
 from dcs_tasks.keys import Keys
+from dcs_tasks.netaddr import port_binds
 from dcs_tasks.sync import group_scripts as scripts
 from dcs_tasks.sync import vllm_protocol
 from dcs_tasks.sync.engine_protocol import auth_headers
@@ -114,16 +114,6 @@ def bootstrap_ttl(config: DCSConfig) -> int:
     visibility timeout, so they outlive every redelivery of the task (a redelivery comes at the latest one
     visibility timeout after the delivery that died)."""
     return int(config.task.visibility_timeout_seconds * 2)
-
-
-def port_binds(address: str, port: int) -> bool:
-    """Whether a TCP listener could bind `address:port` now (no SO_REUSEADDR: TIME_WAIT counts as busy)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
-    return True
 
 
 def reserve_port(client: redis.Redis, keys: Keys, config: DCSConfig, address: str, group_name: str) -> int:

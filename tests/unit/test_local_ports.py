@@ -6,7 +6,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from dcs_tasks.local.ports import MIN_SPAN, PortPicker, listener_ports, port_free
+from dcs_tasks.local.ports import MIN_SPAN, PortPicker, listener_ports
+from dcs_tasks.netaddr import port_binds
 
 
 def test_the_listener_ports_are_those_above_the_kernels_ephemeral_range(tmp_path: Path) -> None:
@@ -30,10 +31,10 @@ def _listening_socket(port: int = 0) -> socket.socket:
 def test_a_picker_skips_a_port_that_is_taken_and_falls_back_to_the_kernel_when_all_are() -> None:
     with _listening_socket() as taken:
         port = taken.getsockname()[1]
-        assert not port_free(port)
+        assert not port_binds("127.0.0.1", port)
         picker = PortPicker(range(port, port + 1))  # only the taken port: the kernel's choice instead
         other = picker()
-        assert other != port and port_free(other)
+        assert other != port and port_binds("127.0.0.1", other)
 
 
 def test_ports_picked_before_any_is_bound_are_distinct_and_in_range() -> None:
