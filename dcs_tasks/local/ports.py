@@ -10,6 +10,7 @@ range from a random start, so the ports it gives before any is bound are distinc
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -47,7 +48,6 @@ class PortPicker:
 
     def __init__(self, ports: range) -> None:
         self.ports = ports
-        self._lock = threading.Lock()
         self._restart()
         os.register_at_fork(after_in_child=self._restart)  # a forked child walks from a start of its own
 
@@ -65,5 +65,11 @@ class PortPicker:
         return kernel_port(host)
 
 
-free_port = PortPicker(listener_ports())
-"""A TCP port free on 127.0.0.1 now, above the kernel's ephemeral range where it has one."""
+@functools.cache
+def _picker() -> PortPicker:
+    return PortPicker(listener_ports())  # read when a port is first asked for, not at import
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, above the kernel's ephemeral range where it has one."""
+    return _picker()(host)

@@ -102,7 +102,7 @@ def seconds_from_junit(xml: Path) -> dict[str, float]:
     seconds: collections.Counter[str] = collections.Counter()
     for case in ET.parse(xml).getroot().iter("testcase"):
         parts = case.get("classname", "").split(".")
-        module = [p for p in parts[: next((i for i, p in enumerate(parts) if p.startswith("Test")), len(parts))]]
+        module = parts[: next((i for i, p in enumerate(parts) if p.startswith("Test")), len(parts))]
         seconds["/".join(module) + ".py"] += float(case.get("time", 0.0))
     return {f: round(s, 1) for f, s in sorted(seconds.items())}
 
