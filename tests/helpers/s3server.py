@@ -11,10 +11,14 @@
     server.restart()                # same ports, same data
     server.stop()
 
-Every server is `swift-<kind>-server CONF -v` (console logging into WORKDIR/logs/<kind>.log; `workers = 0`: one
-process, no fork) in a session of its own; stop/kill signal the whole process group, and the kernel kills the
-servers if the test process dies without stopping them (PR_SET_PDEATHSIG; it follows the *thread* that called
-start(), so start from a thread that outlives the server, e.g. the main one). Start takes about 3 s. No
+Every server is what `swift-<kind>-server CONF -v` runs (console logging into WORKDIR/logs/<kind>.log; `workers =
+0`: one process, no fork) in a session of its own, forked from a zygote that imported the four server modules
+once per test process (tests/helpers/swift_serve.py; DCS_TEST_SWIFT_ZYGOTE=0 runs the scripts themselves). stop/
+kill signal the whole process group, and the kernel kills the servers if the test process dies without stopping
+them (PR_SET_PDEATHSIG: a server dies with the zygote, which ends when the test process's pipe to it closes; a
+script started directly dies with the *thread* that called start(), so start from a thread that outlives the
+server, e.g. the main one). Start takes about 1.2 s (2 s without the zygote; its first start adds the zygote's
+own imports). No
 memcached: tempauth hands out Fernet tokens (native Swift API) and checks S3 signatures itself, so nothing is
 cached between requests and container quotas see the container's current usage. Swift comes from pip alone
 (`swift`; its `pyeclib` wheel bundles liberasurecode); the data directory needs user xattrs (ext4, xfs, tmpfs).
@@ -63,7 +67,10 @@ from urllib.parse import quote
 
 import httpx
 
+from tests.helpers import zygote as zygotes
 from tests.helpers.ports import free_port
+from tests.helpers.procs import REPO
+from tests.helpers.zygote import ZygoteProcess
 
 REGION = "us-east-1"
 ACCOUNT = "dcs"
@@ -134,7 +141,7 @@ class S3Server:
         self.min_part_size = min_part_size
         self.tls = tls
         self.ports = {kind: free_port() for kind in KINDS}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | ZygoteProcess] = {}
         self._user = "tester"
         self._other_user = "intruder"
         self._password = base64.urlsafe_b64encode(os.urandom(18)).decode()
@@ -195,15 +202,7 @@ class S3Server:
                 if script is None:
                     raise RuntimeError(f"swift-{kind}-server not found; `make test` installs swift (pip)")
                 conf = str(self.workdir / "etc" / f"{kind}-server.conf")
-                with (self.logs / f"{kind}.log").open("ab") as log:
-                    self.procs[kind] = subprocess.Popen(
-                        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), script, conf, "-v"],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        cwd=self.workdir,
-                    )
+                self.procs[kind] = self._launch(kind, script, conf, timeout)
             self._wait_ready(timeout)
         except BaseException:
             self.kill(everything=True)
@@ -320,6 +319,35 @@ class S3Server:
                 list(pool.map(lambda key: put(client, key), keys))
 
     # --- internals ---------------------------------------------------------------------------------------------
+
+    def _launch(self, kind: str, script: str, conf: str, timeout: float) -> subprocess.Popen[bytes] | ZygoteProcess:
+        """`swift-KIND-server CONF -v` in a session of its own, logging to `logs/KIND.log`, killed by the kernel if
+        the pytest process dies: forked from this process's Swift zygote (`tests/helpers/swift_serve.py`), or,
+        with DCS_TEST_SWIFT_ZYGOTE=0, the script itself run by a launcher (`_LAUNCHER`)."""
+        log = self.logs / f"{kind}.log"
+        if os.environ.get("DCS_TEST_SWIFT_ZYGOTE", "1") != "0":
+            return zygotes.spawn(
+                "swift",
+                [sys.executable, "-m", "tests.helpers.swift_serve", "--zygote"],
+                _zygote_env(),
+                "tests.helpers.swift_serve",
+                [kind, conf, "-v"],
+                env=dict(os.environ),
+                log=log,
+                timeout=timeout,
+                cwd=self.workdir,
+                title=f"swift-{kind}-server {conf} -v (forked from the Swift zygote)",
+                deathsig=True,
+            )
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), script, conf, "-v"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.workdir,
+            )
 
     def _signal(self, kind: str, sig: signal.Signals) -> None:
         proc = self.procs.get(kind)
@@ -479,6 +507,14 @@ class S3Server:
         if rings.returncode != 0:
             raise RuntimeError(f"building the swift rings failed ({rings.returncode}):\n{rings.stderr[-4000:]}")
         self._configured = True
+
+
+def _zygote_env() -> dict[str, str]:
+    """The Swift zygote's environment: this process's, with the repository importable (its children get the
+    environment of the test that starts them)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def _listens(port: int) -> bool:
