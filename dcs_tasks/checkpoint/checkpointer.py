@@ -131,6 +131,7 @@ class Checkpointer:
         # restores into device tensors (restore.device: a ring of page-locked chunks on a side stream)
         self._device_restorer = device_restorer or DeviceRestorer()
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="dcs-dispatch")
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="dcs-step-exists")  # beside the copy (save)
         self._layouts = dispatch.Layouts(self.config)  # one layout per state shape (incremental saves)
         self._pending: list[PendingCheckpoint] = []
         self._gauges = StagingGauges()
@@ -214,10 +215,12 @@ class Checkpointer:
                     sending = self._dispatcher.submit(
                         self._stage_and_send, ref, lease, layout, flat, durable, in_memory, staged, queued
                     )
-                else:
+                else:  # storage asked whether the step exists while the tensors are copied (a HEAD on S3)
+                    asking = self._checks.submit(self._committed_dirs, step, in_memory)
                     self._stage(lease.buffer, layout, flat)
                     chunks = self._chunk_sums(lease.buffer, layout) if flat.dtensors else None
-                    ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory)
+                    found = asking.result()
+                    ref = self._begin(step, layout, flat, metadata or {}, dims, chunks, in_memory, found)
                     sending = self._dispatcher.submit(self._send, ref, lease, layout, durable, in_memory)
         except StorageUnavailable as exc:  # storage down (asked whether the step exists): this save only is lost
             return self._failed_at_once(step, exc, started)
@@ -538,6 +541,7 @@ class Checkpointer:
         dims: dict[str, int],
         chunks: ChunkSums | None,
         in_memory: bool = False,
+        found: list[Location] | None = None,
     ) -> StepRef:
         draft = draft_of(
             self.run,
@@ -554,8 +558,13 @@ class Checkpointer:
         step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
         files = len(layout.files)
         return dispatch.open_step(
-            self._ledger, self.config, self.run, self._shard_run, draft, files, step_dir, self._step_dir(step)
+            self._ledger, self.config, self.run, self._shard_run, draft, files, step_dir, self._step_dir(step), found
         )
+
+    def _committed_dirs(self, step: int, in_memory: bool) -> list[Location]:
+        """`dispatch.committed_dirs` of the step's directories (`_begin`'s `found`)."""
+        step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
+        return dispatch.committed_dirs(step_dir, self._step_dir(step))
 
     def _send(
         self, ref: StepRef, lease: BufferLease, layout: Layout, durable: bool = True, in_memory: bool = False
@@ -659,6 +668,7 @@ class Checkpointer:
             self._reap()
             time.sleep(0.02)
         self._dispatcher.shutdown(wait=True)
+        self._checks.shutdown(wait=True)
         self._reap()
         self._note_flush_failures()
         unfinished = self._unfinished()

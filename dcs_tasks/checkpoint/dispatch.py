@@ -49,6 +49,12 @@ def require_worker(app: Celery | InlineCommitter, client: redis.Redis, keys: Key
     agreement.require_agreement(config, client, keys, app)  # a worker started or restarted since construction
 
 
+def committed_dirs(step_dir: Location, primary_dir: Location) -> list[Location]:
+    """Which of the two hold the step committed (its manifest stored): asked of storage, a HEAD each on an object
+    store."""
+    return [existing for existing in dict.fromkeys((step_dir, primary_dir)) if committed(existing)]
+
+
 def open_step(
     ledger: StepLedger,
     config: DCSConfig,
@@ -58,17 +64,19 @@ def open_step(
     files: int,
     step_dir: Location,
     primary_dir: Location,
+    found: list[Location] | None = None,
 ) -> StepRef:
     """Begin step `draft.step` of `shard_run` (written to `step_dir`) in the ledger. Raises CheckpointError (naming
     `run`) when the step is committed (in the ledger, or under `step_dir` or `primary_dir` though the ledger
-    forgot it) or another attempt is still persisting it."""
+    forgot it) or another attempt is still persisting it. `found`: `committed_dirs(step_dir, primary_dir)`, when
+    the caller asked storage already (beside the copy into staging: a HEAD on an object store)."""
     step = draft.step
-    for existing in {step_dir, primary_dir}:
-        if committed(existing):  # committed though the ledger forgot it (expired, lost)
-            raise CheckpointError(
-                f"step {step} of run {run!r} is already committed ({existing / MANIFEST_NAME} exists); DCS "
-                "never overwrites a committed step: save under a new step"
-            )
+    found = committed_dirs(step_dir, primary_dir) if found is None else found
+    if found:  # committed though the ledger forgot it (expired, lost)
+        raise CheckpointError(
+            f"step {step} of run {run!r} is already committed ({found[0] / MANIFEST_NAME} exists); DCS "
+            "never overwrites a committed step: save under a new step"
+        )
     ref = StepRef(run=shard_run, step=step, token=uuid.uuid4().hex, step_dir=str(step_dir))
     abandoned_after = config.abandoned_save_seconds()
     verdict = ledger.begin(shard_run, step, ref.token, files, draft, abandoned_after)
