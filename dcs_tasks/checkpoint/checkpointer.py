@@ -243,7 +243,7 @@ class Checkpointer:
             self._shard_run,
             step,
             ledger=self._ledger,
-            step_dir=self._memory_step_dir(step) if in_memory else self._step_dir(step),
+            step_dir=self._target_dir(step, in_memory),
             stall_seconds=stall,
             lease=lease,
             dispatch=sending,
@@ -555,7 +555,7 @@ class Checkpointer:
             dtensors={n: m.entry() for n, m in flat.dtensors.items() if n in flat.tensors} if flat.dtensors else None,
             chunks=chunks,
         )
-        step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
+        step_dir = self._target_dir(step, in_memory)
         files = len(layout.files)
         return dispatch.open_step(
             self._ledger, self.config, self.run, self._shard_run, draft, files, step_dir, self._step_dir(step), found
@@ -563,8 +563,11 @@ class Checkpointer:
 
     def _committed_dirs(self, step: int, in_memory: bool) -> list[Location]:
         """`dispatch.committed_dirs` of the step's directories (`_begin`'s `found`)."""
-        step_dir = self._memory_step_dir(step) if in_memory else self._step_dir(step)
-        return dispatch.committed_dirs(step_dir, self._step_dir(step))
+        return dispatch.committed_dirs(self._target_dir(step, in_memory), self._step_dir(step))
+
+    def _target_dir(self, step: int, in_memory: bool) -> Location:
+        """Where the step is written first: this host's memory tier, or storage."""
+        return self._memory_step_dir(step) if in_memory else self._step_dir(step)
 
     def _send(
         self, ref: StepRef, lease: BufferLease, layout: Layout, durable: bool = True, in_memory: bool = False

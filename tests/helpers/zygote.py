@@ -65,6 +65,14 @@ def _set_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The status an interpreter leaving by `exc` exits with (a message instead of a number: printed, status 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 def _child(request: dict[str, Any], channel: tuple[int, int]) -> None:
     """In the forked child: become `python -m MODULE ARGS` and never return into the zygote's loop."""
     code = 1
@@ -99,10 +107,7 @@ def _child(request: dict[str, Any], channel: tuple[int, int]) -> None:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
+        code = exit_status(exc)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tests.helpers.zygote import exit_status
 from tests.vllm_engine import serve
 
 PRELOAD = (
@@ -120,10 +121,7 @@ def _run_child(fd: int, argv: list[str], env: dict[str, str], cwd: str, log: str
         serve.main(argv)
         code = 0
     except SystemExit as exc:
-        if isinstance(exc.code, int) or exc.code is None:
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
+        code = exit_status(exc)
     except BaseException:
         traceback.print_exc()
     finally:
