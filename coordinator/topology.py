@@ -160,8 +160,8 @@ class TopologyManager:
         # (scripts.HEARTBEAT_MANY): once per period; 0 (no interval given): every beat. The role's record (rank
         # assignment's) is scored half the TTL after the beat and taken as maybe dead once older than half the
         # TTL: rewritten every TTL less 1.5 intervals, it never is while the node beats every interval (or up to
-        # 1.5 intervals apart). node_beats (the dead-node sweep's) lags the last beat by under its period plus the
-        # role's, how much sooner than its retention a dead node may be swept: its period is a tenth of the
+        # 1.5 intervals apart). node_beats (the dead-node sweep's) lags the last beat by under its period, how
+        # much sooner than its retention a dead node may be swept: its period is a tenth of the
         # retention (the role's when none is given); the sweep puts a live node it finds behind back, so no
         # period is a risk to a live node.
         role_refresh = (

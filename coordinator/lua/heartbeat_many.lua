@@ -1,25 +1,26 @@
 -- Refresh many nodes' heartbeats in one call (POST /heartbeats): per node what HEARTBEAT does, with the fewest
 -- Redis calls: one HMGET per role reads the beating nodes' owners (registered and fenced at once; the record is
--- read only when there is no owner), one GETEX ... PX per node refreshes its TTL and returns the key's value (the
--- time of the node's last beat that wrote a last-beat record), and the records are written only when due, in a
--- few batched calls, the key's value then set to the beat's time (SET ... KEEPTTL):
--- - role_beats (rank assignment's index; its role_stale entry goes) when this beat and the value fall in
+-- read only when there is no owner), one SET ... PX ... GET per node sets the key's value to the beat's time,
+-- refreshes its TTL and returns the value it held (the time of the node's previous beat), and the records are
+-- written only when due, in a few batched calls:
+-- - role_beats (rank assignment's index; its role_stale entry goes) when this beat and the previous one fall in
 --   different periods of ARGV[6] seconds, scored half the TTL after the beat: half the TTL before the heartbeat
 --   key this beat set runs out, as register.lua scores a node it finds alive. Rank assignment takes entries older
 --   than half the TTL as maybe dead, so an entry ages past that only when the key it was written for may have run
 --   out; a node beating every interval (or up to 1.5 intervals apart) with ARGV[6] at most the TTL less 1.5
 --   intervals never does before its next write, and a dead node always does by the time its key is gone.
 -- - node_beats (the dead-node sweep's last-beat record, scored with the beat's time; its node_unbeaten entry
---   goes) when the two fall in different periods of ARGV[10] seconds: it lags the value by under ARGV[10], and
---   the value the last beat by under ARGV[6], which is how much sooner than its retention a dead node may be
---   swept. The sweep puts a live node it finds behind back into node_beats (sweep_dead_nodes.lua), so how seldom
+--   goes) when the two fall in different periods of ARGV[10] seconds: it lags the last beat by under ARGV[10],
+--   which is how much sooner than its retention a dead node may be swept. The sweep puts a live node it finds behind back into node_beats (sweep_dead_nodes.lua), so how seldom
 --   this is written is no risk to a live node.
 -- - both at once when the value is not a time: none (the key had run out, or was of another type: replaced), a
 --   registration's mark ("r" .. time, register.lua: the node's first beat, so it leaves node_unbeaten at once) or
 --   a hostile value.
 -- No read of the records is needed: every writer of the key's value (register, HEARTBEAT, this script) leaves
--- each record from the period of the value (register and HEARTBEAT write them every time), so a record is
--- rewritten once per period. Each node's periods are offset by a phase drawn from its rank, so a fleet's
+-- each record from the period of the value (register and HEARTBEAT write them every time; this script when a
+-- period's boundary lies between the previous beat and this one), so a record is rewritten once per period: as
+-- often as when the value held the last beat that wrote a record (the beats between that one and the previous
+-- wrote none, so no boundary lies between them). Each node's periods are offset by a phase drawn from its rank, so a fleet's
 -- rewrites spread evenly over time rather than all following each period's start.
 -- KEYS[1] node_beats  KEYS[2] node_unbeaten
 -- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
@@ -103,23 +104,18 @@ for i = 1, count do
   end
   if code == "1" then
     local key = beat_p .. role .. ":" .. rank
-    local prev = rpcall("GETEX", key, "PX", ttl)
+    local prev = rpcall("SET", key, now, "PX", ttl, "GET")
     local prev_s = tonumber(prev)
     if prev_s and prev_s - prev_s ~= 0 then
       prev_s = nil
     end
     local role_due, node_due = true, true
-    if not prev_s then
-      if type(prev) == "table" then
-        rcall("DEL", key)
-      end
+    if type(prev) == "table" then
+      rcall("DEL", key)
       rcall("SET", key, now, "PX", ttl)
-    else
+    elseif prev_s then
       local phase = (tonumber(rank) or 0) * 0.6180339887498949 % 1
       role_due, node_due = due(role_period, phase, prev_s), due(node_period, phase, prev_s)
-      if role_due or node_due then
-        rcall("SET", key, now, "KEEPTTL")
-      end
     end
     if node_due then
       local member = role .. ":" .. rank

@@ -9,10 +9,10 @@
 -- ARGV[10] role_beats prefix  ARGV[11] role_stale prefix (prefix .. role): a removed node leaves them too (pcall:
 --          one of another type fails nothing); a node kept stays in them, for rank assignment to find once dead
 -- Returns how many entries were processed (== ARGV[2]: call again). A node found alive (its heartbeat key exists)
--- is kept, and kept in node_beats: scored again with the key's value (the time of its last beat that wrote a
--- last-beat record, or "r" .. the registration's time until its first beat; the sweep's now when that is no time
--- after the cutoff), since a batched beat rewrites node_beats only once per refresh period (heartbeat_many.lua),
--- which may be longer than what the sweep leaves a record. A node still in node_unbeaten whose key holds a beat's
+-- is kept, and kept in node_beats: scored again with the key's value (the time of its last beat, or "r" .. the
+-- registration's time until its first beat; the sweep's now when that is no time after the cutoff), since a
+-- batched beat rewrites node_beats only once per refresh period (heartbeat_many.lua), which may be longer than
+-- what the sweep leaves a record. A node still in node_unbeaten whose key holds a beat's
 -- time later than its registration has beaten (a beat that did not take it out, e.g. of an older coordinator):
 -- it leaves node_unbeaten, so once dead it is kept for the dead-node retention.
 

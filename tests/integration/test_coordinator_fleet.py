@@ -288,7 +288,8 @@ async def test_batched_beats_rewrite_each_record_once_per_period_spread_over_the
     node_beats lags the last beat by under its period (a tenth of the retention), the role's record never ages
     past rank assignment's cutoff (half the TTL) while the node beats nor claims it alive past its key's end, each
     record is written about once per its period (the point of the rule: not a write per beat), and the writes of
-    a fleet beating in step spread over the period instead of all following its start."""
+    a fleet beating in step spread over the period instead of all following its start. Every beat sets each node's
+    heartbeat key to its time and refreshes the key's TTL."""
     interval, ttl, retention = 5.0, 60.0, 600.0
     role_period, node_period = ttl - 1.5 * interval, retention / 10  # what TopologyManager passes for these settings
     client = make_redis(dcs_config)
@@ -298,6 +299,7 @@ async def test_batched_beats_rewrite_each_record_once_per_period_spread_over_the
     await topology.register_many([node(rank, 7000 + rank, role="sim") for rank in range(count)])
     ranks = [str(rank) for rank in range(count)]
     members = [f"sim:{rank}" for rank in ranks]
+    beat_keys = [keys.heartbeat("sim", rank) for rank in range(count)]
     packed = "\n".join(f"sim\n{rank}\n10.0.0.1:{7000 + rank}" for rank in range(count))
     head = [keys.node_beats(), keys.node_unbeaten()]
     prefixes = [keys.role_nodes_prefix(), keys.role_owners_prefix(), keys.heartbeat_prefix(), repr(role_period)]
@@ -326,6 +328,9 @@ async def test_batched_beats_rewrite_each_record_once_per_period_spread_over_the
             assert node_writes[0] == role_writes[0] == count and r.zcard(keys.node_unbeaten()) == 0
         assert max(clock - x for x in node_after) < node_period
         assert max(role_after) <= clock + ttl / 2  # half the TTL before the key this beat set runs out, no later
+        # every node's heartbeat key holds this beat's time (what the sweep scores a live node with), TTL refreshed
+        assert {float(v) for v in r.mget(beat_keys)} == {clock}
+        assert min(r.pttl(key) for key in beat_keys[:: count // 8]) > ttl * 1000 - 5000
         node_before, role_before = node_after, role_after
     in_step = sum(gaps[1:60])  # after the first beat
     for writes, period in ((node_writes, node_period), (role_writes, role_period)):
