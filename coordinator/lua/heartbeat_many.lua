@@ -11,17 +11,16 @@
 --   intervals never does before its next write, and a dead node always does by the time its key is gone.
 -- - node_beats (the dead-node sweep's last-beat record, scored with the beat's time; its node_unbeaten entry
 --   goes) when the two fall in different periods of ARGV[10] seconds: it lags the last beat by under ARGV[10],
---   which is how much sooner than its retention a dead node may be swept. The sweep puts a live node it finds behind back into node_beats (sweep_dead_nodes.lua), so how seldom
---   this is written is no risk to a live node.
+--   which is how much sooner than its retention a dead node may be swept. The sweep puts a live node it finds
+--   behind back into node_beats (sweep_dead_nodes.lua), so how seldom this is written is no risk to a live node.
 -- - both at once when the value is not a time: none (the key had run out, or was of another type: replaced), a
 --   registration's mark ("r" .. time, register.lua: the node's first beat, so it leaves node_unbeaten at once) or
 --   a hostile value.
 -- No read of the records is needed: every writer of the key's value (register, HEARTBEAT, this script) leaves
 -- each record from the period of the value (register and HEARTBEAT write them every time; this script when a
--- period's boundary lies between the previous beat and this one), so a record is rewritten once per period: as
--- often as when the value held the last beat that wrote a record (the beats between that one and the previous
--- wrote none, so no boundary lies between them). Each node's periods are offset by a phase drawn from its rank, so a fleet's
--- rewrites spread evenly over time rather than all following each period's start.
+-- period's boundary lies between the previous beat and this one), so a record is rewritten once per period.
+-- Each node's periods are offset by a phase drawn from its rank, so a fleet's rewrites spread evenly over time
+-- rather than all following each period's start.
 -- KEYS[1] node_beats  KEYS[2] node_unbeaten
 -- ARGV[1] TTL ms  ARGV[2] heartbeat value (unix time)  ARGV[3] role_nodes prefix  ARGV[4] role_owners prefix
 -- ARGV[5] heartbeat prefix (prefix .. role .. ":" .. rank)  ARGV[6] role_beats refresh period (seconds, 0: every

@@ -12,9 +12,9 @@
 -- is kept, and kept in node_beats: scored again with the key's value (the time of its last beat, or "r" .. the
 -- registration's time until its first beat; the sweep's now when that is no time after the cutoff), since a
 -- batched beat rewrites node_beats only once per refresh period (heartbeat_many.lua), which may be longer than
--- what the sweep leaves a record. A node still in node_unbeaten whose key holds a beat's
--- time later than its registration has beaten (a beat that did not take it out, e.g. of an older coordinator):
--- it leaves node_unbeaten, so once dead it is kept for the dead-node retention.
+-- what the sweep leaves a record. A node still in node_unbeaten whose key holds a beat's time later than its
+-- registration has beaten (a beat that did not take it out, e.g. of an older coordinator): it leaves
+-- node_unbeaten, so once dead it is kept for the dead-node retention.
 
 local stale = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", ARGV[1], "LIMIT", 0, tonumber(ARGV[2]))
 local unbeaten = redis.call("ZRANGEBYSCORE", KEYS[3], "-inf", ARGV[8], "LIMIT", 0, tonumber(ARGV[2]) - #stale)
