@@ -28,7 +28,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import xdist
 from xdist.scheduler import LoadFileScheduling
+
+# What `LongestFirst` uses of xdist's scheduling beyond its hook (private; written against pytest-xdist 3.8): the
+# methods it overrides or calls, and the attributes an instance has once xdist's __init__ ran.
+XDIST_METHODS = ("schedule", "_split_scope", "_reschedule", "_pending_of", "_assign_work_unit")
+XDIST_ATTRIBUTES = ("workqueue", "assigned_work")
+
+
+class SchedulerMismatch(RuntimeError):
+    """This pytest-xdist's LoadFileScheduling lacks what `LongestFirst` overrides or calls."""
+
+
+def check_internals(scheduler: Any, names: tuple[str, ...], version: str = xdist.__version__) -> None:
+    """Raise SchedulerMismatch naming each of `names` that `scheduler` (a class or an instance) lacks."""
+    missing = [name for name in names if not hasattr(scheduler, name)]
+    if missing:
+        raise SchedulerMismatch(
+            f"pytest-xdist {version}'s LoadFileScheduling has no {', '.join(missing)}, which "
+            "tests/helpers/schedule.py's LongestFirst uses (written against pytest-xdist 3.8): update LongestFirst "
+            "for this release, or install pytest-xdist 3.8"
+        )
+
 
 SECONDS_FILE = Path(__file__).with_name("file_seconds.json")
 
@@ -50,7 +72,9 @@ class LongestFirst(LoadFileScheduling):  # type: ignore[misc]  # xdist ships no 
     collection order (`order_items`)."""
 
     def __init__(self, config: Any, log: Any, groups: Mapping[str, str]) -> None:
+        check_internals(LoadFileScheduling, XDIST_METHODS)
         super().__init__(config, log)
+        check_internals(self, XDIST_ATTRIBUTES)
         self._groups = dict(groups)
 
     def _split_scope(self, nodeid: str) -> str:
