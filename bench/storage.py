@@ -30,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -65,6 +66,43 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 SIGN = False  # --payload-signing: the plain contenders sign their bodies as DCS does (set by main)
+WORKER_PID: int | None = None  # the `dcs worker` (its pool's CPU counts as DCS's client side; set by main)
+CPU: dict[str, list[dict[str, float]]] = {}  # upload phases by contender: CPU seconds (`timed_cpu`)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def client_seconds() -> float:
+    """CPU seconds of the client side so far: this process (every thread: the trainer's copy, botocore's and
+    obstore's and the CRT's own threads) and the `dcs worker` with its pool processes."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    if WORKER_PID is not None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(entry.name) == WORKER_PID or int(fields[1]) == WORKER_PID:
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def timed_cpu(name: str, fn: Callable[[], Any]) -> float:
+    """`timed(fn)`, with the CPU seconds the client side and the whole machine (the S3 server included, when it
+    runs here) spent meanwhile recorded under `name` in CPU."""
+    client, busy = client_seconds(), machine_busy_seconds()
+    took = timed(fn)
+    CPU.setdefault(name, []).append(
+        {"client_cpu_s": client_seconds() - client, "machine_cpu_s": machine_busy_seconds() - busy}
+    )
+    return took
 
 
 def client() -> Any:
@@ -95,13 +133,14 @@ def plain_transfer(
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(at_once) as pool:
-        up = timed(
+        up = timed_cpu(
+            "plain",
             lambda: list(
                 pool.map(
                     lambda kv: s3.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0], Config=cfg),
                     zip(keys, files, strict=True),
                 )
-            )
+            ),
         )
         sinks = [io.BytesIO() for _ in files]
         down = timed(
@@ -149,7 +188,7 @@ def plain_obstore(
         return b"".join(bytes(g) for g in got) == kv[1]
 
     with ThreadPoolExecutor(at_once) as pool:
-        up = timed(lambda: list(pool.map(put, zip(keys, files, strict=True))))
+        up = timed_cpu("plain_obstore", lambda: list(pool.map(put, zip(keys, files, strict=True))))
         results: list[bool] = []
         down = timed(lambda: results.extend(pool.map(get, zip(keys, files, strict=True))))
     assert all(results)
@@ -159,11 +198,14 @@ def plain_obstore(
 def dcs_round(ckpt: Checkpointer, config: DCSConfig, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     """One save (stall, then durable commit, both from the call) through `ckpt` (warmed up: its staging buffer
     exists), then restores by a fresh Checkpointer, as a restarted trainer does."""
-    began = time.perf_counter()
+    began, client, busy = time.perf_counter(), client_seconds(), machine_busy_seconds()
     pending = ckpt.save(state, step=step)
     stall = time.perf_counter() - began
     pending.wait(timeout=1800)
     durable = time.perf_counter() - began
+    CPU.setdefault("dcs", []).append(
+        {"client_cpu_s": client_seconds() - client, "machine_cpu_s": machine_busy_seconds() - busy}
+    )
     with Checkpointer("bench", config) as fresh:
         began = time.perf_counter()
         restored = fresh.restore(step=step)
@@ -316,9 +358,29 @@ def rows(summary: dict[str, Any]) -> list[Row]:
     ]
 
 
+def cpu_row(summary: dict[str, Any]) -> Row | None:
+    """Where the durable save's time goes on a machine whose S3 server shares the client's cores: CPU seconds per
+    GiB of the client side and of the whole machine, DCS's save (copy into staging, upload, hashing, commit)
+    beside each plain upload (reported; no target)."""
+    cpu = summary.get("cpu_per_gib", {})
+    if "dcs" not in cpu:
+        return None
+    theirs = [
+        (label, cpu[name]) for name, label in (("plain_obstore", "obstore"), ("plain", "s3transfer")) if name in cpu
+    ]
+    client = cpu["dcs"]["client_cpu_s"]
+    return Row(
+        what="S3 save CPU per GiB: client side (trainer + worker; whole machine, the S3 server included)",
+        ours=f"{client:.2f} CPU-s ({cpu['dcs']['machine_cpu_s']:.2f})",
+        compared=", ".join(f"{label} upload {c['client_cpu_s']:.2f} ({c['machine_cpu_s']:.2f})" for label, c in theirs),
+        ratio=theirs[0][1]["client_cpu_s"] / client if theirs else None,
+        ratio_text=f"{client / theirs[0][1]['client_cpu_s']:.1f}x {theirs[0][0]}'s client CPU" if theirs else "",
+    )
+
+
 def headline(table: list[Row]) -> str:
     """The README's one line: each row's ratio."""
-    save, restore, into = table
+    save, restore, into = table[:3]
     return f"S3: durable {save.ratio_text}; restore {restore.ratio_text}, into= {into.ratio_text}"
 
 
@@ -343,7 +405,7 @@ def main() -> None:
         help="SigV4 over each body's SHA-256, for DCS and every contender that has the option (see the docstring)",
     )
     args = parser.parse_args()
-    global SIGN
+    global SIGN, WORKER_PID
     SIGN = args.payload_signing == "on"
     if not os.environ.get("AWS_ENDPOINT_URL"):
         parser.error("set AWS_ENDPOINT_URL (and the AWS credentials) to the S3 server to measure")
@@ -364,6 +426,7 @@ def main() -> None:
         s3_payload_signing=args.payload_signing,
     )
     worker = start_worker(config, work / "worker.log", concurrency=args.processes)
+    WORKER_PID = worker.pid
     files = []  # the same byte count split as DCS splits it (files of --file-mb)
     flat = b"".join(t.numpy().tobytes() for t in state.values())
     for begin in range(0, len(flat), args.file_mb * MiB):
@@ -379,6 +442,7 @@ def main() -> None:
     ckpt = Checkpointer("bench", config)
     try:
         ckpt.save(state, step=0).wait(timeout=1800)  # warm-up: the staging buffer is made once per trainer
+        CPU.clear()
         for i in range(args.repeats):  # each round starts with the next contender: same server, same bytes
             tag = f"{i}-{uuid.uuid4().hex[:6]}"
             part, conc = args.part_mb * MiB, args.concurrency
@@ -437,6 +501,11 @@ def main() -> None:
             summary[f"dcs_restore_into_vs_{name}_load"] = figures["load_into_s"] / dcs["restore_into_s"]
         else:
             summary[name] = next(r for r in got if isinstance(r, str))
+    gib = total / 2**30
+    summary["cpu_per_gib"] = {
+        name: {k: med([r[k] for r in got]) / gib for k in ("client_cpu_s", "machine_cpu_s")}
+        for name, got in CPU.items()
+    }
     wins = round_wins(rounds, "durable_s", "dcp_s3torchconnector", "save_s")
     if wins is not None:
         summary["dcs_durable_rounds_won_vs_dcp_s3torchconnector"] = list(wins)
@@ -445,6 +514,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load": os.getloadavg(),
         "rounds": rounds,
+        "rounds_cpu": CPU,
         "summary": summary,
     }
     notes = (
@@ -454,7 +524,9 @@ def main() -> None:
     )
     if not isinstance(summary.get("dcp_fsspec"), dict):
         notes += f" DCP + s3fs (FsspecWriter): {summary['dcp_fsspec']}"
-    bench_run.record(record, rows(summary), notes=notes, headline=headline(rows(summary)))
+    table = rows(summary)
+    extra = cpu_row(summary)
+    bench_run.record(record, table + ([extra] if extra else []), notes=notes, headline=headline(table))
     print(json.dumps(summary, indent=2, default=str))
 
 
