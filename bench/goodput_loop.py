@@ -267,17 +267,6 @@ def run_segment(
     segment.worker_cpu_s = workers() - workers_before
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its descendants (live ones, and the waited-for dead ones), /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    except (OSError, ValueError):
-        return 0.0
-    own = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    return own + sum(tree_cpu_seconds(child) for child in children)
-
-
 class _FullCounter(logging.Handler):
     """Counts the Checkpointer's "memory tier full ... goes to storage only" warnings (saves that missed memory)."""
 

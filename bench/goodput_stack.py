@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.goodput_loop import tree_cpu_seconds, wait_until
-from bench.harness import free_port, start_worker, stop, wait_for_port
+from bench.goodput_loop import wait_until
+from bench.harness import free_port, start_worker, stop, tree_cpu_seconds, wait_for_port
 from dcs_tasks.config import SETTINGS, DCSConfig
 from dcs_tasks.keys import Keys
 from dcs_tasks.redisconn import sync_client

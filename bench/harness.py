@@ -149,6 +149,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its descendants (live ones, and the waited-for dead ones), /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        return 0.0
+    own = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return own + sum(tree_cpu_seconds(child) for child in children)
+
+
 def percentile(ordered: list[float], q: float) -> float:
     """The q-quantile of an already sorted list (nan when empty)."""
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")

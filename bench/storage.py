@@ -27,6 +27,7 @@ docs/benchmarks.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -38,7 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, Run, start_redis, start_worker, stop
+from bench.harness import Row, Run, start_redis, start_worker, stop, tree_cpu_seconds
 from dcs_tasks import Checkpointer
 from dcs_tasks.config import DCSConfig
 
@@ -67,7 +68,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 SIGN = False  # --payload-signing: the plain contenders sign their bodies as DCS does (set by main)
 WORKER_PID: int | None = None  # the `dcs worker` (its pool's CPU counts as DCS's client side; set by main)
-CPU: dict[str, list[dict[str, float]]] = {}  # upload phases by contender: CPU seconds (`timed_cpu`)
+CPU: dict[str, list[dict[str, float]]] = {}  # upload phases by contender: CPU seconds (`cpu_spent`)
 
 
 def machine_busy_seconds() -> float:
@@ -80,29 +81,18 @@ def client_seconds() -> float:
     """CPU seconds of the client side so far: this process (every thread: the trainer's copy, botocore's and
     obstore's and the CRT's own threads) and the `dcs worker` with its pool processes."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
-    if WORKER_PID is not None:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(entry.name) == WORKER_PID or int(fields[1]) == WORKER_PID:
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return usage.ru_utime + usage.ru_stime + (0.0 if WORKER_PID is None else tree_cpu_seconds(WORKER_PID))
 
 
-def timed_cpu(name: str, fn: Callable[[], Any]) -> float:
-    """`timed(fn)`, with the CPU seconds the client side and the whole machine (the S3 server included, when it
-    runs here) spent meanwhile recorded under `name` in CPU."""
+@contextlib.contextmanager
+def cpu_spent(name: str) -> Iterator[None]:
+    """Record under `name` in CPU the CPU seconds the client side and the whole machine (the S3 server included,
+    when it runs here) spend in the `with` block."""
     client, busy = client_seconds(), machine_busy_seconds()
-    took = timed(fn)
+    yield
     CPU.setdefault(name, []).append(
         {"client_cpu_s": client_seconds() - client, "machine_cpu_s": machine_busy_seconds() - busy}
     )
-    return took
 
 
 def client() -> Any:
@@ -133,15 +123,15 @@ def plain_transfer(
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(at_once) as pool:
-        up = timed_cpu(
-            "plain",
-            lambda: list(
-                pool.map(
-                    lambda kv: s3.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0], Config=cfg),
-                    zip(keys, files, strict=True),
+        with cpu_spent("plain"):
+            up = timed(
+                lambda: list(
+                    pool.map(
+                        lambda kv: s3.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0], Config=cfg),
+                        zip(keys, files, strict=True),
+                    )
                 )
-            ),
-        )
+            )
         sinks = [io.BytesIO() for _ in files]
         down = timed(
             lambda: list(
@@ -188,7 +178,8 @@ def plain_obstore(
         return b"".join(bytes(g) for g in got) == kv[1]
 
     with ThreadPoolExecutor(at_once) as pool:
-        up = timed_cpu("plain_obstore", lambda: list(pool.map(put, zip(keys, files, strict=True))))
+        with cpu_spent("plain_obstore"):
+            up = timed(lambda: list(pool.map(put, zip(keys, files, strict=True))))
         results: list[bool] = []
         down = timed(lambda: results.extend(pool.map(get, zip(keys, files, strict=True))))
     assert all(results)
@@ -198,14 +189,12 @@ def plain_obstore(
 def dcs_round(ckpt: Checkpointer, config: DCSConfig, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     """One save (stall, then durable commit, both from the call) through `ckpt` (warmed up: its staging buffer
     exists), then restores by a fresh Checkpointer, as a restarted trainer does."""
-    began, client, busy = time.perf_counter(), client_seconds(), machine_busy_seconds()
-    pending = ckpt.save(state, step=step)
-    stall = time.perf_counter() - began
-    pending.wait(timeout=1800)
-    durable = time.perf_counter() - began
-    CPU.setdefault("dcs", []).append(
-        {"client_cpu_s": client_seconds() - client, "machine_cpu_s": machine_busy_seconds() - busy}
-    )
+    with cpu_spent("dcs"):
+        began = time.perf_counter()
+        pending = ckpt.save(state, step=step)
+        stall = time.perf_counter() - began
+        pending.wait(timeout=1800)
+        durable = time.perf_counter() - began
     with Checkpointer("bench", config) as fresh:
         began = time.perf_counter()
         restored = fresh.restore(step=step)
